@@ -1,0 +1,5 @@
+import sys
+
+from paratune.cli import main
+
+sys.exit(main())

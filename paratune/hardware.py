@@ -1,0 +1,85 @@
+"""Catalogue of accelerators (and the CPU) that paratune knows the speeds of."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from paratune.errors import ConfigError
+
+__all__ = ["HARDWARE", "HardwareSpec", "get_hardware"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class HardwareSpec:
+    """One kind of device and the node it sits in.
+
+    Bandwidths are per device and per direction, in bytes per second: what one GPU can send
+    to a peer inside its node (NVLink) and to a peer in another node (its share of the node's
+    network). Figures are vendor peaks; the learned model corrects for what is reached.
+    """
+
+    name: str
+    """Canonical name, e.g. ``"H100-80GB"``."""
+    device_type: str = "cuda"
+    """``"cuda"`` or ``"cpu"``."""
+    backend: str = "nccl"
+    """torch.distributed backend to use."""
+    peak_flops: float | None = None
+    """Dense bf16 (fp32 on CPU) peak FLOP/s per device; ``None`` where no honest figure exists."""
+    memory_gb: float = 0.0
+    """Device memory in GB (1e9 bytes)."""
+    devices_per_node: int = 8
+    """Devices that share the fast intra-node link."""
+    intra_node_bw: float = 0.0
+    """Bytes/s per device to a peer in the same node."""
+    inter_node_bw: float = 0.0
+    """Bytes/s per device to a peer in another node."""
+    aliases: tuple[str, ...] = ()
+    """Other names that resolve to this entry (case-insensitive)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["aliases"] = list(self.aliases)
+        return data
+
+    def num_nodes(self, num_devices: int) -> int:
+        """Nodes needed for ``num_devices`` devices."""
+        return max(1, -(-num_devices // self.devices_per_node))
+
+
+_GB = 1e9
+HARDWARE: dict[str, HardwareSpec] = {
+    spec.name: spec
+    for spec in (
+        HardwareSpec(name="cpu", device_type="cpu", backend="gloo", peak_flops=None,
+                     memory_gb=0.0, devices_per_node=1024, intra_node_bw=5 * _GB,
+                     inter_node_bw=1.25 * _GB, aliases=("gloo",)),
+        HardwareSpec(name="A100-40GB", peak_flops=312e12, memory_gb=40.0,
+                     intra_node_bw=300 * _GB, inter_node_bw=25 * _GB),
+        HardwareSpec(name="A100-80GB", peak_flops=312e12, memory_gb=80.0,
+                     intra_node_bw=300 * _GB, inter_node_bw=25 * _GB, aliases=("A100",)),
+        HardwareSpec(name="H100-80GB", peak_flops=989e12, memory_gb=80.0,
+                     intra_node_bw=450 * _GB, inter_node_bw=50 * _GB, aliases=("H100", "H100-SXM")),
+        HardwareSpec(name="H200", peak_flops=989e12, memory_gb=141.0,
+                     intra_node_bw=450 * _GB, inter_node_bw=50 * _GB, aliases=("H200-141GB",)),
+        HardwareSpec(name="B200", peak_flops=2250e12, memory_gb=180.0,
+                     intra_node_bw=900 * _GB, inter_node_bw=100 * _GB, aliases=("B200-180GB",)),
+    )
+}
+
+_LOOKUP = {key.lower(): spec for spec in HARDWARE.values() for key in (spec.name, *spec.aliases)}
+
+
+def get_hardware(name: str) -> HardwareSpec:
+    """Resolve a catalogue entry by name or alias (case-insensitive).
+
+    Raises:
+        ConfigError: the name is not in the catalogue.
+    """
+    try:
+        return _LOOKUP[str(name).strip().lower()]
+    except KeyError:
+        known = ", ".join(sorted(HARDWARE))
+        raise ConfigError("gpu", name, f"is not a known device ({known})") from None

@@ -1,0 +1,220 @@
+"""How a training step is laid out over devices: the 3D-parallel configuration."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import TYPE_CHECKING, Any
+
+from paratune.errors import ConfigError
+
+if TYPE_CHECKING:
+    from paratune.spec import ModelSpec
+
+__all__ = ["MeshAxis", "ParallelConfig", "Recompute", "Schedule", "Sharding"]
+
+
+class MeshAxis(StrEnum):
+    """Names of the device-mesh axes, outermost first."""
+
+    PP = "pp"
+    DP = "dp"
+    TP = "tp"
+
+
+class Schedule(StrEnum):
+    """Pipeline schedule (ignored when ``pp == 1``)."""
+
+    GPIPE = "gpipe"
+    ONE_F_ONE_B = "1f1b"
+    INTERLEAVED_1F1B = "interleaved_1f1b"
+
+
+class Sharding(StrEnum):
+    """How data-parallel replicas share training state.
+
+    ``none`` is plain DDP; ``zero1`` shards optimizer state; ``zero2`` shards gradients and
+    optimizer state (FSDP2 without resharding after forward); ``zero3`` shards parameters
+    too (FSDP2 with resharding after forward).
+    """
+
+    NONE = "none"
+    ZERO1 = "zero1"
+    ZERO2 = "zero2"
+    ZERO3 = "zero3"
+
+    @property
+    def stage(self) -> int:
+        return {"none": 0, "zero1": 1, "zero2": 2, "zero3": 3}[self.value]
+
+    @classmethod
+    def from_stage(cls, stage: int) -> Sharding:
+        return [cls.NONE, cls.ZERO1, cls.ZERO2, cls.ZERO3][int(stage)]
+
+
+class Recompute(StrEnum):
+    """Activation checkpointing: none, every block (full), or attention only (selective)."""
+
+    NONE = "none"
+    FULL = "full"
+    SELECTIVE = "selective"
+
+
+def _enum_field(cls: type[StrEnum], name: str, value: Any) -> StrEnum:
+    try:
+        return cls(value)
+    except ValueError:
+        allowed = ", ".join(m.value for m in cls)
+        raise ConfigError(name, value, f"must be one of {allowed}") from None
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelConfig:
+    """Degrees and options of one training-step layout.
+
+    This class owns the degrees: anything that needs the world size, the number of
+    micro-batches or whether an axis is in use asks it rather than recomputing.
+    """
+
+    dp: int = 1
+    """Data-parallel degree (replicas, or shards under ZeRO)."""
+    tp: int = 1
+    """Tensor-parallel degree."""
+    pp: int = 1
+    """Pipeline-parallel degree (number of pipeline ranks)."""
+    micro_batch_size: int = 1
+    """Sequences per micro-batch on each data-parallel rank."""
+    global_batch_size: int = 1
+    """Sequences per optimizer step across the whole job."""
+    schedule: Schedule = Schedule.ONE_F_ONE_B
+    """Pipeline schedule."""
+    virtual_stages: int = 1
+    """Model chunks per pipeline rank (``> 1`` only with ``interleaved_1f1b``)."""
+    sharding: Sharding = Sharding.NONE
+    """Data-parallel sharding level."""
+    recompute: Recompute = Recompute.NONE
+    """Activation checkpointing mode."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "schedule", _enum_field(Schedule, "schedule", self.schedule))
+        object.__setattr__(self, "sharding", _enum_field(Sharding, "sharding", self.sharding))
+        object.__setattr__(self, "recompute", _enum_field(Recompute, "recompute", self.recompute))
+        for name in ("dp", "tp", "pp", "micro_batch_size", "global_batch_size", "virtual_stages"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(name, value, "must be a positive integer")
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
+    def dp_enabled(self) -> bool:
+        return self.dp > 1
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
+
+    @property
+    def num_stages(self) -> int:
+        """Pipeline stages in all (ranks x virtual stages)."""
+        return self.pp * self.virtual_stages
+
+    @property
+    def num_microbatches(self) -> int:
+        """Micro-batches per step on each data-parallel rank (= gradient-accumulation steps)."""
+        return self.global_batch_size // (self.dp * self.micro_batch_size)
+
+    @property
+    def local_batch_size(self) -> int:
+        """Sequences per step on each data-parallel rank."""
+        return self.global_batch_size // self.dp
+
+    def mesh_shape(self) -> tuple[int, int, int]:
+        """Degrees in :class:`MeshAxis` order (pp, dp, tp)."""
+        return (self.pp, self.dp, self.tp)
+
+    # ------------------------------------------------------------------ validation
+    def validate(self, model: ModelSpec | None = None, world_size: int | None = None) -> None:
+        """Raise if this layout cannot run ``model`` on ``world_size`` devices.
+
+        Args:
+            model: The model; shape rules are checked when given.
+            world_size: Devices available; ``dp * tp * pp`` must equal it when given.
+
+        Raises:
+            ConfigError: naming the field, the value and the rule broken.
+        """
+        if world_size is not None and self.world_size != world_size:
+            raise ConfigError("dp", self.dp, f"dp*tp*pp = {self.dp}*{self.tp}*{self.pp} = "
+                              f"{self.world_size} must equal the world size {world_size}")
+        per_step = self.dp * self.micro_batch_size
+        if self.global_batch_size % per_step:
+            raise ConfigError("global_batch_size", self.global_batch_size,
+                              f"must be divisible by dp*micro_batch_size = {self.dp}*"
+                              f"{self.micro_batch_size} = {per_step}")
+        if self.schedule is Schedule.INTERLEAVED_1F1B:
+            if self.pp < 2:
+                raise ConfigError("schedule", self.schedule.value, "interleaved_1f1b needs pp >= 2")
+            if self.virtual_stages < 2:
+                raise ConfigError("virtual_stages", self.virtual_stages,
+                                  "must be >= 2 with schedule=interleaved_1f1b")
+            if self.num_microbatches % self.pp:
+                raise ConfigError("global_batch_size", self.global_batch_size,
+                                  f"interleaved_1f1b needs the number of micro-batches "
+                                  f"({self.num_microbatches}) to be a multiple of pp={self.pp}")
+        elif self.virtual_stages != 1:
+            raise ConfigError("virtual_stages", self.virtual_stages,
+                              f"must be 1 unless schedule=interleaved_1f1b "
+                              f"(schedule={self.schedule.value})")
+        if model is None:
+            return
+        for field_name, size in (("num_heads", model.num_heads),
+                                 ("num_kv_heads", model.num_kv_heads),
+                                 ("ffn_hidden_size", model.ffn_hidden_size),
+                                 ("vocab_size", model.vocab_size)):
+            if size % self.tp:
+                raise ConfigError("tp", self.tp, f"must divide {field_name}={size}")
+        if model.num_layers < self.num_stages:
+            raise ConfigError("pp", self.pp,
+                              f"pp*virtual_stages = {self.num_stages} pipeline stages need at "
+                              f"least as many layers (num_layers={model.num_layers})")
+
+    def is_valid(self, model: ModelSpec | None = None, world_size: int | None = None) -> bool:
+        try:
+            self.validate(model, world_size)
+        except ConfigError:
+            return False
+        return True
+
+    # ------------------------------------------------------------------ (de)serialisation
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: (v.value if isinstance(v := getattr(self, f.name), StrEnum) else v)
+                for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ParallelConfig:
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ConfigError(unknown[0], data[unknown[0]], "is not a ParallelConfig field")
+        return cls(**data)
+
+    def replace(self, **changes: Any) -> ParallelConfig:
+        return dataclasses.replace(self, **changes)
+
+    def key(self) -> str:
+        """A short, stable, readable identity: ``dp2-tp2-pp1-mb1-gb8-1f1b-v1-none-none``."""
+        return (f"dp{self.dp}-tp{self.tp}-pp{self.pp}-mb{self.micro_batch_size}"
+                f"-gb{self.global_batch_size}-{self.schedule.value}-v{self.virtual_stages}"
+                f"-{self.sharding.value}-{self.recompute.value}")
+
+    def __str__(self) -> str:
+        return self.key()

@@ -1,0 +1,245 @@
+"""The model being trained: a Llama-style (or GPT-style) decoder-only transformer."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from paratune.errors import ConfigError
+
+__all__ = ["MODEL_PRESETS", "ModelSpec", "get_model"]
+
+_MLP_KINDS = ("swiglu", "gelu")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSpec:
+    """Shape of a decoder-only transformer; everything the profiler and the features need.
+
+    Parameter count and FLOPs per token are computed here and nowhere else.
+    """
+
+    name: str = "custom"
+    """Label used in datasets and reports (e.g. ``"llama3-8b"``)."""
+    num_layers: int
+    """Number of transformer blocks."""
+    hidden_size: int
+    """Model (residual stream) width."""
+    num_heads: int
+    """Attention query heads."""
+    num_kv_heads: int | None = None
+    """Key/value heads (grouped-query attention); ``None`` means ``num_heads`` (multi-head)."""
+    ffn_hidden_size: int
+    """Inner width of the MLP (per projection for SwiGLU)."""
+    vocab_size: int
+    """Vocabulary size (already padded, as the training framework pads it)."""
+    seq_len: int
+    """Training sequence length in tokens."""
+    tie_embeddings: bool = False
+    """Whether the output projection shares the input embedding matrix."""
+    mlp: str = "swiglu"
+    """``"swiglu"`` (Llama: gate, up, down) or ``"gelu"`` (GPT: up, down)."""
+    rope_theta: float = 500000.0
+    """Rotary embedding base."""
+    norm_eps: float = 1e-5
+    """RMSNorm epsilon."""
+    extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False, repr=False)
+    """Free-form provenance (e.g. where a spec was read from); not part of identity."""
+
+    def __post_init__(self) -> None:
+        if self.num_kv_heads is None:
+            object.__setattr__(self, "num_kv_heads", self.num_heads)
+        self.validate()
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> None:
+        """Check the shape is a real transformer.
+
+        Raises:
+            ConfigError: naming the field, the value and the rule.
+        """
+        for name in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "ffn_hidden_size",
+                     "vocab_size", "seq_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(name, value, "must be a positive integer")
+        if self.hidden_size % self.num_heads:
+            raise ConfigError("num_heads", self.num_heads,
+                              f"must divide hidden_size={self.hidden_size}")
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError("num_kv_heads", self.num_kv_heads,
+                              f"must divide num_heads={self.num_heads}")
+        if self.mlp not in _MLP_KINDS:
+            raise ConfigError("mlp", self.mlp, f"must be one of {', '.join(_MLP_KINDS)}")
+        if (self.hidden_size // self.num_heads) % 2:
+            raise ConfigError("hidden_size", self.hidden_size,
+                              "head_dim = hidden_size / num_heads must be even (rotary embeddings)")
+
+    # ------------------------------------------------------------------ derived sizes
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def kv_dim(self) -> int:
+        """Width of the key (and of the value) projection."""
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def num_mlp_matrices(self) -> int:
+        return 3 if self.mlp == "swiglu" else 2
+
+    @property
+    def params_per_layer(self) -> int:
+        """Weights of one transformer block (attention, MLP and the two norms)."""
+        h = self.hidden_size
+        attention = h * h * 2 + h * self.kv_dim * 2  # q, o and k, v
+        mlp = self.num_mlp_matrices * h * self.ffn_hidden_size
+        return attention + mlp + 2 * h
+
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab_size * self.hidden_size
+
+    @property
+    def num_params(self) -> int:
+        """All trainable parameters (the tied output matrix counted once)."""
+        output = 0 if self.tie_embeddings else self.embedding_params
+        return (self.embedding_params + output + self.num_layers * self.params_per_layer
+                + self.hidden_size)
+
+    @property
+    def num_matmul_params(self) -> int:
+        """Parameters that take part in matrix multiplies per token: every block's weights and
+        the output projection (the embedding lookup is a gather, not a matmul)."""
+        return self.num_layers * self.params_per_layer + self.embedding_params
+
+    def flops_per_token(self, *, training: bool = True, recompute: bool = False) -> float:
+        """Model FLOPs per token (the MFU convention of Megatron-LM and nanotron).
+
+        Forward: ``2 * matmul params + 4 * num_layers * seq_len * hidden`` (attention scores
+        and their weighted sum, not halved for the causal mask). Training is three forwards
+        (forward, and a backward twice as expensive); ``recompute=True`` adds one more forward,
+        giving hardware FLOPs under full activation recomputation.
+
+        Args:
+            training: Count the backward pass too.
+            recompute: Count a second forward (full activation recomputation).
+
+        Returns:
+            FLOPs for one token of one sequence of ``seq_len`` tokens.
+        """
+        attention = 4.0 * self.num_layers * self.seq_len * self.hidden_size
+        forward = 2.0 * self.num_matmul_params + attention
+        if not training:
+            return forward
+        return forward * (4.0 if recompute else 3.0)
+
+    # ------------------------------------------------------------------ (de)serialisation
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data.pop("extra")
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ModelSpec:
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ConfigError(unknown[0], data[unknown[0]], "is not a ModelSpec field")
+        return cls(**data)
+
+    def replace(self, **changes: Any) -> ModelSpec:
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_hf_config(cls, path: str | Path, *, name: str | None = None,
+                       seq_len: int | None = None) -> ModelSpec:
+        """Read a Hugging Face ``config.json`` (a Llama-family or GPT-2 style config).
+
+        Args:
+            path: The ``config.json`` file, or the directory that holds it.
+            name: Label for the spec; defaults to the directory name.
+            seq_len: Training sequence length; defaults to ``max_position_embeddings``.
+
+        Raises:
+            ConfigError: a required key is missing or a value breaks a rule.
+        """
+        path = Path(path)
+        if path.is_dir():
+            path = path / "config.json"
+        try:
+            cfg = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise ConfigError("path", str(path), "no such config.json") from None
+        except json.JSONDecodeError as exc:
+            raise ConfigError("path", str(path), f"is not valid JSON ({exc})") from None
+
+        def need(*keys: str) -> Any:
+            for key in keys:
+                if key in cfg and cfg[key] is not None:
+                    return cfg[key]
+            raise ConfigError(keys[0], None, f"missing from {path}")
+
+        hidden = int(need("hidden_size", "n_embd", "d_model"))
+        model_type = str(cfg.get("model_type", ""))
+        gpt_like = model_type in {"gpt2", "gpt_neox", "gptj", "opt"} or "n_embd" in cfg
+        ffn = cfg.get("intermediate_size") or cfg.get("n_inner") or cfg.get("ffn_dim")
+        return cls(
+            name=name or path.parent.name or "hf-model",
+            num_layers=int(need("num_hidden_layers", "n_layer", "num_layers")),
+            hidden_size=hidden,
+            num_heads=int(need("num_attention_heads", "n_head", "num_heads")),
+            num_kv_heads=cfg.get("num_key_value_heads"),
+            ffn_hidden_size=int(ffn) if ffn else 4 * hidden,
+            vocab_size=int(need("vocab_size")),
+            seq_len=int(seq_len or need("max_position_embeddings", "n_positions", "seq_length")),
+            tie_embeddings=bool(cfg.get("tie_word_embeddings", gpt_like)),
+            mlp="gelu" if gpt_like else "swiglu",
+            rope_theta=float(cfg.get("rope_theta", 500000.0)),
+            norm_eps=float(cfg.get("rms_norm_eps", cfg.get("layer_norm_epsilon", 1e-5))),
+            extra={"hf_config": str(path)},
+        )
+
+
+def _llama(name: str, layers: int, hidden: int, heads: int, kv: int, ffn: int, vocab: int,
+           seq: int, *, tie: bool = False, theta: float = 500000.0) -> ModelSpec:
+    return ModelSpec(name=name, num_layers=layers, hidden_size=hidden, num_heads=heads,
+                     num_kv_heads=kv, ffn_hidden_size=ffn, vocab_size=vocab, seq_len=seq,
+                     tie_embeddings=tie, rope_theta=theta)
+
+
+MODEL_PRESETS: dict[str, ModelSpec] = {
+    # Byte-level vocabulary so the same model trains on raw text with no tokenizer download.
+    "tiny": _llama("tiny", 4, 128, 8, 4, 352, 256, 128, theta=10000.0),
+    "small": _llama("small", 8, 256, 8, 4, 688, 256, 256, theta=10000.0),
+    "llama3.2-1b": _llama("llama3.2-1b", 16, 2048, 32, 8, 8192, 128256, 8192, tie=True),
+    "llama3.2-3b": _llama("llama3.2-3b", 28, 3072, 24, 8, 8192, 128256, 8192, tie=True),
+    "llama3-8b": _llama("llama3-8b", 32, 4096, 32, 8, 14336, 128256, 8192),
+    "llama3-70b": _llama("llama3-70b", 80, 8192, 64, 8, 28672, 128256, 8192),
+    "llama3-405b": _llama("llama3-405b", 126, 16384, 128, 8, 53248, 128256, 8192),
+}
+
+
+def get_model(name_or_path: str | Path, *, seq_len: int | None = None) -> ModelSpec:
+    """A preset by name, or a spec read from a Hugging Face ``config.json`` path.
+
+    Args:
+        name_or_path: A key of :data:`MODEL_PRESETS` (case-insensitive) or a path.
+        seq_len: Override the sequence length.
+
+    Raises:
+        ConfigError: unknown preset and no such file.
+    """
+    key = str(name_or_path).lower()
+    if key in MODEL_PRESETS:
+        spec = MODEL_PRESETS[key]
+        return spec.replace(seq_len=seq_len) if seq_len else spec
+    path = Path(name_or_path)
+    if path.exists():
+        return ModelSpec.from_hf_config(path, seq_len=seq_len)
+    raise ConfigError("model", str(name_or_path),
+                      f"is neither a preset ({', '.join(MODEL_PRESETS)}) nor a config.json path")

@@ -1,0 +1,152 @@
+"""MLflow tracking: the only module that imports mlflow.
+
+Every campaign, fit, tuning run and experiment is one MLflow run. The store is
+``MLFLOW_TRACKING_URI`` when set, else a local SQLite file ``mlflow.db`` in the working
+directory (artifacts beside it in ``mlartifacts/``); ``mlflow ui --backend-store-uri
+sqlite:///mlflow.db`` shows it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import tempfile
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+__all__ = ["TrackedRun", "default_tracking_uri", "start_run", "ui_command"]
+
+_MAX_PARAM_LEN = 6000
+
+
+def default_tracking_uri() -> str:
+    """``MLFLOW_TRACKING_URI`` if set, else ``sqlite:///<cwd>/mlflow.db``."""
+    uri = os.environ.get("MLFLOW_TRACKING_URI")
+    if uri:
+        return uri
+    return f"sqlite:///{Path.cwd() / 'mlflow.db'}"
+
+
+def ui_command(uri: str | None = None) -> str:
+    """The command that opens the MLflow UI on this store."""
+    uri = uri or default_tracking_uri()
+    if uri.startswith(("http://", "https://")):
+        return f"open {uri}"
+    return f"mlflow ui --backend-store-uri {uri}"
+
+
+class TrackedRun:
+    """A thin handle on an active MLflow run."""
+
+    def __init__(self, mlflow_module: Any, run: Any) -> None:
+        self._mlflow = mlflow_module
+        self._run = run
+
+    @property
+    def run_id(self) -> str:
+        return self._run.info.run_id
+
+    @property
+    def experiment_id(self) -> str:
+        return self._run.info.experiment_id
+
+    def log_params(self, params: Mapping[str, Any]) -> None:
+        """Log parameters (nested values as JSON, long values truncated)."""
+        flat = {}
+        for key, value in params.items():
+            if isinstance(value, (dict, list, tuple)):
+                value = json.dumps(value, default=str, sort_keys=True)
+            text = str(value)
+            flat[key] = text if len(text) <= _MAX_PARAM_LEN else text[: _MAX_PARAM_LEN - 3] + "..."
+        if flat:
+            self._mlflow.log_params(flat)
+
+    def log_metrics(self, metrics: Mapping[str, float], *, step: int | None = None) -> None:
+        """Log numeric metrics; NaN and infinite values are left out."""
+        clean = {}
+        for key, value in metrics.items():
+            try:
+                number = float(value)
+            except (TypeError, ValueError):
+                continue
+            if math.isfinite(number):
+                clean[key] = number
+        if clean:
+            self._mlflow.log_metrics(clean, step=step)
+
+    def set_tags(self, tags: Mapping[str, Any]) -> None:
+        self._mlflow.set_tags({k: str(v) for k, v in tags.items()})
+
+    def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
+        """Log a file, or every file in a directory."""
+        path = Path(path)
+        if path.is_dir():
+            self._mlflow.log_artifacts(str(path), artifact_path=artifact_path)
+        else:
+            self._mlflow.log_artifact(str(path), artifact_path=artifact_path)
+
+    def log_dict(self, data: Any, name: str) -> None:
+        """Log a JSON (``.json``) or YAML (``.yaml``) artifact."""
+        self._mlflow.log_dict(data, name)
+
+    def log_text(self, text: str, name: str) -> None:
+        self._mlflow.log_text(text, name)
+
+    def log_table(self, frame: pd.DataFrame, name: str) -> None:
+        """Log a DataFrame as a CSV artifact ``name`` (e.g. ``"trials.csv"``)."""
+        with tempfile.TemporaryDirectory() as tmp:
+            target = Path(tmp) / Path(name).name
+            frame.to_csv(target, index=False)
+            parent = str(Path(name).parent)
+            self._mlflow.log_artifact(str(target), artifact_path=None if parent == "." else parent)
+
+    def log_figure(self, figure: Any, name: str) -> None:
+        """Log a matplotlib figure as an image artifact."""
+        self._mlflow.log_figure(figure, name)
+
+
+@contextlib.contextmanager
+def start_run(experiment: str, *, run_name: str | None = None,
+              params: Mapping[str, Any] | None = None, tags: Mapping[str, Any] | None = None,
+              tracking_uri: str | None = None, run_id: str | None = None) -> Iterator[TrackedRun]:
+    """Open an MLflow run in ``experiment``; ends it (FAILED on an exception) on exit.
+
+    Args:
+        experiment: Experiment name (created if missing).
+        run_name: Display name of the run.
+        params: Parameters to log at the start.
+        tags: Tags to set at the start.
+        tracking_uri: Store to use; defaults to :func:`default_tracking_uri`.
+        run_id: Resume this existing run instead of creating one.
+
+    Yields:
+        A :class:`TrackedRun`.
+    """
+    import mlflow
+
+    for name in ("mlflow", "alembic"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    mlflow.set_tracking_uri(tracking_uri or default_tracking_uri())
+    if run_id is None:
+        mlflow.set_experiment(experiment)
+    active = mlflow.start_run(run_name=run_name, run_id=run_id)
+    tracked = TrackedRun(mlflow, active)
+    status = "FINISHED"
+    try:
+        if params:
+            tracked.log_params(params)
+        if tags:
+            tracked.set_tags(tags)
+        yield tracked
+    except BaseException:
+        status = "FAILED"
+        raise
+    finally:
+        mlflow.end_run(status=status)

@@ -1,0 +1,51 @@
+from __future__ import annotations
+
+import pytest
+
+from paratune import ConfigError, ParallelConfig, Schedule, Sharding, get_model
+
+
+def test_derived_quantities():
+    cfg = ParallelConfig(dp=2, tp=2, pp=2, micro_batch_size=2, global_batch_size=16)
+    assert cfg.world_size == 8
+    assert cfg.num_microbatches == 4
+    assert cfg.local_batch_size == 8
+    assert cfg.tp_enabled and cfg.pp_enabled and cfg.dp_enabled
+    assert cfg.mesh_shape() == (2, 2, 2)
+
+
+@pytest.mark.parametrize(("kwargs", "world", "field", "rule"), [
+    (dict(tp=3), 3, "tp", "must divide num_heads=8"),
+    (dict(dp=2, global_batch_size=3), 2, "global_batch_size", "divisible by dp\\*micro_batch_size"),
+    (dict(dp=2, tp=2, global_batch_size=4), 8, "dp", "must equal the world size 8"),
+    (dict(pp=8, global_batch_size=8), 8, "pp", "need at least as many layers"),
+    (dict(pp=2, schedule="interleaved_1f1b", virtual_stages=1, global_batch_size=4), 2,
+     "virtual_stages", ">= 2"),
+    (dict(pp=1, virtual_stages=2), 1, "virtual_stages", "must be 1 unless"),
+    (dict(pp=2, schedule="interleaved_1f1b", virtual_stages=2, global_batch_size=3), 2,
+     "global_batch_size", "multiple of pp=2"),
+])
+def test_validate_names_field_value_and_rule(kwargs, world, field, rule):
+    cfg = ParallelConfig(**kwargs)
+    with pytest.raises(ConfigError, match=rule) as info:
+        cfg.validate(get_model("tiny"), world)
+    assert info.value.field == field
+    assert not cfg.is_valid(get_model("tiny"), world)
+
+
+def test_bad_enum_value_lists_choices():
+    with pytest.raises(ConfigError, match=r"sharding='zero4'.*none, zero1, zero2, zero3"):
+        ParallelConfig(sharding="zero4")
+
+
+def test_nonpositive_degree_rejected():
+    with pytest.raises(ConfigError, match="dp=0: must be a positive integer"):
+        ParallelConfig(dp=0)
+
+
+def test_roundtrip_and_key():
+    cfg = ParallelConfig(dp=2, pp=2, global_batch_size=8, schedule=Schedule.GPIPE,
+                         sharding=Sharding.ZERO3)
+    again = ParallelConfig.from_dict(cfg.to_dict())
+    assert again == cfg and again.key() == cfg.key() == "dp2-tp1-pp2-mb1-gb8-gpipe-v1-zero3-none"
+    assert Sharding.from_stage(2) is Sharding.ZERO2 and Sharding.ZERO3.stage == 3

@@ -1,0 +1,78 @@
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from paratune import ConfigError, ModelSpec, get_model
+from paratune.spec import MODEL_PRESETS
+
+
+def test_llama3_8b_parameter_count_matches_published():
+    # Meta reports 8.03B parameters for Llama 3 8B.
+    assert get_model("llama3-8b").num_params == pytest.approx(8.03e9, rel=0.002)
+
+
+def test_llama3_70b_parameter_count_matches_published():
+    assert get_model("llama3-70b").num_params == pytest.approx(70.6e9, rel=0.005)
+
+
+def test_flops_per_token_reproduces_published_mfu():
+    # Ultra-Scale Playbook 1B row: 40150 tokens/s/GPU on H100 (989 TFLOP/s) reported as 39.2% MFU.
+    spec = ModelSpec(name="1B", num_layers=16, hidden_size=2048, num_heads=32,
+                     ffn_hidden_size=8192, vocab_size=131072, seq_len=4096)
+    assert spec.flops_per_token() * 40150 / 989e12 == pytest.approx(0.392, abs=0.001)
+
+
+def test_recompute_adds_one_forward():
+    spec = get_model("tiny")
+    fwd = spec.flops_per_token(training=False)
+    assert spec.flops_per_token() == pytest.approx(3 * fwd)
+    assert spec.flops_per_token(recompute=True) == pytest.approx(4 * fwd)
+
+
+def test_tied_embeddings_counted_once():
+    spec = get_model("tiny")
+    tied = spec.replace(tie_embeddings=True)
+    assert spec.num_params - tied.num_params == spec.vocab_size * spec.hidden_size
+
+
+@pytest.mark.parametrize(("field", "value", "rule"), [
+    ("num_heads", 7, "must divide hidden_size"),
+    ("num_kv_heads", 3, "must divide num_heads"),
+    ("num_layers", 0, "positive integer"),
+    ("mlp", "relu", "must be one of"),
+])
+def test_invalid_shapes_name_field_and_rule(field, value, rule):
+    base = get_model("tiny").to_dict()
+    base[field] = value
+    with pytest.raises(ConfigError, match=rule) as info:
+        ModelSpec.from_dict(base)
+    assert info.value.field == field
+
+
+def test_from_hf_config_reads_llama_json(tmp_path):
+    cfg = {"model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32,
+           "num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 14336,
+           "vocab_size": 128256, "max_position_embeddings": 8192, "rope_theta": 500000.0,
+           "tie_word_embeddings": False}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    spec = ModelSpec.from_hf_config(tmp_path)
+    assert spec.num_params == get_model("llama3-8b").num_params
+    assert spec.num_kv_heads == 8 and spec.mlp == "swiglu"
+
+
+def test_from_hf_config_missing_key_is_named(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 64}))
+    with pytest.raises(ConfigError, match="num_hidden_layers"):
+        ModelSpec.from_hf_config(tmp_path / "config.json")
+
+
+def test_unknown_preset_lists_presets():
+    with pytest.raises(ConfigError, match="tiny"):
+        get_model("gpt-9")
+
+
+def test_roundtrip_all_presets():
+    for spec in MODEL_PRESETS.values():
+        assert ModelSpec.from_dict(spec.to_dict()) == spec
