@@ -1,0 +1,84 @@
+"""The contract between the performance models and their users (the tuner, the CLI).
+
+A predictor takes a *config frame*: one row per (model, parallel config, hardware) with the
+columns of :data:`CONFIG_COLUMNS` (the same names as a measurement row, see
+:meth:`paratune.Measurement.to_row`), and returns a frame with one row per input row, in
+order, holding the :data:`PREDICTION_COLUMNS`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+from paratune.hardware import HardwareSpec, get_hardware
+from paratune.parallel import ParallelConfig
+from paratune.spec import ModelSpec
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+__all__ = [
+    "CONFIG_COLUMNS",
+    "MODEL_COLUMNS",
+    "PARALLEL_COLUMNS",
+    "PREDICTION_COLUMNS",
+    "PRED_FEASIBLE_PROB",
+    "PRED_PEAK_MEM_GB",
+    "PRED_STEP_TIME_S",
+    "PRED_TOKENS_PER_SEC_PER_GPU",
+    "Predictor",
+    "config_frame",
+]
+
+MODEL_COLUMNS: tuple[str, ...] = ("model_name",) + tuple(
+    f.name for f in dataclasses.fields(ModelSpec) if f.name not in ("name", "extra"))
+PARALLEL_COLUMNS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(ParallelConfig))
+CONFIG_COLUMNS: tuple[str, ...] = (MODEL_COLUMNS + PARALLEL_COLUMNS
+                                   + ("world_size", "num_microbatches", "hardware",
+                                      "devices_per_node"))
+
+PRED_STEP_TIME_S = "pred_step_time_s"
+PRED_TOKENS_PER_SEC_PER_GPU = "pred_tokens_per_sec_per_gpu"
+PRED_FEASIBLE_PROB = "pred_feasible_prob"
+PRED_PEAK_MEM_GB = "pred_peak_mem_gb"
+PREDICTION_COLUMNS = (PRED_STEP_TIME_S, PRED_TOKENS_PER_SEC_PER_GPU, PRED_FEASIBLE_PROB,
+                      PRED_PEAK_MEM_GB)
+
+
+@runtime_checkable
+class Predictor(Protocol):
+    """Anything that maps a config frame to predictions.
+
+    ``predict`` may add further columns (quantiles such as
+    ``pred_tokens_per_sec_per_gpu_q10``, an analytical estimate, ...).
+    """
+
+    def predict(self, frame: pd.DataFrame) -> pd.DataFrame: ...
+
+
+def config_frame(model: ModelSpec, configs: Iterable[ParallelConfig],
+                 hardware: HardwareSpec | str, *,
+                 devices_per_node: int | None = None) -> pd.DataFrame:
+    """Build a config frame for ``configs`` of ``model`` on ``hardware``.
+
+    Args:
+        model: The model.
+        configs: Layouts to describe (not validated here).
+        hardware: Catalogue entry or its name.
+        devices_per_node: Overrides the catalogue's node size.
+    """
+    import pandas as pd
+
+    hw = get_hardware(hardware) if isinstance(hardware, str) else hardware
+    per_node = devices_per_node or hw.devices_per_node
+    base = {"model_name": model.name, **{k: v for k, v in model.to_dict().items() if k != "name"}}
+    rows = []
+    for cfg in configs:
+        row = dict(base)
+        row.update(cfg.to_dict())
+        row.update(world_size=cfg.world_size, num_microbatches=cfg.num_microbatches,
+                   hardware=hw.name, devices_per_node=per_node)
+        rows.append(row)
+    return pd.DataFrame(rows, columns=list(CONFIG_COLUMNS))
