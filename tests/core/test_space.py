@@ -1,0 +1,60 @@
+from __future__ import annotations
+
+import pytest
+
+from paratune import ConfigError, Schedule, Sharding, get_model
+from paratune.space import ConfigSpace, factorisations
+
+
+def test_factorisations_cover_world_size():
+    facts = sorted(factorisations(8))
+    assert len(facts) == 10
+    assert all(dp * tp * pp == 8 for dp, tp, pp in facts)
+
+
+def test_enumeration_valid_configs_all_validate_and_skips_carry_reasons():
+    model = get_model("tiny")
+    result = ConfigSpace().enumerate(model, 4)
+    assert result.valid and result.skipped
+    for cfg in result.valid:
+        cfg.validate(model, 4)
+    for cfg, reason in result.skipped:
+        assert not cfg.is_valid(model, 4)
+        assert "=" in reason
+    assert len(set(result.valid)) == len(result.valid)
+
+
+def test_options_vary_only_where_they_matter():
+    result = ConfigSpace().enumerate(get_model("tiny"), 2)
+    for cfg in result.valid:
+        if cfg.pp == 1:
+            assert cfg.schedule is Schedule.ONE_F_ONE_B and cfg.virtual_stages == 1
+        if cfg.dp == 1:
+            assert cfg.sharding is Sharding.NONE
+    assert {c.schedule for c in result.valid if c.pp == 2} == set(Schedule)
+
+
+def test_tp_within_node_skips_cross_node_tp():
+    space = ConfigSpace(global_batch_sizes=[256], micro_batch_sizes=[1])
+    result = space.enumerate(get_model("llama3-8b"), 16, devices_per_node=8)
+    assert all(c.tp <= 8 for c in result.valid)
+    assert any("devices_per_node=8" in reason for _, reason in result.skipped)
+    loose = space.replace(tp_within_node=False).enumerate(get_model("llama3-8b"), 16,
+                                                          devices_per_node=8)
+    assert any(c.tp == 16 for c in loose.valid) is False  # tp=16 cannot divide 8 kv heads
+    assert len(loose.valid) >= len(result.valid)
+
+
+def test_space_from_yaml_and_bad_values(tmp_path):
+    path = tmp_path / "grid.yaml"
+    path.write_text("global_batch_sizes: [8, 16]\nshardings: [none, zero3]\n")
+    space = ConfigSpace.from_file(path)
+    assert space.global_batch_sizes == (8, 16)
+    assert space.shardings == (Sharding.NONE, Sharding.ZERO3)
+    assert ConfigSpace.from_dict(space.to_dict()) == space
+    with pytest.raises(ConfigError, match="shardings"):
+        ConfigSpace(shardings=["zero9"])
+    with pytest.raises(ConfigError, match="micro_batch_size"):
+        ConfigSpace.from_dict({"micro_batch_size": [1]})
+    with pytest.raises(ConfigError, match="micro_batch_sizes=0"):
+        ConfigSpace(micro_batch_sizes=[0])
