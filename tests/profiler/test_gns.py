@@ -1,0 +1,126 @@
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from paratune.errors import ConfigError
+from paratune.profiler.gns import (
+    GradientNoiseScale,
+    adam_preconditioners,
+    micro_batch_gradients,
+    sharded_sqnorm,
+    unbiased_norms,
+)
+
+# Least squares with x ~ N(0, I_d), y = w* . x + noise (std sigma), loss 0.5 (w . x - y)^2.
+# At w = w* + delta the per-example gradient (x x^T) delta - noise x has mean G = delta and
+# covariance Sigma = (|delta|^2 + sigma^2) I + delta delta^T, so
+# B_simple = (d (|delta|^2 + sigma^2) + |delta|^2) / |delta|^2 in closed form.
+DIM, SIGMA = 16, 1.0
+
+
+def _problem(seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    w_star = torch.randn(DIM, generator=gen, dtype=torch.float64)
+    delta = torch.randn(DIM, generator=gen, dtype=torch.float64)
+    delta = delta / delta.norm() * 0.8
+    model = nn.Linear(DIM, 1, bias=False).double()
+    with torch.no_grad():
+        model.weight.copy_((w_star + delta)[None])
+    return gen, w_star, delta, model
+
+
+def _backward_fn(model, gen, w_star, size):
+    def run():
+        x = torch.randn(size, DIM, generator=gen, dtype=torch.float64)
+        y = x @ w_star + SIGMA * torch.randn(size, generator=gen, dtype=torch.float64)
+        loss = 0.5 * ((model(x).squeeze(-1) - y) ** 2).mean()
+        loss.backward()
+    return run
+
+
+def _true_b_simple(delta, weights=None):
+    weights = torch.ones(DIM, dtype=torch.float64) if weights is None else weights
+    trace = float((weights * ((delta.norm() ** 2 + SIGMA**2) + delta**2)).sum())
+    return trace / float((weights * delta**2).sum())
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_two_batch_estimate_matches_closed_form(seed):
+    gen, w_star, delta, model = _problem(seed)
+    gns = GradientNoiseScale(beta=0.995)
+    num_small, b_small = 4, 8
+    for _ in range(800):
+        fns = [_backward_fn(model, gen, w_star, b_small) for _ in range(num_small)]
+        small, big = micro_batch_gradients(list(model.parameters()), fns)
+        est = gns.update(small, big, b_small, num_small * b_small)
+    truth = _true_b_simple(delta)
+    assert truth == pytest.approx((DIM * (0.64 + 1) + 0.64) / 0.64)
+    assert est.b_simple == pytest.approx(truth, rel=0.15)
+    assert est.g2_ema == pytest.approx(float(delta.norm() ** 2), rel=0.15)
+    # The big-batch gradient is left in .grad: the mean of the small ones, near G = delta.
+    assert model.weight.grad.shape == (1, DIM)
+
+
+def test_adam_preconditioned_estimate_matches_closed_form():
+    gen, w_star, delta, model = _problem(5)
+    # lr=0: Adam's second moments fill up while the point (and so G and Sigma) stays put.
+    opt = torch.optim.Adam(model.parameters(), lr=0.0)
+    for _ in range(50):
+        opt.zero_grad()
+        _backward_fn(model, gen, w_star, 32)()
+        opt.step()
+    weights = adam_preconditioners([opt])
+    assert set(weights) == {model.weight}
+    gns = GradientNoiseScale(beta=0.995)
+    for _ in range(800):
+        fns = [_backward_fn(model, gen, w_star, 8) for _ in range(4)]
+        small, big = micro_batch_gradients(list(model.parameters()), fns,
+                                           preconditioners=weights)
+        est = gns.update(small, big, 8, 32)
+    truth = _true_b_simple(delta, weights[model.weight].flatten())
+    assert est.b_simple == pytest.approx(truth, rel=0.15)
+    assert truth != pytest.approx(_true_b_simple(delta), rel=0.02)
+
+
+def test_unbiased_norms_invert_the_expectation():
+    g2, trace = 2.0, 30.0
+    small = g2 + trace / 4
+    big = g2 + trace / 32
+    assert unbiased_norms(small, big, 4, 32) == pytest.approx((g2, trace))
+
+
+def test_ema_is_bias_corrected_and_state_round_trips():
+    gns = GradientNoiseScale(beta=0.9)
+    first = gns.update(2.0 + 30.0 / 4, 2.0 + 30.0 / 32, 4, 32)
+    assert first.g2_ema == pytest.approx(2.0) and first.b_simple == pytest.approx(15.0)
+    gns.update(1.0 + 30.0 / 4, 1.0 + 30.0 / 32, 4, 32)
+    other = GradientNoiseScale()
+    other.load_state_dict(gns.state_dict())
+    assert other.b_simple == gns.b_simple
+    expected = (0.9 * 0.1 * 30 + 0.1 * 30) / (0.9 * 0.1 * 2 + 0.1 * 1)
+    assert gns.b_simple == pytest.approx(expected)
+    assert math.isnan(GradientNoiseScale().b_simple)
+
+
+@pytest.mark.parametrize(("args", "field"), [
+    ((1.0, 0.5, 0, 8), "b_small"),
+    ((1.0, 0.5, 8, 8), "b_big"),
+    ((math.nan, 0.5, 2, 8), "small_sqnorm"),
+])
+def test_bad_inputs_name_the_field(args, field):
+    with pytest.raises(ConfigError) as info:
+        GradientNoiseScale().update(*args)
+    assert info.value.field == field
+    with pytest.raises(ConfigError, match="beta"):
+        GradientNoiseScale(beta=1.0)
+
+
+def test_sqnorm_of_plain_tensors():
+    params = [nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(2, 2))]
+    params[0].grad = torch.tensor([1.0, 2.0, 2.0])
+    params[1].grad = torch.full((2, 2), 0.5)
+    assert sharded_sqnorm(params) == pytest.approx(9.0 + 1.0)
