@@ -1,1 +1,37 @@
-"""paratune.datasets."""
+"""paratune.datasets: the measurement store (parquet + JSON card) and importers.
+
+Names are resolved lazily so that importing the package (e.g. for the CLI) stays light.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# name -> module that defines it
+_LAZY = {
+    "Dataset": "paratune.datasets._store",
+    "DatasetCard": "paratune.datasets.schema",
+    "SCHEMA_VERSION": "paratune.datasets.schema",
+    "arrow_schema": "paratune.datasets.schema",
+    "read_dataset": "paratune.datasets._store",
+    "read_datasets": "paratune.datasets._store",
+    "records_to_frame": "paratune.datasets._store",
+    "summarise_dataset": "paratune.datasets._store",
+    "write_dataset": "paratune.datasets._store",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'paratune.datasets' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

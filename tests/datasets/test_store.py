@@ -1,0 +1,220 @@
+from __future__ import annotations
+
+import json
+import math
+
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+import paratune.datasets._store as store
+from paratune import DatasetError, Measurement, ParallelConfig, Status, get_model
+from paratune.cli import main
+from paratune.datasets import (
+    SCHEMA_VERSION,
+    DatasetCard,
+    read_dataset,
+    read_datasets,
+    write_dataset,
+)
+from paratune.datasets.schema import CARD_FILE, arrow_schema, column_types
+from paratune.errors import SchemaVersionError
+from paratune.measurement import FINGERPRINT_FIELDS
+
+FINGERPRINT = {"device_name": "cpu", "device_count": 2, "cpu": "x86_64", "torch_version": "2.x",
+               "cuda_version": "", "nccl_version": "", "python_version": "3.11",
+               "hostname": "node0"}
+
+
+def _records() -> list[Measurement]:
+    model = get_model("tiny")
+    return [
+        Measurement(model=model, config=ParallelConfig(dp=2, global_batch_size=8),
+                    hardware="cpu", step_times_s=[0.10, 0.12, 0.11], peak_rss_gb=0.5,
+                    warmup_steps=1, fingerprint=FINGERPRINT, campaign_id="c1", loss=5.5),
+        Measurement(model=model, config=ParallelConfig(tp=2, micro_batch_size=2,
+                                                       global_batch_size=8),
+                    hardware="cpu", step_times_s=[0.2, 0.3], fingerprint=FINGERPRINT),
+        Measurement(model=model, config=ParallelConfig(pp=2, global_batch_size=8,
+                                                       schedule="gpipe"),
+                    hardware="cpu", status=Status.OOM, error="CUDA out of memory",
+                    fingerprint=FINGERPRINT),
+    ]
+
+
+def _parquet_files(path):
+    return sorted(path.glob("*.parquet"))
+
+
+def test_round_trip_keeps_every_column_and_record(tmp_path):
+    records = _records()
+    card = DatasetCard(campaign_id="c1", fingerprint=FINGERPRINT, grid={"model": "tiny"})
+    write_dataset(tmp_path / "ds", records, card=card)
+    ds = read_dataset(tmp_path / "ds")
+    assert list(ds.frame.columns) == list(records[0].to_row())
+    assert len(ds) == 3 and ds.card.num_rows == 3
+    assert ds.card.campaign_id == "c1" and ds.card.schema_version == SCHEMA_VERSION
+    assert ds.card.grid == {"model": "tiny"} and ds.card.fingerprint["device_count"] == 2
+    assert ds.frame["step_times_s"][0] == [0.10, 0.12, 0.11]
+    assert ds.frame["step_times_s"][2] == []
+    for original, back in zip(records, ds.measurements()):
+        assert back.to_row() == pytest.approx(original.to_row(), nan_ok=True)
+        assert (back.model, back.config, back.status) == (original.model, original.config,
+                                                          original.status)
+    # The Arrow types are the declared ones, not whatever pandas inferred.
+    table = pq.read_table(tmp_path / "ds" / ds.card.data_file)
+    for name, kind in column_types().items():
+        assert table.schema.field(name).type == arrow_schema().field(name).type, (name, kind)
+
+
+def test_lone_parquet_file_is_self_describing(tmp_path):
+    ds = write_dataset(tmp_path / "ds", _records(), card={"campaign_id": "abc"})
+    lone = read_dataset(tmp_path / "ds" / ds.card.data_file)
+    assert lone.card.campaign_id == "abc" and len(lone) == 3
+    assert read_dataset(tmp_path / "ds" / CARD_FILE).card.campaign_id == "abc"
+
+
+def test_rewrite_replaces_data_and_leaves_one_file(tmp_path):
+    path = tmp_path / "ds"
+    (path).mkdir()
+    (path / "journal.jsonl").write_text("{}\n")  # other files in the directory are kept
+    write_dataset(path, _records()[:1])
+    write_dataset(path, _records())
+    assert len(_parquet_files(path)) == 1 and (path / "journal.jsonl").exists()
+    assert len(read_dataset(path)) == 3
+
+
+def test_writer_killed_before_card_leaves_old_dataset_readable(tmp_path, monkeypatch):
+    path = tmp_path / "ds"
+    write_dataset(path, _records()[:1], card={"campaign_id": "old"})
+
+    def die(*args, **kwargs):
+        raise KeyboardInterrupt("killed between data and card")
+
+    monkeypatch.setattr(store, "atomic_write_text", die)
+    with pytest.raises(KeyboardInterrupt):
+        write_dataset(path, _records(), card={"campaign_id": "new"})
+    monkeypatch.undo()
+    ds = read_dataset(path)
+    assert ds.card.campaign_id == "old" and len(ds) == 1
+
+
+def test_not_a_dataset_errors_name_the_path(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        read_dataset(tmp_path / "missing")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DatasetError, match=r"empty: not a paratune dataset \(no card.json\)"):
+        read_dataset(tmp_path / "empty")
+    other = tmp_path / "other.parquet"
+    pq.write_table(pa.table({"a": [1, 2]}), other)
+    with pytest.raises(DatasetError, match=r"other\.parquet: not a paratune dataset"):
+        read_dataset(other)
+    text = tmp_path / "notes.txt"
+    text.write_text("hello")
+    with pytest.raises(DatasetError, match=r"notes\.txt: not a paratune dataset"):
+        read_dataset(text)
+    card_only = tmp_path / "cardonly"
+    card_only.mkdir()
+    (card_only / CARD_FILE).write_text(json.dumps({"hello": 1}))
+    with pytest.raises(DatasetError, match="no schema_version"):
+        read_dataset(card_only)
+
+
+def test_truncated_files_are_reported(tmp_path):
+    ds = write_dataset(tmp_path / "ds", _records())
+    data = tmp_path / "ds" / ds.card.data_file
+    blob = data.read_bytes()
+    data.write_bytes(blob[: len(blob) // 2])
+    with pytest.raises(DatasetError, match="truncated"):
+        read_dataset(tmp_path / "ds")
+    with pytest.raises(DatasetError, match="truncated or corrupt"):
+        read_dataset(data)  # the lone file, without the card's checksum
+    ds = write_dataset(tmp_path / "ds2", _records())
+    card = tmp_path / "ds2" / CARD_FILE
+    card.write_text(card.read_text()[:40])
+    with pytest.raises(DatasetError, match=r"card\.json is not valid JSON"):
+        read_dataset(tmp_path / "ds2")
+    ds = write_dataset(tmp_path / "ds3", _records())
+    (tmp_path / "ds3" / ds.card.data_file).unlink()
+    with pytest.raises(DatasetError, match="is missing"):
+        read_dataset(tmp_path / "ds3")
+
+
+def test_newer_schema_version_is_refused(tmp_path):
+    write_dataset(tmp_path / "ds", _records())
+    card_path = tmp_path / "ds" / CARD_FILE
+    card = json.loads(card_path.read_text())
+    card["schema_version"] = SCHEMA_VERSION + 1
+    card_path.write_text(json.dumps(card))
+    with pytest.raises(SchemaVersionError, match=f"schema_version={SCHEMA_VERSION + 1} is newer"):
+        read_dataset(tmp_path / "ds")
+
+
+def test_bad_frames_name_the_column(tmp_path):
+    frame = store.records_to_frame(_records())
+    with pytest.raises(DatasetError, match="column 'dp' is required"):
+        write_dataset(tmp_path / "a", frame.drop(columns=["dp"]))
+    bad = frame.copy()
+    bad["status"] = ["ok", "exploded", "ok"]
+    with pytest.raises(DatasetError, match="status='exploded' must be one of"):
+        write_dataset(tmp_path / "b", bad)
+    bad = frame.copy()
+    bad["tp"] = bad["tp"].astype(object)
+    bad.loc[1, "tp"] = "two"
+    with pytest.raises(DatasetError, match="column 'tp' does not fit type int64"):
+        write_dataset(tmp_path / "c", bad)
+    bad = frame.copy()
+    bad.loc[0, "seq_len"] = None
+    with pytest.raises(DatasetError, match="column 'seq_len' must not be empty"):
+        write_dataset(tmp_path / "d", bad)
+    with pytest.raises(DatasetError, match=r"directory, not a \.parquet"):
+        write_dataset(tmp_path / "e.parquet", frame)
+
+
+def test_minimal_frame_gets_defaults_and_derived_columns(tmp_path):
+    frame = pd.DataFrame({
+        "model_name": ["m"], "num_layers": [4], "hidden_size": [128], "num_heads": [8],
+        "ffn_hidden_size": [352], "vocab_size": [256], "seq_len": [128], "dp": [2], "tp": [2],
+        "pp": [1], "micro_batch_size": [1], "global_batch_size": [8], "hardware": ["H100-80GB"],
+        "status": ["ok"], "tokens_per_s": [1000.0], "source_note": ["table 3"],
+    })
+    ds = write_dataset(tmp_path / "ds", frame, card={"source": "paper"})
+    back = read_dataset(tmp_path / "ds")
+    row = back.frame.iloc[0]
+    assert row["world_size"] == 4 and row["num_microbatches"] == 4
+    assert row["num_kv_heads"] == 8 and row["tokens_per_s_per_device"] == 250.0
+    assert row["sharding"] == "none" and math.isnan(row["step_time_s"])
+    assert row["source_note"] == "table 3"  # extra columns are kept
+    assert back.card.source == "paper" and ds.card.num_rows == 1
+    m = back.measurements()[0]
+    assert m.config.world_size == 4 and m.fingerprint["device_count"] is None
+
+
+def test_read_datasets_concatenates(tmp_path):
+    write_dataset(tmp_path / "a", _records()[:2])
+    write_dataset(tmp_path / "b", _records())
+    frame = read_datasets([tmp_path / "a", tmp_path / "b"], label_column="dataset")
+    assert len(frame) == 5
+    assert frame["dataset"].tolist().count(str(tmp_path / "a")) == 2
+    with pytest.raises(DatasetError, match="no dataset paths"):
+        read_datasets([])
+
+
+def test_datasets_show_cli(tmp_path, capsys):
+    write_dataset(tmp_path / "ds", _records(),
+                  card={"campaign_id": "c9", "fingerprint": FINGERPRINT,
+                        "notes": {"skipped_per_world_size": {"2": 5}}})
+    assert main(["datasets", "show", str(tmp_path / "ds")]) == 0
+    out = capsys.readouterr().out
+    assert "campaign  c9" in out and "device_name=cpu" in out
+    header, _rule, row = out.strip().splitlines()[-3:]
+    assert header.split()[:9] == ["model", "hardware", "world", "configs", "ok", "oom", "error",
+                                  "timeout", "skipped"]
+    assert row.split()[:9] == ["tiny", "cpu", "2", "3", "2", "1", "0", "0", "5"]
+    assert row.split()[-1] == "dp2-tp1-pp1-mb1-gb8-1f1b-v1-none-none"
+    assert main(["datasets", "show", str(tmp_path / "nope")]) == 2
+
+
+def test_fingerprint_columns_follow_the_record():
+    assert set(FINGERPRINT_FIELDS) <= set(column_types())
