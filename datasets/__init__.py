@@ -19,6 +19,9 @@ _LAZY = {
     "records_to_frame": "paratune.datasets._store",
     "summarise_dataset": "paratune.datasets._store",
     "write_dataset": "paratune.datasets._store",
+    "ImportReport": "paratune.datasets.importers",
+    "import_files": "paratune.datasets.importers",
+    "parse_public_csv": "paratune.datasets.importers",
 }
 
 __all__ = sorted(_LAZY)

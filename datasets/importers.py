@@ -1,0 +1,457 @@
+"""Importers: public GPU measurement CSVs to paratune :class:`~paratune.Measurement` records.
+
+The public format (one file per source) is a ``# source:`` comment line (optional), a header,
+and one row per measured or failed configuration with the columns ``source, model, params_b,
+layers, hidden, heads, seq_len, gpu, num_gpus, tp, pp, dp, cp, micro_batch, global_batch,
+zero_stage, recompute, tflops_per_gpu, mfu, tokens_per_sec, step_time_s,
+tokens_per_sec_per_gpu, precision, notes`` and optionally ``nodes, grad_accum, gpu_mem_gb,
+status``. Empty cells are values the source does not state.
+
+Every row either becomes a record or is reported with its line number and the reason; nothing
+is silently dropped or guessed. Model shapes the CSV does not carry (the MLP width, the
+vocabulary, tying) come from :data:`MODEL_FAMILIES`, which states each assumption.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from paratune.errors import ConfigError, DatasetError
+from paratune.hardware import get_hardware
+from paratune.measurement import Measurement, Status
+from paratune.parallel import ParallelConfig, Recompute, Schedule, Sharding
+from paratune.spec import ModelSpec
+
+__all__ = [
+    "MODEL_FAMILIES",
+    "ImportProblem",
+    "ImportReport",
+    "ParsedRow",
+    "import_files",
+    "is_public_csv",
+    "parse_public_csv",
+    "read_public_csv",
+]
+
+PUBLIC_REQUIRED = ("model", "layers", "hidden", "heads", "seq_len", "gpu", "num_gpus", "tp", "pp",
+                   "dp", "micro_batch", "global_batch")
+_STATUS_WORDS = {"ok": Status.OK, "success": Status.OK, "oom": Status.OOM,
+                 "failed": Status.ERROR, "error": Status.ERROR, "crashed": Status.ERROR,
+                 "timeout": Status.TIMEOUT}
+# Relative disagreement tolerated between two stated values of the same quantity (rounding).
+_TOLERANCE = 0.02
+
+
+@dataclass(frozen=True)
+class _Family:
+    """Shape assumptions for a family of public models (what the CSV does not state)."""
+
+    mlp: str
+    vocab_size: int
+    tie_embeddings: bool
+    ffn_by_shape: dict[tuple[int, int], int]
+    """``(layers, hidden) -> ffn_hidden_size`` of the configurations the source used."""
+    ffn_default_ratio: float | None
+    """``ffn = ratio * hidden`` when the shape is not in ``ffn_by_shape``."""
+    default_recompute: Recompute
+    note: str
+
+
+MODEL_FAMILIES: dict[str, _Family] = {
+    # nanotron scaling_benchmarks model_configs, multi-head attention, vocabulary 131072.
+    # Shapes checked against the source: FLOPs per token with these MLP widths reproduce the
+    # reported MFU / tokens-per-second ratio of the pp=1 rows (1B, 3B; 8B with the vocabulary
+    # counted twice, as nanotron's MFU does for untied models).
+    "ultrascale": _Family(
+        mlp="swiglu", vocab_size=131072, tie_embeddings=False,
+        ffn_by_shape={(16, 2048): 8192, (28, 3072): 8192, (32, 4096): 14336,
+                      (80, 8192): 28672},
+        ffn_default_ratio=None, default_recompute=Recompute.NONE,
+        note="Llama-style (SwiGLU, MHA), vocab 131072, untied; MLP width from nanotron's "
+             "scaling_benchmarks model_configs, else solved from params_b"),
+    # Megatron GPT: GeLU MLP of 4x hidden, GPT-2 vocabulary padded to 51200 (divisible by
+    # 128 * tp for every tp up to 8), tied input/output embeddings.
+    "gpt": _Family(
+        mlp="gelu", vocab_size=51200, tie_embeddings=True, ffn_by_shape={},
+        ffn_default_ratio=4.0, default_recompute=Recompute.FULL,
+        note="Megatron GPT (GeLU, ffn 4x hidden), vocab 50257 padded to 51200, tied embeddings"),
+}
+
+
+def _family_for(source: str, model: str) -> str:
+    text = f"{source} {model}".lower()
+    if "vtrain" in text or "gpt" in text or "megatron" in text:
+        return "gpt"
+    return "ultrascale"
+
+
+@dataclass(frozen=True)
+class ImportProblem:
+    """A row that could not be mapped: where it is and why."""
+
+    path: str
+    line: int
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.path}:{self.line}: {self.reason}"
+
+
+@dataclass
+class ParsedRow:
+    """One data row of a public CSV: its raw cells and the record, or why there is none."""
+
+    path: str
+    line: int
+    raw: dict[str, str]
+    measurement: Measurement | None = None
+    error: str = ""
+
+
+@dataclass
+class ImportReport:
+    """What an import produced."""
+
+    out_dir: str | None = None
+    num_rows: int = 0
+    num_records: int = 0
+    status_counts: dict[str, int] = field(default_factory=dict)
+    problems: list[ImportProblem] = field(default_factory=list)
+    duplicates: list[str] = field(default_factory=list)
+    """Configurations recorded both as successful and as failed (both records are kept)."""
+    sources: dict[str, str] = field(default_factory=dict)
+    """File name -> its ``# source:`` provenance line."""
+
+    def summary(self) -> str:
+        """A few human-readable lines: counts, then every problem with its line number."""
+        counts = ", ".join(f"{k}={v}" for k, v in sorted(self.status_counts.items()))
+        lines = [f"imported {self.num_records} of {self.num_rows} rows ({counts})"
+                 + (f" into {self.out_dir}" if self.out_dir else "")]
+        if self.duplicates:
+            lines.append(f"{len(self.duplicates)} configurations are recorded both ok and failed;"
+                         " both records are kept (a configuration that ran at least once counts "
+                         "as feasible when fitting)")
+        if self.problems:
+            lines.append(f"{len(self.problems)} rows not imported:")
+            lines.extend(f"  {p}" for p in self.problems)
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.summary()
+
+
+# ---------------------------------------------------------------------------------- reading
+def is_public_csv(path: str | Path) -> bool:
+    """Whether ``path`` looks like a CSV in the public format (by its header)."""
+    try:
+        header = _header_and_body(Path(path))[0]
+    except (OSError, DatasetError):
+        return False
+    return {"tp", "pp", "dp", "num_gpus", "micro_batch", "global_batch"} <= set(header)
+
+
+def _header_and_body(path: Path) -> tuple[list[str], list[str], int, str]:
+    """Header cells, the remaining lines, the line number of the header and the provenance."""
+    with open(path, encoding="utf-8", newline="") as handle:
+        lines = handle.read().splitlines()
+    provenance = ""
+    start = 0
+    while start < len(lines) and (not lines[start].strip() or lines[start].startswith("#")):
+        if lines[start].startswith("#") and not provenance:
+            provenance = lines[start].lstrip("#").strip()
+        start += 1
+    if start >= len(lines):
+        raise DatasetError(f"{path}: no CSV header")
+    header = next(csv.reader([lines[start]]))
+    return [h.strip() for h in header], lines[start + 1:], start + 1, provenance
+
+
+def read_public_csv(path: str | Path) -> tuple[list[ParsedRow], str]:
+    """Parse every data row of a public CSV.
+
+    Args:
+        path: The CSV file.
+
+    Returns:
+        One :class:`ParsedRow` per data row (a record or an error), and the provenance line.
+
+    Raises:
+        DatasetError: the file has no header or lacks a required column.
+        FileNotFoundError: no such file.
+    """
+    path = Path(path)
+    header, body, header_line, provenance = _header_and_body(path)
+    missing = [c for c in PUBLIC_REQUIRED if c not in header]
+    if missing:
+        raise DatasetError(f"{path}: not the public measurement format, missing columns "
+                           f"{', '.join(missing)}")
+    rows = []
+    reader = csv.reader(body)
+    for cells in reader:
+        line = header_line + reader.line_num
+        if not cells or not any(c.strip() for c in cells):
+            continue
+        raw = {h: (cells[i].strip() if i < len(cells) else "") for i, h in enumerate(header)}
+        parsed = ParsedRow(path=str(path), line=line, raw=raw)
+        try:
+            parsed.measurement = _row_to_measurement(raw)
+        except _Unmappable as exc:
+            parsed.error = str(exc)
+        except ConfigError as exc:
+            parsed.error = f"invalid {exc.field}={exc.value!r}: {exc.rule}"
+        rows.append(parsed)
+    return rows, provenance
+
+
+def parse_public_csv(path: str | Path) -> tuple[list[Measurement], list[ImportProblem]]:
+    """Records of the mappable rows of a public CSV and a problem for every other row."""
+    rows, _ = read_public_csv(path)
+    records = [r.measurement for r in rows if r.measurement is not None]
+    problems = [ImportProblem(r.path, r.line, r.error) for r in rows if r.measurement is None]
+    return records, problems
+
+
+class _Unmappable(ValueError):
+    pass
+
+
+def _number(raw: dict[str, str], key: str) -> float | None:
+    text = raw.get(key, "")
+    if text == "" or text.lower() in ("nan", "none", "null"):
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise _Unmappable(f"{key}={text!r} is not a number") from None
+    if not math.isfinite(value):
+        return None
+    return value
+
+
+def _integer(raw: dict[str, str], key: str, *, required: bool = True) -> int | None:
+    value = _number(raw, key)
+    if value is None:
+        if required:
+            raise _Unmappable(f"missing {key}")
+        return None
+    if value != int(value) or value < 1:
+        raise _Unmappable(f"{key}={raw[key]!r} must be a positive integer")
+    return int(value)
+
+
+def _agree(a: float, b: float) -> bool:
+    return abs(a - b) <= _TOLERANCE * max(abs(a), abs(b))
+
+
+def model_spec_from_public(raw: dict[str, str]) -> ModelSpec:
+    """The :class:`ModelSpec` of a public row (shape assumptions from :data:`MODEL_FAMILIES`).
+
+    Raises:
+        _Unmappable: a shape cell is missing or the MLP width cannot be inferred.
+        ConfigError: the shape breaks a :class:`ModelSpec` rule.
+    """
+    label = raw.get("model", "") or "model"
+    family_name = _family_for(raw.get("source", ""), label)
+    family = MODEL_FAMILIES[family_name]
+    layers = _integer(raw, "layers")
+    hidden = _integer(raw, "hidden")
+    heads = _integer(raw, "heads")
+    seq_len = _integer(raw, "seq_len")
+    ffn = family.ffn_by_shape.get((layers, hidden))
+    if ffn is None and family.ffn_default_ratio:
+        ffn = int(family.ffn_default_ratio * hidden)
+    if ffn is None:
+        ffn = _ffn_from_params(raw, layers=layers, hidden=hidden, family=family)
+    name = label if family_name == "ultrascale" else f"{label}-{layers}L-{hidden}H"
+    return ModelSpec(name=name, num_layers=layers, hidden_size=hidden, num_heads=heads,
+                     num_kv_heads=heads, ffn_hidden_size=ffn, vocab_size=family.vocab_size,
+                     seq_len=seq_len, tie_embeddings=family.tie_embeddings, mlp=family.mlp,
+                     extra={"assumptions": family.note})
+
+
+def _ffn_from_params(raw: dict[str, str], *, layers: int, hidden: int, family: _Family) -> int:
+    params_b = _number(raw, "params_b")
+    if params_b is None:
+        raise _Unmappable(f"cannot infer ffn_hidden_size for an unknown shape (layers={layers}, "
+                          f"hidden={hidden}) without params_b")
+    embeddings = hidden * family.vocab_size * (1 if family.tie_embeddings else 2)
+    matrices = 3 if family.mlp == "swiglu" else 2
+    rest = params_b * 1e9 - embeddings - layers * (4 * hidden * hidden + 2 * hidden) - hidden
+    ffn = round(rest / (matrices * hidden * layers) / 256) * 256
+    if ffn < hidden:
+        raise _Unmappable(f"params_b={params_b} is too small for layers={layers}, "
+                          f"hidden={hidden} (inferred ffn_hidden_size={ffn})")
+    return int(ffn)
+
+
+def config_from_public(raw: dict[str, str]) -> tuple[ParallelConfig, int]:
+    """The :class:`ParallelConfig` of a public row and its stated GPU count.
+
+    Raises:
+        _Unmappable: a degree is missing or stated values contradict each other.
+    """
+    num_gpus = _integer(raw, "num_gpus")
+    tp, pp, dp = (_integer(raw, k) for k in ("tp", "pp", "dp"))
+    micro, global_batch = _integer(raw, "micro_batch"), _integer(raw, "global_batch")
+    cp = _integer(raw, "cp", required=False) or 1
+    if cp != 1:
+        raise _Unmappable(f"cp={cp}: context parallelism is not modelled")
+    if dp * tp * pp != num_gpus:
+        raise _Unmappable(f"dp*tp*pp = {dp}*{tp}*{pp} = {dp * tp * pp} contradicts "
+                          f"num_gpus={num_gpus}")
+    if global_batch % (dp * micro):
+        raise _Unmappable(f"global_batch={global_batch} is not a multiple of dp*micro_batch = "
+                          f"{dp}*{micro}")
+    grad_accum = _integer(raw, "grad_accum", required=False)
+    if grad_accum is not None and dp * micro * grad_accum != global_batch:
+        raise _Unmappable(f"dp*micro_batch*grad_accum = {dp}*{micro}*{grad_accum} = "
+                          f"{dp * micro * grad_accum} contradicts global_batch={global_batch}")
+    zero = _number(raw, "zero_stage")
+    if zero is not None and zero not in (0, 1, 2, 3):
+        raise _Unmappable(f"zero_stage={raw['zero_stage']!r} must be 0, 1, 2 or 3")
+    recompute_text = raw.get("recompute", "").lower()
+    family = MODEL_FAMILIES[_family_for(raw.get("source", ""), raw.get("model", ""))]
+    if not recompute_text:
+        recompute = family.default_recompute
+    elif recompute_text.startswith("full"):
+        recompute = Recompute.FULL
+    elif recompute_text.startswith("selective"):
+        recompute = Recompute.SELECTIVE
+    elif recompute_text in ("none", "no", "false", "0"):
+        recompute = Recompute.NONE
+    else:
+        raise _Unmappable(f"recompute={raw['recompute']!r} is not none, full or selective")
+    config = ParallelConfig(dp=dp, tp=tp, pp=pp, micro_batch_size=micro,
+                            global_batch_size=global_batch, schedule=Schedule.ONE_F_ONE_B,
+                            sharding=Sharding.from_stage(int(zero or 0)), recompute=recompute)
+    return config, num_gpus
+
+
+def _row_to_measurement(raw: dict[str, str]) -> Measurement:
+    notes = raw.get("notes", "")
+    flag = re.search(r"FLAG=([^;]*)", notes)
+    model = model_spec_from_public(raw)
+    config, num_gpus = config_from_public(raw)
+    try:
+        hardware = get_hardware(raw["gpu"])
+    except ConfigError:
+        raise _Unmappable(f"gpu={raw['gpu']!r} is not a known device") from None
+    nodes = _integer(raw, "nodes", required=False)
+    per_node = hardware.devices_per_node
+    if nodes is not None and hardware.num_nodes(num_gpus) != nodes:
+        raise _Unmappable(f"nodes={nodes} contradicts num_gpus={num_gpus} on "
+                          f"{per_node}-GPU nodes")
+    if flag:
+        raise _Unmappable(f"the source flags contradictory values (FLAG={flag.group(1)})")
+
+    tokens = config.global_batch_size * model.seq_len
+    step = _number(raw, "step_time_s")
+    cluster_tps = _number(raw, "tokens_per_sec")
+    per_gpu_tps = _number(raw, "tokens_per_sec_per_gpu")
+    if cluster_tps is not None and per_gpu_tps is not None and not _agree(
+            cluster_tps, per_gpu_tps * num_gpus):
+        raise _Unmappable(f"tokens_per_sec={cluster_tps:g} contradicts tokens_per_sec_per_gpu*"
+                          f"num_gpus = {per_gpu_tps * num_gpus:g}")
+    if cluster_tps is None and per_gpu_tps is not None:
+        cluster_tps = per_gpu_tps * num_gpus
+    if step is None and cluster_tps:
+        step = tokens / cluster_tps
+    elif step is not None and cluster_tps and not _agree(step, tokens / cluster_tps):
+        raise _Unmappable(f"step_time_s={step:g} contradicts global_batch*seq_len/tokens_per_sec "
+                          f"= {tokens / cluster_tps:g}")
+    if cluster_tps is None and step:
+        cluster_tps = tokens / step
+
+    status_text = raw.get("status", "").lower()
+    if status_text:
+        if status_text not in _STATUS_WORDS:
+            raise _Unmappable(f"status={raw['status']!r} is not one of "
+                              f"{', '.join(sorted(_STATUS_WORDS))}")
+        status = _STATUS_WORDS[status_text]
+    else:
+        status = Status.OK if step else Status.ERROR
+    if status is Status.OK and not step:
+        raise _Unmappable("status ok but neither step_time_s nor tokens_per_sec is stated")
+    error = ""
+    if status is not Status.OK:
+        error = f"{raw.get('status') or 'failed'}: the source reports no metrics (crashed or " \
+                "out of memory)"
+        step = cluster_tps = None
+
+    mem = _number(raw, "gpu_mem_gb")
+    mfu = _number(raw, "mfu")
+    return Measurement(
+        model=model, config=config, hardware=hardware.name, devices_per_node=per_node,
+        status=status, error=error,
+        step_time_s=step if step is not None else math.nan,
+        tokens_per_s=cluster_tps if cluster_tps is not None else math.nan,
+        peak_mem_reserved_gb=mem if mem is not None else math.nan,
+        mfu=mfu if mfu is not None and status is Status.OK else math.nan,
+        source=raw.get("source", "") or "public", campaign_id=raw.get("model", ""),
+        fingerprint={"device_name": hardware.name, "device_count": num_gpus},
+        timestamp=0.0,
+    )
+
+
+# ---------------------------------------------------------------------------------- import
+def _config_identity(m: Measurement) -> tuple[Any, ...]:
+    return (m.source, m.model.name, m.hardware, m.config.key())
+
+
+def import_files(paths: Sequence[str | Path] | Iterable[str | Path],
+                 out_dir: str | Path | None) -> ImportReport:
+    """Convert public CSVs to paratune records and write them as one dataset.
+
+    Rows that cannot be mapped are listed in the report with their line number and reason.
+    A configuration recorded both as successful and as failed (the Ultra-Scale failed file
+    repeats some successful configurations) keeps both records; models fitted on the dataset
+    count a configuration that ran at least once as feasible.
+
+    Args:
+        paths: Public-format CSV files.
+        out_dir: Dataset directory to write (through ``paratune.datasets.write_dataset``);
+            ``None`` parses and reports without writing.
+
+    Returns:
+        An :class:`ImportReport`.
+
+    Raises:
+        DatasetError: a file is not in the public format.
+        FileNotFoundError: a file does not exist.
+    """
+    report = ImportReport(out_dir=str(out_dir) if out_dir is not None else None)
+    records: list[Measurement] = []
+    for path in paths:
+        rows, provenance = read_public_csv(path)
+        report.sources[Path(path).name] = provenance
+        report.num_rows += len(rows)
+        for row in rows:
+            if row.measurement is None:
+                report.problems.append(ImportProblem(row.path, row.line, row.error))
+            else:
+                records.append(row.measurement)
+    by_identity: dict[tuple[Any, ...], set[str]] = {}
+    for m in records:
+        by_identity.setdefault(_config_identity(m), set()).add(m.status.value)
+        report.status_counts[m.status.value] = report.status_counts.get(m.status.value, 0) + 1
+    report.duplicates = sorted(f"{k[1]} {k[3]}" for k, v in by_identity.items()
+                               if "ok" in v and len(v) > 1)
+    report.num_records = len(records)
+    if out_dir is not None:
+        from paratune.datasets import write_dataset
+
+        sources = sorted({m.source for m in records})
+        card = {"source": ",".join(sources) or "public", "campaign_id": "import",
+                "notes": {"provenance": report.sources,
+                          "assumptions": {k: v.note for k, v in MODEL_FAMILIES.items()},
+                          "status_counts": report.status_counts,
+                          "duplicates_ok_and_failed": report.duplicates,
+                          "rows_not_imported": [str(p) for p in report.problems]}}
+        write_dataset(out_dir, records, card=card)
+    return report

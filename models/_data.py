@@ -1,0 +1,113 @@
+"""Loading measurements for fitting and evaluation, and the targets derived from them."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from paratune.errors import DatasetError
+from paratune.predictor import CONFIG_COLUMNS
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+__all__ = ["config_identity", "feasibility_table", "load_measurements", "measured_memory_gb",
+           "measured_step_time", "training_fingerprint"]
+
+# Columns that identify a configuration (the measurement's model, layout and hardware).
+IDENTITY_COLUMNS = tuple(c for c in CONFIG_COLUMNS if c not in ("model_name",))
+
+
+def load_measurements(paths: Sequence[str | Path]) -> pd.DataFrame:
+    """Measurement rows (the columns of :meth:`paratune.Measurement.to_row`) from datasets.
+
+    Args:
+        paths: paratune dataset directories, public-format CSVs (see
+            :mod:`paratune.datasets.importers`), or CSV / parquet files of measurement rows.
+
+    Returns:
+        One frame of all rows, with a ``data_path`` column naming where each came from.
+
+    Raises:
+        DatasetError: a path is neither of these.
+        FileNotFoundError: a path does not exist.
+    """
+    import pandas as pd
+
+    from paratune.datasets.importers import is_public_csv, parse_public_csv
+
+    frames = []
+    for path in map(Path, paths):
+        if not path.exists():
+            raise FileNotFoundError(f"no such dataset: {path}")
+        if path.is_dir():
+            from paratune.datasets import read_dataset
+
+            frame = read_dataset(path).frame.copy()
+        elif path.suffix == ".parquet":
+            frame = pd.read_parquet(path)
+        elif is_public_csv(path):
+            records, _problems = parse_public_csv(path)
+            frame = pd.DataFrame([m.to_row() for m in records])
+        elif path.suffix == ".csv":
+            frame = pd.read_csv(path, comment=None)
+        else:
+            raise DatasetError(f"{path}: not a dataset directory, public CSV or parquet file")
+        missing = [c for c in ("status", "step_time_s", *CONFIG_COLUMNS) if c not in frame.columns]
+        if missing:
+            raise DatasetError(f"{path}: measurement rows lack columns {', '.join(missing)}")
+        frame["data_path"] = str(path)
+        frames.append(frame)
+    if not frames:
+        raise DatasetError("no data given")
+    return pd.concat(frames, ignore_index=True)
+
+
+def config_identity(frame: pd.DataFrame) -> pd.Series:
+    """A string per row identifying its configuration (model shape, layout, hardware)."""
+    cols = [c for c in IDENTITY_COLUMNS if c in frame.columns]
+    return frame[cols].astype(str).agg("|".join, axis=1)
+
+
+def measured_step_time(frame: pd.DataFrame) -> np.ndarray:
+    """Measured step time in seconds; NaN where the run did not succeed."""
+    step = np.asarray(frame["step_time_s"], dtype=float)
+    ok = np.asarray(frame["status"].astype(str) == "ok")
+    return np.where(ok & (step > 0), step, np.nan)
+
+
+def measured_memory_gb(frame: pd.DataFrame) -> np.ndarray:
+    """Reported peak device memory (reserved, else allocated) in GB; NaN where unknown."""
+    out = np.full(len(frame), np.nan)
+    for column in ("peak_mem_allocated_gb", "peak_mem_reserved_gb"):
+        if column in frame.columns:
+            values = np.asarray(frame[column], dtype=float)
+            out = np.where(np.isfinite(values) & (values > 0), values, out)
+    ok = np.asarray(frame["status"].astype(str) == "ok")
+    hardware = frame["hardware"].astype(str).str.lower()
+    return np.where(ok & np.asarray(hardware != "cpu"), out, np.nan)
+
+
+def feasibility_table(frame: pd.DataFrame) -> pd.DataFrame:
+    """One row per configuration with ``feasible`` = it ran successfully at least once.
+
+    A configuration recorded both as successful and as failed (a crash on one attempt) is
+    feasible: it can run. The first row of each configuration carries its config columns.
+    """
+    identity = config_identity(frame)
+    ok = frame["status"].astype(str) == "ok"
+    feasible = ok.groupby(identity).transform("any")
+    table = frame.assign(feasible=feasible.astype(int), _identity=identity)
+    return table.drop_duplicates("_identity").drop(columns="_identity").reset_index(drop=True)
+
+
+def training_fingerprint(frame: pd.DataFrame) -> str:
+    """SHA-256 of the configuration columns and outcomes a model was fitted on."""
+    cols = [c for c in (*CONFIG_COLUMNS, "status", "step_time_s", "peak_mem_reserved_gb",
+                        "peak_mem_allocated_gb") if c in frame.columns]
+    text = frame[cols].astype(str).sort_values(cols).to_csv(index=False)
+    return hashlib.sha256(text.encode()).hexdigest()

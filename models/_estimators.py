@@ -1,0 +1,542 @@
+"""Predictors of step time, throughput, memory and feasibility.
+
+:class:`PerformanceModel` is the one the tuner uses: XGBoost learns the ratio of measured to
+analytical step time (and memory) from the features of :mod:`paratune.models.features`, so
+its predictions scale with the analytical estimate where the configuration leaves the range
+of the training data. The baselines are kept for comparison in ``paratune evaluate``.
+
+All follow scikit-learn conventions: ``__init__`` stores keyword arguments, ``fit(frame)``
+returns ``self``, learned state ends in ``_``. ``predict(frame)`` returns one row per input
+row with :data:`paratune.predictor.PREDICTION_COLUMNS`, the throughput quantiles and
+``pred_error`` (empty where the row was predicted).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from sklearn.base import BaseEstimator
+
+from paratune import __version__
+from paratune._io import atomic_write_text
+from paratune.errors import DatasetError, ModelFormatError
+from paratune.models import features as F
+from paratune.models._data import (
+    feasibility_table,
+    measured_memory_gb,
+    measured_step_time,
+    training_fingerprint,
+)
+from paratune.predictor import (
+    PRED_FEASIBLE_PROB,
+    PRED_PEAK_MEM_GB,
+    PRED_STEP_TIME_S,
+    PRED_TOKENS_PER_SEC_PER_GPU,
+    PREDICTION_COLUMNS,
+)
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+__all__ = [
+    "PRED_ERROR",
+    "PRED_TOKENS_Q10",
+    "PRED_TOKENS_Q90",
+    "SCHEMA_VERSION",
+    "AnalyticalBaseline",
+    "HistGradientBoostingBaseline",
+    "PerformanceModel",
+    "RawConfigBaseline",
+    "estimator_factories",
+    "load_model",
+]
+
+SCHEMA_VERSION = 1
+"""Version of the saved-model directory format; loading another version fails."""
+PRED_TOKENS_Q10 = f"{PRED_TOKENS_PER_SEC_PER_GPU}_q10"
+PRED_TOKENS_Q90 = f"{PRED_TOKENS_PER_SEC_PER_GPU}_q90"
+PRED_ERROR = "pred_error"
+OUTPUT_COLUMNS = (*PREDICTION_COLUMNS, PRED_TOKENS_Q10, PRED_TOKENS_Q90, "analytical_step_time_s",
+                  PRED_ERROR)
+_MANIFEST = "model.json"
+
+
+def _memory_rule(mem_gb: np.ndarray, capacity_gb: np.ndarray) -> np.ndarray:
+    """Probability of fitting in memory from a memory estimate alone (a soft threshold)."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        return 1.0 / (1.0 + np.exp((mem_gb / capacity_gb - 0.95) / 0.03))
+
+
+class _Base(BaseEstimator):
+    """Shared prediction assembly: subclasses return arrays, this builds the frame."""
+
+    def _check_fitted(self) -> None:
+        if not hasattr(self, "n_train_rows_"):
+            raise ModelFormatError(f"{type(self).__name__} is not fitted: call fit() or load()")
+
+    def _predict_arrays(self, frame: pd.DataFrame, X: np.ndarray, analytical: dict[str, Any]
+                        ) -> dict[str, np.ndarray]:
+        raise NotImplementedError
+
+    def predict(self, frame: pd.DataFrame) -> pd.DataFrame:
+        """Predict every row of a config frame.
+
+        Args:
+            frame: Config frame (:data:`paratune.predictor.CONFIG_COLUMNS`).
+
+        Returns:
+            A frame with the input's index and :data:`OUTPUT_COLUMNS`; rows that cannot be
+            predicted (unknown hardware, impossible values) have NaN predictions and a
+            ``pred_error`` message.
+        """
+        import pandas as pd
+
+        self._check_fitted()
+        X, analytical = F.compute_features(frame)
+        out = self._predict_arrays(frame, X, analytical)
+        c = F.Columns(frame)
+        step = out["step"]
+        tokens = c.global_batch * c.seq
+        with np.errstate(divide="ignore", invalid="ignore"):
+            per_gpu = tokens / (step * c.world)
+            q10 = tokens / (out.get("step_hi", step) * c.world)
+            q90 = tokens / (out.get("step_lo", step) * c.world)
+        errors = np.asarray(analytical["hardware_error"], dtype=object).copy()
+        bad_values = ~(np.isfinite(analytical["step_time_s"]) & (analytical["step_time_s"] > 0))
+        errors = np.where((errors == "") & bad_values,
+                          "configuration values give no finite analytical estimate "
+                          "(check degrees, batch sizes and model shape)", errors)
+        failed = errors != ""
+        result = pd.DataFrame({
+            PRED_STEP_TIME_S: step,
+            PRED_TOKENS_PER_SEC_PER_GPU: per_gpu,
+            PRED_FEASIBLE_PROB: out["feasible"],
+            PRED_PEAK_MEM_GB: out["memory"],
+            PRED_TOKENS_Q10: q10,
+            PRED_TOKENS_Q90: q90,
+            "analytical_step_time_s": analytical["step_time_s"],
+            PRED_ERROR: errors,
+        }, index=frame.index)
+        numeric = [c for c in OUTPUT_COLUMNS if c != PRED_ERROR]
+        result.loc[failed, numeric] = np.nan
+        return result
+
+
+def _xgb_regressor(params: dict[str, Any], **extra: Any) -> Any:
+    import xgboost as xgb
+
+    return xgb.XGBRegressor(tree_method="hist", **params, **extra)
+
+
+class PerformanceModel(_Base):
+    """XGBoost on analytical features, predicting measured / analytical ratios.
+
+    * step time: ``analytical * exp(g(x))``, ``g`` fitted to ``log(measured / analytical)``
+      (absolute-error objective: the median ratio), with 10th / 90th percentile models;
+    * peak memory: ``analytical * exp(m(x))`` where memory was measured;
+    * feasibility: an XGBoost classifier on the features and the predicted memory fraction,
+      trained on successful and failed runs (a configuration that ran at least once is
+      feasible); without failed runs in the data, a soft threshold on predicted memory.
+
+    Args:
+        n_estimators: Trees per booster.
+        max_depth: Tree depth.
+        learning_rate: Shrinkage.
+        subsample: Row subsampling per tree.
+        colsample_bytree: Feature subsampling per tree.
+        min_child_weight: Minimum hessian in a leaf.
+        quantiles: Lower and upper throughput quantiles to predict.
+        n_jobs: Threads (``None``: XGBoost's default).
+        random_state: Seed.
+    """
+
+    def __init__(self, *, n_estimators: int = 600, max_depth: int = 6,
+                 learning_rate: float = 0.05, subsample: float = 0.8,
+                 colsample_bytree: float = 0.8, min_child_weight: float = 1.0,
+                 quantiles: tuple[float, float] = (0.1, 0.9), n_jobs: int | None = None,
+                 random_state: int = 0) -> None:
+        self.n_estimators = n_estimators
+        self.max_depth = max_depth
+        self.learning_rate = learning_rate
+        self.subsample = subsample
+        self.colsample_bytree = colsample_bytree
+        self.min_child_weight = min_child_weight
+        self.quantiles = quantiles
+        self.n_jobs = n_jobs
+        self.random_state = random_state
+
+    def _booster_params(self, n_estimators: int | None = None) -> dict[str, Any]:
+        return {"n_estimators": n_estimators or self.n_estimators, "max_depth": self.max_depth,
+                "learning_rate": self.learning_rate, "subsample": self.subsample,
+                "colsample_bytree": self.colsample_bytree,
+                "min_child_weight": self.min_child_weight, "n_jobs": self.n_jobs,
+                "random_state": self.random_state}
+
+    # ------------------------------------------------------------------ fit
+    def fit(self, frame: pd.DataFrame) -> PerformanceModel:
+        """Fit on measurement rows (:meth:`paratune.Measurement.to_row` columns).
+
+        Args:
+            frame: Successful and failed measurements.
+
+        Returns:
+            ``self``.
+
+        Raises:
+            DatasetError: no successful measurement with a step time to learn from.
+        """
+        import xgboost as xgb
+
+        X, analytical = F.compute_features(frame)
+        usable = np.asarray(analytical["hardware_error"] == "") & np.isfinite(
+            analytical["step_time_s"]) & (analytical["step_time_s"] > 0)
+        step = measured_step_time(frame)
+        has_time = usable & np.isfinite(step)
+        if not has_time.any():
+            raise DatasetError("no successful measurement with a step time on known hardware")
+        y = np.log(step[has_time] / analytical["step_time_s"][has_time])
+        self.throughput_ = _xgb_regressor(self._booster_params(),
+                                          objective="reg:absoluteerror").fit(X[has_time], y)
+        self.quantile_ = _xgb_regressor(self._booster_params(max(self.n_estimators // 2, 1)),
+                                        objective="reg:quantileerror",
+                                        quantile_alpha=np.asarray(self.quantiles, dtype=float)
+                                        ).fit(X[has_time], y)
+
+        mem = measured_memory_gb(frame)
+        has_mem = usable & np.isfinite(mem)
+        self.memory_ = None
+        if has_mem.sum() >= 10:
+            y_mem = np.log(mem[has_mem] / analytical["memory_gb"][has_mem])
+            self.memory_ = _xgb_regressor(self._booster_params(max(self.n_estimators // 2, 1)),
+                                          objective="reg:absoluteerror").fit(X[has_mem], y_mem)
+
+        table = feasibility_table(frame[usable].reset_index(drop=True))
+        labels = table["feasible"].to_numpy()
+        self.feasibility_ = None
+        if len(np.unique(labels)) == 2:
+            Xf = self._feasibility_matrix(table)
+            self.feasibility_ = xgb.XGBClassifier(
+                tree_method="hist", objective="binary:logistic",
+                **self._booster_params(max(self.n_estimators // 2, 1))).fit(Xf, labels)
+        self.n_train_rows_ = len(frame)
+        self.n_time_rows_ = int(has_time.sum())
+        self.n_memory_rows_ = int(has_mem.sum())
+        self.n_feasibility_rows_ = len(table)
+        self.fingerprint_ = training_fingerprint(frame)
+        sources = frame["source"].astype(str) if "source" in frame.columns else None
+        self.sources_ = sorted(sources.unique().tolist()) if sources is not None else []
+        return self
+
+    def _memory_gb(self, X: np.ndarray, analytical: dict[str, Any]) -> np.ndarray:
+        if self.memory_ is None:
+            return analytical["memory_gb"]
+        return analytical["memory_gb"] * np.exp(self.memory_.predict(X))
+
+    def _feasibility_matrix(self, frame: pd.DataFrame) -> np.ndarray:
+        X, analytical = F.compute_features(frame)
+        return self._augment(X, analytical, frame)
+
+    def _augment(self, X: np.ndarray, analytical: dict[str, Any], frame: pd.DataFrame
+                 ) -> np.ndarray:
+        capacity = F.Columns(frame).memory_gb
+        with np.errstate(divide="ignore", invalid="ignore"):
+            fraction = np.log2(self._memory_gb(X, analytical) / capacity)
+        return np.column_stack([X, fraction]).astype(np.float32)
+
+    # ------------------------------------------------------------------ predict
+    def _predict_arrays(self, frame: pd.DataFrame, X: np.ndarray, analytical: dict[str, Any]
+                        ) -> dict[str, np.ndarray]:
+        base = analytical["step_time_s"]
+        ratio = self.throughput_.predict(X)
+        bounds = np.asarray(self.quantile_.predict(X)).reshape(len(X), -1)
+        lo = np.minimum(bounds[:, 0], ratio)
+        hi = np.maximum(bounds[:, -1], ratio)
+        memory = self._memory_gb(X, analytical)
+        capacity = F.Columns(frame).memory_gb
+        if self.feasibility_ is not None:
+            feasible = self.feasibility_.predict_proba(self._augment(X, analytical, frame))[:, 1]
+        else:
+            feasible = _memory_rule(memory, capacity)
+        feasible = np.where(np.isfinite(capacity) & (capacity > 0), feasible, np.nan)
+        return {"step": base * np.exp(ratio), "step_lo": base * np.exp(lo),
+                "step_hi": base * np.exp(hi), "memory": memory, "feasible": feasible}
+
+    # ------------------------------------------------------------------ persistence
+    def save(self, path: str | Path) -> Path:
+        """Write the model as a directory of XGBoost JSON files and a manifest.
+
+        The manifest (``model.json``) holds the schema version, feature names, parameters,
+        the training-data fingerprint and the component files. Written file by file with
+        atomic replaces; the manifest last, so a half-written directory does not load.
+
+        Args:
+            path: Directory (created if missing).
+
+        Returns:
+            The directory.
+        """
+        self._check_fitted()
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        components = {"throughput": self.throughput_, "throughput_quantiles": self.quantile_,
+                      "memory": self.memory_, "feasibility": self.feasibility_}
+        files = {}
+        for name, booster in components.items():
+            if booster is None:
+                continue
+            target = path / f"{name}.json"
+            tmp = path / f".{name}.tmp.json"
+            booster.save_model(str(tmp))
+            tmp.replace(target)
+            files[name] = target.name
+        params = self.get_params()
+        params["quantiles"] = list(params["quantiles"])
+        manifest = {
+            "kind": "paratune.PerformanceModel",
+            "schema_version": SCHEMA_VERSION,
+            "paratune_version": __version__,
+            "feature_names": list(F.FEATURE_NAMES),
+            "feasibility_feature_names": [*F.FEATURE_NAMES, "log2_pred_mem_fraction"],
+            "target": "log(measured_step_time_s / analytical_step_time_s)",
+            "params": params,
+            "components": files,
+            "training": {"fingerprint_sha256": self.fingerprint_,
+                         "num_rows": self.n_train_rows_, "num_time_rows": self.n_time_rows_,
+                         "num_memory_rows": self.n_memory_rows_,
+                         "num_feasibility_configs": self.n_feasibility_rows_,
+                         "sources": self.sources_},
+        }
+        atomic_write_text(path / _MANIFEST, json.dumps(manifest, indent=2, sort_keys=True))
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> PerformanceModel:
+        """Load a directory written by :meth:`save`.
+
+        Raises:
+            ModelFormatError: missing or corrupt files, another schema version, or feature
+                names that differ from this version's.
+        """
+        import xgboost as xgb
+
+        path = Path(path)
+        manifest_path = path / _MANIFEST
+        if not manifest_path.exists():
+            raise ModelFormatError(f"{path}: not a saved performance model (no {_MANIFEST})")
+        try:
+            manifest = json.loads(manifest_path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ModelFormatError(f"{manifest_path}: corrupt manifest ({exc})") from None
+        if manifest.get("kind") != "paratune.PerformanceModel":
+            raise ModelFormatError(f"{manifest_path}: kind={manifest.get('kind')!r} is not "
+                                   "paratune.PerformanceModel")
+        version = manifest.get("schema_version")
+        if version != SCHEMA_VERSION:
+            raise ModelFormatError(f"{manifest_path}: schema_version={version!r} but this "
+                                   f"paratune reads schema_version={SCHEMA_VERSION}; refit it")
+        if manifest.get("feature_names") != list(F.FEATURE_NAMES):
+            raise ModelFormatError(f"{manifest_path}: feature_names differ from this paratune's "
+                                   "features; refit the model")
+        params = dict(manifest["params"])
+        params["quantiles"] = tuple(params["quantiles"])
+        model = cls(**params)
+        files = manifest["components"]
+
+        def booster(name: str, kind: type) -> Any:
+            if name not in files:
+                return None
+            obj = kind()
+            try:
+                obj.load_model(str(path / files[name]))
+            except (xgb.core.XGBoostError, OSError) as exc:
+                raise ModelFormatError(f"{path / files[name]}: cannot load ({exc})") from None
+            return obj
+
+        for required in ("throughput", "throughput_quantiles"):
+            if required not in files:
+                raise ModelFormatError(f"{manifest_path}: component {required!r} missing")
+        model.throughput_ = booster("throughput", xgb.XGBRegressor)
+        model.quantile_ = booster("throughput_quantiles", xgb.XGBRegressor)
+        model.memory_ = booster("memory", xgb.XGBRegressor)
+        model.feasibility_ = booster("feasibility", xgb.XGBClassifier)
+        training = manifest["training"]
+        model.fingerprint_ = training["fingerprint_sha256"]
+        model.n_train_rows_ = training["num_rows"]
+        model.n_time_rows_ = training["num_time_rows"]
+        model.n_memory_rows_ = training["num_memory_rows"]
+        model.n_feasibility_rows_ = training["num_feasibility_configs"]
+        model.sources_ = training["sources"]
+        return model
+
+
+def load_model(path: str | Path) -> PerformanceModel:
+    """Load a :class:`PerformanceModel` saved with :meth:`PerformanceModel.save`."""
+    return PerformanceModel.load(path)
+
+
+# ---------------------------------------------------------------------------------- baselines
+class AnalyticalBaseline(_Base):
+    """The analytical estimate alone, scaled by one fitted efficiency (median measured /
+    analytical ratio); feasibility and memory from the analytical memory estimate."""
+
+    def fit(self, frame: pd.DataFrame) -> AnalyticalBaseline:
+        _, analytical = F.compute_features(frame)
+        step = measured_step_time(frame)
+        ratio = step / analytical["step_time_s"]
+        ratio = ratio[np.isfinite(ratio) & (ratio > 0)]
+        if not len(ratio):
+            raise DatasetError("no successful measurement with a step time on known hardware")
+        self.scale_ = float(np.median(ratio))
+        self.n_train_rows_ = len(frame)
+        return self
+
+    def _predict_arrays(self, frame: pd.DataFrame, X: np.ndarray, analytical: dict[str, Any]
+                        ) -> dict[str, np.ndarray]:
+        memory = analytical["memory_gb"]
+        return {"step": analytical["step_time_s"] * self.scale_, "memory": memory,
+                "feasible": _memory_rule(memory, F.Columns(frame).memory_gb)}
+
+
+_RAW_NUMERIC = ("num_layers", "hidden_size", "num_heads", "ffn_hidden_size", "vocab_size",
+                "seq_len", "dp", "tp", "pp", "micro_batch_size", "global_batch_size",
+                "world_size", "virtual_stages", "devices_per_node")
+
+
+def _raw_matrix(frame: pd.DataFrame) -> np.ndarray:
+    c = F.Columns(frame)
+    cols = [np.asarray(frame[name], dtype=float) if name in frame.columns else np.full(c.n, np.nan)
+            for name in _RAW_NUMERIC]
+    cols += [c.sharding, c.recompute, c.schedule, c.mlp_matrices, c.peak_flops, c.memory_gb]
+    return np.column_stack(cols).astype(np.float32)
+
+
+class RawConfigBaseline(_Base):
+    """XGBoost on the raw config columns, predicting log tokens per second per device, with a
+    classifier for feasibility and a regressor for memory on the same columns.
+
+    Args:
+        n_estimators: Trees per booster.
+        max_depth: Tree depth.
+        learning_rate: Shrinkage.
+        n_jobs: Threads.
+        random_state: Seed.
+    """
+
+    def __init__(self, *, n_estimators: int = 400, max_depth: int = 6,
+                 learning_rate: float = 0.05, n_jobs: int | None = None,
+                 random_state: int = 0) -> None:
+        self.n_estimators = n_estimators
+        self.max_depth = max_depth
+        self.learning_rate = learning_rate
+        self.n_jobs = n_jobs
+        self.random_state = random_state
+
+    def _params(self) -> dict[str, Any]:
+        return {"n_estimators": self.n_estimators, "max_depth": self.max_depth,
+                "learning_rate": self.learning_rate, "n_jobs": self.n_jobs,
+                "random_state": self.random_state}
+
+    def fit(self, frame: pd.DataFrame) -> RawConfigBaseline:
+        import xgboost as xgb
+
+        X = _raw_matrix(frame)
+        c = F.Columns(frame)
+        step = measured_step_time(frame)
+        has_time = np.isfinite(step)
+        if not has_time.any():
+            raise DatasetError("no successful measurement with a step time")
+        tps = c.global_batch * c.seq / (step * c.world)
+        self.throughput_ = _xgb_regressor(self._params()).fit(X[has_time],
+                                                               np.log(tps[has_time]))
+        mem = measured_memory_gb(frame)
+        self.memory_ = None
+        if np.isfinite(mem).sum() >= 10:
+            keep = np.isfinite(mem)
+            self.memory_ = _xgb_regressor(self._params()).fit(X[keep], np.log(mem[keep]))
+        table = feasibility_table(frame)
+        self.feasibility_ = None
+        if table["feasible"].nunique() == 2:
+            self.feasibility_ = xgb.XGBClassifier(tree_method="hist", **self._params()).fit(
+                _raw_matrix(table), table["feasible"].to_numpy())
+        self.n_train_rows_ = len(frame)
+        return self
+
+    def _predict_arrays(self, frame: pd.DataFrame, X: np.ndarray, analytical: dict[str, Any]
+                        ) -> dict[str, np.ndarray]:
+        raw = _raw_matrix(frame)
+        c = F.Columns(frame)
+        tps = np.exp(self.throughput_.predict(raw))
+        memory = (np.exp(self.memory_.predict(raw)) if self.memory_ is not None
+                  else np.full(len(raw), np.nan))
+        feasible = (self.feasibility_.predict_proba(raw)[:, 1] if self.feasibility_ is not None
+                    else np.ones(len(raw)))
+        return {"step": c.global_batch * c.seq / (tps * c.world), "memory": memory,
+                "feasible": feasible}
+
+
+class HistGradientBoostingBaseline(_Base):
+    """scikit-learn HistGradientBoosting on the analytical features, same ratio targets as
+    :class:`PerformanceModel` (no quantiles).
+
+    Args:
+        max_iter: Boosting iterations.
+        learning_rate: Shrinkage.
+        random_state: Seed.
+    """
+
+    def __init__(self, *, max_iter: int = 400, learning_rate: float = 0.05,
+                 random_state: int = 0) -> None:
+        self.max_iter = max_iter
+        self.learning_rate = learning_rate
+        self.random_state = random_state
+
+    def fit(self, frame: pd.DataFrame) -> HistGradientBoostingBaseline:
+        from sklearn.ensemble import HistGradientBoostingClassifier, HistGradientBoostingRegressor
+
+        X, analytical = F.compute_features(frame)
+        step = measured_step_time(frame)
+        has_time = np.isfinite(step) & np.isfinite(analytical["step_time_s"])
+        if not has_time.any():
+            raise DatasetError("no successful measurement with a step time on known hardware")
+        kw = {"max_iter": self.max_iter, "learning_rate": self.learning_rate,
+              "random_state": self.random_state}
+        self.throughput_ = HistGradientBoostingRegressor(loss="absolute_error", **kw).fit(
+            X[has_time], np.log(step[has_time] / analytical["step_time_s"][has_time]))
+        mem = measured_memory_gb(frame)
+        keep = np.isfinite(mem) & np.isfinite(analytical["memory_gb"])
+        self.memory_ = None
+        if keep.sum() >= 10:
+            self.memory_ = HistGradientBoostingRegressor(loss="absolute_error", **kw).fit(
+                X[keep], np.log(mem[keep] / analytical["memory_gb"][keep]))
+        table = feasibility_table(frame)
+        self.feasibility_ = None
+        if table["feasible"].nunique() == 2:
+            Xf, _ = F.compute_features(table)
+            self.feasibility_ = HistGradientBoostingClassifier(**kw).fit(
+                Xf, table["feasible"].to_numpy())
+        self.n_train_rows_ = len(frame)
+        return self
+
+    def _predict_arrays(self, frame: pd.DataFrame, X: np.ndarray, analytical: dict[str, Any]
+                        ) -> dict[str, np.ndarray]:
+        memory = analytical["memory_gb"] * (np.exp(self.memory_.predict(X))
+                                            if self.memory_ is not None else 1.0)
+        feasible = (self.feasibility_.predict_proba(X)[:, 1] if self.feasibility_ is not None
+                    else _memory_rule(memory, F.Columns(frame).memory_gb))
+        return {"step": analytical["step_time_s"] * np.exp(self.throughput_.predict(X)),
+                "memory": memory, "feasible": feasible}
+
+
+def estimator_factories(*, n_estimators: int | None = None) -> dict[str, Any]:
+    """Name -> zero-argument factory of every predictor ``paratune evaluate`` compares."""
+    kw = {} if n_estimators is None else {"n_estimators": n_estimators}
+    hist_kw = {} if n_estimators is None else {"max_iter": n_estimators}
+    return {
+        "performance_model": lambda: PerformanceModel(**kw),
+        "analytical": AnalyticalBaseline,
+        "xgb_raw_config": lambda: RawConfigBaseline(**kw),
+        "hist_gradient_boosting": lambda: HistGradientBoostingBaseline(**hist_kw),
+    }

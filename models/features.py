@@ -1,0 +1,429 @@
+"""Analytical features of a training step, computed from the model, the layout and the hardware.
+
+Every function takes a *config frame* (the columns of :data:`paratune.predictor.CONFIG_COLUMNS`,
+one row per configuration) and returns one numpy value per row, so 100,000 configurations are
+computed in a few column operations. :func:`config_row` builds a one-row frame from a
+:class:`~paratune.ModelSpec`, a :class:`~paratune.ParallelConfig` and a
+:class:`~paratune.HardwareSpec` for scalar use.
+
+Conventions (Megatron-LM / nanotron accounting; the learned model corrects what they miss):
+
+* mesh order is (pp, dp, tp), tp innermost: a group crosses nodes when the ranks it spans
+  do not fit in one node;
+* bf16 activations and communication (2 bytes); mixed-precision Adam state of 18 bytes per
+  parameter (2 bf16 weights, 4 fp32 gradient-accumulation buffer, 12 fp32 master weights and
+  moments), sharded by ZeRO stage;
+* activations per layer follow Korthikanti et al. (2022) with flash attention (no stored
+  attention matrix) and sequence parallelism (everything split over tp):
+  ``s*b*(18*h + 2*m*f) / tp`` bytes with ``m`` MLP matrices;
+* step time = slowest pipeline stage's per-micro-batch time (compute at peak FLOP/s plus
+  tensor-parallel collectives and pipeline transfers at link bandwidth) times
+  ``num_microbatches + (pp - 1) / virtual_stages``, plus the data-parallel gradient reduction.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from paratune.errors import ConfigError
+from paratune.hardware import HardwareSpec, get_hardware
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+    from paratune.parallel import ParallelConfig
+    from paratune.spec import ModelSpec
+
+__all__ = [
+    "ACTIVATION_BYTES",
+    "FEATURE_NAMES",
+    "MEMORY_OVERHEAD_GB",
+    "Columns",
+    "activation_memory_bytes",
+    "analytical_memory_gb",
+    "analytical_step_time",
+    "bubble_fraction",
+    "compute_features",
+    "config_row",
+    "dp_crosses_nodes",
+    "dp_reduction_bytes",
+    "gradient_memory_bytes",
+    "hardware_columns",
+    "model_flops_per_device",
+    "num_microbatches",
+    "optimizer_memory_bytes",
+    "parameter_memory_bytes",
+    "pp_crosses_nodes",
+    "pp_p2p_bytes_per_microbatch",
+    "tp_bytes_per_microbatch",
+    "tp_crosses_nodes",
+]
+
+ACTIVATION_BYTES = 2.0
+"""Bytes per activation / communicated element (bf16)."""
+MEMORY_OVERHEAD_GB = 2.0
+"""CUDA context, NCCL buffers and allocator slack added to every device's estimate."""
+_SCHEDULES = {"gpipe": 0, "1f1b": 1, "interleaved_1f1b": 2}
+_SHARDING = {"none": 0, "zero1": 1, "zero2": 2, "zero3": 3}
+_RECOMPUTE = {"none": 0, "full": 1, "selective": 2}
+
+
+# ---------------------------------------------------------------------------------- columns
+class Columns:
+    """numpy views of a config frame's columns, resolved once (hardware looked up per name).
+
+    Rows whose hardware is unknown get NaN hardware figures; :attr:`hardware_error` holds the
+    message for them (empty string elsewhere).
+    """
+
+    def __init__(self, frame: pd.DataFrame) -> None:
+        def num(name: str, default: float | None = None) -> np.ndarray:
+            if name not in frame.columns:
+                if default is None:
+                    raise ConfigError(name, None, "column missing from the config frame")
+                return np.full(len(frame), float(default))
+            return np.asarray(frame[name], dtype=float)
+
+        def codes(name: str, table: dict[str, int], default: str) -> np.ndarray:
+            if name not in frame.columns:
+                return np.full(len(frame), float(table[default]))
+            values = frame[name].astype(str).str.lower().map(table)
+            return np.asarray(values, dtype=float)
+
+        self.n = len(frame)
+        self.layers = num("num_layers")
+        self.hidden = num("hidden_size")
+        self.heads = num("num_heads")
+        kv = num("num_kv_heads", 0.0)
+        self.kv_heads = np.where(np.isnan(kv) | (kv <= 0), self.heads, kv)
+        self.ffn = num("ffn_hidden_size")
+        self.vocab = num("vocab_size")
+        self.seq = num("seq_len")
+        self.tied = num("tie_embeddings", 0.0) > 0
+        if "mlp" in frame.columns:
+            self.mlp_matrices = np.where(frame["mlp"].astype(str).str.lower() == "gelu", 2.0, 3.0)
+        else:
+            self.mlp_matrices = np.full(self.n, 3.0)
+        self.dp = num("dp")
+        self.tp = num("tp")
+        self.pp = num("pp")
+        self.micro = num("micro_batch_size")
+        self.global_batch = num("global_batch_size")
+        self.virtual = np.maximum(num("virtual_stages", 1.0), 1.0)
+        self.schedule = codes("schedule", _SCHEDULES, "1f1b")
+        self.sharding = codes("sharding", _SHARDING, "none")
+        self.recompute = codes("recompute", _RECOMPUTE, "none")
+        hw = hardware_columns(frame["hardware"] if "hardware" in frame.columns
+                              else np.full(self.n, "cpu"))
+        self.peak_flops = hw["peak_flops"]
+        self.memory_gb = hw["memory_gb"]
+        self.intra_bw = hw["intra_node_bw"]
+        self.inter_bw = hw["inter_node_bw"]
+        per_node = num("devices_per_node", np.nan)
+        self.per_node = np.where(np.isnan(per_node) | (per_node < 1), hw["devices_per_node"],
+                                 per_node)
+        self.hardware_error = hw["error"]
+        self.world = self.dp * self.tp * self.pp
+
+    # derived shapes
+    @property
+    def head_dim(self) -> np.ndarray:
+        return self.hidden / self.heads
+
+    @property
+    def params_per_layer(self) -> np.ndarray:
+        h = self.hidden
+        kv_dim = self.kv_heads * self.head_dim
+        return 2 * h * h + 2 * h * kv_dim + self.mlp_matrices * h * self.ffn + 2 * h
+
+    @property
+    def layers_per_stage(self) -> np.ndarray:
+        """Layers on the fullest pipeline rank (at least one)."""
+        return np.maximum(np.ceil(self.layers / self.pp), 1.0)
+
+
+def hardware_columns(names: Any) -> dict[str, np.ndarray]:
+    """Catalogue figures for each row's hardware name (unknown names: NaN and an error)."""
+    import pandas as pd
+
+    series = pd.Series(np.asarray(names, dtype=object)).astype(str)
+    uniques = series.unique()
+    table: dict[str, tuple[HardwareSpec | None, str]] = {}
+    for name in uniques:
+        try:
+            table[name] = (get_hardware(name), "")
+        except ConfigError as exc:
+            table[name] = (None, str(exc))
+    out: dict[str, np.ndarray] = {}
+    for attr in ("peak_flops", "memory_gb", "intra_node_bw", "inter_node_bw",
+                 "devices_per_node"):
+        mapping = {k: (float(getattr(s, attr)) if s is not None and getattr(s, attr) is not None
+                       else np.nan) for k, (s, _) in table.items()}
+        out[attr] = np.asarray(series.map(mapping), dtype=float)
+    out["error"] = np.asarray(series.map({k: e for k, (_, e) in table.items()}), dtype=object)
+    return out
+
+
+def _cols(frame: pd.DataFrame | Columns) -> Columns:
+    return frame if isinstance(frame, Columns) else Columns(frame)
+
+
+def config_row(model: ModelSpec, config: ParallelConfig, hardware: HardwareSpec | str, *,
+               devices_per_node: int | None = None) -> pd.DataFrame:
+    """A one-row config frame (for computing features of a single configuration)."""
+    from paratune.predictor import config_frame
+
+    return config_frame(model, [config], hardware, devices_per_node=devices_per_node)
+
+
+# ---------------------------------------------------------------------------------- compute
+def num_microbatches(frame: pd.DataFrame | Columns) -> np.ndarray:
+    """Micro-batches per step on each data-parallel rank: ``global / (dp * micro)``."""
+    c = _cols(frame)
+    return c.global_batch / (c.dp * c.micro)
+
+
+def _forward_flops_per_token(c: Columns, layers: np.ndarray, *, lm_head: np.ndarray | float
+                             ) -> np.ndarray:
+    """Forward FLOPs per token of ``layers`` blocks (plus the output projection if lm_head)."""
+    # As ModelSpec.num_matmul_params: every block's weights and the output projection.
+    matmul_params = layers * c.params_per_layer + lm_head * c.vocab * c.hidden
+    return 2.0 * matmul_params + 4.0 * layers * c.seq * c.hidden
+
+
+def model_flops_per_device(frame: pd.DataFrame | Columns) -> np.ndarray:
+    """Model FLOPs (MFU convention, no recomputation) per device per optimizer step."""
+    c = _cols(frame)
+    per_token = 3.0 * _forward_flops_per_token(c, c.layers, lm_head=1.0)
+    return per_token * c.global_batch * c.seq / c.world
+
+
+def _recompute_factor(c: Columns) -> np.ndarray:
+    """Hardware FLOPs / model FLOPs of a block: full recomputation adds a forward (4/3)."""
+    return np.where(c.recompute == 1, 4.0 / 3.0, np.where(c.recompute == 2, 1.02, 1.0))
+
+
+def bubble_fraction(frame: pd.DataFrame | Columns) -> np.ndarray:
+    """Idle fraction of the pipeline: ``(pp-1)/v / (num_microbatches + (pp-1)/v)``."""
+    c = _cols(frame)
+    warmup = (c.pp - 1.0) / np.where(c.schedule == 2, c.virtual, 1.0)
+    return warmup / (num_microbatches(c) + warmup)
+
+
+# ---------------------------------------------------------------------------------- comms
+def tp_crosses_nodes(frame: pd.DataFrame | Columns) -> np.ndarray:
+    """Whether a tensor-parallel group spans more than one node (1.0 / 0.0)."""
+    c = _cols(frame)
+    return (c.tp > c.per_node).astype(float)
+
+
+def dp_crosses_nodes(frame: pd.DataFrame | Columns) -> np.ndarray:
+    """Whether a data-parallel group spans more than one node (1.0 / 0.0)."""
+    c = _cols(frame)
+    return ((c.dp > 1) & (c.dp * c.tp > c.per_node)).astype(float)
+
+
+def pp_crosses_nodes(frame: pd.DataFrame | Columns) -> np.ndarray:
+    """Fraction of pipeline boundaries whose two stages sit in different nodes."""
+    c = _cols(frame)
+    stride = c.dp * c.tp
+    stages_per_node = np.maximum(c.per_node / stride, 1.0)
+    boundaries = np.maximum(c.pp - 1.0, 1.0)
+    crossing = np.where(stride >= c.per_node, c.pp - 1.0,
+                        np.floor((c.pp - 1.0) / stages_per_node))
+    return np.where(c.pp > 1, crossing / boundaries, 0.0)
+
+
+def tp_bytes_per_microbatch(frame: pd.DataFrame | Columns) -> np.ndarray:
+    """Bytes each device moves in tensor-parallel collectives for one micro-batch on a stage.
+
+    Two all-reduces of the ``micro * seq * hidden`` activation per block in the forward and two
+    in the backward (two more under full recomputation), each ``2 (tp-1)/tp`` of the tensor.
+    """
+    c = _cols(frame)
+    per_layer = np.where(c.recompute == 1, 6.0, 4.0)
+    tensor = c.micro * c.seq * c.hidden * ACTIVATION_BYTES
+    return c.layers_per_stage * per_layer * 2.0 * (c.tp - 1.0) / c.tp * tensor
+
+
+def pp_p2p_bytes_per_microbatch(frame: pd.DataFrame | Columns) -> np.ndarray:
+    """Bytes a pipeline rank sends per micro-batch (activation forward, gradient backward)."""
+    c = _cols(frame)
+    tensor = c.micro * c.seq * c.hidden * ACTIVATION_BYTES
+    return np.where(c.pp > 1, 2.0 * tensor * c.virtual, 0.0)
+
+
+def _stage_params(c: Columns) -> np.ndarray:
+    """Parameters held by the fullest pipeline rank before tensor-parallel splitting."""
+    embed = c.vocab * c.hidden
+    both_ends = np.where(c.tied, 1.0, 2.0)
+    return c.layers_per_stage * c.params_per_layer + embed * np.where(c.pp > 1, 1.0, both_ends)
+
+
+def dp_reduction_bytes(frame: pd.DataFrame | Columns) -> np.ndarray:
+    """Bytes each device moves per step to synchronise gradients across data parallelism.
+
+    DDP all-reduce and ZeRO-1/2 (reduce-scatter plus parameter all-gather) move
+    ``2 (dp-1)/dp`` of the bf16 gradients; ZeRO-3 gathers parameters again in the backward,
+    ``3 (dp-1)/dp``.
+    """
+    c = _cols(frame)
+    grads = _stage_params(c) / c.tp * ACTIVATION_BYTES
+    factor = np.where(c.sharding == 3, 3.0, 2.0)
+    return factor * (c.dp - 1.0) / c.dp * grads
+
+
+# ---------------------------------------------------------------------------------- memory
+def parameter_memory_bytes(frame: pd.DataFrame | Columns) -> np.ndarray:
+    """bf16 weights on the fullest device (sharded over dp under ZeRO-3)."""
+    c = _cols(frame)
+    shard = np.where(c.sharding >= 3, c.dp, 1.0)
+    return _stage_params(c) / c.tp * 2.0 / shard
+
+
+def gradient_memory_bytes(frame: pd.DataFrame | Columns) -> np.ndarray:
+    """fp32 gradient accumulation buffers on the fullest device (sharded over dp under ZeRO-2
+    and -3)."""
+    c = _cols(frame)
+    shard = np.where(c.sharding >= 2, c.dp, 1.0)
+    return _stage_params(c) / c.tp * 4.0 / shard
+
+
+def optimizer_memory_bytes(frame: pd.DataFrame | Columns) -> np.ndarray:
+    """fp32 master weights and Adam moments (12 bytes/param), sharded over dp from ZeRO-1."""
+    c = _cols(frame)
+    shard = np.where(c.sharding >= 1, c.dp, 1.0)
+    return _stage_params(c) / c.tp * 12.0 / shard
+
+
+def activation_memory_bytes(frame: pd.DataFrame | Columns) -> np.ndarray:
+    """Peak activation bytes on the fullest device.
+
+    Micro-batches in flight: all of them under GPipe, ``min(pp, num_microbatches)`` on the
+    first rank under 1F1B (a little more when interleaved). The last rank also holds the
+    logits of one micro-batch (fp32 for the loss: 4 bytes per vocabulary entry).
+    """
+    c = _cols(frame)
+    tokens = c.micro * c.seq
+    per_layer = tokens * (18.0 * c.hidden + 2.0 * c.mlp_matrices * c.ffn) / c.tp
+    layer_inputs = tokens * c.hidden * ACTIVATION_BYTES / c.tp
+    per_micro = np.where(c.recompute == 1, c.layers_per_stage * layer_inputs + per_layer,
+                         c.layers_per_stage * per_layer)
+    n_micro = num_microbatches(c)
+    one_f_one_b = np.minimum(c.pp, n_micro) * np.where(
+        c.schedule == 2, 1.0 + (c.pp - 1.0) / (c.pp * c.virtual), 1.0)
+    in_flight = np.where(c.pp <= 1, 1.0, np.where(c.schedule == 0, n_micro, one_f_one_b))
+    logits = tokens * c.vocab / c.tp * 4.0
+    first_rank = per_micro * in_flight
+    last_rank = per_micro + logits
+    return np.where(c.pp <= 1, per_micro + logits, np.maximum(first_rank, last_rank))
+
+
+def analytical_memory_gb(frame: pd.DataFrame | Columns) -> np.ndarray:
+    """Estimated peak memory per device in GB: weights, gradients, optimizer, activations and
+    :data:`MEMORY_OVERHEAD_GB`."""
+    c = _cols(frame)
+    total = (parameter_memory_bytes(c) + gradient_memory_bytes(c) + optimizer_memory_bytes(c)
+             + activation_memory_bytes(c))
+    return total / 1e9 + MEMORY_OVERHEAD_GB
+
+
+# ---------------------------------------------------------------------------------- time
+def analytical_step_time(frame: pd.DataFrame | Columns) -> dict[str, np.ndarray]:
+    """The analytical step time and its parts, in seconds.
+
+    Returns:
+        ``compute_s`` (slowest stage's FLOPs at peak over the step), ``tp_s``, ``pp_s``
+        (communication over the step), ``bubble_s`` (pipeline idle), ``dp_s`` (gradient
+        reduction) and ``step_time_s`` (their sum).
+    """
+    c = _cols(frame)
+    stage_layers = c.layers_per_stage
+    last_has_head = 1.0
+    per_token = 3.0 * _forward_flops_per_token(c, stage_layers, lm_head=last_has_head)
+    per_token = per_token * _recompute_factor(c)
+    tokens = c.micro * c.seq
+    compute_mb = per_token * tokens / c.tp / c.peak_flops
+    tp_bw = np.where(tp_crosses_nodes(c) > 0, c.inter_bw, c.intra_bw)
+    tp_mb = tp_bytes_per_microbatch(c) / tp_bw
+    pp_bw = np.where(pp_crosses_nodes(c) > 0, c.inter_bw, c.intra_bw)
+    pp_mb = pp_p2p_bytes_per_microbatch(c) / pp_bw
+    n_micro = num_microbatches(c)
+    warmup = (c.pp - 1.0) / np.where(c.schedule == 2, c.virtual, 1.0)
+    per_mb = compute_mb + tp_mb + pp_mb
+    dp_bw = np.where(dp_crosses_nodes(c) > 0, c.inter_bw, c.intra_bw)
+    dp_s = dp_reduction_bytes(c) / dp_bw
+    out = {
+        "compute_s": compute_mb * n_micro,
+        "tp_s": tp_mb * n_micro,
+        "pp_s": pp_mb * n_micro,
+        "bubble_s": per_mb * warmup,
+        "dp_s": dp_s,
+    }
+    out["step_time_s"] = per_mb * (n_micro + warmup) + dp_s
+    return out
+
+
+# ---------------------------------------------------------------------------------- features
+FEATURE_NAMES: tuple[str, ...] = (
+    "frac_compute", "frac_tp", "frac_pp", "frac_bubble", "frac_dp",
+    "log2_tokens_per_micro", "log2_hidden_per_tp", "log2_ffn_per_tp", "log2_head_dim",
+    "log2_layers_per_stage", "log2_microbatches", "log2_tp", "log2_pp",
+    "tp_crosses_nodes", "dp_crosses_nodes", "pp_crosses_nodes",
+    "sharding", "recompute", "schedule", "mem_fraction", "log2_vocab_per_tp_over_hidden",
+    "log10_flops_per_byte_inter", "log10_flops_per_byte_intra", "log2_dp_mem_share",
+)
+"""Columns of :func:`compute_features`: relative quantities (fractions, ratios, log sizes) so
+that a model trained on them can extrapolate to larger clusters and models."""
+
+
+def compute_features(frame: pd.DataFrame | Columns) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """The learned models' feature matrix and the analytical estimates it is relative to.
+
+    Args:
+        frame: A config frame.
+
+    Returns:
+        ``(X, analytical)``: an ``(n, len(FEATURE_NAMES))`` float32 matrix, and a dict with
+        the parts of :func:`analytical_step_time`, ``memory_gb`` (analytical peak memory)
+        and ``hardware_error`` (message per row, empty where the hardware is known).
+    """
+    c = _cols(frame)
+    times = analytical_step_time(c)
+    total = times["step_time_s"]
+    mem_gb = analytical_memory_gb(c)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        columns = {
+            "frac_compute": times["compute_s"] / total,
+            "frac_tp": times["tp_s"] / total,
+            "frac_pp": times["pp_s"] / total,
+            "frac_bubble": times["bubble_s"] / total,
+            "frac_dp": times["dp_s"] / total,
+            "log2_tokens_per_micro": np.log2(c.micro * c.seq),
+            "log2_hidden_per_tp": np.log2(c.hidden / c.tp),
+            "log2_ffn_per_tp": np.log2(c.ffn / c.tp),
+            "log2_head_dim": np.log2(c.head_dim),
+            "log2_layers_per_stage": np.log2(c.layers / c.pp),
+            "log2_microbatches": np.log2(num_microbatches(c)),
+            "log2_tp": np.log2(c.tp),
+            "log2_pp": np.log2(c.pp),
+            "tp_crosses_nodes": tp_crosses_nodes(c),
+            "dp_crosses_nodes": dp_crosses_nodes(c),
+            "pp_crosses_nodes": pp_crosses_nodes(c),
+            "sharding": c.sharding,
+            "recompute": c.recompute,
+            "schedule": c.schedule,
+            "mem_fraction": mem_gb / c.memory_gb,
+            "log2_vocab_per_tp_over_hidden": np.log2(c.vocab / c.tp / c.hidden),
+            "log10_flops_per_byte_inter": np.log10(c.peak_flops / c.inter_bw),
+            "log10_flops_per_byte_intra": np.log10(c.peak_flops / c.intra_bw),
+            "log2_dp_mem_share": np.log2(optimizer_memory_bytes(c) / 1e9 / c.memory_gb),
+        }
+    matrix = np.column_stack([columns[name] for name in FEATURE_NAMES]).astype(np.float32)
+    matrix[~np.isfinite(matrix)] = np.nan
+    analytical = dict(times)
+    analytical["memory_gb"] = mem_gb
+    analytical["hardware_error"] = c.hardware_error
+    return matrix, analytical

@@ -1,0 +1,89 @@
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from paratune import ModelFormatError
+from paratune.models import PerformanceModel, load_model
+from paratune.models._estimators import (
+    OUTPUT_COLUMNS,
+    PRED_TOKENS_Q10,
+    PRED_TOKENS_Q90,
+    estimator_factories,
+)
+from paratune.predictor import CONFIG_COLUMNS, PREDICTION_COLUMNS, Predictor
+
+SMALL = {"n_estimators": 40}
+
+
+@pytest.fixture(scope="module")
+def fitted(synthetic):
+    return PerformanceModel(**SMALL, n_jobs=1).fit(synthetic)
+
+
+def test_learns_the_hidden_ratio_and_keeps_row_order(fitted, make_synthetic):
+    test = make_synthetic(seed=1, n_per_model=20)
+    pred = fitted.predict(test[list(CONFIG_COLUMNS)])
+    assert list(pred.index) == list(test.index)
+    ok = (test.status == "ok").to_numpy()
+    ape = np.abs(pred["pred_step_time_s"].to_numpy()[ok] / test["step_time_s"].to_numpy()[ok] - 1)
+    assert np.median(ape) < 0.05
+    assert (pred[PRED_TOKENS_Q10] <= pred["pred_tokens_per_sec_per_gpu"] + 1e-9).all()
+    assert (pred[PRED_TOKENS_Q90] >= pred["pred_tokens_per_sec_per_gpu"] - 1e-9).all()
+    prob = pred["pred_feasible_prob"].to_numpy()
+    assert ((prob >= 0.5) == ok).mean() > 0.9
+
+
+def test_save_load_roundtrip_is_json_and_identical(fitted, synthetic, tmp_path):
+    fitted.save(tmp_path / "m")
+    files = sorted(p.name for p in (tmp_path / "m").iterdir())
+    assert "model.json" in files and all(f.endswith(".json") for f in files)
+    manifest = json.loads((tmp_path / "m" / "model.json").read_text())
+    assert manifest["schema_version"] == 1 and manifest["feature_names"]
+    assert len(manifest["training"]["fingerprint_sha256"]) == 64
+    back = load_model(tmp_path / "m")
+    a = fitted.predict(synthetic)
+    b = back.predict(synthetic)
+    np.testing.assert_allclose(a[list(PREDICTION_COLUMNS)].to_numpy(dtype=float),
+                               b[list(PREDICTION_COLUMNS)].to_numpy(dtype=float), rtol=1e-6)
+
+
+def test_mismatched_schema_fails_clearly(fitted, tmp_path):
+    fitted.save(tmp_path / "m")
+    manifest_path = tmp_path / "m" / "model.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest["schema_version"] = 99
+    manifest_path.write_text(json.dumps(manifest))
+    with pytest.raises(ModelFormatError, match="schema_version=99"):
+        load_model(tmp_path / "m")
+    with pytest.raises(ModelFormatError, match=r"no model\.json"):
+        load_model(tmp_path)
+
+
+def test_unknown_hardware_row_gets_error_not_crash(fitted, synthetic):
+    frame = synthetic[list(CONFIG_COLUMNS)].head(3).copy()
+    frame.loc[frame.index[1], "hardware"] = "TPU-v9"
+    pred = fitted.predict(frame)
+    assert "TPU-v9" in pred["pred_error"].iloc[1]
+    assert np.isnan(pred["pred_step_time_s"].iloc[1])
+    assert pred["pred_error"].iloc[0] == "" and np.isfinite(pred["pred_step_time_s"].iloc[0])
+
+
+@pytest.mark.parametrize("name", sorted(estimator_factories()))
+def test_every_predictor_meets_the_contract(name, synthetic):
+    estimator = estimator_factories(n_estimators=20)[name]()
+    assert estimator.fit(synthetic) is estimator
+    assert isinstance(estimator, Predictor)
+    pred = estimator.predict(synthetic)
+    assert list(pred.columns) == list(OUTPUT_COLUMNS)
+    assert len(pred) == len(synthetic)
+    ok = pred["pred_error"] == ""
+    assert (pred.loc[ok, "pred_step_time_s"] > 0).all()
+    assert pred.loc[ok, "pred_feasible_prob"].between(0, 1).all()
+
+
+def test_unfitted_predict_raises(synthetic):
+    with pytest.raises(ModelFormatError, match="not fitted"):
+        PerformanceModel().predict(synthetic)
