@@ -1,1 +1,64 @@
-"""paratune.tuner."""
+"""paratune.tuner: search global batch size and parallelism jointly against a learned model.
+
+``tune`` answers "this model on N devices: how should I run it?"; ``plan_phases`` turns a
+gradient-noise-scale trajectory into a schedule of training phases.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__all__ = [
+    "SAMPLERS",
+    "Objective",
+    "ObjectiveKind",
+    "Plan",
+    "SearchResult",
+    "SearchSpace",
+    "Trajectory",
+    "TuneResult",
+    "effective_b_noise",
+    "evaluate",
+    "examples_to_target",
+    "exhaustive",
+    "load_trajectory",
+    "megatron_args",
+    "optuna_search",
+    "parse_batch_sizes",
+    "plan_phases",
+    "pollux_efficiency",
+    "recommendation",
+    "steps_to_target",
+    "time_to_target",
+    "torchrun_command",
+    "torchtitan_toml",
+    "tune",
+    "verify_top_k",
+]
+
+_WHERE = {
+    "Objective": "_objective", "ObjectiveKind": "_objective",
+    "Plan": "_plan", "effective_b_noise": "_plan", "plan_phases": "_plan",
+    "SAMPLERS": "_search", "SearchResult": "_search", "evaluate": "_search",
+    "exhaustive": "_search", "optuna_search": "_search",
+    "SearchSpace": "_space", "parse_batch_sizes": "_space",
+    "Trajectory": "gns_trajectory", "load_trajectory": "gns_trajectory",
+    "TuneResult": "_tune", "tune": "_tune",
+    "examples_to_target": "_efficiency", "pollux_efficiency": "_efficiency",
+    "steps_to_target": "_efficiency", "time_to_target": "_efficiency",
+    "megatron_args": "_export", "recommendation": "_export", "torchrun_command": "_export",
+    "torchtitan_toml": "_export",
+    "verify_top_k": "_verify",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _WHERE:
+        module = importlib.import_module(f"paratune.tuner.{_WHERE[name]}")
+        return getattr(module, name)
+    raise AttributeError(f"module 'paratune.tuner' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

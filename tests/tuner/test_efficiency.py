@@ -1,0 +1,45 @@
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from paratune import ConfigError
+from paratune.tuner import (
+    examples_to_target,
+    pollux_efficiency,
+    steps_to_target,
+    time_to_target,
+)
+
+
+def test_pollux_efficiency_is_one_at_reference_and_falls_with_batch():
+    eff = pollux_efficiency([256, 512, 1024, 4096], b_noise=1000, b0=256)
+    assert eff[0] == pytest.approx(1.0)
+    assert eff[1] == pytest.approx(1256 / 1512)
+    assert np.all(np.diff(eff) < 0)
+
+
+def test_mccandlish_steps_and_examples_trade_off():
+    b = np.array([10.0, 100.0, 1000.0])
+    steps = steps_to_target(b, b_noise=100, s_min=50)
+    examples = examples_to_target(b, b_noise=100, e_min=5000)
+    assert steps == pytest.approx([550, 100, 55])
+    assert examples == pytest.approx([5500, 10000, 55000])
+    # E = S * B on the same curve when E_min = S_min * B_noise.
+    assert examples == pytest.approx(steps * b)
+
+
+def test_pollux_and_time_to_target_rank_configs_the_same():
+    rng = np.random.default_rng(0)
+    batch = rng.choice([64, 128, 256, 512, 1024], size=50).astype(float)
+    step = rng.uniform(0.5, 5.0, size=50)
+    throughput = batch / step
+    goodput = throughput * pollux_efficiency(batch, 300, 64)
+    ttt = time_to_target(batch, step, 300, e_min=1e6)
+    assert np.array_equal(np.argsort(-goodput), np.argsort(ttt))
+
+
+@pytest.mark.parametrize("bad", [0, -5, float("nan")])
+def test_bad_noise_scale_names_the_field(bad):
+    with pytest.raises(ConfigError, match="gns"):
+        pollux_efficiency([1], b_noise=bad, b0=1)

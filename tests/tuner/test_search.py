@@ -1,0 +1,99 @@
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from paratune import ConfigError, get_model
+from paratune.space import ConfigSpace
+from paratune.tuner import Objective, SearchSpace, evaluate, exhaustive, optuna_search
+
+
+def _big_space() -> SearchSpace:
+    space = ConfigSpace(micro_batch_sizes=(1, 2, 4, 8), virtual_stages=(2, 4),
+                        recomputes=("none", "selective", "full"))
+    return SearchSpace.build(get_model("llama3-70b"), 512, "H100", space=space,
+                             global_batch_sizes="256:2048")
+
+
+def test_exhaustive_ranks_every_valid_config(closed_form):
+    space = SearchSpace.build(get_model("llama3-8b"), 16, "H100", global_batch_sizes=[64])
+    result = exhaustive(closed_form, space, Objective())
+    valid = space.enumerate().valid
+    assert len(result.ranked) == len(valid) == result.num_trials
+    assert closed_form.calls == [len(valid)]  # one vectorised predict call
+    feasible = result.ranked["feasible"].to_numpy()
+    # feasible configs first, each block sorted by objective
+    assert not np.any(np.diff(feasible.astype(int)) > 0)
+    block = result.ranked[result.ranked["feasible"]]["objective"].to_numpy()
+    assert np.all(np.diff(block) <= 0)
+    assert result.ranked["vs_best"].iloc[0] == pytest.approx(1.0)
+    assert result.best.is_valid(space.model, 16)
+
+
+def test_tpe_regret_on_a_large_space_is_small(closed_form):
+    space = _big_space()
+    objective = Objective(kind="goodput", b_noise=1500)
+    full = exhaustive(closed_form, space, objective)
+    assert full.num_trials >= 10_000
+    best = full.ranked["objective"].iloc[0]
+    regrets = []
+    for seed in (0, 1):
+        found, _ = optuna_search(closed_form, space, objective, n_trials=200, seed=seed)
+        assert found.num_trials == 200
+        assert found.best_feasible
+        regrets.append(1 - found.ranked["objective"].iloc[0] / best)
+    assert min(regrets) >= -1e-12
+    assert np.mean(regrets) < 0.01
+
+
+def test_fixed_seed_reproduces_and_other_samplers_run(closed_form):
+    space = SearchSpace.build(get_model("llama3-8b"), 64, "H100", global_batch_sizes="128:512")
+    objective = Objective(kind="goodput", b_noise=400)
+    a, study_a = optuna_search(closed_form, space, objective, n_trials=40, seed=3)
+    b, study_b = optuna_search(closed_form, space, objective, n_trials=40, seed=3)
+    assert [t.params for t in study_a.trials] == [t.params for t in study_b.trials]
+    assert a.best == b.best
+    pruned = [t for t in study_a.trials if t.state.name == "PRUNED"]
+    assert all("=" in t.user_attrs["pruned_reason"] for t in pruned)
+    for sampler in ("random", "qmc"):
+        result, _ = optuna_search(closed_form, space, objective, n_trials=15, seed=0,
+                                  sampler=sampler)
+        assert result.num_trials == 15 and not result.ranked.empty
+
+
+def test_goodput_prefers_smaller_batches_when_noise_scale_is_small(closed_form):
+    space = SearchSpace.build(get_model("llama3-8b"), 64, "H100", global_batch_sizes="64:1024")
+    low = exhaustive(closed_form, space, Objective(kind="goodput", b_noise=32)).best
+    high = exhaustive(closed_form, space, Objective(kind="goodput", b_noise=1e6)).best
+    assert low.global_batch_size < high.global_batch_size
+
+
+def test_risk_aware_ranking_uses_the_lower_quantile(closed_form):
+    space = SearchSpace.build(get_model("llama3-8b"), 64, "H100", global_batch_sizes=[256])
+    configs = space.enumerate().valid
+    scored = evaluate(closed_form, space, configs, Objective(risk_quantile="q10"))
+    expected = scored["pred_tokens_per_sec_per_gpu_q10"] * scored["world_size"]
+    assert np.allclose(scored["objective"], expected)
+    with pytest.raises(ConfigError, match="risk_quantile"):
+        evaluate(closed_form, space, configs, Objective(risk_quantile="q05"))
+
+
+def test_objective_rules_are_named(closed_form):
+    with pytest.raises(ConfigError, match="gns"):
+        Objective(kind="goodput")
+    with pytest.raises(ConfigError, match="objective"):
+        Objective(kind="speed")
+    space = SearchSpace.build(get_model("llama3-8b"), 16, "H100", global_batch_sizes="64:128")
+    with pytest.raises(ConfigError, match="global_batch_sizes"):
+        exhaustive(closed_form, space, Objective(kind="throughput"))
+
+
+def test_memory_constraint_marks_configs_infeasible(closed_form):
+    space = SearchSpace.build(get_model("llama3-70b"), 16, "H100", global_batch_sizes=[32])
+    result = exhaustive(closed_form, space, Objective())
+    ranked = result.ranked
+    assert ranked["feasible"].any() and not ranked["feasible"].all()
+    limit = 0.95 * 80
+    assert (ranked.loc[ranked["feasible"], "peak_mem_gb"] <= limit).all()
+    tight = exhaustive(closed_form, space, Objective(memory_limit_gb=1.0))
+    assert not tight.best_feasible

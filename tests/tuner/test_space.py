@@ -1,0 +1,61 @@
+from __future__ import annotations
+
+import optuna
+import pytest
+
+from paratune import ConfigError, get_model
+from paratune.space import ConfigSpace
+from paratune.tuner import SearchSpace, parse_batch_sizes
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("512", (512,)), (512, (512,)), ("256,128,256", (128, 256)),
+    ("256:2048", (256, 512, 1024, 2048)), ("100:900:x3", (100, 300, 900)),
+    ("256:1024:256", (256, 512, 768, 1024)), ([64, 32], (32, 64)),
+])
+def test_parse_batch_sizes(text, expected):
+    assert parse_batch_sizes(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "a,b", "2048:256", "0", "8:64:x1"])
+def test_bad_batch_sizes_are_named(text):
+    with pytest.raises(ConfigError, match="global_batch_sizes"):
+        parse_batch_sizes(text)
+
+
+def test_sampled_configs_are_valid_or_pruned_with_the_rule():
+    model = get_model("llama3-8b")
+    space = SearchSpace.build(model, 64, "H100", global_batch_sizes="64:512",
+                              space=ConfigSpace(micro_batch_sizes=(1, 2, 4, 8)))
+    valid = set(space.enumerate().valid)
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=1))
+    reasons, seen = [], set()
+    for _ in range(300):
+        trial = study.ask()
+        cfg, reason = space.suggest(trial)
+        if cfg is None:
+            assert "=" in reason
+            reasons.append(reason)
+        else:
+            cfg.validate(model, 64)
+            assert cfg.tp <= 8  # tp stays within a node by default
+            assert cfg in valid  # the sampler's space is the enumerated space
+            seen.add(cfg)
+        study.tell(trial, 0.0)
+    assert seen and len(seen) > 100
+    assert any("micro_batch_size" in r or "global_batch_size" in r for r in reasons)
+
+
+def test_layouts_respect_model_shape_and_batch():
+    model = get_model("llama3-8b")  # 8 kv heads: tp <= 8
+    space = SearchSpace.build(model, 64, "H100", global_batch_sizes=[16],
+                              space=ConfigSpace(tp_within_node=False, micro_batch_sizes=(1,)))
+    layouts = space.layouts(16)
+    assert layouts
+    assert all(tp <= 8 and 16 % dp == 0 and dp * tp * pp == 64 for dp, tp, pp in layouts)
+
+
+def test_impossible_job_is_a_clear_error():
+    with pytest.raises(ConfigError, match="gpus=7"):
+        SearchSpace.build(get_model("llama3-8b"), 7, "H100", global_batch_sizes=[4],
+                          space=ConfigSpace(micro_batch_sizes=(1,), pp_degrees=(1,)))

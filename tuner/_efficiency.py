@@ -1,0 +1,84 @@
+"""Statistical efficiency of the global batch size, from the gradient noise scale.
+
+Two views of the same empirical law, both driven by the gradient noise scale ``B_noise``
+(in sequences, the unit of every batch size in paratune):
+
+* **Pollux** (Qiao et al., "Pollux: Co-adaptive Cluster Scheduling for Goodput-Optimized Deep
+  Learning", OSDI 2021, eq. 4): the statistical efficiency of batch ``B`` relative to a
+  reference batch ``B0`` is ``E(B) = (B_noise + B0) / (B_noise + B)``; goodput is
+  throughput times ``E(B)``: the training progress per second measured in ``B0``-batch
+  examples.
+* **McCandlish et al.** ("An Empirical Model of Large-Batch Training", arXiv 1812.06162,
+  eqs. 2.11 and 2.12): reaching a fixed loss takes ``S(B) = S_min (1 + B_noise / B)``
+  optimizer steps or ``E(B) = E_min (1 + B / B_noise)`` examples, with
+  ``E_min = S_min * B_noise``. The time to that target is ``S(B) * step_time(B)``.
+
+For a fixed ``B_noise`` the two rank configurations identically: goodput is proportional
+to ``B / ((B_noise + B) * step_time)``, the inverse of the time to target. Pollux gives a
+dimensionless rate; McCandlish an absolute time once ``S_min`` (or ``E_min``) is known.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numpy.typing import ArrayLike
+
+from paratune.errors import ConfigError
+
+__all__ = ["examples_to_target", "pollux_efficiency", "steps_to_target", "time_to_target"]
+
+
+def _check_noise(b_noise: float) -> float:
+    b_noise = float(b_noise)
+    if not np.isfinite(b_noise) or b_noise <= 0:
+        raise ConfigError("gns", b_noise, "the gradient noise scale B_noise must be a positive "
+                          "number of sequences")
+    return b_noise
+
+
+def pollux_efficiency(batch: ArrayLike, b_noise: float, b0: float) -> np.ndarray:
+    """Pollux statistical efficiency ``(B_noise + B0) / (B_noise + B)``.
+
+    Args:
+        batch: Global batch size(s) ``B`` in sequences.
+        b_noise: Gradient noise scale in sequences.
+        b0: Reference batch size ``B0`` (efficiency 1 there); the smallest batch considered
+            is the usual choice.
+
+    Returns:
+        Efficiency per batch, in ``(0, 1]`` for ``B >= B0``.
+    """
+    b_noise = _check_noise(b_noise)
+    if b0 <= 0:
+        raise ConfigError("b0", b0, "the reference batch size must be positive")
+    batch = np.asarray(batch, dtype=float)
+    return (b_noise + b0) / (b_noise + batch)
+
+
+def steps_to_target(batch: ArrayLike, b_noise: float, s_min: float) -> np.ndarray:
+    """McCandlish et al. optimizer steps to a target loss, ``S_min (1 + B_noise / B)``."""
+    b_noise = _check_noise(b_noise)
+    batch = np.asarray(batch, dtype=float)
+    return s_min * (1.0 + b_noise / batch)
+
+
+def examples_to_target(batch: ArrayLike, b_noise: float, e_min: float) -> np.ndarray:
+    """McCandlish et al. examples (sequences) to a target loss, ``E_min (1 + B / B_noise)``."""
+    b_noise = _check_noise(b_noise)
+    batch = np.asarray(batch, dtype=float)
+    return e_min * (1.0 + batch / b_noise)
+
+
+def time_to_target(batch: ArrayLike, step_time_s: ArrayLike, b_noise: float,
+                   e_min: float) -> np.ndarray:
+    """Seconds to a target loss: ``S(B) * step_time(B)`` with ``S_min = E_min / B_noise``.
+
+    Args:
+        batch: Global batch size(s) in sequences.
+        step_time_s: Step time at each batch (same shape).
+        b_noise: Gradient noise scale in sequences.
+        e_min: Sequences needed to reach the target at a vanishing batch size.
+    """
+    b_noise = _check_noise(b_noise)
+    steps = steps_to_target(batch, b_noise, e_min / b_noise)
+    return steps * np.asarray(step_time_s, dtype=float)

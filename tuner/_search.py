@@ -1,0 +1,351 @@
+"""Searching a space against a predictor: exhaustively (vectorised) or with Optuna."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import time
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from paratune._table import format_table
+from paratune.errors import ConfigError
+from paratune.parallel import ParallelConfig
+from paratune.predictor import Predictor, config_frame
+from paratune.tuner._objective import Objective
+
+if TYPE_CHECKING:
+    import optuna
+    import pandas as pd
+
+    from paratune.tuner._space import SearchSpace
+
+__all__ = ["SAMPLERS", "SearchResult", "evaluate", "exhaustive", "make_sampler",
+           "open_study", "optuna_search"]
+
+logger = logging.getLogger(__name__)
+
+SAMPLERS = ("tpe", "random", "gp", "qmc", "nsga2")
+"""Optuna samplers selectable by name (``tpe`` is multivariate, grouped TPE)."""
+
+_CONFIG_ATTR = "config"
+_REASON_ATTR = "pruned_reason"
+
+
+@dataclass
+class SearchResult:
+    """Ranked, scored configs from one search."""
+
+    ranked: pd.DataFrame
+    """One row per distinct config evaluated: config columns, predictions, scores, ``rank``
+    (1 = best; feasible configs first, then by objective) and ``vs_best`` (objective as a
+    fraction of the best's)."""
+    space: SearchSpace
+    objective: Objective
+    mode: str
+    """``"exhaustive"`` or the sampler's name."""
+    num_trials: int = 0
+    """Trials in the study (all workers, all sessions) or configs enumerated."""
+    num_pruned: int = 0
+    """Trials pruned because the sampled config broke a rule."""
+    wall_time_s: float = 0.0
+    """Seconds this call spent searching."""
+    study_name: str | None = None
+    storage: str | None = None
+    skipped: list[tuple[ParallelConfig, str]] = field(default_factory=list)
+    """Configs left out of an exhaustive search, with the rule each breaks."""
+
+    @property
+    def best(self) -> ParallelConfig:
+        """The top-ranked config."""
+        if self.ranked.empty:
+            raise ConfigError("space", self.space.model.name, "no config was evaluated")
+        return config_from_row(self.ranked.iloc[0])
+
+    @property
+    def best_row(self) -> pd.Series:
+        return self.ranked.iloc[0]
+
+    @property
+    def best_feasible(self) -> bool:
+        return bool(not self.ranked.empty and self.ranked.iloc[0]["feasible"])
+
+    def top(self, k: int = 10) -> pd.DataFrame:
+        return self.ranked.head(k)
+
+    def configs(self, k: int | None = None) -> list[ParallelConfig]:
+        frame = self.ranked if k is None else self.ranked.head(k)
+        return [config_from_row(row) for _, row in frame.iterrows()]
+
+    def table(self, k: int = 10) -> str:
+        """The top ``k`` as a terminal table."""
+        rows = []
+        for _, row in self.top(k).iterrows():
+            rows.append({
+                "rank": int(row["rank"]), "gbs": int(row["global_batch_size"]),
+                "dp": int(row["dp"]), "tp": int(row["tp"]), "pp": int(row["pp"]),
+                "mbs": int(row["micro_batch_size"]),
+                "schedule": (row["schedule"] if row["pp"] > 1 else "-")
+                + (f"/v{int(row['virtual_stages'])}" if row["virtual_stages"] > 1 else ""),
+                "sharding": row["sharding"], "recompute": row["recompute"],
+                "tok/s": float(row["tokens_per_s"]),
+                "tok/s/gpu": float(row["tokens_per_s"]) / float(row["world_size"]),
+                "step_s": float(row["step_time_s"]), "mem_gb": float(row["peak_mem_gb"]),
+                "p_ok": float(row["feasible_prob"]), "eff": float(row["efficiency"]),
+                "goodput": float(row["goodput"]),
+                "vs_best": f"{100 * float(row['vs_best']):.1f}%",
+                "ok": "yes" if row["feasible"] else "NO",
+            })
+        title = (f"{self.space.model.name} on {self.space.world_size} x "
+                 f"{self.space.hardware.name}: top {len(rows)} by {self.objective.kind.value}"
+                 f" ({self.mode}, {self.num_trials} trials/configs)")
+        return format_table(rows, title=title, floatfmt=".4g")
+
+
+def config_from_row(row: Any) -> ParallelConfig:
+    """The :class:`ParallelConfig` of a config-frame (or ranked) row."""
+    return ParallelConfig(
+        dp=int(row["dp"]), tp=int(row["tp"]), pp=int(row["pp"]),
+        micro_batch_size=int(row["micro_batch_size"]),
+        global_batch_size=int(row["global_batch_size"]), schedule=str(row["schedule"]),
+        virtual_stages=int(row["virtual_stages"]), sharding=str(row["sharding"]),
+        recompute=str(row["recompute"]))
+
+
+def evaluate(predictor: Predictor, space: SearchSpace, configs: Sequence[ParallelConfig],
+             objective: Objective) -> pd.DataFrame:
+    """Predict and score ``configs`` in one vectorised call.
+
+    Returns:
+        The config frame joined with the predictions and the objective's score columns,
+        one row per config in the given order.
+    """
+    import pandas as pd
+
+    frame = config_frame(space.model, configs, space.hardware,
+                         devices_per_node=space.devices_per_node)
+    if frame.empty:
+        return frame
+    preds = predictor.predict(frame)
+    if len(preds) != len(frame):
+        raise ConfigError("predictor", type(predictor).__name__,
+                          f"returned {len(preds)} rows for {len(frame)} configs")
+    scored = objective.score(frame, preds, space)
+    extra = [c for c in scored.columns if c not in frame.columns]
+    return pd.concat([frame.reset_index(drop=True), scored[extra]], axis=1)
+
+
+def rank(scored: pd.DataFrame) -> pd.DataFrame:
+    """Feasible first, then by objective (descending); adds ``rank`` and ``vs_best``."""
+    if scored.empty:
+        return scored.assign(rank=[], vs_best=[])
+    ordered = scored.sort_values(["feasible", "objective"], ascending=[False, False],
+                                 kind="stable").reset_index(drop=True)
+    best = float(ordered["objective"].iloc[0])
+    ordered["rank"] = range(1, len(ordered) + 1)
+    ordered["vs_best"] = ordered["objective"] / best if best > 0 else math.nan
+    return ordered
+
+
+def exhaustive(predictor: Predictor, space: SearchSpace, objective: Objective, *,
+               chunk_size: int = 50_000) -> SearchResult:
+    """Enumerate the whole space and predict every config (vectorised, in chunks).
+
+    Args:
+        predictor: Anything with ``predict(config_frame)``.
+        space: The space.
+        objective: What to maximise.
+        chunk_size: Configs per ``predict`` call (bounds memory on huge spaces).
+    """
+    import pandas as pd
+
+    objective.check(space)
+    start = time.perf_counter()
+    enum = space.enumerate()
+    parts = [evaluate(predictor, space, enum.valid[i:i + chunk_size], objective)
+             for i in range(0, len(enum.valid), chunk_size)]
+    scored = pd.concat(parts, ignore_index=True) if parts else pd.DataFrame()
+    return SearchResult(ranked=rank(scored), space=space, objective=objective,
+                        mode="exhaustive", num_trials=len(enum.valid),
+                        wall_time_s=time.perf_counter() - start, skipped=enum.skipped)
+
+
+# ---------------------------------------------------------------------- Optuna
+def make_sampler(name: str, *, seed: int | None) -> optuna.samplers.BaseSampler:
+    """An Optuna sampler by name (see :data:`SAMPLERS`).
+
+    Constraints reach the samplers that use them (TPE, GP, NSGA-II) through each trial's
+    ``set_constraint`` values (predicted infeasibility and memory over the limit).
+    """
+    import optuna
+
+    name = name.lower()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        if name == "tpe":
+            return optuna.samplers.TPESampler(seed=seed, multivariate=True, group=True)
+        if name == "random":
+            return optuna.samplers.RandomSampler(seed=seed)
+        if name == "gp":
+            return optuna.samplers.GPSampler(seed=seed)
+        if name == "qmc":
+            return optuna.samplers.QMCSampler(seed=seed)
+        if name in ("nsga2", "nsgaii"):
+            return optuna.samplers.NSGAIISampler(seed=seed)
+    raise ConfigError("sampler", name, f"must be one of {', '.join(SAMPLERS)}")
+
+
+def resolve_storage(storage: str | Path | None, default_dir: str | Path | None
+                    ) -> tuple[Any, str | None]:
+    """An Optuna storage from a URL or a path.
+
+    ``None`` means a journal file ``study.journal`` in ``default_dir`` (or in-memory when
+    that is ``None`` too); a string with ``://`` is an RDB URL (``sqlite:///x.db``,
+    ``postgresql://...``); any other string is a journal file path (safe for several
+    processes on one machine or a shared file system).
+
+    Returns:
+        The storage object (or URL) and a printable description.
+    """
+    import optuna
+    from optuna.storages.journal import JournalFileBackend, JournalStorage
+
+    if storage is None and default_dir is None:
+        return None, None
+    if storage is None:
+        Path(default_dir).mkdir(parents=True, exist_ok=True)
+        storage = Path(default_dir) / "study.journal"
+    text = str(storage)
+    if "://" in text:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return optuna.storages.RDBStorage(text, heartbeat_interval=30,
+                                              grace_period=120), text
+    Path(text).parent.mkdir(parents=True, exist_ok=True)
+    return JournalStorage(JournalFileBackend(text)), text
+
+
+def default_study_name(space: SearchSpace, objective: Objective, sampler: str,
+                       seed: int | None) -> str:
+    """Same problem, same name: rerunning a command resumes its study."""
+    key = json.dumps({"space": space.to_dict(), "objective": objective.to_dict(),
+                      "sampler": sampler, "seed": seed}, sort_keys=True, default=str)
+    digest = hashlib.sha256(key.encode()).hexdigest()[:10]
+    return (f"{space.model.name}-{space.world_size}x{space.hardware.name}-"
+            f"{objective.kind.value}-{digest}")
+
+
+def open_study(space: SearchSpace, objective: Objective, *, sampler: str = "tpe",
+               seed: int | None = 0, storage: str | Path | None = None,
+               study_name: str | None = None, storage_dir: str | Path | None = None
+               ) -> optuna.Study:
+    """Create or load (resume) the study for this problem."""
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    store, _ = resolve_storage(storage, storage_dir)
+    name = study_name or default_study_name(space, objective, sampler, seed)
+    study = optuna.create_study(
+        storage=store, study_name=name, direction="maximize", load_if_exists=True,
+        sampler=make_sampler(sampler, seed=seed))
+    if "space" not in study.user_attrs:
+        study.set_user_attr("space", space.to_dict())
+        study.set_user_attr("objective", objective.to_dict())
+    return study
+
+
+def _finished(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
+    from optuna.trial import TrialState
+
+    return study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED))
+
+
+def optuna_search(predictor: Predictor, space: SearchSpace, objective: Objective, *,
+                  n_trials: int = 200, sampler: str = "tpe", seed: int | None = 0,
+                  storage: str | Path | None = None, study_name: str | None = None,
+                  storage_dir: str | Path | None = None, batch_size: int = 1,
+                  timeout_s: float | None = None) -> tuple[SearchResult, optuna.Study]:
+    """Search ``space`` with an Optuna sampler until the study holds ``n_trials`` trials.
+
+    ``n_trials`` counts the finished trials of the whole study, so several processes
+    sharing one storage split the work, and rerunning after a kill runs only what is
+    left. A sampled config that breaks a rule is a pruned trial with the rule as its
+    ``pruned_reason``; a config seen before is scored from the cache.
+
+    Args:
+        predictor: Anything with ``predict(config_frame)``.
+        space: The space.
+        objective: What to maximise.
+        n_trials: Finished trials the study should hold.
+        sampler: A name in :data:`SAMPLERS`.
+        seed: Sampler seed (a fixed seed reproduces a single-process search).
+        storage: Optuna storage URL or journal path; see :func:`resolve_storage`.
+        study_name: Defaults to a name derived from the problem (so reruns resume).
+        storage_dir: Where the default journal goes; ``None`` with no ``storage`` keeps
+            the study in memory.
+        batch_size: Trials asked (and predicted in one call) at a time.
+        timeout_s: Stop asking after this many seconds.
+
+    Returns:
+        The ranked result over every config in the study, and the study.
+    """
+    from optuna.trial import TrialState
+
+    objective.check(space)
+    if n_trials < 1:
+        raise ConfigError("n_trials", n_trials, "must be a positive integer")
+    if batch_size < 1:
+        raise ConfigError("batch_size", batch_size, "must be a positive integer")
+    start = time.perf_counter()
+    study = open_study(space, objective, sampler=sampler, seed=seed, storage=storage,
+                       study_name=study_name, storage_dir=storage_dir)
+    cache: dict[ParallelConfig, tuple[float, tuple[float, float]]] = {}
+    for trial in _finished(study):
+        if trial.state is TrialState.COMPLETE and _CONFIG_ATTR in trial.user_attrs:
+            cfg = ParallelConfig.from_dict(trial.user_attrs[_CONFIG_ATTR])
+            cache[cfg] = (float(trial.value), (trial.constraints.get("feasible_prob", 0.0),
+                                               trial.constraints.get("memory", 0.0)))
+    done = len(_finished(study))
+    while done < n_trials:
+        if timeout_s is not None and time.perf_counter() - start > timeout_s:
+            break
+        asked = [study.ask() for _ in range(min(batch_size, n_trials - done))]
+        drawn = [space.suggest(trial) for trial in asked]
+        fresh = list(dict.fromkeys(cfg for cfg, _ in drawn
+                                   if cfg is not None and cfg not in cache))
+        if fresh:
+            scored = evaluate(predictor, space, fresh, objective)
+            for cfg, (_, row) in zip(fresh, scored.iterrows()):
+                cache[cfg] = (float(row["objective"]),
+                              (float(row["violation_feasible"]), float(row["violation_memory"])))
+        for trial, (cfg, reason) in zip(asked, drawn):
+            if cfg is None:
+                trial.set_user_attr(_REASON_ATTR, reason)
+                study.tell(trial, state=TrialState.PRUNED)
+                continue
+            value, violations = cache[cfg]
+            trial.set_user_attr(_CONFIG_ATTR, cfg.to_dict())
+            trial.set_constraint("feasible_prob", violations[0])
+            trial.set_constraint("memory", violations[1])
+            study.tell(trial, value)
+        done = len(_finished(study))
+    finished = _finished(study)
+    configs = list(dict.fromkeys(ParallelConfig.from_dict(t.user_attrs[_CONFIG_ATTR])
+                                 for t in finished if t.state is TrialState.COMPLETE))
+    import pandas as pd
+
+    scored = evaluate(predictor, space, configs, objective) if configs else pd.DataFrame()
+    store_text = None if storage is None and storage_dir is None else str(
+        storage or Path(storage_dir) / "study.journal")
+    result = SearchResult(
+        ranked=rank(scored), space=space, objective=objective, mode=sampler,
+        num_trials=len(finished),
+        num_pruned=sum(t.state is TrialState.PRUNED for t in finished),
+        wall_time_s=time.perf_counter() - start, study_name=study.study_name,
+        storage=store_text)
+    return result, study

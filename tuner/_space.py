@@ -1,0 +1,239 @@
+"""The tuner's search space: a :class:`~paratune.space.ConfigSpace` bound to a job.
+
+The space itself (batch sizes, micro-batches, schedules, sharding, recomputation, allowed
+degrees) is data in :class:`ConfigSpace`; this module binds it to one model, world size and
+device, enumerates it (for exhaustive search) and turns an Optuna trial into a
+:class:`~paratune.ParallelConfig`. Sampling is valid by construction where the rule is known
+up front: the degrees offered for a batch size factorise the world size, respect the
+model's shape and the node size, and divide the batch; what remains (micro-batch divisibility,
+interleaved-schedule rules) is checked by :meth:`ParallelConfig.validate` and the trial is
+pruned with the rule it breaks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from paratune.errors import ConfigError
+from paratune.hardware import HardwareSpec, get_hardware
+from paratune.parallel import ParallelConfig, Recompute, Schedule, Sharding
+from paratune.space import ConfigSpace, SpaceEnumeration
+from paratune.spec import ModelSpec
+
+if TYPE_CHECKING:
+    import optuna
+
+__all__ = ["SearchSpace", "parse_batch_sizes"]
+
+_RANGE = re.compile(r"^\s*(\d+)\s*:\s*(\d+)\s*(?::\s*(x?)(\d+)\s*)?$")
+
+
+def parse_batch_sizes(text: str | int | Sequence[int]) -> tuple[int, ...]:
+    """Global batch sizes from a list or a range expression.
+
+    Accepted forms: ``512``; ``"256,512,1024"``; ``"256:2048"`` (powers of two from 256 to
+    2048); ``"256:2048:x2"`` (geometric, factor 2); ``"256:1024:256"`` (arithmetic step).
+
+    Raises:
+        ConfigError: ``global_batch_sizes`` is malformed or empty.
+    """
+    if isinstance(text, int):
+        values = [text]
+    elif isinstance(text, str):
+        match = _RANGE.match(text)
+        if match:
+            lo, hi = int(match.group(1)), int(match.group(2))
+            geometric = match.group(4) is None or match.group(3) == "x"
+            step = int(match.group(4) or 2)
+            if lo < 1 or hi < lo or step < (2 if geometric else 1):
+                raise ConfigError("global_batch_sizes", text,
+                                  "a range lo:hi[:step|:xfactor] needs 1 <= lo <= hi and "
+                                  "step >= 1 (factor >= 2)")
+            values, v = [], lo
+            while v <= hi:
+                values.append(v)
+                v = v * step if geometric else v + step
+        else:
+            try:
+                values = [int(v) for v in text.replace(" ", "").split(",") if v]
+            except ValueError:
+                raise ConfigError("global_batch_sizes", text,
+                                  "must be integers: '512', '256,512' or a range "
+                                  "'256:2048[:x2|:step]'") from None
+    else:
+        values = [int(v) for v in text]
+    if not values:
+        raise ConfigError("global_batch_sizes", text, "must list at least one batch size")
+    if any(v < 1 for v in values):
+        raise ConfigError("global_batch_sizes", text, "batch sizes must be positive")
+    return tuple(sorted(set(values)))
+
+
+def _schedule_label(schedule: Schedule, virtual_stages: int) -> str:
+    if schedule is Schedule.INTERLEAVED_1F1B:
+        return f"{schedule.value}-v{virtual_stages}"
+    return schedule.value
+
+
+def _parse_schedule_label(label: str) -> tuple[Schedule, int]:
+    if label.startswith(Schedule.INTERLEAVED_1F1B.value):
+        return Schedule.INTERLEAVED_1F1B, int(label.rsplit("-v", 1)[1])
+    return Schedule(label), 1
+
+
+def _layout_label(dp: int, tp: int, pp: int) -> str:
+    return f"dp{dp}-tp{tp}-pp{pp}"
+
+
+def _parse_layout_label(label: str) -> tuple[int, int, int]:
+    dp, tp, pp = (int(part[2:]) for part in label.split("-"))
+    return dp, tp, pp
+
+
+@dataclass(frozen=True, kw_only=True)
+class SearchSpace:
+    """A :class:`ConfigSpace` for one model on ``world_size`` devices of one kind."""
+
+    model: ModelSpec
+    """The model to train."""
+    world_size: int
+    """Devices in the job."""
+    hardware: HardwareSpec
+    """The device kind."""
+    space: ConfigSpace = field(default_factory=ConfigSpace)
+    """Allowed values of every option."""
+    devices_per_node: int = 8
+    """Node size (decides ``tp_within_node``)."""
+    _layout_cache: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.world_size, int) or self.world_size < 1:
+            raise ConfigError("gpus", self.world_size, "must be a positive integer")
+        if self.devices_per_node < 1:
+            raise ConfigError("devices_per_node", self.devices_per_node, "must be positive")
+        if not self.layouts():
+            raise ConfigError("gpus", self.world_size,
+                              f"no (dp, tp, pp) layout of {self.world_size} devices is valid "
+                              f"for {self.model.name} with global_batch_sizes="
+                              f"{list(self.space.global_batch_sizes)} "
+                              f"(tp must divide the head counts, pp*virtual stages <= layers, "
+                              f"dp must divide the batch)")
+
+    @classmethod
+    def build(cls, model: ModelSpec, world_size: int, hardware: HardwareSpec | str, *,
+              space: ConfigSpace | None = None,
+              global_batch_sizes: str | int | Sequence[int] | None = None,
+              devices_per_node: int | None = None) -> SearchSpace:
+        """Bind a space to a job; ``global_batch_sizes`` overrides the space's batch list.
+
+        Args:
+            model: The model.
+            world_size: Devices in the job.
+            hardware: Device kind or its catalogue name.
+            space: Options to search; defaults to :class:`ConfigSpace` defaults.
+            global_batch_sizes: Batch sizes (list or range text, see
+                :func:`parse_batch_sizes`).
+            devices_per_node: Node size; defaults to the catalogue's.
+        """
+        hw = get_hardware(hardware) if isinstance(hardware, str) else hardware
+        space = space or ConfigSpace()
+        if global_batch_sizes is not None:
+            space = space.replace(global_batch_sizes=parse_batch_sizes(global_batch_sizes))
+        return cls(model=model, world_size=int(world_size), hardware=hw, space=space,
+                   devices_per_node=int(devices_per_node or hw.devices_per_node))
+
+    # ------------------------------------------------------------------ structure
+    @property
+    def global_batch_sizes(self) -> tuple[int, ...]:
+        return self.space.global_batch_sizes
+
+    def layouts(self, global_batch_size: int | None = None) -> list[tuple[int, int, int]]:
+        """Degrees ``(dp, tp, pp)`` that can hold a valid config (for one batch, or any)."""
+        if global_batch_size in self._layout_cache:
+            return self._layout_cache[global_batch_size]
+        batches = (self.space.global_batch_sizes if global_batch_size is None
+                   else (global_batch_size,))
+        out = []
+        for (dp, tp, pp), reason in self.space.degrees(self.world_size,
+                                                       devices_per_node=self.devices_per_node):
+            if reason is not None:
+                continue
+            probe = ParallelConfig(dp=dp, tp=tp, pp=pp, global_batch_size=dp)
+            if not probe.is_valid(self.model, self.world_size):
+                continue
+            if any(gbs % (dp * mbs) == 0 for gbs in batches
+                   for mbs in self.space.micro_batch_sizes):
+                out.append((dp, tp, pp))
+        self._layout_cache[global_batch_size] = out
+        return out
+
+    def schedule_choices(self) -> list[str]:
+        labels = []
+        for schedule in self.space.schedules:
+            if schedule is Schedule.INTERLEAVED_1F1B:
+                labels.extend(_schedule_label(schedule, v) for v in self.space.virtual_stages)
+            else:
+                labels.append(_schedule_label(schedule, 1))
+        return labels
+
+    def enumerate(self) -> SpaceEnumeration:
+        """Every valid config (and every skipped one with its rule), via ``ConfigSpace``."""
+        return self.space.enumerate(self.model, self.world_size,
+                                    devices_per_node=self.devices_per_node)
+
+    # ------------------------------------------------------------------ sampling
+    def suggest(self, trial: optuna.trial.BaseTrial) -> tuple[ParallelConfig | None, str]:
+        """Draw a config from ``trial``.
+
+        Options that do not apply are not asked (no schedule when ``pp == 1``, no sharding
+        when ``dp == 1``), so conditional samplers (TPE with ``group=True``) model each
+        sub-space separately.
+
+        Returns:
+            ``(config, "")`` for a valid config, or ``(None, rule)`` naming the broken rule.
+        """
+        batches = self.space.global_batch_sizes
+        gbs = (batches[0] if len(batches) == 1
+               else trial.suggest_categorical("global_batch_size", list(batches)))
+        layouts = self.layouts(gbs)
+        if not layouts:
+            return None, (f"global_batch_size={gbs}: no (dp, tp, pp) layout divides it with "
+                          f"micro_batch_sizes={list(self.space.micro_batch_sizes)}")
+        name = "layout" if len(batches) == 1 else f"layout_gb{gbs}"
+        labels = [_layout_label(*lay) for lay in layouts]
+        dp, tp, pp = _parse_layout_label(trial.suggest_categorical(name, labels))
+        mbs = trial.suggest_categorical("micro_batch_size", list(self.space.micro_batch_sizes))
+        schedule, virtual = Schedule.ONE_F_ONE_B, 1
+        if pp > 1:
+            schedule, virtual = _parse_schedule_label(
+                trial.suggest_categorical("schedule", self.schedule_choices()))
+        sharding = Sharding.NONE
+        if dp > 1:
+            sharding = Sharding(trial.suggest_categorical(
+                "sharding", [s.value for s in self.space.shardings]))
+        recompute = Recompute(trial.suggest_categorical(
+            "recompute", [r.value for r in self.space.recomputes]))
+        cfg = ParallelConfig(dp=dp, tp=tp, pp=pp, micro_batch_size=mbs, global_batch_size=gbs,
+                             schedule=schedule, virtual_stages=virtual, sharding=sharding,
+                             recompute=recompute)
+        try:
+            cfg.validate(self.model, self.world_size)
+        except ConfigError as exc:
+            return None, str(exc)
+        return cfg, ""
+
+    # ------------------------------------------------------------------ identity
+    def to_dict(self) -> dict[str, Any]:
+        return {"model": self.model.to_dict(), "world_size": self.world_size,
+                "hardware": self.hardware.name, "devices_per_node": self.devices_per_node,
+                "space": self.space.to_dict()}
+
+    def fingerprint(self) -> str:
+        """A short hash of everything that defines the space (names default studies)."""
+        text = json.dumps(self.to_dict(), sort_keys=True, default=str)
+        return hashlib.sha256(text.encode()).hexdigest()[:10]
