@@ -174,6 +174,12 @@ class ParallelConfig:
             raise ConfigError("virtual_stages", self.virtual_stages,
                               f"must be 1 unless schedule=interleaved_1f1b "
                               f"(schedule={self.schedule.value})")
+        elif (self.pp_enabled and self.schedule is Schedule.ONE_F_ONE_B
+              and self.num_microbatches < self.pp):
+            # torch.distributed.pipelining.Schedule1F1B refuses fewer micro-batches than stages.
+            raise ConfigError("global_batch_size", self.global_batch_size,
+                              f"1f1b needs at least pp={self.pp} micro-batches per step "
+                              f"(num_microbatches={self.num_microbatches})")
         if model is None:
             return
         for field_name, size in (("num_heads", model.num_heads),

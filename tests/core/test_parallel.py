@@ -24,6 +24,8 @@ def test_derived_quantities():
     (dict(pp=1, virtual_stages=2), 1, "virtual_stages", "must be 1 unless"),
     (dict(pp=2, schedule="interleaved_1f1b", virtual_stages=2, global_batch_size=3), 2,
      "global_batch_size", "multiple of pp=2"),
+    (dict(pp=2, micro_batch_size=2, global_batch_size=2), 2,
+     "global_batch_size", "1f1b needs at least pp=2 micro-batches"),
 ])
 def test_validate_names_field_value_and_rule(kwargs, world, field, rule):
     cfg = ParallelConfig(**kwargs)

@@ -1,0 +1,185 @@
+"""Check that a parallel layout computes the single-process training step exactly.
+
+One optimizer step of the same model (same seed, same global batch) is run in one process
+with plain PyTorch (the reference) and under each layout in a group of gloo processes; the
+loss, every gradient and every updated parameter, gathered whole by name, are compared.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import tempfile
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from paratune.parallel import ParallelConfig
+from paratune.spec import ModelSpec
+
+__all__ = ["EquivalenceResult", "compare", "free_port", "reference_step", "run_layouts"]
+
+LR = 1e-3
+WEIGHT_DECAY = 0.1
+
+
+@dataclass
+class EquivalenceResult:
+    """How far one layout's step is from the single-process reference."""
+
+    config: ParallelConfig
+    error: str = ""
+    """Traceback if the layout failed to run."""
+    loss_rel_diff: float = float("nan")
+    grad_rel_diff: float = float("nan")
+    """Largest over tensors of ``max|g - g_ref| / max|g_ref|``."""
+    param_rel_diff: float = float("nan")
+    """Largest over tensors of ``max|p - p_ref| / max|p_ref|`` after the optimizer step."""
+    worst_param: str = ""
+    missing: list[str] = field(default_factory=list)
+    """Reference parameter names the layout did not produce (or produced extra)."""
+
+    @property
+    def ok(self) -> bool:
+        return not self.error and not self.missing
+
+
+def free_port() -> int:
+    """A TCP port on localhost that is free right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def reference_step(spec: ModelSpec, tokens: torch.Tensor, *, seed: int, dtype: torch.dtype
+                   ) -> dict[str, Any]:
+    """One AdamW step of the full model in this process, without torch.distributed.
+
+    Returns:
+        ``{"loss": float, "grads": {fqn: tensor}, "params": {fqn: tensor}}``.
+    """
+    from paratune.profiler.model import build_model
+    from paratune.profiler.pipeline import cross_entropy_loss
+
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        model = build_model(spec, seed=seed)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY,
+                                      betas=(0.9, 0.95), eps=1e-8, foreach=False)
+        loss = cross_entropy_loss(model(tokens[:, :-1]), tokens[:, 1:])
+        loss.backward()
+        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+        optimizer.step()
+        params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    finally:
+        torch.set_default_dtype(previous)
+    return {"loss": float(loss.detach()), "grads": grads, "params": params}
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    scale = float(b.abs().max()) if b.numel() else 0.0
+    diff = float((a.to(b.dtype) - b).abs().max()) if b.numel() else 0.0
+    return diff / scale if scale > 0 else diff
+
+
+def compare(config: ParallelConfig, got: dict[str, Any], ref: dict[str, Any]
+            ) -> EquivalenceResult:
+    """Relative differences between a layout's step (``got``) and the reference."""
+    result = EquivalenceResult(config=config)
+    if "error" in got:
+        result.error = got["error"]
+        return result
+    result.missing = sorted(set(ref["params"]) ^ set(got["params"]))
+    result.loss_rel_diff = abs(got["loss"] - ref["loss"]) / abs(ref["loss"])
+    grad_diffs = {n: _rel(got["grads"][n], g) for n, g in ref["grads"].items()
+                  if n in got["grads"]}
+    param_diffs = {n: _rel(got["params"][n], p) for n, p in ref["params"].items()
+                   if n in got["params"]}
+    result.grad_rel_diff = max(grad_diffs.values(), default=float("nan"))
+    result.param_rel_diff = max(param_diffs.values(), default=float("nan"))
+    result.worst_param = max(param_diffs, key=param_diffs.__getitem__, default="")
+    missing_grads = sorted(set(ref["grads"]) - set(got["grads"]))
+    result.missing += [f"grad:{n}" for n in missing_grads]
+    return result
+
+
+def _worker(rank: int, world_size: int, port: int, spec: ModelSpec,
+            configs: list[ParallelConfig], seed: int, dtype: torch.dtype, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    from paratune.profiler.trainer import Trainer, synthetic_batch
+
+    torch.set_num_threads(1)
+    torch.set_default_dtype(dtype)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=120))
+    try:
+        for index, config in enumerate(configs):
+            try:
+                trainer = Trainer(spec, config, device=torch.device("cpu"), seed=seed, lr=LR,
+                                  weight_decay=WEIGHT_DECAY)
+                tokens = synthetic_batch(spec, config.global_batch_size, step=0, seed=seed)
+                loss = trainer.forward_backward(tokens)
+                grads = trainer.gather_full(grads=True)
+                trainer.optimizer_step()
+                params = trainer.gather_full()
+                trainer.close()
+                got: dict[str, Any] = {"loss": loss, "grads": grads, "params": params}
+            except Exception:  # reported per layout; the other layouts still run
+                got = {"error": traceback.format_exc()}
+            if rank == 0 or "error" in got:
+                torch.save(got, Path(out_dir) / f"{index}-{rank}.pt")
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def run_layouts(spec: ModelSpec, configs: list[ParallelConfig], *, world_size: int,
+                seed: int = 0, dtype: torch.dtype = torch.float64
+                ) -> list[EquivalenceResult]:
+    """Run one step of every layout in ONE group of ``world_size`` gloo processes, in
+    sequence, and compare each with :func:`reference_step`.
+
+    Args:
+        spec: The model (small: every tensor is gathered in one process).
+        configs: Layouts, each with ``world_size`` devices and the same global batch size.
+        world_size: Processes to spawn.
+        seed: Initialisation and data seed.
+        dtype: Default dtype in every process (float64 makes the comparison sharp).
+
+    Returns:
+        One :class:`EquivalenceResult` per config, in order.
+    """
+    import torch.multiprocessing as mp
+
+    from paratune.profiler.trainer import synthetic_batch
+
+    batch_sizes = {c.global_batch_size for c in configs}
+    if len(batch_sizes) != 1:
+        raise ValueError(f"configs must share one global_batch_size, got {sorted(batch_sizes)}")
+    for config in configs:
+        config.validate(spec, world_size)
+    tokens = synthetic_batch(spec, batch_sizes.pop(), step=0, seed=seed)
+    ref = reference_step(spec, tokens, seed=seed, dtype=dtype)
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.start_processes(_worker, args=(world_size, free_port(), spec, configs, seed, dtype,
+                                          out_dir),
+                           nprocs=world_size, join=True, start_method="spawn")
+        results = []
+        for index, config in enumerate(configs):
+            files = sorted(Path(out_dir).glob(f"{index}-*.pt"))
+            got = [torch.load(f, weights_only=False) for f in files]
+            errors = [g["error"] for g in got if "error" in g]
+            if errors:
+                results.append(EquivalenceResult(config=config, error=errors[0]))
+            elif not got:
+                results.append(EquivalenceResult(config=config, error="no result written"))
+            else:
+                results.append(compare(config, got[0], ref))
+    return results
