@@ -1,0 +1,213 @@
+from __future__ import annotations
+
+import datetime
+import math
+import os
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from paratune import ConfigError, Measurement, ParallelConfig, get_model
+from paratune.measurement import FINGERPRINT_FIELDS
+from paratune.profiler.equivalence import free_port, reference_step
+from paratune.profiler.mesh import build_mesh, clear_mesh_cache
+from paratune.profiler.trainer import Trainer, check_supported, measure_config, synthetic_batch
+
+SPEC = get_model("tiny").replace(seq_len=32)
+CPU = torch.device("cpu")
+
+
+@pytest.fixture
+def world_one(tmp_path):
+    """A real one-process gloo group (file store), destroyed afterwards."""
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        clear_mesh_cache()
+        dist.destroy_process_group()
+
+
+def test_synthetic_batch_is_reproducible():
+    a = synthetic_batch(SPEC, 4, step=3, seed=1)
+    assert a.shape == (4, SPEC.seq_len + 1) and a.dtype == torch.long
+    assert torch.equal(a, synthetic_batch(SPEC, 4, step=3, seed=1))
+    assert not torch.equal(a, synthetic_batch(SPEC, 4, step=4, seed=1))
+    assert int(a.max()) < SPEC.vocab_size
+
+
+def test_check_supported_names_the_rule():
+    with pytest.raises(ConfigError, match=r"zero1.*tp=1") as info:
+        check_supported(SPEC, ParallelConfig(dp=2, tp=2, global_batch_size=4, sharding="zero1"))
+    assert info.value.field == "sharding"
+    with pytest.raises(ConfigError, match="untied embeddings"):
+        check_supported(SPEC.replace(tie_embeddings=True), ParallelConfig(pp=2,
+                                                                          global_batch_size=2))
+
+
+def test_trainer_needs_a_process_group():
+    with pytest.raises(RuntimeError, match="process group"):
+        Trainer(SPEC, ParallelConfig(global_batch_size=2), device=CPU)
+
+
+def test_world_one_gradient_accumulation_matches_one_big_batch(world_one):
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        config = ParallelConfig(micro_batch_size=2, global_batch_size=8)
+        trainer = Trainer(SPEC, config, device=CPU, seed=5, lr=1e-3, weight_decay=0.1)
+        tokens = synthetic_batch(SPEC, 8, step=0, seed=5)
+        loss = trainer.forward_backward(tokens)
+        grads = trainer.gather_full(grads=True)
+        trainer.optimizer_step()
+        params = trainer.gather_full()
+        ref = reference_step(SPEC, tokens, seed=5, dtype=torch.float64)
+    finally:
+        torch.set_default_dtype(previous)
+    assert loss == pytest.approx(ref["loss"], rel=1e-12)
+    for name, grad in ref["grads"].items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-10, atol=1e-14)
+    for name, param in ref["params"].items():
+        torch.testing.assert_close(params[name], param, rtol=1e-9, atol=1e-12)
+    assert all(p.grad is None for p in trainer.model_parts[0].parameters())
+
+
+def test_training_reduces_the_loss(world_one):
+    config = ParallelConfig(micro_batch_size=4, global_batch_size=4, recompute="selective")
+    trainer = Trainer(SPEC, config, device=CPU, seed=0, lr=3e-3)
+    tokens = synthetic_batch(SPEC, 4, step=0)
+    losses = [trainer.step(tokens) for _ in range(8)]
+    assert losses[-1] < losses[0] - 0.5  # memorising one batch
+    with pytest.raises(ConfigError, match="tokens"):
+        trainer.step(tokens[:, :-1])
+    trainer.close()
+    assert trainer.model_parts == [] and trainer.optimizers == []
+
+
+def test_measure_config_world_one(world_one):
+    details: dict[str, float] = {}
+    config = ParallelConfig(micro_batch_size=2, global_batch_size=4)
+    m = measure_config(SPEC, config, hardware="cpu", device=CPU, warmup_steps=1,
+                       measured_steps=3, details=details)
+    assert isinstance(m, Measurement) and m.ok
+    assert len(m.step_times_s) == 3 and all(t > 0 for t in m.step_times_s)
+    assert m.tokens_per_s == pytest.approx(4 * SPEC.seq_len / m.step_time_s)
+    assert m.warmup_steps == 1 and m.measured_steps == 3
+    assert 0 < m.peak_rss_gb < 64
+    assert math.isnan(m.mfu)  # no honest CPU peak FLOP/s
+    assert math.isnan(m.peak_mem_allocated_gb)
+    assert 4.0 < m.loss < 7.0  # about log(256) = 5.5 at the start
+    assert set(m.fingerprint) == set(FINGERPRINT_FIELDS)
+    assert m.fingerprint["device_count"] == 1 and m.fingerprint["torch_version"]
+    assert details["build_s"] > 0 and details["teardown_s"] >= 0
+    row = Measurement.from_row(m.to_row())
+    assert row.config == config and row.step_times_s == m.step_times_s
+    with pytest.raises(ConfigError, match="world size"):
+        measure_config(SPEC, ParallelConfig(dp=2, global_batch_size=4), hardware="cpu",
+                       device=CPU)
+    with pytest.raises(ConfigError, match="measured_steps"):
+        measure_config(SPEC, config, hardware="cpu", device=CPU, measured_steps=0)
+
+
+def test_mesh_is_cached_per_shape(world_one):
+    config = ParallelConfig(global_batch_size=2)
+    mesh = build_mesh(config, "cpu")
+    assert mesh.mesh_dim_names == ("pp", "dp", "tp")
+    assert build_mesh(config.replace(global_batch_size=4), "cpu") is mesh
+
+
+# ---------------------------------------------------------------------- two processes
+def _two_rank_worker(rank: int, port: int, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=120))
+    out: dict = {}
+    try:
+        # Local gradients (sync_grads=False), then the hand reduction.
+        torch.set_default_dtype(torch.float64)
+        config = ParallelConfig(dp=2, micro_batch_size=2, global_batch_size=8)
+        trainer = Trainer(SPEC, config, device=CPU, seed=3)
+        tokens = synthetic_batch(SPEC, 8, step=0, seed=3)
+        out["local_loss"] = trainer.forward_backward(tokens, sync_grads=False)
+        out["local_grads"] = {n: p.grad.clone()
+                              for n, p in trainer.model_parts[0].named_parameters()}
+        trainer.reduce_gradients()
+        out["reduced_grads"] = {n: p.grad.clone()
+                                for n, p in trainer.model_parts[0].named_parameters()}
+        trainer.close()
+        fsdp = Trainer(SPEC, config.replace(sharding="zero3"), device=CPU, seed=3)
+        try:
+            fsdp.forward_backward(tokens, sync_grads=False)
+        except ConfigError as exc:
+            out["fsdp_error"] = str(exc)
+        fsdp.close()
+        torch.set_default_dtype(torch.float32)
+        # Unsupported layouts raise before anything collective; the group stays usable.
+        try:
+            measure_config(SPEC, ParallelConfig(dp=1, tp=2, global_batch_size=2,
+                                                sharding="zero1"), hardware="cpu", device=CPU)
+        except ConfigError as exc:
+            out["zero1_error"] = str(exc)
+        out["measurements"] = []
+        out["details"] = []
+        for cfg in (ParallelConfig(dp=2, micro_batch_size=2, global_batch_size=4),
+                    ParallelConfig(tp=2, micro_batch_size=2, global_batch_size=4),
+                    ParallelConfig(pp=2, micro_batch_size=1, global_batch_size=4)):
+            details: dict = {}
+            m = measure_config(SPEC, cfg, hardware="cpu", device=CPU, warmup_steps=1,
+                               measured_steps=2, details=details)
+            out["measurements"].append(m.to_row())
+            out["details"].append(details)
+    except Exception:  # reported to the test through the output file
+        out["error"] = traceback.format_exc()
+    torch.save(out, Path(out_dir) / f"{rank}.pt")
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    import torch.multiprocessing as mp
+
+    out_dir = tmp_path_factory.mktemp("two_ranks")
+    mp.start_processes(_two_rank_worker, args=(free_port(), str(out_dir)), nprocs=2,
+                       join=True, start_method="spawn")
+    outs = [torch.load(out_dir / f"{r}.pt", weights_only=False) for r in range(2)]
+    for out in outs:
+        assert "error" not in out, out["error"]
+    return outs
+
+
+@pytest.mark.slow
+def test_local_gradients_are_each_ranks_own_slice(two_ranks):
+    tokens = synthetic_batch(SPEC, 8, step=0, seed=3)
+    full = reference_step(SPEC, tokens, seed=3, dtype=torch.float64)
+    for rank, out in enumerate(two_ranks):
+        mine = reference_step(SPEC, tokens[rank * 4:(rank + 1) * 4], seed=3,
+                              dtype=torch.float64)
+        for name, grad in mine["grads"].items():
+            torch.testing.assert_close(out["local_grads"][name], grad, rtol=1e-10, atol=1e-14)
+        for name, grad in full["grads"].items():
+            torch.testing.assert_close(out["reduced_grads"][name], grad, rtol=1e-10, atol=1e-14)
+        assert out["local_loss"] == pytest.approx(full["loss"], rel=1e-12)
+        assert "sync_grads" in out["fsdp_error"]
+
+
+@pytest.mark.slow
+def test_measure_config_two_ranks(two_ranks):
+    assert "needs tp=1" in two_ranks[0]["zero1_error"]
+    rows = [out["measurements"] for out in two_ranks]
+    assert [len(r) for r in rows] == [3, 3]
+    for a, b in zip(*rows):
+        assert a["status"] == "ok" and a["world_size"] == 2
+        # the step time is the slowest rank's: every rank reports the same figures
+        assert a["step_times_s"] == b["step_times_s"] and len(a["step_times_s"]) == 2
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-6)
+        assert a["peak_rss_gb"] == b["peak_rss_gb"] > 0
+        assert a["device_count"] == 2
+    for details in two_ranks[0]["details"]:
+        assert details["build_s"] > 0
