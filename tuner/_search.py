@@ -6,6 +6,8 @@ import hashlib
 import json
 import logging
 import math
+import os
+import socket
 import time
 import warnings
 from collections.abc import Sequence
@@ -222,10 +224,7 @@ def resolve_storage(storage: str | Path | None, default_dir: str | Path | None
         storage = Path(default_dir) / "study.journal"
     text = str(storage)
     if "://" in text:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return optuna.storages.RDBStorage(text, heartbeat_interval=30,
-                                              grace_period=120), text
+        return optuna.storages.RDBStorage(text), text
     Path(text).parent.mkdir(parents=True, exist_ok=True)
     return JournalStorage(JournalFileBackend(text)), text
 
@@ -268,7 +267,7 @@ def _finished(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
 def optuna_search(predictor: Predictor, space: SearchSpace, objective: Objective, *,
                   n_trials: int = 200, sampler: str = "tpe", seed: int | None = 0,
                   storage: str | Path | None = None, study_name: str | None = None,
-                  storage_dir: str | Path | None = None, batch_size: int = 1,
+                  storage_dir: str | Path | None = None, batch_size: int = 8,
                   timeout_s: float | None = None) -> tuple[SearchResult, optuna.Study]:
     """Search ``space`` with an Optuna sampler until the study holds ``n_trials`` trials.
 
@@ -310,6 +309,7 @@ def optuna_search(predictor: Predictor, space: SearchSpace, objective: Objective
             cfg = ParallelConfig.from_dict(trial.user_attrs[_CONFIG_ATTR])
             cache[cfg] = (float(trial.value), (trial.constraints.get("feasible_prob", 0.0),
                                                trial.constraints.get("memory", 0.0)))
+    worker = f"{socket.gethostname()}:{os.getpid()}"
     done = len(_finished(study))
     while done < n_trials:
         if timeout_s is not None and time.perf_counter() - start > timeout_s:
@@ -330,6 +330,7 @@ def optuna_search(predictor: Predictor, space: SearchSpace, objective: Objective
                 continue
             value, violations = cache[cfg]
             trial.set_user_attr(_CONFIG_ATTR, cfg.to_dict())
+            trial.set_user_attr("worker", worker)
             trial.set_constraint("feasible_prob", violations[0])
             trial.set_constraint("memory", violations[1])
             study.tell(trial, value)

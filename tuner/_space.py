@@ -86,15 +86,6 @@ def _parse_schedule_label(label: str) -> tuple[Schedule, int]:
     return Schedule(label), 1
 
 
-def _layout_label(dp: int, tp: int, pp: int) -> str:
-    return f"dp{dp}-tp{tp}-pp{pp}"
-
-
-def _parse_layout_label(label: str) -> tuple[int, int, int]:
-    dp, tp, pp = (int(part[2:]) for part in label.split("-"))
-    return dp, tp, pp
-
-
 @dataclass(frozen=True, kw_only=True)
 class SearchSpace:
     """A :class:`ConfigSpace` for one model on ``world_size`` devices of one kind."""
@@ -187,27 +178,46 @@ class SearchSpace:
                                     devices_per_node=self.devices_per_node)
 
     # ------------------------------------------------------------------ sampling
+    def degree_choices(self) -> tuple[list[int], list[int]]:
+        """Tensor and pipeline degrees that appear in some valid layout, sorted."""
+        layouts = self.layouts()
+        return sorted({tp for _, tp, _ in layouts}), sorted({pp for _, _, pp in layouts})
+
     def suggest(self, trial: optuna.trial.BaseTrial) -> tuple[ParallelConfig | None, str]:
         """Draw a config from ``trial``.
 
-        Options that do not apply are not asked (no schedule when ``pp == 1``, no sharding
-        when ``dp == 1``), so conditional samplers (TPE with ``group=True``) model each
-        sub-space separately.
+        Batch size, tensor and pipeline degree and micro-batch size are ordinal: each is
+        drawn as an index into its sorted list of allowed values (``*_index`` parameters),
+        so a sampler that models numbers (TPE, GP) learns that neighbours behave alike. Only
+        degrees that occur in a valid layout are offered, and options that do not apply are
+        not asked (no schedule when ``pp == 1``, no sharding when ``dp == 1``), so
+        conditional samplers (TPE with ``group=True``) model each sub-space separately.
 
         Returns:
             ``(config, "")`` for a valid config, or ``(None, rule)`` naming the broken rule.
         """
         batches = self.space.global_batch_sizes
-        gbs = (batches[0] if len(batches) == 1
-               else trial.suggest_categorical("global_batch_size", list(batches)))
-        layouts = self.layouts(gbs)
-        if not layouts:
-            return None, (f"global_batch_size={gbs}: no (dp, tp, pp) layout divides it with "
-                          f"micro_batch_sizes={list(self.space.micro_batch_sizes)}")
-        name = "layout" if len(batches) == 1 else f"layout_gb{gbs}"
-        labels = [_layout_label(*lay) for lay in layouts]
-        dp, tp, pp = _parse_layout_label(trial.suggest_categorical(name, labels))
-        mbs = trial.suggest_categorical("micro_batch_size", list(self.space.micro_batch_sizes))
+        tps, pps = self.degree_choices()
+        mbss = sorted(self.space.micro_batch_sizes)
+
+        def pick(name: str, values: Sequence[int]) -> int:
+            if len(values) == 1:
+                return values[0]
+            return values[trial.suggest_int(f"{name}_index", 0, len(values) - 1)]
+
+        gbs = pick("global_batch_size", batches)
+        tp = pick("tp", tps)
+        pp = pick("pp", pps)
+        mbs = pick("micro_batch_size", mbss)
+        if self.world_size % (tp * pp):
+            return None, (f"tp*pp = {tp}*{pp} = {tp * pp} must divide the world size "
+                          f"{self.world_size}")
+        dp = self.world_size // (tp * pp)
+        if (dp, tp, pp) not in self.layouts():
+            reason = dict(((d, t, p), r) for (d, t, p), r in self.space.degrees(
+                self.world_size, devices_per_node=self.devices_per_node)).get((dp, tp, pp))
+            return None, reason or (f"dp={dp}, tp={tp}, pp={pp} is not a valid layout of "
+                                    f"{self.model.name} for any batch size searched")
         schedule, virtual = Schedule.ONE_F_ONE_B, 1
         if pp > 1:
             schedule, virtual = _parse_schedule_label(

@@ -1,0 +1,60 @@
+from __future__ import annotations
+
+import json
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from paratune import ConfigError
+from paratune.space import ConfigSpace
+from paratune.tuner import tune
+
+
+def test_tune_end_to_end_writes_winner_and_tracks_the_run(closed_form, tmp_path):
+    out = tmp_path / "out"
+    result = tune("llama3-8b", 64, "H100", closed_form, objective="goodput", gns=600,
+                  global_batch_sizes="128:1024", n_trials=48, seed=0, output_dir=out, top_k=5)
+    best = result.best
+    best.validate(result.search.space.model, 64)
+    rec = json.loads((out / "recommendation.json").read_text())
+    assert rec["config"] == best.to_dict()
+    assert len(rec["top"]) == 5 and rec["top"][0]["vs_best"] == pytest.approx(1.0)
+    assert (out / "study.journal").exists()
+    table = result.table(5)
+    assert "vs_best" in table and "goodput" in table and "100.0%" in table
+
+    client = MlflowClient()
+    run = client.get_run(result.run_id)
+    assert run.data.params["objective"] == "goodput"
+    assert float(run.data.params["b_noise"]) == 600
+    assert run.data.metrics["num_trials"] == 48
+    names = {a.path for a in client.list_artifacts(result.run_id)}
+    assert {"space.json", "trials.csv", "best_configs.csv", "recommendation.json",
+            "plots", "recommendation"} <= names
+    plots = {a.path for a in client.list_artifacts(result.run_id, "plots")}
+    assert "plots/optimization_history.png" in plots
+
+
+def test_rerun_resumes_the_same_study(closed_form, tmp_path):
+    kwargs = dict(global_batch_sizes=[256], seed=1, output_dir=tmp_path, track=False)
+    first = tune("llama3-8b", 32, "H100", closed_form, n_trials=16, **kwargs)
+    calls = len(closed_form.calls)
+    again = tune("llama3-8b", 32, "H100", closed_form, n_trials=24, **kwargs)
+    assert first.search.study_name == again.search.study_name
+    assert again.search.num_trials == 24
+    assert len(again.study.trials) == 24  # 16 kept, 8 new
+    assert len(closed_form.calls) > calls
+
+
+def test_exhaustive_mode_and_bad_arguments(closed_form, tmp_path):
+    result = tune("llama3-8b", 16, "H100", closed_form, search="exhaustive",
+                  global_batch_sizes=[64], track=False,
+                  space=ConfigSpace(recomputes=("none",), micro_batch_sizes=(1, 2)))
+    assert result.search.mode == "exhaustive" and result.study is None
+    assert result.search.num_trials == len(result.ranked)
+    with pytest.raises(ConfigError, match="search"):
+        tune("llama3-8b", 16, "H100", closed_form, search="grid", track=False)
+    with pytest.raises(ConfigError, match="gns"):
+        tune("llama3-8b", 16, "H100", closed_form, objective="goodput", track=False)
+    with pytest.raises(ConfigError, match="gpu"):
+        tune("llama3-8b", 16, "TPU9", closed_form, track=False)

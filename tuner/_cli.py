@@ -1,0 +1,196 @@
+"""``paratune tune`` and ``paratune plan`` (argparse only here; work happens in handlers)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+__all__ = ["register"]
+
+
+def _add_job(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True,
+                        help="model preset (llama3-8b, ...) or a Hugging Face config.json")
+    parser.add_argument("--gpus", type=int, required=True, help="devices in the job")
+    parser.add_argument("--gpu", required=True, help="device kind (H100, A100, cpu, ...)")
+    parser.add_argument("--predictor", required=True, type=Path,
+                        help="directory of a fitted performance model (paratune fit)")
+    parser.add_argument("--global-batch", dest="global_batch", default=None,
+                        help="global batch sizes in sequences: 512, 256,512,1024, or a range "
+                             "256:4096 (powers of two), 256:4096:x2, 256:1024:256")
+    parser.add_argument("--space", type=Path, default=None,
+                        help="YAML/TOML/JSON file of the options to search (ConfigSpace fields)")
+    parser.add_argument("--devices-per-node", type=int, default=None)
+    parser.add_argument("--tp-across-nodes", action="store_true",
+                        help="allow tensor parallelism across nodes (off by default)")
+    parser.add_argument("--min-feasible-prob", type=float, default=0.5,
+                        help="feasibility threshold on the predicted probability of running")
+    parser.add_argument("--memory-limit-gb", type=float, default=None,
+                        help="memory limit per device (default 95%% of the device's)")
+    parser.add_argument("--no-track", action="store_true", help="do not record an MLflow run")
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    tune = subparsers.add_parser(
+        "tune", help="search global batch size and parallelism against a fitted model",
+        description="Rank configs of MODEL on GPUS devices by predicted throughput or goodput; "
+                    "write the winner as YAML/JSON with torchrun, torchtitan and Megatron-LM "
+                    "settings. Several processes given the same --storage and --study-name "
+                    "share one study; rerunning a killed command resumes it.")
+    _add_job(tune)
+    tune.add_argument("--objective", choices=("throughput", "goodput"), default="throughput")
+    tune.add_argument("--gns", default=None,
+                      help="gradient noise scale B_noise in sequences, or a trajectory file "
+                           "(CSV/JSON with step, tokens, b_simple)")
+    tune.add_argument("--b0", type=float, default=None,
+                      help="reference batch of the Pollux efficiency (default: smallest batch)")
+    tune.add_argument("--risk", default=None, metavar="QUANTILE",
+                      help="rank by a lower quantile of predicted throughput, e.g. q10")
+    tune.add_argument("--search", choices=("optuna", "exhaustive"), default="optuna")
+    tune.add_argument("--trials", type=int, default=200,
+                      help="finished trials the study should hold (all workers together)")
+    tune.add_argument("--sampler", default="tpe", help="tpe (default), random, gp, qmc, nsga2")
+    tune.add_argument("--seed", type=int, default=0)
+    tune.add_argument("--storage", default=None,
+                      help="Optuna storage: a journal file path, or an RDB URL such as "
+                           "sqlite:///study.db or postgresql://user@host/db "
+                           "(default: OUTPUT/study.journal)")
+    tune.add_argument("--study-name", default=None,
+                      help="study to create or join (default: derived from the problem)")
+    tune.add_argument("--batch-size", type=int, default=8,
+                      help="trials asked and predicted together")
+    tune.add_argument("--top-k", type=int, default=10)
+    tune.add_argument("--output", type=Path, default=None,
+                      help="output directory (default: tune-MODEL-GPUSxGPU)")
+    tune.add_argument("--verify", type=int, default=0, metavar="K",
+                      help="profile the top K configs for real (local hardware), add them to "
+                           "the dataset, refit and report predicted vs measured")
+    tune.add_argument("--dataset", type=Path, default=None,
+                      help="dataset that --verify adds its measurements to")
+    tune.set_defaults(func=_tune)
+
+    plan = subparsers.add_parser(
+        "plan", help="schedule training phases (batch, parallelism) from a B_noise trajectory",
+        description="Split training into phases whose global batch and parallelism follow the "
+                    "gradient noise scale, switching only where the predicted gain beats the "
+                    "threshold after the reconfiguration cost; compare with a fixed batch and "
+                    "with a batch that follows B_noise under one fixed parallelism.")
+    _add_job(plan)
+    plan.add_argument("--trajectory", type=Path, required=True,
+                      help="B_noise trajectory (CSV/JSON with step, tokens, b_simple)")
+    plan.add_argument("--reconfig-cost-s", type=float, default=600.0,
+                      help="seconds lost to a change of parallelism")
+    plan.add_argument("--batch-change-cost-s", type=float, default=0.0,
+                      help="seconds lost to a change of the batch size alone")
+    plan.add_argument("--threshold", type=float, default=0.05,
+                      help="smallest relative goodput gain worth a switch")
+    plan.add_argument("--segments", type=int, default=32, help="resolution along training")
+    plan.add_argument("--smooth", type=int, default=1,
+                      help="running-median window over the trajectory's b_simple")
+    plan.add_argument("--output", type=Path, default=None, help="write plan.json here")
+    plan.set_defaults(func=_plan)
+
+
+def _space(args: argparse.Namespace):
+    from paratune.space import ConfigSpace
+
+    space = ConfigSpace.from_file(args.space) if args.space else ConfigSpace()
+    if args.tp_across_nodes:
+        space = space.replace(tp_within_node=False)
+    return space
+
+
+def _tune(args: argparse.Namespace) -> int:
+    from paratune.spec import get_model
+    from paratune.tracking import ui_command
+    from paratune.tuner._tune import tune
+
+    model = get_model(args.model)
+    output = args.output or Path(f"tune-{model.name}-{args.gpus}x{args.gpu}")
+    verify_options = {"dataset": args.dataset} if args.dataset else None
+    result = tune(model, args.gpus, args.gpu, args.predictor, objective=args.objective,
+                  gns=args.gns, b0=args.b0, global_batch_sizes=args.global_batch,
+                  space=_space(args), devices_per_node=args.devices_per_node,
+                  search=args.search, n_trials=args.trials, sampler=args.sampler,
+                  seed=args.seed, storage=args.storage, study_name=args.study_name,
+                  batch_size=args.batch_size, risk_quantile=args.risk,
+                  min_feasible_prob=args.min_feasible_prob,
+                  memory_limit_gb=args.memory_limit_gb, top_k=args.top_k, output_dir=output,
+                  track=not args.no_track, verify=args.verify, verify_options=verify_options)
+    print(result.table(args.top_k))
+    search = result.search
+    if search.study_name:
+        print(f"\nstudy {search.study_name} in {search.storage}: {search.num_trials} trials "
+              f"({search.num_pruned} pruned), {len(search.ranked)} distinct configs, "
+              f"{search.wall_time_s:.1f} s")
+    launch = result.recommendation["launch"]
+    print(f"\nwinner: {result.best.key()}")
+    print(f"  torchrun:   {launch['torchrun']}")
+    print(f"  Megatron-LM: {' '.join(launch['megatron_args'])}")
+    print("  torchtitan:\n    " + launch["torchtitan_toml"].strip().replace("\n", "\n    "))
+    for note in launch["notes"]:
+        print(f"  note: {note}")
+    if result.verification is not None:
+        from paratune._table import format_table
+
+        print()
+        print(format_table(result.verification.to_dict("records"),
+                           title="verification: predicted vs measured"))
+    print(f"\nwrote {', '.join(str(p) for p in result.outputs.values())}")
+    if result.run_id:
+        print(f"MLflow run {result.run_id}: {ui_command()}")
+    return 0
+
+
+def _plan(args: argparse.Namespace) -> int:
+    import json
+
+    from paratune._io import atomic_write_text
+    from paratune.spec import get_model
+    from paratune.tuner._objective import Objective
+    from paratune.tuner._plan import plan_phases
+    from paratune.tuner._space import SearchSpace
+    from paratune.tuner._tune import load_predictor
+    from paratune.tuner.gns_trajectory import load_trajectory
+
+    model = get_model(args.model)
+    trajectory = load_trajectory(args.trajectory, smooth=args.smooth)
+    space = SearchSpace.build(model, args.gpus, args.gpu, space=_space(args),
+                              global_batch_sizes=args.global_batch or _default_plan_batches(
+                                  trajectory, args.gpus),
+                              devices_per_node=args.devices_per_node)
+    objective = Objective(min_feasible_prob=args.min_feasible_prob,
+                          memory_limit_gb=args.memory_limit_gb)
+    plan = plan_phases(load_predictor(args.predictor), space, trajectory,
+                       reconfig_cost_s=args.reconfig_cost_s,
+                       batch_change_cost_s=args.batch_change_cost_s, threshold=args.threshold,
+                       max_segments=args.segments, objective=objective)
+    print(plan.table())
+    if args.output:
+        atomic_write_text(args.output / "plan.json" if args.output.suffix != ".json"
+                          else args.output, json.dumps(plan.to_dict(), indent=2, default=float))
+    if not args.no_track:
+        from paratune.tracking import start_run
+
+        with start_run("paratune-plan", run_name=f"plan-{model.name}-{args.gpus}x{args.gpu}",
+                       params={"model": model.name, "gpus": args.gpus, "gpu": args.gpu,
+                               "trajectory": str(args.trajectory),
+                               "reconfig_cost_s": args.reconfig_cost_s,
+                               "threshold": args.threshold,
+                               "global_batch_sizes": list(space.global_batch_sizes)}) as run:
+            run.log_metrics({"total_time_s": plan.total_time_s,
+                             "num_switches": plan.num_switches,
+                             "speedup_vs_fixed": plan.speedup("fixed"),
+                             "speedup_vs_follow_critical": plan.speedup("follow_critical")})
+            run.log_dict(plan.to_dict(), "plan.json")
+    return 0
+
+
+def _default_plan_batches(trajectory, gpus: int) -> str:
+    """Powers of two spanning the trajectory's B_noise (and at least the device count)."""
+    import math
+
+    lo = max(1, 1 << math.floor(math.log2(max(1.0, float(trajectory.b_noise.min()) / 2))))
+    lo = max(lo, 1 << math.ceil(math.log2(gpus)) if gpus > 1 else 1)
+    hi = max(lo, 1 << math.ceil(math.log2(float(trajectory.b_noise.max()) * 2)))
+    return f"{lo}:{hi}"

@@ -1,0 +1,298 @@
+"""``tune``: the library function behind ``paratune tune``.
+
+One call answers "this model on N devices of this kind: how should I run it?": it binds the
+space to the job, searches it against a fitted predictor (Optuna or exhaustive), ranks what
+it found, writes the winner with launch settings, and records the run in MLflow.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from paratune.errors import ConfigError
+from paratune.hardware import HardwareSpec, get_hardware
+from paratune.predictor import Predictor
+from paratune.space import ConfigSpace
+from paratune.spec import ModelSpec, get_model
+from paratune.tuner._export import recommendation, write_recommendation
+from paratune.tuner._objective import Objective, ObjectiveKind
+from paratune.tuner._search import SearchResult, exhaustive, optuna_search
+from paratune.tuner._space import SearchSpace
+
+if TYPE_CHECKING:
+    import optuna
+    import pandas as pd
+
+    from paratune.parallel import ParallelConfig
+
+__all__ = ["TuneResult", "default_global_batch", "load_predictor", "resolve_gns", "tune"]
+
+logger = logging.getLogger(__name__)
+
+SEARCH_MODES = ("optuna", "exhaustive")
+
+
+@dataclass
+class TuneResult:
+    """What :func:`tune` found and where it wrote it."""
+
+    search: SearchResult
+    """Ranked configs and search statistics."""
+    recommendation: dict[str, Any]
+    """The winner: config, predictions and launch settings (see ``recommendation.json``)."""
+    outputs: dict[str, Path] = field(default_factory=dict)
+    """Files written (``json``, ``yaml``, ``torchrun``, ``torchtitan``, ``megatron``)."""
+    run_id: str | None = None
+    """MLflow run id (``None`` when tracking was off)."""
+    study: optuna.Study | None = None
+    """The Optuna study (``None`` for an exhaustive search)."""
+    verification: pd.DataFrame | None = None
+    """Predicted vs measured for verified configs (``tune(verify=K)``)."""
+
+    @property
+    def best(self) -> ParallelConfig:
+        return self.search.best
+
+    @property
+    def ranked(self) -> pd.DataFrame:
+        return self.search.ranked
+
+    def table(self, k: int = 10) -> str:
+        return self.search.table(k)
+
+
+def default_global_batch(model: ModelSpec, gpus: int) -> int:
+    """A global batch for a job that does not name one: about 2**20 tokens (the order of
+    published Llama-scale recipes), rounded to a power of two and at least one sequence per
+    device."""
+    sequences = max(1, 2**20 // model.seq_len)
+    sequences = 1 << round(math.log2(sequences))
+    return max(sequences, 1 << math.ceil(math.log2(gpus)))
+
+
+def load_predictor(predictor: Predictor | str | Path) -> Predictor:
+    """A predictor object, or one loaded from a saved model directory."""
+    if isinstance(predictor, (str, Path)):
+        from paratune.models import load_model
+
+        return load_model(predictor)
+    if not hasattr(predictor, "predict"):
+        raise ConfigError("predictor", type(predictor).__name__, "has no predict(frame) method")
+    return predictor
+
+
+def resolve_gns(gns: float | str | Path | None, *, seq_len: int) -> float | None:
+    """``B_noise`` from a number or a trajectory file.
+
+    A trajectory is reduced to the single value that ranks fixed configs exactly as the
+    whole run would (the progress-weighted harmonic mean, see
+    :func:`paratune.tuner.effective_b_noise`).
+    """
+    if gns is None:
+        return None
+    if isinstance(gns, (int, float)):
+        return float(gns)
+    try:
+        return float(gns)
+    except ValueError:
+        pass
+    from paratune.tuner._plan import effective_b_noise
+    from paratune.tuner.gns_trajectory import load_trajectory
+
+    return effective_b_noise(load_trajectory(gns), seq_len=seq_len)
+
+
+def tune(model: ModelSpec | str, gpus: int, gpu: HardwareSpec | str,
+         predictor: Predictor | str | Path, *,
+         objective: str = "throughput", gns: float | str | Path | None = None,
+         b0: float | None = None, global_batch_sizes: Any = None,
+         space: ConfigSpace | str | Path | None = None, devices_per_node: int | None = None,
+         tp_within_node: bool | None = None, search: str = "optuna", n_trials: int = 200,
+         sampler: str = "tpe", seed: int | None = 0, storage: str | Path | None = None,
+         study_name: str | None = None, batch_size: int = 8,
+         risk_quantile: str | None = None, min_feasible_prob: float = 0.5,
+         memory_limit_gb: float | None = None, top_k: int = 10,
+         output_dir: str | Path | None = None, track: bool = True,
+         tracking_uri: str | None = None, verify: int = 0,
+         verify_options: dict[str, Any] | None = None) -> TuneResult:
+    """Find how to run ``model`` on ``gpus`` devices of kind ``gpu``.
+
+    Args:
+        model: A preset name, a ``config.json`` path or a :class:`ModelSpec`.
+        gpus: Devices in the job.
+        gpu: Device kind (catalogue name or :class:`HardwareSpec`).
+        predictor: A fitted predictor or the directory of a saved one.
+        objective: ``"throughput"`` (one global batch) or ``"goodput"`` (needs ``gns``).
+        gns: Gradient noise scale ``B_noise`` in sequences, or a trajectory file.
+        b0: Reference batch of the Pollux efficiency (default: smallest batch searched).
+        global_batch_sizes: Batch list or range (``"256:2048"``); overrides the space's.
+        space: A :class:`ConfigSpace` or a YAML/TOML/JSON file of one.
+        devices_per_node: Node size (default: the catalogue's).
+        tp_within_node: Override the space's ``tp_within_node``.
+        search: ``"optuna"`` or ``"exhaustive"``.
+        n_trials: Finished trials the study should hold (Optuna).
+        sampler: Optuna sampler name (``tpe``, ``random``, ``gp``, ``qmc``, ``nsga2``).
+        seed: Sampler seed.
+        storage: Optuna storage URL or journal file (default: ``study.journal`` in
+            ``output_dir``; in memory without an ``output_dir``).
+        study_name: Study to create or join (default derived from the problem).
+        batch_size: Trials asked per predictor call.
+        risk_quantile: Rank by this predicted quantile (e.g. ``"q10"``).
+        min_feasible_prob: Feasibility threshold on the predicted probability of running.
+        memory_limit_gb: Memory limit per device (default 95% of the device's).
+        top_k: Configs kept in the recommendation and MLflow table.
+        output_dir: Where the recommendation files (and default study) go.
+        track: Record an MLflow run.
+        tracking_uri: MLflow store (default: ``MLFLOW_TRACKING_URI`` or ``./mlflow.db``).
+        verify: Profile this many of the top configs for real and refit (see
+            :func:`paratune.tuner.verify_top_k`); ``0`` skips.
+        verify_options: Keyword arguments for :func:`paratune.tuner.verify_top_k`.
+
+    Returns:
+        A :class:`TuneResult`.
+
+    Raises:
+        ConfigError: a bad argument (the message names it and the rule).
+    """
+    spec = get_model(model) if isinstance(model, str) else model
+    hw = get_hardware(gpu) if isinstance(gpu, str) else gpu
+    if isinstance(space, (str, Path)):
+        space = ConfigSpace.from_file(space)
+    space = space or ConfigSpace()
+    if tp_within_node is not None:
+        space = space.replace(tp_within_node=tp_within_node)
+    if global_batch_sizes is None and space.global_batch_sizes == ConfigSpace().global_batch_sizes:
+        global_batch_sizes = default_global_batch(spec, int(gpus))
+    search_space = SearchSpace.build(spec, int(gpus), hw, space=space,
+                                     global_batch_sizes=global_batch_sizes,
+                                     devices_per_node=devices_per_node)
+    if search not in SEARCH_MODES:
+        raise ConfigError("search", search, f"must be one of {', '.join(SEARCH_MODES)}")
+    b_noise = resolve_gns(gns, seq_len=spec.seq_len)
+    obj = Objective(kind=ObjectiveKind(objective) if objective in ("throughput", "goodput")
+                    else objective, b_noise=b_noise, b0=b0, risk_quantile=risk_quantile,
+                    min_feasible_prob=min_feasible_prob, memory_limit_gb=memory_limit_gb)
+    obj.check(search_space)
+    pred = load_predictor(predictor)
+    output = Path(output_dir) if output_dir is not None else None
+
+    study = None
+    if search == "exhaustive":
+        result = exhaustive(pred, search_space, obj)
+    else:
+        result, study = optuna_search(pred, search_space, obj, n_trials=n_trials,
+                                      sampler=sampler, seed=seed, storage=storage,
+                                      study_name=study_name, storage_dir=output,
+                                      batch_size=batch_size)
+    if result.ranked.empty:
+        raise ConfigError("space", search_space.model.name,
+                          "the search evaluated no valid config (every sample broke a rule)")
+    if not result.best_feasible:
+        logger.warning("no evaluated config is predicted feasible; the top one breaks the "
+                       "memory constraint")
+    best = result.best_row
+    predicted = {k: _plain(best[k]) for k in (
+        "tokens_per_s", "ranked_tokens_per_s", "step_time_s", "peak_mem_gb", "feasible_prob",
+        "efficiency", "goodput", "objective", "feasible") if k in best}
+    rec = recommendation(spec, result.best, hw, devices_per_node=search_space.devices_per_node,
+                         predicted=predicted, objective=obj.to_dict())
+    rec["top"] = [{**c.to_dict(), "objective": float(o), "vs_best": float(v)}
+                  for c, o, v in zip(result.configs(top_k), result.top(top_k)["objective"],
+                                     result.top(top_k)["vs_best"])]
+    outputs = write_recommendation(rec, output) if output is not None else {}
+    out = TuneResult(search=result, recommendation=rec, outputs=outputs, study=study)
+    if verify:
+        from paratune.tuner._verify import verify_top_k
+
+        out.verification = verify_top_k(out, verify, predictor=predictor,
+                                         **(verify_options or {}))
+    if track:
+        out.run_id = _track(out, search_space, obj, search=search, sampler=sampler, seed=seed,
+                            n_trials=n_trials, top_k=top_k, tracking_uri=tracking_uri)
+    return out
+
+
+def _plain(value: Any) -> Any:
+    if hasattr(value, "item"):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def _track(out: TuneResult, space: SearchSpace, objective: Objective, *, search: str,
+           sampler: str, seed: int | None, n_trials: int, top_k: int,
+           tracking_uri: str | None) -> str:
+    from paratune.tracking import start_run
+
+    result = out.search
+    params = {"model": space.model.name, "gpus": space.world_size,
+              "gpu": space.hardware.name, "devices_per_node": space.devices_per_node,
+              "objective": objective.kind.value, "b_noise": objective.b_noise,
+              "b0": objective.reference_batch(space), "risk_quantile": objective.risk_quantile,
+              "search": search, "sampler": sampler if search == "optuna" else "",
+              "seed": seed, "n_trials": n_trials, "study_name": result.study_name,
+              "storage": result.storage, "space": space.space.to_dict()}
+    name = f"tune-{space.model.name}-{space.world_size}x{space.hardware.name}"
+    with start_run("paratune-tune", run_name=name, params=params,
+                   tracking_uri=tracking_uri) as run:
+        best = result.best_row
+        run.log_metrics({
+            "best_objective": best["objective"], "best_tokens_per_s": best["tokens_per_s"],
+            "best_step_time_s": best["step_time_s"], "best_goodput": best["goodput"],
+            "best_feasible": float(bool(best["feasible"])),
+            "num_trials": result.num_trials, "num_pruned": result.num_pruned,
+            "num_configs": len(result.ranked), "search_wall_time_s": result.wall_time_s})
+        run.log_dict(space.to_dict(), "space.json")
+        run.log_dict(objective.to_dict(), "objective.json")
+        run.log_dict(out.recommendation, "recommendation.json")
+        run.log_table(result.top(top_k), "best_configs.csv")
+        if out.study is not None:
+            run.log_table(out.study.trials_dataframe(), "trials.csv")
+            for title, fig in _study_figures(out.study):
+                run.log_figure(fig, f"plots/{title}.png")
+        else:
+            run.log_table(result.ranked, "trials.csv")
+        if out.verification is not None:
+            run.log_table(out.verification, "verification.csv")
+        for path in out.outputs.values():
+            run.log_artifact(path, "recommendation")
+        return run.run_id
+
+
+def _study_figures(study: optuna.Study) -> list[tuple[str, Any]]:
+    """Optuna's optimisation history and parameter importances (matplotlib)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import warnings
+
+    import matplotlib.pyplot as plt
+    import optuna
+    from optuna.visualization import matplotlib as ovm
+
+    figures = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        # PED-ANOVA: importances in milliseconds where fANOVA's forest takes seconds.
+        evaluator = optuna.importance.PedAnovaImportanceEvaluator()
+        for title, draw in (("optimization_history", ovm.plot_optimization_history),
+                            ("param_importances", lambda s: ovm.plot_param_importances(
+                                s, evaluator=evaluator))):
+            try:
+                ax = draw(study)
+            except (ValueError, RuntimeError, ZeroDivisionError,
+                    optuna.exceptions.OptunaError) as exc:
+                logger.info("skipping the %s plot: %s", title, exc)
+                continue
+            fig = ax.figure if hasattr(ax, "figure") else ax.flat[0].figure
+            fig.set_size_inches(8, 5)
+            fig.tight_layout()
+            figures.append((title, fig))
+    for _, fig in figures:
+        plt.close(fig)
+    return figures
