@@ -34,6 +34,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from paratune.errors import ConfigError
@@ -42,8 +43,11 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-__all__ = ["PRECONDITIONERS", "GNSEstimate", "GradientNoiseScale", "adam_preconditioners",
-           "estimate_dict", "micro_batch_gradients", "sharded_sqnorm", "unbiased_norms"]
+__all__ = ["GNS_MODES", "PRECONDITIONERS", "TRAJECTORY_COLUMNS", "GNSEstimate", "GNSJob",
+           "GNSStep", "GradientNoiseScale", "NoiseScaleMeter", "adam_preconditioners",
+           "estimate_dict", "init_worker", "measure_layouts", "micro_batch_gradients",
+           "resolve_mode", "run_gns",
+           "sharded_sqnorm", "spawn", "unbiased_norms"]
 
 PRECONDITIONERS = ("none", "adam")
 
@@ -308,3 +312,462 @@ def micro_batch_gradients(parameters: Sequence[nn.Parameter],
 def estimate_dict(estimate: GNSEstimate) -> dict[str, float]:
     """A flat dict of an estimate (for tables and MLflow metrics)."""
     return {k: float(v) for k, v in asdict(estimate).items()}
+
+
+# ---------------------------------------------------------------------- on a Trainer
+GNS_MODES = ("auto", "dp", "accumulate")
+
+
+@dataclass(frozen=True)
+class GNSStep:
+    """What one training step with noise-scale measurement produced."""
+
+    loss: float
+    """Global mean loss of the step's batch."""
+    small_sqnorm: float
+    """Mean squared norm of the small-batch gradients."""
+    big_sqnorm: float
+    """Squared norm of the full-batch gradient."""
+    b_small: int
+    """Sequences per small batch."""
+    b_big: int
+    """Sequences in the full batch."""
+    estimate: GNSEstimate
+    """The smoothed estimate after this step."""
+
+
+def resolve_mode(config: Any, mode: str = "auto") -> str:
+    """Which small batches a layout measures: ``"dp"`` or ``"accumulate"``.
+
+    ``"dp"``: each data-parallel rank's gradient before the all-reduce (``b_small =
+    global_batch / dp``), free of extra work; the trainer supports reading it for plain DDP
+    without pipelining (``pp == 1``, ``tp == 1``, ``sharding`` ``none``/``zero1``).
+    ``"accumulate"``: the global batch is processed as ``num_small_batches`` consecutive
+    gradient-accumulation chunks, each fully reduced over every axis, and their average is the
+    big-batch gradient (``b_small = global_batch / num_small_batches``); it works under any
+    layout at the price of one gradient reduction per chunk. ``"auto"`` picks ``"dp"`` where
+    supported.
+
+    Raises:
+        ConfigError: unknown mode, or ``"dp"`` on a layout that does not support it.
+    """
+    from paratune.parallel import Sharding
+
+    if mode not in GNS_MODES:
+        raise ConfigError("mode", mode, f"must be one of {', '.join(GNS_MODES)}")
+    dp_ok = (config.dp > 1 and config.pp == 1 and config.tp == 1
+             and config.sharding in (Sharding.NONE, Sharding.ZERO1))
+    if mode == "dp" and not dp_ok:
+        raise ConfigError("mode", mode, "per-rank gradients need dp > 1 with pp=1, tp=1 and "
+                          f"sharding none/zero1 (got {config.key()}); use accumulate")
+    if mode == "auto":
+        return "dp" if dp_ok else "accumulate"
+    return mode
+
+
+class NoiseScaleMeter:
+    """Trains a :class:`~paratune.profiler.trainer.Trainer` and measures ``B_simple`` on the way.
+
+    Build the trainer with :attr:`trainer_config` (in ``accumulate`` mode its global batch is
+    one chunk), then call :meth:`step` with each full global batch on every rank.
+
+    Args:
+        config: The run's layout and global batch size.
+        mode: ``"auto"``, ``"dp"`` or ``"accumulate"`` (see :func:`resolve_mode`).
+        num_small_batches: Chunks per step in ``accumulate`` mode (``>= 2``).
+        precondition: ``"none"`` or ``"adam"`` (see the module docstring).
+        beta: Moving-average decay of :class:`GradientNoiseScale`.
+
+    Raises:
+        ConfigError: a field breaks a rule (named in the message).
+    """
+
+    def __init__(self, config: Any, *, mode: str = "auto", num_small_batches: int = 2,
+                 precondition: str = "none", beta: float = 0.95) -> None:
+        from paratune.parallel import Sharding
+
+        self.config = config
+        self.mode = resolve_mode(config, mode)
+        if precondition not in PRECONDITIONERS:
+            raise ConfigError("precondition", precondition,
+                              f"must be one of {', '.join(PRECONDITIONERS)}")
+        if precondition == "adam" and config.sharding is Sharding.ZERO1 and config.dp > 1:
+            raise ConfigError("precondition", precondition, "needs Adam's full second moments "
+                              "on every rank; zero1 shards them")
+        self.precondition = precondition
+        if self.mode == "accumulate":
+            if num_small_batches < 2:
+                raise ConfigError("num_small_batches", num_small_batches, "must be >= 2")
+            per_chunk = config.dp * config.micro_batch_size * num_small_batches
+            if config.global_batch_size % per_chunk:
+                raise ConfigError("global_batch_size", config.global_batch_size,
+                                  f"must be divisible by num_small_batches*dp*micro_batch_size"
+                                  f" = {num_small_batches}*{config.dp}*"
+                                  f"{config.micro_batch_size} = {per_chunk}")
+            self.num_small_batches = num_small_batches
+        else:
+            self.num_small_batches = config.dp
+        self.tracker = GradientNoiseScale(beta=beta)
+
+    @property
+    def b_small(self) -> int:
+        return self.config.global_batch_size // self.num_small_batches
+
+    @property
+    def trainer_config(self) -> Any:
+        """The layout to build the trainer with (one chunk's batch in ``accumulate`` mode)."""
+        if self.mode == "accumulate":
+            return self.config.replace(global_batch_size=self.b_small)
+        return self.config
+
+    def step(self, trainer: Any, tokens: torch.Tensor) -> GNSStep:
+        """One optimizer step on the global batch ``tokens``, measuring both norms.
+
+        Collective: every rank calls it with the same ``tokens``
+        (``[global_batch_size, seq_len + 1]``).
+        """
+        import torch
+        import torch.distributed as dist
+
+        from paratune.parallel import MeshAxis
+
+        gb = self.config.global_batch_size
+        if tokens.shape[0] != gb:
+            raise ConfigError("tokens", tuple(tokens.shape),
+                              f"first dim must be global_batch_size={gb}")
+        params = [p for part in trainer.model_parts for p in part.parameters()
+                  if p.requires_grad]
+        pp_group = (trainer.mesh[MeshAxis.PP.value].get_group() if self.config.pp > 1
+                    else None)
+        weights = (adam_preconditioners(trainer.optimizers) if self.precondition == "adam"
+                   else None)
+        if self.mode == "dp":
+            for p in params:
+                p.grad = None
+            loss = trainer.forward_backward(tokens, sync_grads=False)
+            local = torch.tensor(sharded_sqnorm(params, preconditioners=weights),
+                                 dtype=torch.float64, device=trainer.device)
+            dist.all_reduce(local, group=trainer.mesh[MeshAxis.DP.value].get_group())
+            small = float(local) / self.config.dp
+            trainer.reduce_gradients()
+        else:
+            k, chunk = self.num_small_batches, self.b_small
+            sums: list[torch.Tensor | None] = [None] * len(params)
+            small = loss = 0.0
+            for i in range(k):
+                for p in params:
+                    p.grad = None
+                loss += trainer.forward_backward(tokens[i * chunk:(i + 1) * chunk]) / k
+                small += sharded_sqnorm(params, pp_group=pp_group, preconditioners=weights) / k
+                for j, p in enumerate(params):
+                    if p.grad is None:
+                        continue
+                    if sums[j] is None:
+                        sums[j] = p.grad.detach().clone()
+                    else:
+                        _local(sums[j]).add_(_local(p.grad.detach()))
+            for p, total in zip(params, sums):
+                if total is not None:
+                    _local(total).div_(k)
+                p.grad = total
+        big = sharded_sqnorm(params, pp_group=pp_group, preconditioners=weights)
+        estimate = self.tracker.update(small, big, self.b_small, gb)
+        trainer.optimizer_step()
+        return GNSStep(loss=float(loss), small_sqnorm=small, big_sqnorm=big,
+                       b_small=self.b_small, b_big=gb, estimate=estimate)
+
+
+# ---------------------------------------------------------------------- the measured run
+TRAJECTORY_COLUMNS = ("step", "tokens", "loss", "b_simple", "g2", "trace", "g2_ema",
+                      "trace_ema", "small_sqnorm", "big_sqnorm", "b_small", "b_big",
+                      "elapsed_s")
+"""Columns of the trajectory CSV: ``step, tokens, loss, b_simple`` (what the tuner reads;
+``b_simple`` in sequences) followed by the estimator's parts."""
+
+
+@dataclass(frozen=True)
+class GNSJob:
+    """A training run on the text corpus that records the ``B_noise`` trajectory."""
+
+    model: Any
+    """:class:`~paratune.ModelSpec` (byte-level vocabulary: ``vocab_size >= 256``)."""
+    config: Any
+    """:class:`~paratune.ParallelConfig`; ``world_size`` processes are started."""
+    steps: int
+    """Optimizer steps to reach (a resumed run continues up to it)."""
+    out: str
+    """Trajectory CSV path (rows are appended and fsync'd as they are measured)."""
+    seed: int = 0
+    """Initialisation seed."""
+    data_seed: int = 0
+    """Data-order seed."""
+    lr: float = 1e-3
+    """AdamW learning rate."""
+    weight_decay: float = 0.1
+    """AdamW weight decay."""
+    mode: str = "auto"
+    """Small-batch source (:func:`resolve_mode`)."""
+    num_small_batches: int = 2
+    """Chunks per step in ``accumulate`` mode."""
+    precondition: str = "none"
+    """``"none"`` or ``"adam"``."""
+    beta: float = 0.95
+    """Moving-average decay."""
+    corpus_bytes: int | None = 8 << 20
+    """Bytes of the standard library to read."""
+    checkpoint_dir: str | None = None
+    """Where to save state every ``checkpoint_every`` steps (and resume from)."""
+    checkpoint_every: int = 0
+    """Steps between checkpoints (0: never)."""
+    resume: bool = False
+    """Continue from ``checkpoint_dir`` if it holds a complete checkpoint."""
+    device: str = "auto"
+    """``"cpu"`` (gloo), ``"cuda"`` (NCCL) or ``"auto"``."""
+
+    def validate(self) -> None:
+        """Check the job before any process starts.
+
+        Raises:
+            ConfigError: naming the field and the rule.
+        """
+        if self.steps < 1:
+            raise ConfigError("steps", self.steps, "must be >= 1")
+        if self.model.vocab_size < 256:
+            raise ConfigError("model", self.model.name, "needs vocab_size >= 256 (byte-level "
+                              f"text), got {self.model.vocab_size}")
+        if self.checkpoint_every < 0:
+            raise ConfigError("checkpoint_every", self.checkpoint_every, "must be >= 0")
+        if (self.checkpoint_every or self.resume) and not self.checkpoint_dir:
+            raise ConfigError("checkpoint_dir", None,
+                              "is required with checkpoint_every or resume")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ConfigError("device", self.device, "must be auto, cpu or cuda")
+        from paratune.profiler.trainer import check_supported
+
+        check_supported(self.model, self.config)
+        NoiseScaleMeter(self.config, mode=self.mode, num_small_batches=self.num_small_batches,
+                        precondition=self.precondition, beta=self.beta)
+
+
+def _append_row(path: str, row: dict[str, Any]) -> None:
+    import os
+
+    new = not os.path.exists(path) or os.path.getsize(path) == 0
+    line = ",".join(repr(float(row[c])) if isinstance(row[c], float) else str(row[c])
+                    for c in TRAJECTORY_COLUMNS)
+    with open(path, "a", encoding="utf-8") as handle:
+        if new:
+            handle.write(",".join(TRAJECTORY_COLUMNS) + "\n")
+        handle.write(line + "\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def _truncate_rows(path: str, max_step: int) -> None:
+    """Keep the header and the rows with ``step <= max_step`` (a torn last line goes too)."""
+    from paratune._io import atomic_write_text
+
+    file = Path(path)
+    if not file.exists():
+        return
+    lines = file.read_text(encoding="utf-8").splitlines()
+    if not lines:
+        return
+    kept = [lines[0]]
+    for line in lines[1:]:
+        fields = line.split(",")
+        if len(fields) == len(TRAJECTORY_COLUMNS) and fields[0].isdigit() \
+                and int(fields[0]) <= max_step:
+            kept.append(line)
+    atomic_write_text(file, "\n".join(kept) + "\n")
+
+
+def _device_for(kind: str, rank: int) -> Any:
+    import torch
+
+    if kind == "auto":
+        kind = "cuda" if torch.cuda.is_available() else "cpu"
+    if kind == "cuda":
+        index = rank % torch.cuda.device_count()
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
+    return torch.device("cpu")
+
+
+def init_worker(rank: int, world_size: int, port: int, device: str = "auto") -> Any:
+    """Join a localhost process group (gloo on CPU, NCCL on CUDA); returns the device."""
+    import datetime
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dev = _device_for(device, rank)
+    backend = "nccl" if dev.type == "cuda" else "gloo"
+    dist.init_process_group(backend, rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=300),
+                            device_id=dev if dev.type == "cuda" else None)
+    return dev
+
+
+def spawn(fn: Callable[..., Any], world_size: int, *args: Any) -> None:
+    """Run ``fn(rank, world_size, port, *args)`` in ``world_size`` fresh processes."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = int(sock.getsockname()[1])
+    mp.start_processes(fn, args=(world_size, port, *args), nprocs=world_size, join=True,
+                       start_method="spawn")
+
+
+def _gns_worker(rank: int, world_size: int, port: int, job: GNSJob) -> None:
+    import time
+
+    import torch.distributed as dist
+
+    from paratune.profiler.corpus import TextCorpus
+    from paratune.profiler.reconfigure import (
+        RUN_STATE_FILE,
+        RunState,
+        load_checkpoint,
+        save_checkpoint,
+    )
+    from paratune.profiler.trainer import Trainer
+
+    device = init_worker(rank, world_size, port, job.device)
+    try:
+        corpus = TextCorpus.from_stdlib(max_bytes=job.corpus_bytes)
+        meter = NoiseScaleMeter(job.config, mode=job.mode,
+                                num_small_batches=job.num_small_batches,
+                                precondition=job.precondition, beta=job.beta)
+        trainer = Trainer(job.model, meter.trainer_config, device=device, seed=job.seed,
+                          lr=job.lr, weight_decay=job.weight_decay)
+        state = RunState(config=job.config, extra={"elapsed_s": 0.0})
+        ckpt = Path(job.checkpoint_dir) if job.checkpoint_dir else None
+        if job.resume and ckpt is not None and (ckpt / RUN_STATE_FILE).exists():
+            state = load_checkpoint(ckpt, trainer)
+            state.config = job.config
+            meter.tracker.load_state_dict(state.gns)
+            if rank == 0:
+                _truncate_rows(job.out, state.step)
+        elif rank == 0:
+            Path(job.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(job.out).unlink(missing_ok=True)
+        dist.barrier()
+        gb, seq_len = job.config.global_batch_size, job.model.seq_len
+        elapsed = float(state.extra.get("elapsed_s", 0.0))
+        while state.step < job.steps:
+            start = time.perf_counter()
+            tokens = corpus.sequences(state.samples_seen, gb, seq_len, seed=job.data_seed)
+            result = meter.step(trainer, tokens)
+            elapsed += time.perf_counter() - start
+            state.step += 1
+            state.samples_seen += gb
+            state.tokens_seen += gb * seq_len
+            if rank == 0:
+                est = result.estimate
+                _append_row(job.out, {
+                    "step": state.step, "tokens": state.tokens_seen, "loss": result.loss,
+                    "b_simple": est.b_simple, "g2": est.g2, "trace": est.trace,
+                    "g2_ema": est.g2_ema, "trace_ema": est.trace_ema,
+                    "small_sqnorm": result.small_sqnorm, "big_sqnorm": result.big_sqnorm,
+                    "b_small": result.b_small, "b_big": result.b_big, "elapsed_s": elapsed})
+            if ckpt is not None and job.checkpoint_every and (
+                    state.step % job.checkpoint_every == 0 or state.step == job.steps):
+                state.gns = meter.tracker.state_dict()
+                state.extra["elapsed_s"] = elapsed
+                save_checkpoint(ckpt, trainer, state)
+        trainer.close()
+    finally:
+        dist.destroy_process_group()
+
+
+def run_gns(job: GNSJob) -> Path:
+    """Train ``job.model`` on the standard-library text and write its ``B_noise`` trajectory.
+
+    Starts ``job.config.world_size`` processes on this machine (gloo on CPU, NCCL on CUDA).
+    Rank 0 appends one row per step to ``job.out`` (columns :data:`TRAJECTORY_COLUMNS`) and
+    fsyncs it, so a killed run keeps every row measured; with ``checkpoint_dir`` and
+    ``resume`` a rerun continues from the last checkpoint (rows past it are re-measured).
+
+    Args:
+        job: The run.
+
+    Returns:
+        The trajectory path.
+
+    Raises:
+        ConfigError: the job is invalid (checked before any process starts).
+    """
+    job.validate()
+    spawn(_gns_worker, job.config.world_size, job)
+    return Path(job.out)
+
+
+# ---------------------------------------------------------------------- layout check
+def _layouts_worker(rank: int, world_size: int, port: int, model: Any, runs: list[dict[str, Any]],
+                    steps: int, seed: int, dtype_name: str, out_dir: str) -> None:
+    import json
+
+    import torch
+    import torch.distributed as dist
+
+    from paratune.profiler.corpus import TextCorpus
+    from paratune.profiler.trainer import Trainer
+
+    torch.set_default_dtype(getattr(torch, dtype_name))
+    device = init_worker(rank, world_size, port, "cpu")
+    try:
+        corpus = TextCorpus.from_stdlib(max_bytes=1 << 19)
+        for index, run in enumerate(runs):
+            config = run["config"]
+            meter = NoiseScaleMeter(config, mode=run.get("mode", "auto"),
+                                    num_small_batches=run.get("num_small_batches", 2),
+                                    precondition=run.get("precondition", "none"))
+            trainer = Trainer(model, meter.trainer_config, device=device, seed=seed, lr=1e-3)
+            records = []
+            for step in range(steps):
+                tokens = corpus.batch(step, config.global_batch_size, model.seq_len, seed=seed)
+                result = meter.step(trainer, tokens)
+                records.append({**asdict(result), "mode": meter.mode})
+            trainer.close()
+            if rank == 0:
+                Path(out_dir, f"{index}.json").write_text(json.dumps(records))
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_layouts(model: Any, runs: list[dict[str, Any]], *, world_size: int, steps: int = 3,
+                    seed: int = 0, dtype: str = "float64") -> list[list[dict[str, Any]]]:
+    """Train ``steps`` steps under each run's layout on the same text batches, in one group
+    of ``world_size`` gloo processes, and return every step's :class:`GNSStep` as a dict.
+
+    Used to check that a parallel layout measures what one process measures on the same
+    small batches.
+
+    Args:
+        model: The model shape.
+        runs: Dicts with ``config`` (a ParallelConfig of ``world_size`` devices) and optional
+            ``mode``, ``num_small_batches``, ``precondition``.
+        world_size: Processes to start.
+        steps: Steps per run.
+        seed: Initialisation and data seed.
+        dtype: Default dtype in the workers (``float64`` makes comparisons sharp).
+
+    Returns:
+        Per run, per step, the fields of :class:`GNSStep` (``estimate`` nested) and ``mode``.
+    """
+    import json
+    import tempfile
+
+    for run in runs:
+        run["config"].validate(model, world_size)
+    with tempfile.TemporaryDirectory() as out_dir:
+        spawn(_layouts_worker, world_size, model, runs, steps, seed, dtype, out_dir)
+        return [json.loads(Path(out_dir, f"{i}.json").read_text()) for i in range(len(runs))]
