@@ -381,9 +381,11 @@ def measure_config(model: ModelSpec, config: ParallelConfig, *, hardware: str,
         measured_steps: Steps timed.
         seed: Initialisation and data seed.
         mesh: A prebuilt (pp, dp, tp) mesh.
-        details: If given, filled with ``build_s`` and ``teardown_s`` (seconds outside the
-            steps, slowest rank), ``rss_before_gb`` (largest current RSS before building)
-            and ``rss_peak_increase_gb`` (how far this config raised the lifetime peak).
+        details: If given, filled with ``build_s`` and ``teardown_s`` (slowest rank),
+            ``overhead_s`` (all wall time outside the warm-up and measured steps: build,
+            barriers, teardown, fingerprint; slowest rank), ``rss_before_gb`` (largest
+            current RSS before building) and ``rss_peak_increase_gb`` (how far this config
+            raised the lifetime peak).
 
     Returns:
         An ``ok`` :class:`~paratune.Measurement`: step times, peak memory (CUDA allocator
@@ -412,6 +414,7 @@ def measure_config(model: ModelSpec, config: ParallelConfig, *, hardware: str,
 
     dist.barrier()
     start = time.perf_counter()
+    in_steps = 0.0
     trainer = Trainer(model, config, device=device, mesh=mesh, seed=seed)
     _synchronize(device)
     build_s = time.perf_counter() - start
@@ -425,32 +428,37 @@ def measure_config(model: ModelSpec, config: ParallelConfig, *, hardware: str,
             begin = time.perf_counter()
             loss = trainer.step(tokens)
             _synchronize(device)
+            elapsed = time.perf_counter() - begin
+            in_steps += elapsed
             if step >= warmup_steps:
-                times.append(time.perf_counter() - begin)
+                times.append(elapsed)
     finally:
         teardown_start = time.perf_counter()
         trainer.close()
         del trainer
         teardown_s = time.perf_counter() - teardown_start
+    fingerprint_info = fingerprint(device, world_size=world)
 
+    overhead_s = time.perf_counter() - start - in_steps
     stats = torch.tensor(
-        times + [build_s, teardown_s, _peak_rss_gb(), _peak_rss_gb() - peak_before, rss_before,
+        times + [build_s, teardown_s, overhead_s, _peak_rss_gb(), _peak_rss_gb() - peak_before,
+                 rss_before,
                  torch.cuda.max_memory_allocated(device) / _GB if device.type == "cuda" else 0.0,
                  torch.cuda.max_memory_reserved(device) / _GB if device.type == "cuda" else 0.0],
         dtype=torch.float64, device=device if device.type == "cuda" else "cpu")
     dist.all_reduce(stats, op=dist.ReduceOp.MAX)
     values = stats.tolist()
     step_times = values[:measured_steps]
-    build_s, teardown_s, peak_rss, rss_increase, rss_before_max, alloc, reserved = values[
-        measured_steps:]
+    (build_s, teardown_s, overhead_s, peak_rss, rss_increase, rss_before_max, alloc,
+     reserved) = values[measured_steps:]
     if details is not None:
-        details.update(build_s=build_s, teardown_s=teardown_s, rss_before_gb=rss_before_max,
-                       rss_peak_increase_gb=rss_increase)
+        details.update(build_s=build_s, teardown_s=teardown_s, overhead_s=overhead_s,
+                       rss_before_gb=rss_before_max, rss_peak_increase_gb=rss_increase)
     measurement = Measurement(
         model=model, config=config, hardware=hw.name,
         devices_per_node=_devices_per_node(device, world), step_times_s=step_times,
         peak_rss_gb=peak_rss, loss=loss, warmup_steps=warmup_steps,
-        fingerprint=fingerprint(device, world_size=world))
+        fingerprint=fingerprint_info)
     if device.type == "cuda":
         measurement.peak_mem_allocated_gb = alloc
         measurement.peak_mem_reserved_gb = reserved

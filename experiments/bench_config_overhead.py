@@ -1,0 +1,107 @@
+"""Per-config overhead of measure_config: time outside the warm-up and measured steps.
+
+One group of gloo processes (world 4 by default) measures a list of layouts of the tiny model
+in sequence, as a campaign does, and prints per layout the build time (mesh from the cache,
+model, parallelisation, optimizer, pipeline stages), the teardown time and the whole
+overhead (everything but the steps: build, barriers, teardown, fingerprint, result
+reduction), each the slowest rank's. The first layout of each mesh shape also pays for
+creating that shape's process groups.
+
+    OMP_NUM_THREADS=1 python experiments/bench_config_overhead.py [--world-size 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from paratune import ParallelConfig, get_model
+from paratune._table import format_table
+
+GLOBAL_BATCH = 8
+
+
+def layouts(world: int) -> list[ParallelConfig]:
+    """A campaign-like mix of layouts with ``world`` ranks (every one valid for tiny)."""
+    out = []
+    for dp in (d for d in (1, 2, 4, 8) if world % d == 0):
+        for tp in (t for t in (1, 2, 4) if (world // dp) % t == 0):
+            pp = world // (dp * tp)
+            if pp > 4:
+                continue
+            for sharding in ("none", "zero3"):
+                if sharding != "none" and dp == 1:
+                    continue
+                mb = max(1, GLOBAL_BATCH // (dp * max(pp, 1) * 2))
+                cfg = ParallelConfig(dp=dp, tp=tp, pp=pp, micro_batch_size=mb,
+                                     global_batch_size=GLOBAL_BATCH, sharding=sharding)
+                if cfg.is_valid(get_model("tiny"), world):
+                    out.append(cfg)
+    return out
+
+
+def _worker(rank: int, world: int, port: int, out_dir: str, warmup: int, measured: int,
+            repeats: int) -> None:
+    import torch.distributed as dist
+
+    from paratune.profiler.trainer import measure_config
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=300))
+    spec = get_model("tiny")
+    rows = []
+    for repeat in range(repeats):
+        for cfg in layouts(world):
+            details: dict = {}
+            start = time.perf_counter()
+            m = measure_config(spec, cfg, hardware="cpu", device="cpu", warmup_steps=warmup,
+                               measured_steps=measured, details=details)
+            rows.append({"repeat": repeat, "layout": cfg.key(),
+                         "wall_s": time.perf_counter() - start,
+                         "step_s": m.step_time_s, **details})
+    if rank == 0:
+        torch.save(rows, Path(out_dir) / "rows.pt")
+    dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world-size", type=int, default=4)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--measured", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=2,
+                        help="passes over the layouts (the second shows cached meshes)")
+    args = parser.parse_args(argv)
+
+    import torch.multiprocessing as mp
+
+    from paratune.profiler.equivalence import free_port
+
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.start_processes(_worker, args=(args.world_size, free_port(), out_dir, args.warmup,
+                                          args.measured, args.repeats),
+                           nprocs=args.world_size, join=True, start_method="spawn")
+        rows = torch.load(Path(out_dir) / "rows.pt", weights_only=False)
+    print(format_table(rows, ["repeat", "layout", "build_s", "teardown_s", "overhead_s",
+                              "step_s", "wall_s"], floatfmt=".3f",
+                       title=f"tiny, world {args.world_size}, {args.warmup} warm-up + "
+                             f"{args.measured} measured steps"))
+    overheads = [r["overhead_s"] for r in rows]
+    later = [r["overhead_s"] for r in rows if r["repeat"] > 0] or overheads
+    print(f"overhead per config (s): median {statistics.median(overheads):.3f}, "
+          f"max {max(overheads):.3f}; with meshes cached (repeat >= 1): median "
+          f"{statistics.median(later):.3f}, max {max(later):.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
