@@ -88,6 +88,15 @@ class ClosedFormPredictor:
         return out
 
 
+@pytest.fixture(scope="session")
+def public_data() -> Path:
+    """The public GPU measurements (``PARATUNE_PUBLIC_DATA``); skips the test if absent."""
+    path = public_data_dir()
+    if not (path / "ultrascale_playbook_h100.csv").exists():
+        pytest.skip(f"public GPU measurements not found at {path}")
+    return path
+
+
 @pytest.fixture
 def closed_form() -> ClosedFormPredictor:
     return ClosedFormPredictor()
