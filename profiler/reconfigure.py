@@ -1,0 +1,234 @@
+"""Change a running job's batch size and parallel layout at a step boundary, keeping its state.
+
+A switch saves the model and optimizer state with ``torch.distributed.checkpoint`` (DCP),
+builds the trainer for the new :class:`~paratune.ParallelConfig` on the same processes, and
+loads the checkpoint into it. DCP stores every tensor by fully-qualified name with its global
+shape, so a load under another layout reshards: tensor-parallel DTensor shards are re-cut,
+pipeline stages read only the layers they now hold, data-parallel replicas read one copy.
+The optimizer state is flattened per parameter name (torchtitan's convention), so it moves
+with its parameter between stages. What is not a tensor (step, data position, the noise-scale
+averages, the config) goes into ``run_state.json``, written by rank 0 after DCP's own
+metadata, so a checkpoint directory holding ``run_state.json`` is complete.
+
+The data position carries over because batches are addressed by sequences consumed (see
+:class:`~paratune.profiler.corpus.TextCorpus`), not by step.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from paratune._io import atomic_write_text
+from paratune.errors import ConfigError
+from paratune.parallel import ParallelConfig, Sharding
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+__all__ = ["RUN_STATE_FILE", "RunState", "SwitchCost", "load_checkpoint", "reconfigure",
+           "save_checkpoint"]
+
+RUN_STATE_FILE = "run_state.json"
+_FORMAT_VERSION = 1
+
+
+@dataclass
+class RunState:
+    """Everything about a run that is not a model or optimizer tensor."""
+
+    config: ParallelConfig
+    """Layout the state was written under."""
+    step: int = 0
+    """Optimizer steps taken."""
+    samples_seen: int = 0
+    """Sequences consumed: the data position."""
+    tokens_seen: int = 0
+    """Tokens trained on so far."""
+    gns: dict[str, Any] = field(default_factory=dict)
+    """:meth:`~paratune.profiler.gns.GradientNoiseScale.state_dict` of the run's estimator."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Free-form JSON-able additions (seed, learning rate, ...)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"format_version": _FORMAT_VERSION, "config": self.config.to_dict(),
+                "step": self.step, "samples_seen": self.samples_seen,
+                "tokens_seen": self.tokens_seen, "gns": self.gns, "extra": self.extra}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RunState:
+        version = data.get("format_version")
+        if version != _FORMAT_VERSION:
+            raise ConfigError("format_version", version, f"must be {_FORMAT_VERSION}")
+        return cls(config=ParallelConfig.from_dict(data["config"]), step=int(data["step"]),
+                   samples_seen=int(data["samples_seen"]),
+                   tokens_seen=int(data["tokens_seen"]), gns=dict(data.get("gns", {})),
+                   extra=dict(data.get("extra", {})))
+
+
+@dataclass(frozen=True)
+class SwitchCost:
+    """Seconds spent on one reconfiguration (slowest rank's view, after barriers)."""
+
+    save_s: float
+    """Writing the checkpoint."""
+    build_s: float
+    """Building the new trainer (mesh, parallelisation, optimizer)."""
+    load_s: float
+    """Reading and resharding the checkpoint into it."""
+    checkpoint_bytes: int
+    """Size of the checkpoint on disk."""
+
+    @property
+    def total_s(self) -> float:
+        return self.save_s + self.build_s + self.load_s
+
+
+def _check_supported(config: ParallelConfig) -> None:
+    if config.sharding is Sharding.ZERO1 and config.dp_enabled:
+        raise ConfigError("sharding", config.sharding.value,
+                          "zero1 (ZeroRedundancyOptimizer) state cannot be resharded by "
+                          "torch.distributed.checkpoint; use none, zero2 or zero3")
+
+
+def _state_dicts(model_parts: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer]
+                 ) -> dict[str, dict[str, Any]]:
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    if len(model_parts) != len(optimizers):
+        raise ConfigError("optimizers", len(optimizers),
+                          f"must be one per model part ({len(model_parts)})")
+    options = StateDictOptions(flatten_optimizer_state_dict=True)
+    model: dict[str, Any] = {}
+    optim: dict[str, Any] = {}
+    for part, optimizer in zip(model_parts, optimizers):
+        model.update(get_model_state_dict(part))
+        optim.update(get_optimizer_state_dict(part, optimizer, options=options))
+    return {"model": model, "optimizer": optim}
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def _is_rank0() -> bool:
+    import torch.distributed as dist
+
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
+def save_checkpoint(path: str | Path, trainer: Any, state: RunState) -> float:
+    """Save ``trainer``'s model and optimizer state and ``state`` (collective over all ranks).
+
+    Args:
+        path: Checkpoint directory (created; a previous checkpoint there is overwritten).
+        trainer: Has ``model_parts`` and ``optimizers`` (one optimizer per part).
+        state: The run's non-tensor state.
+
+    Returns:
+        Seconds taken (after a closing barrier).
+
+    Raises:
+        ConfigError: the layout's optimizer state cannot be checkpointed (``zero1``).
+    """
+    import torch.distributed.checkpoint as dcp
+
+    _check_supported(state.config)
+    path = Path(path)
+    start = time.perf_counter()
+    if _is_rank0():
+        (path / RUN_STATE_FILE).unlink(missing_ok=True)
+    _barrier()
+    dcp.save(_state_dicts(trainer.model_parts, trainer.optimizers), checkpoint_id=str(path))
+    if _is_rank0():
+        atomic_write_text(path / RUN_STATE_FILE, json.dumps(state.to_dict(), indent=1))
+    _barrier()
+    return time.perf_counter() - start
+
+
+def load_checkpoint(path: str | Path, trainer: Any) -> RunState:
+    """Load a checkpoint into ``trainer``, whatever layout it was saved under.
+
+    Args:
+        path: A directory written by :func:`save_checkpoint`.
+        trainer: A freshly built trainer (any layout of the same model).
+
+    Returns:
+        The saved :class:`RunState` (its ``config`` is the layout it was saved under).
+
+    Raises:
+        FileNotFoundError: no complete checkpoint at ``path``.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    path = Path(path)
+    state_file = path / RUN_STATE_FILE
+    if not state_file.exists():
+        raise FileNotFoundError(f"{path}: no complete checkpoint ({RUN_STATE_FILE} missing)")
+    run_state = RunState.from_dict(json.loads(state_file.read_text()))
+    target = _state_dicts(trainer.model_parts, trainer.optimizers)
+    dcp.load(target, checkpoint_id=str(path))
+    options = StateDictOptions(flatten_optimizer_state_dict=True, strict=False)
+    for part, optimizer in zip(trainer.model_parts, trainer.optimizers):
+        set_model_state_dict(part, target["model"], options=StateDictOptions(strict=False))
+        set_optimizer_state_dict(part, optimizer, target["optimizer"], options=options)
+    _barrier()
+    return run_state
+
+
+def _dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def reconfigure(trainer: Any, state: RunState, new_config: ParallelConfig, *,
+                checkpoint_dir: str | Path,
+                build_trainer: Callable[[ParallelConfig], Any]) -> tuple[Any, RunState, SwitchCost]:
+    """Switch a run to ``new_config`` at the current step boundary.
+
+    Args:
+        trainer: The running trainer (its state is saved, then it is dropped).
+        state: The run's state; its ``config`` is the current layout.
+        new_config: The layout (and global batch size) to continue with.
+        checkpoint_dir: Where the hand-over checkpoint is written.
+        build_trainer: Builds a trainer for a config on the current processes.
+
+    Returns:
+        ``(new trainer, new state, cost)``; the new state has ``config=new_config`` and the
+        same step, data position and noise-scale averages.
+    """
+    import torch.distributed as dist
+
+    _check_supported(new_config)
+    if dist.is_available() and dist.is_initialized():
+        new_config.validate(world_size=dist.get_world_size())
+    checkpoint_dir = Path(checkpoint_dir)
+    save_s = save_checkpoint(checkpoint_dir, trainer, state)
+    del trainer
+    start = time.perf_counter()
+    new_trainer = build_trainer(new_config)
+    _barrier()
+    build_s = time.perf_counter() - start
+    start = time.perf_counter()
+    loaded = load_checkpoint(checkpoint_dir, new_trainer)
+    load_s = time.perf_counter() - start
+    loaded.config = new_config
+    cost = SwitchCost(save_s=save_s, build_s=build_s, load_s=load_s,
+                      checkpoint_bytes=_dir_bytes(checkpoint_dir))
+    return new_trainer, loaded, cost
