@@ -25,6 +25,14 @@ _EXPORTS: dict[str, str] = {
     "synthetic_batch": "trainer",
     "check_supported": "trainer",
     "fingerprint": "fingerprint",
+    "CampaignError": "campaign",
+    "CampaignResult": "campaign",
+    "CampaignSpec": "campaign",
+    "default_space": "campaign",
+    "enumerate_campaign": "campaign",
+    "materialise": "campaign",
+    "run_campaign": "campaign",
+    "torchrun_commands": "campaign",
 }
 
 __all__ = sorted(_EXPORTS)

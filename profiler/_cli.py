@@ -1,0 +1,144 @@
+"""The ``paratune profile`` command: a profiling campaign over a grid and world sizes."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+__all__ = ["register"]
+
+
+def _world_sizes(text: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"world-sizes={text!r}: must be comma-separated integers, e.g. 1,2,4") from None
+    if not sizes or any(s < 1 for s in sizes):
+        raise argparse.ArgumentTypeError(f"world-sizes={text!r}: must be positive integers")
+    return sizes
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "profile", help="measure training steps of every valid parallel config",
+        description="Profile every valid configuration of a grid for each world size: "
+                    "real training steps in one worker group per world size (gloo on CPU, "
+                    "NCCL on CUDA). Finished configs are journaled durably; --resume "
+                    "continues a killed campaign. The result is a dataset in --out.")
+    parser.add_argument("--model", default=None,
+                        help="model preset (tiny, small, llama3-8b, ...) or a Hugging Face "
+                             "config.json path (default tiny)")
+    parser.add_argument("--world-sizes", type=_world_sizes, default=None, metavar="N,N,...",
+                        help="world sizes to profile (default 1,2,4)")
+    parser.add_argument("--grid", default=None, metavar="FILE",
+                        help="configuration space (YAML/TOML/JSON): global_batch_sizes, "
+                             "micro_batch_sizes, schedules, shardings, recomputes, ... "
+                             "(default: a grid sized for the model)")
+    parser.add_argument("--out", default=None, metavar="DIR",
+                        help="campaign directory (default runs/profile-<model>)")
+    parser.add_argument("--warmup", type=int, default=None, help="warm-up steps (default 3)")
+    parser.add_argument("--steps", type=int, default=None, help="measured steps (default 10)")
+    parser.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
+                        help="per-config timeout (default 300)")
+    parser.add_argument("--seed", type=int, default=None, help="seed (default 0)")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue the campaign in --out; options not given are taken "
+                             "from it")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                        help="device (default: cuda when available)")
+    parser.add_argument("--hardware", default=None, metavar="NAME",
+                        help="hardware catalogue name (default: cpu, or the detected GPU)")
+    parser.add_argument("--devices-per-node", type=int, default=None,
+                        help="devices per node (keeps tp inside a node; default: one node)")
+    parser.add_argument("--launcher", choices=("local", "torchrun"), default="local",
+                        help="local: supervised worker groups on this machine; torchrun: "
+                             "torchrun per world size (with --print-command: for a cluster)")
+    parser.add_argument("--print-command", action="store_true",
+                        help="prepare --out and print the command per world size instead of "
+                             "running")
+    parser.add_argument("--nnodes", type=int, default=None, help="nodes (--print-command)")
+    parser.add_argument("--nproc-per-node", type=int, default=None,
+                        help="processes per node (--print-command)")
+    parser.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
+                        help="rendezvous endpoint (--print-command; default "
+                             "$MASTER_ADDR:29500)")
+    parser.add_argument("--slurm", action="store_true",
+                        help="print srun command lines for a SLURM allocation")
+    parser.add_argument("--no-track", action="store_true", help="do not log to MLflow")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.set_defaults(func=_profile)
+
+
+def build_spec(args: argparse.Namespace):  # -> CampaignSpec (heavy import kept lazy)
+    """The campaign spec from command-line options (and, resuming, the stored campaign)."""
+    from paratune.errors import ConfigError
+    from paratune.profiler.campaign import CampaignSpec, detect_device, detect_hardware
+    from paratune.space import ConfigSpace
+    from paratune.spec import ModelSpec, get_model
+
+    stored: dict = {}
+    out = Path(args.out) if args.out else None
+    if args.resume:
+        if out is None:
+            raise ConfigError("out", None, "--resume needs --out DIR")
+        campaign = out / "campaign.json"
+        if not campaign.exists():
+            raise ConfigError("resume", str(out), "holds no campaign.json: nothing to resume")
+        stored = json.loads(campaign.read_text()).get("identity", {})
+    if args.model is not None:
+        model = get_model(args.model)
+    elif stored:
+        model = ModelSpec.from_dict(stored["model"])
+    else:
+        model = get_model("tiny")
+    if args.grid is not None:
+        space = ConfigSpace.from_file(args.grid)
+    elif stored:
+        space = ConfigSpace.from_dict(stored["grid"])
+    else:
+        space = None
+    device = args.device or stored.get("device") or detect_device()
+    hardware = args.hardware or stored.get("hardware") or detect_hardware(device)
+
+    def pick(value, name, default):
+        if value is not None:
+            return value
+        return stored.get(name, default)
+
+    return CampaignSpec(
+        model=model, space=space,
+        world_sizes=tuple(pick(args.world_sizes, "world_sizes", (1, 2, 4))),
+        warmup_steps=pick(args.warmup, "warmup_steps", 3),
+        measured_steps=pick(args.steps, "measured_steps", 10),
+        timeout_s=args.timeout, seed=pick(args.seed, "seed", 0), device=device,
+        hardware=hardware, devices_per_node=pick(args.devices_per_node, "devices_per_node",
+                                                 None))
+
+
+def _profile(args: argparse.Namespace) -> int:
+    from paratune.profiler.campaign import run_campaign, torchrun_commands
+
+    spec = build_spec(args)
+    out = Path(args.out or f"runs/profile-{spec.model.name}")
+    if args.print_command:
+        commands = torchrun_commands(spec, out, nnodes=args.nnodes,
+                                     nproc_per_node=args.nproc_per_node,
+                                     rdzv_endpoint=args.rdzv_endpoint, slurm=args.slurm,
+                                     resume=args.resume)
+        print(f"# campaign prepared in {out}; run on every node, one world size after "
+              f"another:")
+        for world_size, command in zip(spec.world_sizes, commands):
+            print(f"# world size {world_size}")
+            print(command)
+        print(f"# then write the dataset: paratune profile --resume --out {out}")
+        return 0
+    result = run_campaign(spec, out, resume=args.resume, track=not args.no_track,
+                          progress=not args.no_progress, launcher=args.launcher)
+    print(result.summary())
+    if result.run_id:
+        from paratune.tracking import ui_command
+
+        print(f"MLflow run {result.run_id}: {ui_command()}")
+    return 0

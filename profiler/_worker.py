@@ -1,0 +1,289 @@
+"""Worker entry point: one rank of a group that profiles many configs in one set of processes.
+
+Run as ``python -m paratune.profiler._worker --plan OUT/plan-ws<N>.json`` by the local
+launcher, or under ``torchrun`` on a cluster: the process group is initialised from the same
+environment variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``,
+``MASTER_PORT``) either way.
+
+For each config not yet in the journal, every rank writes a ``start`` event, calls
+:func:`~paratune.profiler.trainer.measure_config` (which builds mesh, model and optimizer,
+runs the steps and frees everything), writes a ``fail`` event if it raised, and then all
+ranks exchange their outcomes over a separate gloo group (so a rank that failed early can
+never be matched with a collective of the training step). Rank 0 appends the record to the
+journal. After any failure the group exits with :data:`EXIT_RELAUNCH` so that the next
+config starts in fresh processes (ranks that failed at different points would otherwise
+leave collectives unmatched). A watchdog thread
+exits the process with :data:`EXIT_TIMEOUT` when a config runs past its timeout.
+
+Fault injection, for tests only: ``PARATUNE_FAULT`` holds comma-separated
+``kind:config-key[:rank]`` entries (kind ``hang``, ``raise``, ``oom`` or ``exit``; no rank
+means every rank), applied just before the config is measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+from paratune.profiler._journal import (
+    EXIT_RELAUNCH,
+    EXIT_TIMEOUT,
+    CampaignPaths,
+    EventLog,
+    append_record,
+    failure_record,
+    journal_keys,
+    plan_configs,
+    plan_model,
+    read_plan,
+    resolve_unfinished,
+)
+
+__all__ = ["main"]
+
+FAULT_ENV = "PARATUNE_FAULT"
+PARENT_ENV = "PARATUNE_PARENT_PID"
+ATTEMPT_ENV = "PARATUNE_ATTEMPT"
+_FAULT_KINDS = ("hang", "raise", "oom", "exit")
+
+
+def parse_faults(text: str) -> list[tuple[str, str, int | None]]:
+    """``kind:key[:rank]`` entries of :data:`FAULT_ENV`.
+
+    Raises:
+        ValueError: an entry names an unknown kind or a non-integer rank.
+    """
+    faults = []
+    for entry in filter(None, (e.strip() for e in text.split(","))):
+        parts = entry.split(":")
+        if len(parts) not in (2, 3) or parts[0] not in _FAULT_KINDS:
+            raise ValueError(f"{FAULT_ENV}={entry!r}: must be kind:config-key[:rank] with kind "
+                             f"one of {', '.join(_FAULT_KINDS)}")
+        rank = int(parts[2]) if len(parts) == 3 else None
+        faults.append((parts[0], parts[1], rank))
+    return faults
+
+
+def _inject(faults: list[tuple[str, str, int | None]], key: str, rank: int) -> None:
+    import torch
+
+    for kind, fault_key, fault_rank in faults:
+        if fault_key != key or (fault_rank is not None and fault_rank != rank):
+            continue
+        if kind == "hang":
+            while True:
+                time.sleep(3600)
+        if kind == "raise":
+            raise RuntimeError(f"injected fault on rank {rank}")
+        if kind == "oom":
+            raise torch.OutOfMemoryError(f"injected: CUDA out of memory on rank {rank}")
+        if kind == "exit":
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def is_oom(exc: BaseException) -> bool:
+    """Whether an exception is an out-of-memory failure."""
+    import torch
+
+    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
+
+
+class _Watchdog(threading.Thread):
+    """Ends the process when a config overruns its timeout or the launching parent dies."""
+
+    def __init__(self, events: EventLog, timeout_s: float, parent_pid: int | None) -> None:
+        super().__init__(daemon=True, name="paratune-watchdog")
+        self.events = events
+        self.timeout_s = timeout_s
+        self.parent_pid = parent_pid
+        self.current: tuple[str, float] | None = None
+
+    def run(self) -> None:
+        while True:
+            time.sleep(0.5)
+            if self.parent_pid is not None and os.getppid() != self.parent_pid:
+                os._exit(1)
+            current = self.current
+            if current and time.monotonic() - current[1] > self.timeout_s:
+                self.events.write("timeout", current[0], timeout_s=self.timeout_s)
+                sys.stderr.write(f"config {current[0]} ran past {self.timeout_s:g} s; exiting\n")
+                sys.stderr.flush()
+                os._exit(EXIT_TIMEOUT)
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Ask Linux to kill this process when the launching parent dies (even by kill -9)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        pr_set_pdeathsig = 1
+        libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass  # elsewhere the watchdog's parent check does it
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+
+def _describe(exc: BaseException, rank: int) -> str:
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = f" (at {Path(frames[-1].filename).name}:{frames[-1].lineno})" if frames else ""
+    return f"rank {rank}: {type(exc).__name__}: {exc}{where}"[:2000]
+
+
+def run_worker(plan_path: str | Path, *, attempt: str | None = None) -> int:
+    """Profile the configs of one plan that the journal does not hold yet (collective).
+
+    Returns:
+        The process exit code (0 when every config is done).
+    """
+    import torch
+    import torch.distributed as dist
+
+    from paratune.measurement import Status
+    from paratune.profiler.fingerprint import fingerprint
+    from paratune.profiler.trainer import measure_config
+
+    plan = read_plan(plan_path)
+    paths = CampaignPaths(Path(plan_path).resolve().parent)
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if world != int(plan["world_size"]):
+        print(f"WORLD_SIZE={world} must equal the plan's world_size={plan['world_size']}",
+              file=sys.stderr)
+        return 2
+    supervised = os.environ.get(PARENT_ENV)
+    parent_pid = int(supervised) if supervised else None
+    if parent_pid is not None:
+        _die_with_parent(parent_pid)
+    attempt = attempt or os.environ.get(ATTEMPT_ENV)
+    faults = parse_faults(os.environ.get(FAULT_ENV, ""))
+    timeout_s = float(plan["timeout_s"])
+
+    if plan["device"] == "cuda":
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+        backend = "nccl"
+    else:
+        device = torch.device("cpu")
+        backend = "gloo"
+    pg_timeout = datetime.timedelta(seconds=timeout_s + 120)
+    kwargs: dict[str, Any] = {"backend": backend, "timeout": pg_timeout}
+    if backend == "nccl":
+        kwargs["device_id"] = device
+    dist.init_process_group(**kwargs)
+    control = dist.new_group(backend="gloo", timeout=pg_timeout)
+    if not attempt:  # under torchrun: one identifier for this launch, chosen by rank 0
+        box: list[Any] = [f"torchrun-{os.environ.get('TORCHELASTIC_RUN_ID', 'none')}-"
+                          f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}-"
+                          f"{time.strftime('%Y%m%dT%H%M%S')}"]
+        dist.broadcast_object_list(box, src=0, group=control)
+        attempt = str(box[0])
+    events = EventLog(paths.events(world, rank), rank=rank, attempt=attempt)
+    watchdog = _Watchdog(events, timeout_s, parent_pid)
+    watchdog.start()
+
+    journal = paths.journal(world)
+    box = [None]
+    if rank == 0:
+        if parent_pid is None:  # under torchrun: settle what a dead earlier launch left
+            resolve_unfinished(paths, plan)
+        done = journal_keys(journal)
+        box[0] = [c.to_dict() for c in plan_configs(plan) if c.key() not in done]
+    dist.broadcast_object_list(box, src=0, group=control)
+    from paratune.parallel import ParallelConfig
+
+    todo = [ParallelConfig.from_dict(c) for c in box[0]]
+    model = plan_model(plan)
+    fp = fingerprint(device, world_size=world)
+    print(f"rank {rank}/{world} ({attempt}): {len(todo)} configs to measure", flush=True)
+
+    exit_code = 0
+    for config in todo:
+        key = config.key()
+        events.write("start", key)
+        watchdog.current = (key, time.monotonic())
+        measurement = None
+        details: dict[str, Any] = {}
+        status, error = Status.OK.value, ""
+        began = time.perf_counter()
+        try:
+            _inject(faults, key, rank)
+            measurement = measure_config(
+                model, config, hardware=plan["hardware"], device=device,
+                warmup_steps=int(plan["warmup_steps"]),
+                measured_steps=int(plan["measured_steps"]), seed=int(plan.get("seed", 0)),
+                details=details)
+        except Exception as exc:  # every failure becomes this config's status
+            status = Status.OOM.value if is_oom(exc) else Status.ERROR.value
+            error = _describe(exc, rank)
+            traceback.print_exc()
+            events.write("fail", key, status=status, error=error)
+            measurement = None
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        call_s = time.perf_counter() - began
+        outcomes: list[Any] = [None] * world
+        dist.all_gather_object(outcomes, (status, error), group=control)
+        watchdog.current = None
+        statuses = {s for s, _ in outcomes}
+        if rank == 0:
+            if statuses == {Status.OK.value}:
+                assert measurement is not None
+                measurement.campaign_id = plan.get("campaign_id", "")
+                record = measurement
+            else:
+                failed = [(s, e) for s, e in outcomes if s != Status.OK.value]
+                kind = Status.OOM if any(s == Status.OOM.value for s, _ in failed) else \
+                    Status.ERROR
+                texts = list(dict.fromkeys(e for _, e in failed))
+                record = failure_record(plan, config, kind, " | ".join(texts[:4]),
+                                        fingerprint=fp)
+            append_record(journal, record, call_s=call_s, attempt=attempt, **details)
+        events.write("end", key, status=status)
+        print(f"{key}: {status} in {call_s:.2f} s", flush=True)
+        if statuses != {Status.OK.value}:
+            # After a failure the ranks may have left collectives unmatched (a rank that
+            # raised early skipped some): the next config starts in fresh processes.
+            exit_code = EXIT_RELAUNCH
+            break
+    if exit_code == 0:
+        events.write("finished")
+    watchdog.current = None
+    from paratune.profiler.mesh import clear_mesh_cache
+
+    clear_mesh_cache()
+    if exit_code == 0:
+        dist.barrier(group=control)
+        dist.destroy_process_group()
+    return exit_code
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m paratune.profiler._worker",
+        description="One rank of a paratune profiling group (local launcher or torchrun).")
+    parser.add_argument("--plan", required=True, help="the world size's plan-ws<N>.json")
+    parser.add_argument("--attempt", default=None, help="launch identifier for the events")
+    args = parser.parse_args(argv)
+    code = run_worker(args.plan, attempt=args.attempt)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if code != 0:
+        os._exit(code)  # without waiting on peers that may be stuck in a collective
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,284 @@
+from __future__ import annotations
+
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from paratune import ConfigError, ParallelConfig, Status, get_model
+from paratune.cli import main
+from paratune.datasets import read_dataset
+from paratune.profiler._journal import (
+    CampaignPaths,
+    EventLog,
+    append_record,
+    failure_record,
+    journal_keys,
+    read_journal,
+    read_plan,
+    resolve_unfinished,
+)
+from paratune.profiler._worker import parse_faults
+from paratune.profiler.campaign import (
+    CampaignSpec,
+    enumerate_campaign,
+    prepare_campaign,
+    run_campaign,
+    torchrun_commands,
+)
+from paratune.space import ConfigSpace
+
+TINY = get_model("tiny")
+# Five configs on two ranks: dp2, pp2 under each schedule, tp2 (in that order).
+SMALL_SPACE = ConfigSpace(micro_batch_sizes=[2], shardings=["none"], recomputes=["none"])
+KEYS_WS2 = ["dp2-tp1-pp1-mb2-gb8-1f1b-v1-none-none",
+            "dp1-tp1-pp2-mb2-gb8-gpipe-v1-none-none",
+            "dp1-tp1-pp2-mb2-gb8-1f1b-v1-none-none",
+            "dp1-tp1-pp2-mb2-gb8-interleaved_1f1b-v2-none-none",
+            "dp1-tp2-pp1-mb2-gb8-1f1b-v1-none-none"]
+
+
+def _spec(**changes) -> CampaignSpec:
+    base = dict(model=TINY, world_sizes=(2,), space=SMALL_SPACE, warmup_steps=1,
+                measured_steps=2, timeout_s=60.0)
+    base.update(changes)
+    return CampaignSpec(**base)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread(monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+
+
+# ---------------------------------------------------------------------- planning
+def test_enumeration_reports_skipped_configs_with_reasons():
+    spec = _spec(world_sizes=(1, 2, 4), space=ConfigSpace(micro_batch_sizes=[1, 4],
+                                                          shardings=["none", "zero1"],
+                                                          recomputes=["none"]))
+    result = enumerate_campaign(spec)
+    assert [c.key() for c in result[2].valid if c.pp == 1 and c.tp == 1 and
+            c.micro_batch_size == 1] == ["dp2-tp1-pp1-mb1-gb8-1f1b-v1-none-none",
+                                         "dp2-tp1-pp1-mb1-gb8-1f1b-v1-zero1-none"]
+    reasons = {c.key(): r for c, r in result[4].skipped}
+    # dp=4 * mb=4 does not divide the global batch of 8; zero1 cannot shard tp parameters.
+    assert "global_batch_size=8: must be divisible by dp*micro_batch_size" in \
+        reasons["dp4-tp1-pp1-mb4-gb8-1f1b-v1-none-none"]
+    assert "sharding='zero1': needs tp=1" in reasons["dp2-tp2-pp1-mb1-gb8-1f1b-v1-zero1-none"]
+    for world_size, enumeration in result.items():
+        for config in enumeration.valid:
+            config.validate(TINY, world_size)
+
+
+def test_prepare_writes_plans_and_refuses_to_mix_campaigns(tmp_path):
+    spec = _spec(world_sizes=(1, 4), space=ConfigSpace(micro_batch_sizes=[4]))
+    paths, meta = prepare_campaign(spec, tmp_path / "c")
+    plan = read_plan(paths.plan(4))
+    assert plan["world_size"] == 4 and plan["warmup_steps"] == 1
+    assert len(plan["configs"]) == meta["num_valid"]["4"] > 0
+    with open(paths.skipped) as handle:
+        skipped = list(csv.DictReader(handle))
+    assert len(skipped) == meta["num_skipped"]["4"] + meta["num_skipped"]["1"] > 0
+    assert all(row["reason"] for row in skipped)
+    with pytest.raises(ConfigError, match="already holds a campaign"):
+        prepare_campaign(spec, tmp_path / "c")
+    with pytest.raises(ConfigError, match=r"measured_steps=5: differs from the campaign"):
+        prepare_campaign(_spec(world_sizes=(1, 4), space=ConfigSpace(micro_batch_sizes=[4]),
+                               measured_steps=5), tmp_path / "c", resume=True)
+    with pytest.raises(ConfigError, match="nothing to resume"):
+        prepare_campaign(spec, tmp_path / "empty", resume=True)
+    _, again = prepare_campaign(spec, tmp_path / "c", resume=True)
+    assert again["campaign_id"] == meta["campaign_id"]
+
+
+def test_spec_and_fault_validation():
+    with pytest.raises(ConfigError, match="world_sizes=0"):
+        _spec(world_sizes=(0,))
+    with pytest.raises(ConfigError, match="measured_steps=0"):
+        _spec(measured_steps=0)
+    with pytest.raises(ConfigError, match="timeout_s=-1"):
+        _spec(timeout_s=-1)
+    with pytest.raises(ConfigError, match="gpu='TPUv9'"):
+        _spec(hardware="TPUv9")
+    assert parse_faults("hang:k1, raise:k2:1") == [("hang", "k1", None), ("raise", "k2", 1)]
+    with pytest.raises(ValueError, match="kind:config-key"):
+        parse_faults("explode:k1")
+
+
+def test_torchrun_commands(tmp_path):
+    commands = torchrun_commands(_spec(world_sizes=(2, 4)), tmp_path / "c",
+                                 nproc_per_node=2, rdzv_endpoint="head:29500")
+    plan4 = (tmp_path / "c" / "plan-ws4.json").resolve()
+    assert commands[1] == (
+        "torchrun --nnodes=2 --nproc-per-node=2 --rdzv-backend=c10d "
+        f"--rdzv-endpoint=head:29500 --rdzv-id={read_plan(plan4)['campaign_id']}-ws4 "
+        f"--max-restarts=3 -m paratune.profiler._worker --plan {plan4}")
+    slurm = torchrun_commands(_spec(world_sizes=(4,)), tmp_path / "c", nproc_per_node=2,
+                              slurm=True)[0]
+    assert 'scontrol show hostnames "$SLURM_JOB_NODELIST"' in slurm
+    assert "srun --nodes=2 --ntasks-per-node=1 torchrun --nnodes=2" in slurm
+    with pytest.raises(ConfigError, match="nproc_per_node=3: must divide"):
+        torchrun_commands(_spec(world_sizes=(4,)), tmp_path / "c", nproc_per_node=3)
+
+
+def test_restart_resolution_from_events(tmp_path):
+    """What a torchrun restart records for configs a dead launch left unfinished."""
+    paths, _ = prepare_campaign(_spec(), tmp_path / "c")
+    plan = read_plan(paths.plan(2))
+    journal = paths.journal(2)
+    config = ParallelConfig.from_dict(plan["configs"][0])
+    append_record(journal, failure_record(plan, config, Status.ERROR, "earlier"))
+    for rank in (0, 1):
+        log = EventLog(paths.events(2, rank), rank=rank, attempt="a1")
+        for key in KEYS_WS2[:4]:
+            log.write("start", key)
+    EventLog(paths.events(2, 1), rank=1, attempt="a1").write(
+        "fail", KEYS_WS2[1], status="oom", error="rank 1: OutOfMemoryError: CUDA out of memory")
+    EventLog(paths.events(2, 0), rank=0, attempt="a1").write("timeout", KEYS_WS2[2],
+                                                            timeout_s=20.0)
+    EventLog(paths.events(2, 0), rank=0, attempt="a2").write("start", KEYS_WS2[3])
+    records = {r.config.key(): r for r in resolve_unfinished(paths, plan)}
+    # finished: untouched; failed on a rank: oom with its text; timed out: timeout;
+    # started in two launches that both died: error; never started: left to be measured.
+    assert KEYS_WS2[0] not in records
+    assert records[KEYS_WS2[1]].status is Status.OOM
+    assert "CUDA out of memory" in records[KEYS_WS2[1]].error
+    assert records[KEYS_WS2[2]].status is Status.TIMEOUT
+    assert records[KEYS_WS2[3]].status is Status.ERROR
+    assert "in 2 launches" in records[KEYS_WS2[3]].error
+    assert KEYS_WS2[4] not in records
+    assert journal_keys(journal) == set(KEYS_WS2[:4])
+    assert resolve_unfinished(paths, plan) == []  # idempotent
+
+
+# ---------------------------------------------------------------------- real campaigns
+@pytest.mark.slow
+def test_faults_are_isolated_and_recorded(tmp_path):
+    """A hang, an exception on one rank, a rank killed by a signal and an OOM each become
+    that config's status, and the campaign measures the rest."""
+    faults = ",".join([f"hang:{KEYS_WS2[1]}:1", f"raise:{KEYS_WS2[2]}:1",
+                       f"exit:{KEYS_WS2[3]}:0", f"oom:{KEYS_WS2[4]}"])
+    result = run_campaign(_spec(timeout_s=20.0), tmp_path / "c", track=False,
+                          progress=False, fail_grace_s=1.0,
+                          extra_env={"PARATUNE_FAULT": faults})
+    rows = {r["key"]: r["row"] for r in read_journal(tmp_path / "c" / "journal-ws2.jsonl")}
+    assert list(rows) == KEYS_WS2  # each exactly once, in plan order
+    assert rows[KEYS_WS2[0]]["status"] == "ok"
+    assert len(rows[KEYS_WS2[0]]["step_times_s"]) == 2 and rows[KEYS_WS2[0]]["loss"] > 0
+    assert rows[KEYS_WS2[1]]["status"] == "timeout"
+    assert "timeout of 20 s" in rows[KEYS_WS2[1]]["error"]
+    assert rows[KEYS_WS2[2]]["status"] == "error"
+    assert "rank 1: RuntimeError: injected fault on rank 1" in rows[KEYS_WS2[2]]["error"]
+    assert rows[KEYS_WS2[3]]["status"] == "error"
+    assert "rank 0 was killed by SIGKILL" in rows[KEYS_WS2[3]]["error"]
+    assert rows[KEYS_WS2[4]]["status"] == "oom"
+    assert "out of memory" in rows[KEYS_WS2[4]]["error"]
+    assert result.counts[2] == {"valid": 5, "skipped": 0, "ok": 1, "oom": 1, "error": 2,
+                                "timeout": 1}
+    dataset = read_dataset(tmp_path / "c")
+    assert sorted(dataset.frame["status"]) == ["error", "error", "ok", "oom", "timeout"]
+    assert dataset.card.campaign_id == result.campaign_id
+    assert dataset.frame["device_name"].iloc[0]  # failure rows carry the fingerprint too
+    launches = {p.name.split("-rank")[0] for p in (tmp_path / "c" / "logs").iterdir()}
+    assert len(launches) == 4  # relaunched after the hang, the exception and the crash
+
+
+def _workers_of(plan_dir: Path) -> list[int]:
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        if "paratune.profiler._worker" in cmdline and str(plan_dir) in cmdline:
+            pids.append(int(proc.name))
+    return pids
+
+
+@pytest.mark.slow
+def test_kill_9_then_resume_redoes_nothing_and_loses_nothing(tmp_path, monkeypatch):
+    """The campaign parent is killed with SIGKILL mid-campaign; --resume finishes it."""
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    out = tmp_path / "c"
+    grid = tmp_path / "grid.yaml"
+    grid.write_text("micro_batch_sizes: [2]\nshardings: [none, zero3]\nrecomputes: [none]\n")
+    command = [sys.executable, "-m", "paratune", "profile", "--model", "tiny",
+               "--world-sizes", "1,2", "--grid", str(grid), "--out", str(out), "--warmup", "1",
+               "--steps", "2", "--device", "cpu", "--no-progress"]
+    parent = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                              env=dict(os.environ))
+    journal2 = out / "journal-ws2.jsonl"
+    deadline = time.monotonic() + 150
+    while time.monotonic() < deadline and parent.poll() is None:
+        if journal2.exists() and len(journal2.read_text().splitlines()) >= 2:
+            break
+        time.sleep(0.1)
+    assert parent.poll() is None, parent.stderr.read().decode()
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+    deadline = time.monotonic() + 20
+    while _workers_of(out) and time.monotonic() < deadline:  # they die with their parent
+        time.sleep(0.2)
+    assert _workers_of(out) == []
+    before = {p.name: p.read_text() for p in out.glob("journal-ws*.jsonl")}
+    finished = set().union(*(journal_keys(out / name) for name in before))
+    assert len(finished) >= 3  # ws=1's config and at least two of ws=2
+    meta = json.loads((out / "campaign.json").read_text())
+    assert meta.get("mlflow_run_id")
+
+    paths = CampaignPaths(out)
+    starts_before = _start_counts(paths)
+    assert main(["profile", "--resume", "--out", str(out), "--no-progress"]) == 0
+    for name, text in before.items():  # nothing lost: the old journal is a prefix
+        assert (out / name).read_text().startswith(text)
+    starts_after = _start_counts(paths)
+    for key in finished:  # nothing redone
+        assert starts_after[key] == starts_before[key]
+    dataset = read_dataset(out)
+    plan_keys = {ws: [ParallelConfig.from_dict(c).key() for c in
+                      read_plan(paths.plan(ws))["configs"]] for ws in (1, 2)}
+    assert len(dataset) == len(plan_keys[1]) + len(plan_keys[2]) == 1 + 6
+    assert (dataset.frame["status"] == "ok").all()
+    assert sorted(dataset.frame["world_size"].value_counts().items()) == [(1, 1), (2, 6)]
+
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(os.environ["MLFLOW_TRACKING_URI"])
+    run = client.get_run(meta["mlflow_run_id"])
+    assert run.info.status == "FINISHED"
+    assert run.data.params["model"] == "tiny"
+    assert json.loads(run.data.params["world_sizes"]) == [1, 2]
+    assert run.data.metrics["ok"] == 7 and run.data.metrics["failed"] == 0
+    artifacts = {a.path for a in client.list_artifacts(run.info.run_id, "dataset")}
+    assert "dataset/card.json" in artifacts
+
+
+def _start_counts(paths: CampaignPaths) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for events in paths.root.glob("events/ws*/rank0.jsonl"):
+        for line in events.read_text().splitlines():
+            event = json.loads(line)
+            if event["event"] == "start":
+                counts[event["key"]] = counts.get(event["key"], 0) + 1
+    return counts
+
+
+@pytest.mark.slow
+def test_torchrun_launcher_runs_the_same_worker(tmp_path, capsys):
+    space = tmp_path / "grid.json"
+    space.write_text(json.dumps({"micro_batch_sizes": [2], "shardings": ["none"],
+                                 "recomputes": ["none"], "pp_degrees": [1]}))
+    assert main(["profile", "--launcher", "torchrun", "--world-sizes", "2", "--grid",
+                 str(space), "--out", str(tmp_path / "c"), "--warmup", "1", "--steps", "2",
+                 "--device", "cpu", "--no-track", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    dataset = read_dataset(tmp_path / "c")
+    assert sorted(dataset.frame["tp"]) == [1, 2] and (dataset.frame["status"] == "ok").all()
+    assert "world  valid  ok" in out
