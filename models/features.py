@@ -157,10 +157,14 @@ def hardware_columns(names: Any) -> dict[str, np.ndarray]:
         except ConfigError as exc:
             table[name] = (None, str(exc))
     out: dict[str, np.ndarray] = {}
-    for attr in ("peak_flops", "memory_gb", "intra_node_bw", "inter_node_bw",
-                 "devices_per_node"):
-        mapping = {k: (float(getattr(s, attr)) if s is not None and getattr(s, attr) is not None
-                       else np.nan) for k, (s, _) in table.items()}
+    # "peak_flops" here is the compute speed the estimate assumes: the vendor peak, or the
+    # catalogue's nominal figure where there is none (the CPU).
+    for attr, source in (("peak_flops", "effective_flops"), ("memory_gb", "memory_gb"),
+                         ("intra_node_bw", "intra_node_bw"), ("inter_node_bw", "inter_node_bw"),
+                         ("devices_per_node", "devices_per_node")):
+        mapping = {k: (float(getattr(s, source)) if s is not None
+                       and getattr(s, source) is not None else np.nan)
+                   for k, (s, _) in table.items()}
         out[attr] = np.asarray(series.map(mapping), dtype=float)
     out["error"] = np.asarray(series.map({k: e for k, (_, e) in table.items()}), dtype=object)
     return out

@@ -27,7 +27,11 @@ class HardwareSpec:
     backend: str = "nccl"
     """torch.distributed backend to use."""
     peak_flops: float | None = None
-    """Dense bf16 (fp32 on CPU) peak FLOP/s per device; ``None`` where no honest figure exists."""
+    """Dense bf16 peak FLOP/s per device (vendor figure); ``None`` where no honest figure
+    exists. MFU is reported only against this."""
+    nominal_flops: float | None = None
+    """A rough FLOP/s figure for analytical estimates where there is no vendor peak (the
+    CPU); the learned model corrects it, and it is never used for MFU."""
     memory_gb: float = 0.0
     """Device memory in GB (1e9 bytes)."""
     devices_per_node: int = 8
@@ -44,6 +48,11 @@ class HardwareSpec:
         data["aliases"] = list(self.aliases)
         return data
 
+    @property
+    def effective_flops(self) -> float | None:
+        """The peak if known, else the nominal figure: the compute speed analytical features use."""
+        return self.peak_flops if self.peak_flops is not None else self.nominal_flops
+
     def num_nodes(self, num_devices: int) -> int:
         """Nodes needed for ``num_devices`` devices."""
         return max(1, -(-num_devices // self.devices_per_node))
@@ -54,6 +63,7 @@ HARDWARE: dict[str, HardwareSpec] = {
     spec.name: spec
     for spec in (
         HardwareSpec(name="cpu", device_type="cpu", backend="gloo", peak_flops=None,
+                     nominal_flops=5e10,
                      memory_gb=0.0, devices_per_node=1024, intra_node_bw=5 * _GB,
                      inter_node_bw=1.25 * _GB, aliases=("gloo",)),
         HardwareSpec(name="A100-40GB", peak_flops=312e12, memory_gb=40.0,
