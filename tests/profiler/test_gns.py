@@ -206,3 +206,86 @@ def test_3d_parallel_estimate_equals_single_process_on_same_batches():
     # Preconditioning changes the measured quantity.
     assert reference[2][-1]["big_sqnorm"] != pytest.approx(reference[0][-1]["big_sqnorm"],
                                                            rel=1e-3)
+
+
+# ---------------------------------------------------------------------- the `gns` command
+def test_parse_config_reads_both_spellings():
+    from paratune import ParallelConfig
+    from paratune.profiler._gns_cli import parse_config
+
+    want = ParallelConfig(dp=2, tp=2, micro_batch_size=4, global_batch_size=32)
+    assert parse_config("dp=2,tp=2,mb=4,gb=32") == want
+    assert parse_config("dp2-tp2-pp1-mb4-gb32") == want
+    assert parse_config("pp=2,gb=8,schedule=gpipe").schedule == "gpipe"
+    with pytest.raises(ConfigError, match="unknown key"):
+        parse_config("dq=2")
+    with pytest.raises(ConfigError, match="cannot read"):
+        parse_config("dp2-xx3")
+
+
+def _rows(path):
+    import pandas as pd
+
+    return pd.read_csv(path)
+
+
+@pytest.mark.slow
+def test_gns_command_writes_a_trajectory_and_resumes_after_a_kill(tmp_path):
+    from paratune.cli import main
+    from paratune.profiler.gns import TRAJECTORY_COLUMNS
+
+    common = ["gns", "--model", "tiny", "--seq-len", "32", "--corpus-mb", "0.5", "--no-track",
+              "--lr", "2e-3"]
+    # Two data-parallel processes, per-rank small batches.
+    straight = tmp_path / "straight.csv"
+    assert main([*common, "--config", "dp=2,gb=8", "--steps", "4", "--out", str(straight)]) == 0
+    frame = _rows(straight)
+    assert tuple(frame.columns) == TRAJECTORY_COLUMNS
+    assert list(frame["step"]) == [1, 2, 3, 4]
+    assert list(frame["tokens"]) == [256, 512, 768, 1024]
+    assert (frame["b_small"] == 4).all() and (frame["b_big"] == 8).all()
+    assert frame["loss"].iloc[-1] < frame["loss"].iloc[0]
+    assert np_isfinite_all(frame["b_simple"])
+    tune_reader = pytest.importorskip("paratune.tuner.gns_trajectory")
+    assert len(tune_reader.load_trajectory(straight)) >= 1
+
+    # Killed after a checkpoint at step 2 with a torn row 3 half written: the resumed run
+    # re-measures step 3 and ends where the uninterrupted run ends.
+    killed = tmp_path / "killed.csv"
+    assert main([*common, "--config", "dp=2,gb=8", "--steps", "2", "--out", str(killed),
+                 "--checkpoint-every", "2"]) == 0
+    with open(killed, "a") as handle:
+        handle.write("3,768,5.1")
+    assert main([*common, "--config", "dp=2,gb=8", "--steps", "4", "--out", str(killed),
+                 "--resume", "--checkpoint-every", "2"]) == 0
+    resumed = _rows(killed)
+    assert list(resumed["step"]) == [1, 2, 3, 4]
+    for column in ("loss", "small_sqnorm", "big_sqnorm", "b_simple"):
+        assert list(resumed[column]) == pytest.approx(list(frame[column]), rel=1e-6), column
+
+
+def np_isfinite_all(series) -> bool:
+    import numpy as np
+
+    return bool(np.isfinite(series.to_numpy(dtype=float)).all())
+
+
+def test_gns_job_rejects_bad_settings_before_starting():
+    from paratune import ParallelConfig, get_model
+    from paratune.profiler.gns import GNSJob
+
+    tiny = get_model("tiny")
+    cases = [
+        (dict(steps=0), "steps"),
+        (dict(config=ParallelConfig(dp=2, tp=2, global_batch_size=4), mode="dp"), "mode"),
+        (dict(config=ParallelConfig(global_batch_size=3)), "global_batch_size"),
+        (dict(resume=True), "checkpoint_dir"),
+        (dict(precondition="sgd"), "precondition"),
+    ]
+    for changes, field in cases:
+        settings = dict(model=tiny, config=ParallelConfig(global_batch_size=4), steps=3,
+                        out="unused.csv")
+        settings.update(changes)
+        with pytest.raises(ConfigError) as info:
+            GNSJob(**settings).validate()
+        assert info.value.field == field, changes

@@ -1,0 +1,137 @@
+"""The ``paratune gns`` command: measure the gradient noise scale of a real training run."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+__all__ = ["register"]
+
+_CONFIG_KEYS = ("dp", "tp", "pp", "micro_batch_size", "global_batch_size", "schedule",
+                "virtual_stages", "sharding", "recompute")
+_ALIASES = {"mb": "micro_batch_size", "mbs": "micro_batch_size", "gb": "global_batch_size",
+            "gbs": "global_batch_size", "v": "virtual_stages"}
+
+
+def parse_config(text: str):  # -> ParallelConfig (import kept lazy)
+    """A ParallelConfig from ``dp=2,tp=2,gb=32,mb=4`` (or a ``ParallelConfig.key()`` such as
+    ``dp2-tp2-pp1-mb4-gb32``).
+
+    Raises:
+        ConfigError: an unknown key or a bad value, named.
+    """
+    from paratune.errors import ConfigError
+    from paratune.parallel import ParallelConfig
+
+    values: dict[str, object] = {}
+    if "=" in text:
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            key, _, value = part.partition("=")
+            key = _ALIASES.get(key.strip(), key.strip())
+            if key not in _CONFIG_KEYS:
+                raise ConfigError("config", part, f"unknown key (use {', '.join(_CONFIG_KEYS)}"
+                                  " or mb, gb)")
+            value = value.strip()
+            values[key] = int(value) if value.isdigit() else value
+    else:
+        prefixes = (("dp", "dp"), ("tp", "tp"), ("pp", "pp"), ("mb", "micro_batch_size"),
+                    ("gb", "global_batch_size"), ("v", "virtual_stages"))
+        for part in filter(None, text.split("-")):
+            for prefix, key in prefixes:
+                if part.startswith(prefix) and part[len(prefix):].isdigit():
+                    values[key] = int(part[len(prefix):])
+                    break
+            else:
+                raise ConfigError("config", text, f"cannot read {part!r}: use dp=2,tp=2,gb=32 "
+                                  "or dp2-tp2-gb32")
+    return ParallelConfig.from_dict(values)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "gns", help="measure the gradient noise scale (B_noise) of a real training run",
+        description="Train MODEL on real text (the Python standard library's sources, "
+                    "byte-level) under a parallel config on this machine and write the "
+                    "B_noise trajectory (step, tokens, loss, b_simple, ...) as CSV, the "
+                    "format 'paratune tune --gns' and 'paratune plan --trajectory' read. "
+                    "Rows are written as they are measured; --resume continues a killed run "
+                    "from its last checkpoint.")
+    parser.add_argument("--model", default="tiny",
+                        help="model preset with a byte-level vocabulary (tiny, small) or a "
+                             "config.json path (default tiny)")
+    parser.add_argument("--config", default="dp=1,gb=16", metavar="SPEC",
+                        help="parallel config, e.g. dp=2,tp=2,gb=32,mb=4 (keys: dp tp pp mb gb "
+                             "schedule virtual_stages sharding recompute); dp*tp*pp processes "
+                             "are started (default dp=1,gb=16)")
+    parser.add_argument("--steps", type=int, default=200, help="optimizer steps (default 200)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="trajectory CSV (default runs/gns-<model>-<config>.csv)")
+    parser.add_argument("--seq-len", type=int, default=None,
+                        help="override the model's sequence length")
+    parser.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
+    parser.add_argument("--seed", type=int, default=0, help="initialisation and data seed")
+    parser.add_argument("--mode", choices=("auto", "dp", "accumulate"), default="auto",
+                        help="small batches: per data-parallel rank before the all-reduce "
+                             "(dp), gradient-accumulation chunks (accumulate), or dp where the "
+                             "layout allows it (auto)")
+    parser.add_argument("--small-batches", type=int, default=2,
+                        help="chunks per step in accumulate mode (default 2)")
+    parser.add_argument("--precondition", choices=("none", "adam"), default="none",
+                        help="weight squared gradients by Adam's 1/sqrt(v) as Pollux does "
+                             "(default none: plain Euclidean norms)")
+    parser.add_argument("--ema", type=float, default=0.95,
+                        help="decay of the moving averages of |G|^2 and tr(Sigma)")
+    parser.add_argument("--corpus-mb", type=float, default=8.0,
+                        help="MiB of standard-library source to read (default 8)")
+    parser.add_argument("--checkpoint-every", type=int, default=0, metavar="STEPS",
+                        help="save model/optimizer state every STEPS steps (default never)")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from the checkpoint next to --out")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    parser.add_argument("--no-track", action="store_true", help="do not log to MLflow")
+    parser.set_defaults(func=_gns)
+
+
+def _gns(args: argparse.Namespace) -> int:
+    import pandas as pd
+
+    from paratune._table import format_table
+    from paratune.profiler.gns import GNSJob, run_gns
+    from paratune.spec import get_model
+
+    model = get_model(args.model, seq_len=args.seq_len)
+    config = parse_config(args.config)
+    out = args.out or Path("runs") / f"gns-{model.name}-{config.key()}.csv"
+    checkpoint_dir = None
+    if args.checkpoint_every or args.resume:
+        checkpoint_dir = str(out.with_suffix("")) + "-checkpoint"
+    job = GNSJob(model=model, config=config, steps=args.steps, out=str(out), seed=args.seed,
+                 data_seed=args.seed, lr=args.lr, mode=args.mode,
+                 num_small_batches=args.small_batches, precondition=args.precondition,
+                 beta=args.ema, corpus_bytes=int(args.corpus_mb * (1 << 20)),
+                 checkpoint_dir=checkpoint_dir, checkpoint_every=args.checkpoint_every,
+                 resume=args.resume, device=args.device)
+    path = run_gns(job)
+    frame = pd.read_csv(path)
+    shown = frame.iloc[:: max(1, len(frame) // 10)]
+    if shown.index[-1] != frame.index[-1]:
+        shown = pd.concat([shown, frame.iloc[[-1]]])
+    print(format_table(shown[["step", "tokens", "loss", "b_simple", "g2_ema", "trace_ema",
+                              "elapsed_s"]].to_dict("records"),
+                       title=f"B_noise of {model.name} under {config.key()}"))
+    print(f"trajectory: {path} ({len(frame)} rows; b_simple in sequences)")
+    if not args.no_track:
+        from paratune.tracking import start_run
+
+        with start_run("paratune-gns", run_name=f"gns-{model.name}-{config.key()}",
+                       params={"model": model.name, "config": config.key(),
+                               "steps": args.steps, "lr": args.lr, "seed": args.seed,
+                               "mode": args.mode, "precondition": args.precondition,
+                               "ema": args.ema}) as run:
+            every = max(1, len(frame) // 200)
+            for row in frame.iloc[::every].to_dict("records"):
+                run.log_metrics({k: row[k] for k in ("loss", "b_simple", "g2_ema",
+                                                     "trace_ema", "tokens")},
+                                step=int(row["step"]))
+            run.log_artifact(path)
+    return 0
