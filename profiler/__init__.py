@@ -33,6 +33,18 @@ _EXPORTS: dict[str, str] = {
     "materialise": "campaign",
     "run_campaign": "campaign",
     "torchrun_commands": "campaign",
+    "TextCorpus": "corpus",
+    "GradientNoiseScale": "gns",
+    "NoiseScaleMeter": "gns",
+    "GNSJob": "gns",
+    "run_gns": "gns",
+    "sharded_sqnorm": "gns",
+    "unbiased_norms": "gns",
+    "RunState": "reconfigure",
+    "SwitchCost": "reconfigure",
+    "reconfigure": "reconfigure",
+    "save_checkpoint": "reconfigure",
+    "load_checkpoint": "reconfigure",
 }
 
 __all__ = sorted(_EXPORTS)
