@@ -21,7 +21,7 @@ import torch
 from paratune.parallel import ParallelConfig
 from paratune.spec import ModelSpec
 
-__all__ = ["EquivalenceResult", "compare", "free_port", "reference_step", "run_layouts"]
+__all__ = ["EquivalenceResult", "Layout", "compare", "free_port", "reference_step", "run_layouts"]
 
 LR = 1e-3
 WEIGHT_DECAY = 0.1
@@ -108,8 +108,12 @@ def compare(config: ParallelConfig, got: dict[str, Any], ref: dict[str, Any]
     return result
 
 
-def _worker(rank: int, world_size: int, port: int, spec: ModelSpec,
-            configs: list[ParallelConfig], seed: int, dtype: torch.dtype, out_dir: str) -> None:
+Layout = ParallelConfig | tuple[ModelSpec, ParallelConfig]
+"""A layout of the default model, or a (model, layout) pair."""
+
+
+def _worker(rank: int, world_size: int, port: int, jobs: list[tuple[ModelSpec, ParallelConfig]],
+            seed: int, dtype: torch.dtype, out_dir: str) -> None:
     import torch.distributed as dist
 
     from paratune.profiler.trainer import Trainer, synthetic_batch
@@ -120,7 +124,7 @@ def _worker(rank: int, world_size: int, port: int, spec: ModelSpec,
     dist.init_process_group("gloo", rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=120))
     try:
-        for index, config in enumerate(configs):
+        for index, (spec, config) in enumerate(jobs):
             try:
                 trainer = Trainer(spec, config, device=torch.device("cpu"), seed=seed, lr=LR,
                                   weight_decay=WEIGHT_DECAY)
@@ -140,15 +144,15 @@ def _worker(rank: int, world_size: int, port: int, spec: ModelSpec,
         dist.destroy_process_group()
 
 
-def run_layouts(spec: ModelSpec, configs: list[ParallelConfig], *, world_size: int,
-                seed: int = 0, dtype: torch.dtype = torch.float64
-                ) -> list[EquivalenceResult]:
+def run_layouts(spec: ModelSpec, configs: list[Layout], *, world_size: int, seed: int = 0,
+                dtype: torch.dtype = torch.float64) -> list[EquivalenceResult]:
     """Run one step of every layout in ONE group of ``world_size`` gloo processes, in
     sequence, and compare each with :func:`reference_step`.
 
     Args:
         spec: The model (small: every tensor is gathered in one process).
-        configs: Layouts, each with ``world_size`` devices and the same global batch size.
+        configs: Layouts with ``world_size`` devices each; an item may also be a
+            ``(model, layout)`` pair to use another model for that layout.
         world_size: Processes to spawn.
         seed: Initialisation and data seed.
         dtype: Default dtype in every process (float64 makes the comparison sharp).
@@ -160,19 +164,19 @@ def run_layouts(spec: ModelSpec, configs: list[ParallelConfig], *, world_size: i
 
     from paratune.profiler.trainer import synthetic_batch
 
-    batch_sizes = {c.global_batch_size for c in configs}
-    if len(batch_sizes) != 1:
-        raise ValueError(f"configs must share one global_batch_size, got {sorted(batch_sizes)}")
-    for config in configs:
-        config.validate(spec, world_size)
-    tokens = synthetic_batch(spec, batch_sizes.pop(), step=0, seed=seed)
-    ref = reference_step(spec, tokens, seed=seed, dtype=dtype)
+    jobs = [item if isinstance(item, tuple) else (spec, item) for item in configs]
+    refs: dict[tuple[ModelSpec, int], dict[str, Any]] = {}
+    for job_spec, config in jobs:
+        config.validate(job_spec, world_size)
+        key = (job_spec, config.global_batch_size)
+        if key not in refs:
+            tokens = synthetic_batch(job_spec, config.global_batch_size, step=0, seed=seed)
+            refs[key] = reference_step(job_spec, tokens, seed=seed, dtype=dtype)
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(_worker, args=(world_size, free_port(), spec, configs, seed, dtype,
-                                          out_dir),
+        mp.start_processes(_worker, args=(world_size, free_port(), jobs, seed, dtype, out_dir),
                            nprocs=world_size, join=True, start_method="spawn")
         results = []
-        for index, config in enumerate(configs):
+        for index, (job_spec, config) in enumerate(jobs):
             files = sorted(Path(out_dir).glob(f"{index}-*.pt"))
             got = [torch.load(f, weights_only=False) for f in files]
             errors = [g["error"] for g in got if "error" in g]
@@ -181,5 +185,6 @@ def run_layouts(spec: ModelSpec, configs: list[ParallelConfig], *, world_size: i
             elif not got:
                 results.append(EquivalenceResult(config=config, error="no result written"))
             else:
-                results.append(compare(config, got[0], ref))
+                results.append(compare(config, got[0],
+                                       refs[(job_spec, config.global_batch_size)]))
     return results

@@ -163,7 +163,9 @@ def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:
     from torch.nn.parallel import DistributedDataParallel
 
     device = next(model.parameters()).device
-    device_ids = [device.index] if device.type == "cuda" else None
+    device_ids = None
+    if device.type == "cuda":
+        device_ids = [device.index if device.index is not None else torch.cuda.current_device()]
     return DistributedDataParallel(model, device_ids=device_ids,
                                    process_group=dp_mesh.get_group(),
                                    broadcast_buffers=False, init_sync=False)

@@ -22,6 +22,8 @@ GRAD_RTOL = 1e-10
 PARAM_RTOL = 1e-9
 
 _GB = 8
+_SPEC = get_model("tiny").replace(seq_len=32)
+_GPT = _SPEC.replace(tie_embeddings=True, mlp="gelu", num_kv_heads=2)
 LAYOUTS = [
     ParallelConfig(dp=2, tp=2, micro_batch_size=2, global_batch_size=_GB),
     ParallelConfig(pp=2, tp=2, micro_batch_size=2, global_batch_size=_GB),
@@ -33,20 +35,26 @@ LAYOUTS = [
     ParallelConfig(pp=2, dp=2, micro_batch_size=1, global_batch_size=_GB,
                    schedule="interleaved_1f1b", virtual_stages=2, recompute="selective"),
     ParallelConfig(pp=4, micro_batch_size=2, global_batch_size=_GB, schedule="gpipe"),
+    # GPT-style: tied embedding (left unsplit by TP, materialised before FSDP), GELU MLP,
+    # 2 kv heads.
+    (_GPT, ParallelConfig(dp=4, micro_batch_size=1, global_batch_size=_GB, sharding="zero3")),
+    (_GPT, ParallelConfig(dp=2, tp=2, micro_batch_size=2, global_batch_size=_GB,
+                          recompute="full")),
 ]
 
 
 @pytest.fixture(scope="module")
 def results():
-    spec = get_model("tiny").replace(seq_len=32)
-    return run_layouts(spec, LAYOUTS, world_size=4, seed=7)
+    return run_layouts(_SPEC, LAYOUTS, world_size=4, seed=7)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("index", range(len(LAYOUTS)), ids=[c.key() for c in LAYOUTS])
+@pytest.mark.parametrize("index", range(len(LAYOUTS)), ids=[
+    f"gpt-{c[1].key()}" if isinstance(c, tuple) else c.key() for c in LAYOUTS])
 def test_layout_matches_single_process(results, index):
     result = results[index]
-    assert result.config == LAYOUTS[index]
+    layout = LAYOUTS[index]
+    assert result.config == (layout[1] if isinstance(layout, tuple) else layout)
     assert not result.error, result.error
     assert not result.missing
     assert result.loss_rel_diff < LOSS_RTOL
