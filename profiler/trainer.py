@@ -391,7 +391,8 @@ def measure_config(model: ModelSpec, config: ParallelConfig, *, hardware: str,
         An ``ok`` :class:`~paratune.Measurement`: step times, peak memory (CUDA allocator
         peaks, or on CPU ``peak_rss_gb``: the largest process-lifetime RSS high-water mark
         over ranks, which includes earlier configs run in the same processes), MFU where
-        the device's peak FLOP/s is known, the last step's loss and the fingerprint.
+        the device's peak FLOP/s is known (model FLOPs: recomputation is not counted), the
+        last step's loss and the fingerprint.
 
     Raises:
         ConfigError: invalid or unsupported layout (before anything is built).

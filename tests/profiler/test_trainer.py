@@ -211,3 +211,32 @@ def test_measure_config_two_ranks(two_ranks):
         assert a["device_count"] == 2
     for details in two_ranks[0]["details"]:
         assert details["build_s"] > 0
+
+
+# ---------------------------------------------------------------------- CUDA
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_measure_config_on_one_gpu(tmp_path):
+    """NCCL, bf16 autocast, CUDA synchronise and allocator peaks on a single GPU."""
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("nccl", store=store, rank=0, world_size=1)
+    try:
+        config = ParallelConfig(micro_batch_size=2, global_batch_size=4, recompute="full")
+        m = measure_config(SPEC, config, hardware="H100", device=device, warmup_steps=1,
+                           measured_steps=3)
+        assert m.ok and len(m.step_times_s) == 3
+        assert 0 < m.peak_mem_allocated_gb <= m.peak_mem_reserved_gb
+        assert 0 < m.mfu < 1
+        assert m.fingerprint["cuda_version"] and m.fingerprint["nccl_version"]
+        assert 4.0 < m.loss < 7.0
+        trainer = Trainer(SPEC, config, device=device)
+        assert trainer.mixed_precision
+        tokens = synthetic_batch(SPEC, 4, step=0)
+        losses = [trainer.step(tokens) for _ in range(5)]
+        assert losses[-1] < losses[0]
+        trainer.close()
+    finally:
+        clear_mesh_cache()
+        dist.destroy_process_group()
