@@ -1,0 +1,156 @@
+"""``paratune quickstart``: the whole loop on this machine, with no GPU and no data.
+
+A short real profiling campaign of the ``tiny`` model on gloo, a performance model fitted on
+it, a tuning run against that model, and the top recommendation profiled for real to check
+the prediction; every stage is an MLflow run in the local store.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+    from paratune.profiler.campaign import CampaignResult
+    from paratune.tuner import TuneResult
+
+__all__ = ["QuickstartResult", "quickstart", "register"]
+
+
+@dataclass
+class QuickstartResult:
+    """Where each stage of the quickstart left its output."""
+
+    out: Path
+    campaign: CampaignResult
+    model_dir: Path
+    tuning: TuneResult
+    verification: pd.DataFrame | None
+    timings_s: dict[str, float] = field(default_factory=dict)
+
+
+def quickstart(out: str | Path = "paratune-quickstart", *,
+               world_sizes: tuple[int, ...] = (1, 2, 4), gpus: int = 4,
+               warmup_steps: int = 2, measured_steps: int = 5, verify: int = 1,
+               track: bool = True, progress: bool = True,
+               log: Any = print) -> QuickstartResult:
+    """Profile ``tiny`` on this CPU, fit, tune for ``gpus`` processes, verify the winner.
+
+    Re-running with the same ``out`` resumes the campaign (nothing measured is redone).
+
+    Args:
+        out: Directory for the campaign, the model and the recommendation.
+        world_sizes: Process counts to profile (gloo on this machine).
+        gpus: Processes the tuned job runs on (one of ``world_sizes`` so it can be verified).
+        warmup_steps: Warm-up steps per profiled config.
+        measured_steps: Timed steps per profiled config.
+        verify: Top configs to profile again after tuning (0 to skip).
+        track: Log every stage to MLflow.
+        progress: Show progress bars.
+        log: Where progress lines go.
+
+    Returns:
+        A :class:`QuickstartResult`.
+    """
+    from paratune.errors import ConfigError
+    from paratune.models import PerformanceModel
+    from paratune.profiler.campaign import CampaignSpec, run_campaign
+    from paratune.spec import get_model
+    from paratune.tuner import tune
+
+    if gpus not in world_sizes and verify:
+        raise ConfigError("gpus", gpus, f"must be one of the profiled world sizes "
+                          f"{list(world_sizes)} to verify the recommendation here")
+    out = Path(out)
+    model = get_model("tiny")
+    timings: dict[str, float] = {}
+
+    log(f"[1/4] profiling {model.name} on world sizes {list(world_sizes)} (gloo, CPU)")
+    started = time.monotonic()
+    spec = CampaignSpec(model=model, world_sizes=tuple(world_sizes), warmup_steps=warmup_steps,
+                        measured_steps=measured_steps)
+    campaign_dir = out / "campaign"
+    campaign = run_campaign(spec, campaign_dir, resume=(campaign_dir / "campaign.json").exists(),
+                            track=track, progress=progress)
+    timings["profile"] = time.monotonic() - started
+    log(campaign.summary())
+
+    log("[2/4] fitting the performance model on the measurements")
+    started = time.monotonic()
+    model_dir = out / "model"
+    frame = campaign.dataset.frame
+    predictor = PerformanceModel(n_estimators=300).fit(frame)
+    predictor.save(model_dir)
+    timings["fit"] = time.monotonic() - started
+    if track:
+        _track_fit(predictor, model_dir, campaign_dir, len(frame))
+
+    log(f"[3/4] tuning {model.name} for {gpus} processes against the fitted model")
+    started = time.monotonic()
+    # The profiled grid is the space searched: the model interpolates between measurements.
+    tuning = tune(model, gpus, "cpu", model_dir, search="exhaustive", space=spec.space,
+                  global_batch_sizes=list(spec.space.global_batch_sizes),
+                  output_dir=out / "recommendation", track=track,
+                  verify=verify, verify_options={"dataset": [campaign_dir],
+                                                 "warmup_steps": warmup_steps,
+                                                 "measured_steps": measured_steps})
+    timings["tune"] = time.monotonic() - started
+    log(tuning.table(5))
+    if tuning.verification is not None:
+        from paratune._table import format_table
+
+        log("[4/4] the recommendation profiled again for real:")
+        log(format_table(tuning.verification.to_dict("records"), floatfmt=".4g"))
+    return QuickstartResult(out=out, campaign=campaign, model_dir=model_dir, tuning=tuning,
+                            verification=tuning.verification, timings_s=timings)
+
+
+def _track_fit(predictor: Any, model_dir: Path, data_dir: Path, rows: int) -> None:
+    from paratune.tracking import start_run
+
+    with start_run("paratune-fit", run_name="quickstart",
+                   params={"data": str(data_dir), "rows": rows, **predictor.get_params()}) as run:
+        run.log_artifact(model_dir, "model")
+
+
+def _run(args: argparse.Namespace) -> int:
+    from paratune.tracking import ui_command
+
+    sizes = tuple(int(s) for s in args.world_sizes.split(","))
+    result = quickstart(args.out, world_sizes=sizes, gpus=args.gpus, warmup_steps=args.warmup,
+                        measured_steps=args.steps, verify=args.verify, track=not args.no_track)
+    rec = result.tuning.recommendation
+    print()
+    print(f"Recommendation for {rec.get('model', {}).get('name', 'tiny')} on {args.gpus} "
+          f"processes: {result.tuning.best.key()}")
+    for name, path in sorted(result.tuning.outputs.items()):
+        print(f"  {name:<11} {path}")
+    timing = ", ".join(f"{k} {v:.0f} s" for k, v in result.timings_s.items())
+    print(f"Stages: {timing}.")
+    print(f"Dataset: paratune datasets show {result.campaign.out}")
+    if not args.no_track:
+        print(f"MLflow:  {ui_command()}")
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "quickstart", help="profile, fit, tune and verify on this CPU (no GPU, no data)",
+        description=__doc__)
+    parser.add_argument("--out", default="paratune-quickstart",
+                        help="output directory (re-run to resume; default: %(default)s)")
+    parser.add_argument("--world-sizes", default="1,2,4",
+                        help="process counts to profile (default: %(default)s)")
+    parser.add_argument("--gpus", type=int, default=4,
+                        help="processes of the tuned job (default: %(default)s)")
+    parser.add_argument("--warmup", type=int, default=2, help="warm-up steps per config")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per config")
+    parser.add_argument("--verify", type=int, default=1,
+                        help="top configs to profile again after tuning (default: %(default)s)")
+    parser.add_argument("--no-track", action="store_true", help="do not log to MLflow")
+    parser.set_defaults(func=_run)
