@@ -132,7 +132,8 @@ def _profile(args: argparse.Namespace) -> int:
         for world_size, command in zip(spec.world_sizes, commands):
             print(f"# world size {world_size}")
             print(command)
-        print(f"# then write the dataset: paratune profile --resume --out {out}")
+        print(f"# each job leaves the dataset in {out} when it finishes "
+              f"(paratune datasets show {out})")
         return 0
     result = run_campaign(spec, out, resume=args.resume, track=not args.no_track,
                           progress=not args.no_progress, launcher=args.launcher)

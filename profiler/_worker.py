@@ -135,9 +135,23 @@ def _die_with_parent(parent_pid: int) -> None:
 
 
 def _describe(exc: BaseException, rank: int) -> str:
-    frames = traceback.extract_tb(exc.__traceback__)
-    where = f" (at {Path(frames[-1].filename).name}:{frames[-1].lineno})" if frames else ""
-    return f"rank {rank}: {type(exc).__name__}: {exc}{where}"[:2000]
+    """``rank R: Type: message (at file:line)``, plus the innermost cause when chained."""
+
+    def one(e: BaseException) -> str:
+        frames = traceback.extract_tb(e.__traceback__)
+        where = f" (at {Path(frames[-1].filename).name}:{frames[-1].lineno})" if frames else ""
+        return f"{type(e).__name__}: {' '.join(str(e).split())}{where}"
+
+    root = exc
+    for _ in range(10):
+        nxt = root.__cause__ or root.__context__
+        if nxt is None:
+            break
+        root = nxt
+    text = f"rank {rank}: {one(exc)}"
+    if root is not exc:
+        text += f"; caused by {one(root)}"
+    return text[:2000]
 
 
 def run_worker(plan_path: str | Path, *, attempt: str | None = None) -> int:
@@ -267,6 +281,11 @@ def run_worker(plan_path: str | Path, *, attempt: str | None = None) -> int:
     if exit_code == 0:
         dist.barrier(group=control)
         dist.destroy_process_group()
+        if rank == 0 and parent_pid is None:
+            # Under torchrun nobody else is watching: leave the dataset ready in OUT.
+            from paratune.profiler.campaign import materialise
+
+            materialise(paths.root)
     return exit_code
 
 

@@ -692,7 +692,7 @@ def _tracked(track: bool, meta: dict[str, Any], spec: CampaignSpec, paths: Campa
 
 def run_campaign(spec: CampaignSpec, out: str | Path, *, resume: bool = False,
                  track: bool = True, progress: bool = True, launcher: str = "local",
-                 fail_grace_s: float = 10.0,
+                 fail_grace_s: float = 5.0,
                  startup_timeout_s: float | None = None,
                  extra_env: dict[str, str] | None = None,
                  on_record: Callable[[str], None] | None = None) -> CampaignResult:
