@@ -51,7 +51,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--hardware", default=None, metavar="NAME",
                         help="hardware catalogue name (default: cpu, or the detected GPU)")
     parser.add_argument("--devices-per-node", type=int, default=None,
-                        help="devices per node (keeps tp inside a node; default: one node)")
+                        help="devices per node (keeps tp inside a node; default: "
+                             "--nproc-per-node, else one node)")
     parser.add_argument("--launcher", choices=("local", "torchrun"), default="local",
                         help="local: supervised worker groups on this machine; torchrun: "
                              "torchrun per world size (with --print-command: for a cluster)")
@@ -113,8 +114,9 @@ def build_spec(args: argparse.Namespace):  # -> CampaignSpec (heavy import kept 
         warmup_steps=pick(args.warmup, "warmup_steps", 3),
         measured_steps=pick(args.steps, "measured_steps", 10),
         timeout_s=args.timeout, seed=pick(args.seed, "seed", 0), device=device,
-        hardware=hardware, devices_per_node=pick(args.devices_per_node, "devices_per_node",
-                                                 None))
+        hardware=hardware,
+        devices_per_node=pick(args.devices_per_node or args.nproc_per_node, "devices_per_node",
+                              None))
 
 
 def _profile(args: argparse.Namespace) -> int:
