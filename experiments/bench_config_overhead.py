@@ -8,6 +8,9 @@ reduction), each the slowest rank's. The first layout of each mesh shape also pa
 creating that shape's process groups.
 
     OMP_NUM_THREADS=1 python experiments/bench_config_overhead.py [--world-size 4]
+
+Writes ``out/config_overhead/config_overhead.csv`` and logs it to MLflow unless
+``--no-mlflow``.
 """
 
 from __future__ import annotations
@@ -80,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--measured", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=2,
                         help="passes over the layouts (the second shows cached meshes)")
+    parser.add_argument("--out", type=Path, default=Path("out/config_overhead"))
+    parser.add_argument("--no-mlflow", action="store_true")
     args = parser.parse_args(argv)
 
     import torch.multiprocessing as mp
@@ -91,15 +96,35 @@ def main(argv: list[str] | None = None) -> int:
                                           args.measured, args.repeats),
                            nprocs=args.world_size, join=True, start_method="spawn")
         rows = torch.load(Path(out_dir) / "rows.pt", weights_only=False)
-    print(format_table(rows, ["repeat", "layout", "build_s", "teardown_s", "overhead_s",
+    print(format_table(rows, ["repeat", "layout", "mesh_s", "build_s", "teardown_s",
+                              "overhead_s",
                               "step_s", "wall_s"], floatfmt=".3f",
                        title=f"tiny, world {args.world_size}, {args.warmup} warm-up + "
                              f"{args.measured} measured steps"))
     overheads = [r["overhead_s"] for r in rows]
     later = [r["overhead_s"] for r in rows if r["repeat"] > 0] or overheads
+    first = rows[0]
+    print(f"first config (one-time imports and its mesh's process groups): overhead "
+          f"{first['overhead_s']:.3f} s, of which mesh {first['mesh_s']:.3f} s")
     print(f"overhead per config (s): median {statistics.median(overheads):.3f}, "
           f"max {max(overheads):.3f}; with meshes cached (repeat >= 1): median "
           f"{statistics.median(later):.3f}, max {max(later):.3f}")
+
+    import pandas as pd
+
+    frame = pd.DataFrame(rows)
+    args.out.mkdir(parents=True, exist_ok=True)
+    frame.to_csv(args.out / "config_overhead.csv", index=False)
+    if not args.no_mlflow:
+        from paratune.tracking import start_run
+
+        with start_run("config_overhead", run_name=f"tiny-world{args.world_size}",
+                       params=vars(args) | {"out": str(args.out)}) as run:
+            run.log_table(frame, "config_overhead.csv")
+            run.log_metrics({"overhead_median_s": statistics.median(overheads),
+                             "overhead_max_s": max(overheads),
+                             "overhead_cached_median_s": statistics.median(later),
+                             "overhead_cached_max_s": max(later)})
     return 0
 
 

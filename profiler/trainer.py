@@ -381,7 +381,9 @@ def measure_config(model: ModelSpec, config: ParallelConfig, *, hardware: str,
         measured_steps: Steps timed.
         seed: Initialisation and data seed.
         mesh: A prebuilt (pp, dp, tp) mesh.
-        details: If given, filled with ``build_s`` and ``teardown_s`` (slowest rank),
+        details: If given, filled with ``build_s`` (including ``mesh_s``, the part spent
+            getting the mesh: creating process groups the first time a shape is seen,
+            about nothing once cached) and ``teardown_s`` (slowest rank),
             ``overhead_s`` (all wall time outside the warm-up and measured steps: build,
             barriers, teardown, fingerprint; slowest rank), ``rss_before_gb`` (largest
             current RSS before building) and ``rss_peak_increase_gb`` (how far this config
@@ -416,6 +418,9 @@ def measure_config(model: ModelSpec, config: ParallelConfig, *, hardware: str,
     dist.barrier()
     start = time.perf_counter()
     in_steps = 0.0
+    if mesh is None:
+        mesh = build_mesh(config, device.type)
+    mesh_s = time.perf_counter() - start
     trainer = Trainer(model, config, device=device, mesh=mesh, seed=seed)
     _synchronize(device)
     build_s = time.perf_counter() - start
@@ -442,18 +447,19 @@ def measure_config(model: ModelSpec, config: ParallelConfig, *, hardware: str,
 
     overhead_s = time.perf_counter() - start - in_steps
     stats = torch.tensor(
-        times + [build_s, teardown_s, overhead_s, _peak_rss_gb(), _peak_rss_gb() - peak_before,
-                 rss_before,
+        times + [build_s, mesh_s, teardown_s, overhead_s, _peak_rss_gb(),
+                 _peak_rss_gb() - peak_before, rss_before,
                  torch.cuda.max_memory_allocated(device) / _GB if device.type == "cuda" else 0.0,
                  torch.cuda.max_memory_reserved(device) / _GB if device.type == "cuda" else 0.0],
         dtype=torch.float64, device=device if device.type == "cuda" else "cpu")
     dist.all_reduce(stats, op=dist.ReduceOp.MAX)
     values = stats.tolist()
     step_times = values[:measured_steps]
-    (build_s, teardown_s, overhead_s, peak_rss, rss_increase, rss_before_max, alloc,
+    (build_s, mesh_s, teardown_s, overhead_s, peak_rss, rss_increase, rss_before_max, alloc,
      reserved) = values[measured_steps:]
     if details is not None:
-        details.update(build_s=build_s, teardown_s=teardown_s, overhead_s=overhead_s,
+        details.update(build_s=build_s, mesh_s=mesh_s, teardown_s=teardown_s,
+                       overhead_s=overhead_s,
                        rss_before_gb=rss_before_max, rss_peak_increase_gb=rss_increase)
     measurement = Measurement(
         model=model, config=config, hardware=hw.name,

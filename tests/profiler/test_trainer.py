@@ -104,6 +104,7 @@ def test_measure_config_world_one(world_one):
     assert set(m.fingerprint) == set(FINGERPRINT_FIELDS)
     assert m.fingerprint["device_count"] == 1 and m.fingerprint["torch_version"]
     assert details["build_s"] > 0 and details["teardown_s"] >= 0
+    assert 0 <= details["mesh_s"] <= details["build_s"] <= details["overhead_s"]
     row = Measurement.from_row(m.to_row())
     assert row.config == config and row.step_times_s == m.step_times_s
     with pytest.raises(ConfigError, match="world size"):
