@@ -60,6 +60,7 @@ def _campaign(spec: CampaignSpec, out: Path, *, track: bool) -> dict:
         "wall_s": result.wall_s,
         "in_step_s": result.in_step_s,
         "overhead_per_config_s": result.overhead_per_config_s,
+        "worker_cpu_s": result.worker_cpu_s,
         "resumed": resume,
         "load_average_before": load_before,
         "load_average_after": _load_average(),
@@ -86,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     full = _campaign(CampaignSpec(model=model, world_sizes=world_sizes), args.out / "full",
                      track=track)
     print(format_table([full], ["valid", "skipped", "ok", "failed", "wall_s",
-                                "overhead_per_config_s", "load_average_before"],
+                                "overhead_per_config_s", "worker_cpu_s", "load_average_before",
+                                "load_average_after"],
                        title=f"full campaign ({args.model}, world sizes {args.world_sizes})"))
 
     # The repeat: the same micro-batch size, no sharding or recomputation variants, so every

@@ -286,8 +286,10 @@ class _Progress:
         else:
             self.failed += 1
         if self.bar is not None:
+            from collections import OrderedDict
+
+            self.bar.set_postfix(OrderedDict(ok=self.ok, failed=self.failed), refresh=False)
             self.bar.update(1)
-            self.bar.set_postfix(ok=self.ok, failed=self.failed, refresh=False)
 
 
 @dataclass
@@ -607,6 +609,10 @@ class CampaignResult:
     """Seconds those configs spent in warm-up and measured steps."""
     run_id: str | None = None
     """MLflow run id."""
+    worker_cpu_s: float = math.nan
+    """CPU seconds (user + system) used by the worker processes of this run: with ``n``
+    free cores a CPU campaign cannot take less than ``worker_cpu_s / n`` seconds of wall
+    time, whatever else the machine is running."""
 
     @property
     def overhead_per_config_s(self) -> float:
@@ -641,7 +647,8 @@ class CampaignResult:
                              headers={"world_size": "world", "best_tokens_per_s": "best tok/s",
                                       "best_step_s": "step s"},
                              title=f"campaign {self.campaign_id} -> {self.out}")
-        footer = (f"{self.num_measured} configs in {self.wall_s:.1f} s this run; "
+        footer = (f"{self.num_measured} configs in {self.wall_s:.1f} s this run "
+                  f"(workers used {self.worker_cpu_s:.0f} CPU s); "
                   f"{self.overhead_per_config_s:.2f} s per config outside warm-up and "
                   f"measured steps")
         return f"{table}\n{footer}"
@@ -723,7 +730,10 @@ def run_campaign(spec: CampaignSpec, out: str | Path, *, resume: bool = False,
             more CUDA devices are asked for than this machine has.
         CampaignError: a worker group repeatedly fails to start.
     """
+    import resource
+
     started = time.monotonic()
+    children_before = resource.getrusage(resource.RUSAGE_CHILDREN)
     if launcher not in ("local", "torchrun"):
         raise ConfigError("launcher", launcher, "must be local or torchrun")
     if spec.device == "cuda":
@@ -770,8 +780,12 @@ def run_campaign(spec: CampaignSpec, out: str | Path, *, resume: bool = False,
             wall_s=time.monotonic() - started, num_measured=len(new_entries),
             in_step_s=sum(_in_step_seconds(e) for e in new_entries),
             run_id=run.run_id if run is not None else None)
+        children = resource.getrusage(resource.RUSAGE_CHILDREN)
+        result.worker_cpu_s = (children.ru_utime + children.ru_stime
+                               - children_before.ru_utime - children_before.ru_stime)
         if run is not None:
             metrics: dict[str, float] = {"wall_s": result.wall_s,
+                                         "worker_cpu_s": result.worker_cpu_s,
                                          "num_measured": result.num_measured,
                                          "overhead_per_config_s": result.overhead_per_config_s}
             for world_size, counts in result.counts.items():
