@@ -92,8 +92,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _space(args: argparse.Namespace):
+    """The space file's options (``None`` without one: the library defaults apply)."""
     from paratune.space import ConfigSpace
 
+    if args.space is None and not args.tp_across_nodes:
+        return None
     space = ConfigSpace.from_file(args.space) if args.space else ConfigSpace()
     if args.tp_across_nodes:
         space = space.replace(tp_within_node=False)

@@ -130,7 +130,8 @@ def tune(model: ModelSpec | str, gpus: int, gpu: HardwareSpec | str,
         gns: Gradient noise scale ``B_noise`` in sequences, or a trajectory file.
         b0: Reference batch of the Pollux efficiency (default: smallest batch searched).
         global_batch_sizes: Batch list or range (``"256:2048"``); overrides the space's.
-        space: A :class:`ConfigSpace` or a YAML/TOML/JSON file of one.
+        space: A :class:`ConfigSpace` or a YAML/TOML/JSON file of one. Without a space
+            and without ``global_batch_sizes`` the batch is :func:`default_global_batch`.
         devices_per_node: Node size (default: the catalogue's).
         tp_within_node: Override the space's ``tp_within_node``.
         search: ``"optuna"`` or ``"exhaustive"``.
@@ -160,13 +161,13 @@ def tune(model: ModelSpec | str, gpus: int, gpu: HardwareSpec | str,
     """
     spec = get_model(model) if isinstance(model, str) else model
     hw = get_hardware(gpu) if isinstance(gpu, str) else gpu
+    if global_batch_sizes is None and space is None:
+        global_batch_sizes = default_global_batch(spec, int(gpus))
     if isinstance(space, (str, Path)):
         space = ConfigSpace.from_file(space)
     space = space or ConfigSpace()
     if tp_within_node is not None:
         space = space.replace(tp_within_node=tp_within_node)
-    if global_batch_sizes is None and space.global_batch_sizes == ConfigSpace().global_batch_sizes:
-        global_batch_sizes = default_global_batch(spec, int(gpus))
     search_space = SearchSpace.build(spec, int(gpus), hw, space=space,
                                      global_batch_sizes=global_batch_sizes,
                                      devices_per_node=devices_per_node)

@@ -36,14 +36,11 @@ def test_tpe_regret_on_a_large_space_is_small(closed_form):
     full = exhaustive(closed_form, space, objective)
     assert full.num_trials >= 10_000
     best = full.ranked["objective"].iloc[0]
-    regrets = []
-    for seed in (0, 1):
-        found, _ = optuna_search(closed_form, space, objective, n_trials=200, seed=seed)
-        assert found.num_trials == 200
-        assert found.best_feasible
-        regrets.append(1 - found.ranked["objective"].iloc[0] / best)
-    assert min(regrets) >= -1e-12
-    assert np.mean(regrets) < 0.01
+    found, _ = optuna_search(closed_form, space, objective, n_trials=200, seed=0)
+    assert found.num_trials == 200
+    assert found.best_feasible
+    regret = 1 - found.ranked["objective"].iloc[0] / best
+    assert -1e-12 <= regret < 0.005
 
 
 def test_fixed_seed_reproduces_and_other_samplers_run(closed_form):

@@ -74,15 +74,6 @@ def test_two_processes_share_one_study(tmp_path):
     assert set(told) == pids  # both processes told trials into the one study
 
 
-def test_rdb_url_storage_resumes(tmp_path, closed_form):
-    storage = f"sqlite:///{tmp_path / 'study.db'}"
-    objective = Objective(kind="goodput", b_noise=300)
-    first, _ = optuna_search(closed_form, _space(), objective, n_trials=8, storage=storage)
-    second, study = optuna_search(closed_form, _space(), objective, n_trials=12,
-                                  storage=storage)
-    assert first.study_name == second.study_name and len(study.trials) == 12
-
-
 @pytest.mark.slow
 def test_killed_study_resumes_without_losing_trials(tmp_path, closed_form):
     storage = str(tmp_path / "study.journal")

@@ -13,7 +13,7 @@ from paratune.tuner import tune
 def test_tune_end_to_end_writes_winner_and_tracks_the_run(closed_form, tmp_path):
     out = tmp_path / "out"
     result = tune("llama3-8b", 64, "H100", closed_form, objective="goodput", gns=600,
-                  global_batch_sizes="128:1024", n_trials=48, seed=0, output_dir=out, top_k=5)
+                  global_batch_sizes="128:1024", n_trials=24, seed=0, output_dir=out, top_k=5)
     best = result.best
     best.validate(result.search.space.model, 64)
     rec = json.loads((out / "recommendation.json").read_text())
@@ -27,7 +27,7 @@ def test_tune_end_to_end_writes_winner_and_tracks_the_run(closed_form, tmp_path)
     run = client.get_run(result.run_id)
     assert run.data.params["objective"] == "goodput"
     assert float(run.data.params["b_noise"]) == 600
-    assert run.data.metrics["num_trials"] == 48
+    assert run.data.metrics["num_trials"] == 24
     names = {a.path for a in client.list_artifacts(result.run_id)}
     assert {"space.json", "trials.csv", "best_configs.csv", "recommendation.json",
             "plots", "recommendation"} <= names
@@ -35,8 +35,9 @@ def test_tune_end_to_end_writes_winner_and_tracks_the_run(closed_form, tmp_path)
     assert "plots/optimization_history.png" in plots
 
 
-def test_rerun_resumes_the_same_study(closed_form, tmp_path):
-    kwargs = dict(global_batch_sizes=[256], seed=1, output_dir=tmp_path, track=False)
+def test_rerun_resumes_the_same_study_in_an_rdb_storage(closed_form, tmp_path):
+    kwargs = dict(global_batch_sizes=[256], seed=1, output_dir=tmp_path, track=False,
+                  storage=f"sqlite:///{tmp_path / 'study.db'}")
     first = tune("llama3-8b", 32, "H100", closed_form, n_trials=16, **kwargs)
     calls = len(closed_form.calls)
     again = tune("llama3-8b", 32, "H100", closed_form, n_trials=24, **kwargs)

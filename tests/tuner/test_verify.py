@@ -1,0 +1,54 @@
+"""``tune(verify=K)``: profile the top configs for real on this machine (gloo), refit, compare."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from paratune import ConfigError, ParallelConfig, get_model
+from paratune.space import ConfigSpace
+from paratune.tuner import tune
+from paratune.tuner._verify import pinned_space
+
+
+def test_pinned_space_holds_exactly_the_config():
+    model = get_model("tiny")
+    for cfg in (ParallelConfig(dp=2, tp=1, pp=2, micro_batch_size=2, global_batch_size=8,
+                               schedule="interleaved_1f1b", virtual_stages=2, sharding="zero2",
+                               recompute="full"),
+                ParallelConfig(dp=1, tp=2, pp=1, micro_batch_size=1, global_batch_size=4)):
+        assert pinned_space(cfg).enumerate(model, cfg.world_size).valid == [cfg]
+
+
+def _small_search(**kwargs):
+    space = ConfigSpace(global_batch_sizes=(8,), micro_batch_sizes=(4,), shardings=("none",),
+                        recomputes=("none",), schedules=("1f1b",))
+    return tune("tiny", 2, "cpu", kwargs.pop("predictor"), search="exhaustive", space=space,
+                track=False, **kwargs)
+
+
+@pytest.mark.slow
+def test_verify_profiles_refits_and_reports(closed_form, tmp_path):
+    from paratune.models import PerformanceModel
+
+    result = _small_search(predictor=closed_form, output_dir=tmp_path / "out", verify=1,
+                           verify_options={"measured_steps": 2, "warmup_steps": 1, "timeout_s": 120,
+                                           "model_factory": lambda: PerformanceModel(
+                                               n_estimators=10, n_jobs=1)})
+    table = result.verification
+    assert list(table["config"]) == [result.best.key()]
+    row = table.iloc[0]
+    assert row["status"] == "ok"
+    assert row["measured_tokens_per_s"] > 0 and math.isfinite(row["error_pct"])
+    assert math.isfinite(row["refit_tokens_per_s"])
+    # the refit learned from the measurement: it predicts it better than the closed form did
+    assert abs(row["refit_error_pct"]) < abs(row["error_pct"])
+    assert (tmp_path / "out" / "verify" / "refit").is_dir()
+
+
+def test_verify_needs_the_hardware_here(closed_form):
+    with pytest.raises(ConfigError, match="verify"):
+        tune("llama3-8b", 16, "H100", closed_form, search="exhaustive",
+             global_batch_sizes=[64], track=False, verify=1,
+             space=ConfigSpace(recomputes=("none",), micro_batch_sizes=(1,)))

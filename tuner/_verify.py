@@ -1,0 +1,153 @@
+"""Closing the loop: profile the recommended configs for real, refit, compare.
+
+``verify_top_k`` runs each of the top-K configs of a tuning result as a one-config profiling
+campaign (:func:`paratune.profiler.campaign.run_campaign`) on this machine, adds the
+measurements to the training data, refits the performance model and reports, for every
+verified config, the prediction before, the measurement and the prediction after the refit.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from paratune.errors import ConfigError
+from paratune.parallel import ParallelConfig, Schedule
+from paratune.space import ConfigSpace
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+    from paratune.predictor import Predictor
+    from paratune.tuner._tune import TuneResult
+
+__all__ = ["pinned_space", "verify_top_k"]
+
+logger = logging.getLogger(__name__)
+
+
+def pinned_space(config: ParallelConfig) -> ConfigSpace:
+    """The :class:`ConfigSpace` whose only valid config on ``config.world_size`` devices is
+    ``config``."""
+    interleaved = config.schedule is Schedule.INTERLEAVED_1F1B
+    return ConfigSpace(global_batch_sizes=(config.global_batch_size,),
+                       micro_batch_sizes=(config.micro_batch_size,),
+                       schedules=(config.schedule,),
+                       virtual_stages=(config.virtual_stages if interleaved else 2,),
+                       shardings=(config.sharding,), recomputes=(config.recompute,),
+                       tp_degrees=(config.tp,), pp_degrees=(config.pp,), tp_within_node=False)
+
+
+def _local_hardware(world_size: int) -> tuple[str, str]:
+    from paratune.profiler.campaign import detect_device, detect_hardware
+
+    device = detect_device()
+    return device, detect_hardware(device)
+
+
+def verify_top_k(result: TuneResult, k: int, *, predictor: Predictor | str | Path,
+                 dataset: str | Path | Sequence[str | Path] | None = None,
+                 out_dir: str | Path | None = None, refit_dir: str | Path | None = None,
+                 warmup_steps: int = 2, measured_steps: int = 5, timeout_s: float = 300.0,
+                 model_factory: Any = None) -> pd.DataFrame:
+    """Profile the top ``k`` configs of ``result`` here, refit, and compare.
+
+    Args:
+        result: A tuning result whose hardware is this machine's.
+        k: Configs to profile (from the top of the ranking).
+        predictor: The predictor that made the ranking (object or saved directory).
+        dataset: Measurements the predictor was fitted on (dataset directories, public CSVs
+            or parquet files); the new measurements are added to them for the refit. Without
+            it the refit uses the new measurements alone.
+        out_dir: Where the verification campaigns go (default: ``verify/`` beside the
+            recommendation, or a temporary directory).
+        refit_dir: Where the refitted model is saved (default: ``out_dir/refit``).
+        warmup_steps: Warm-up steps per config.
+        measured_steps: Timed steps per config.
+        timeout_s: Per-config timeout.
+        model_factory: Callable returning an unfitted model with ``fit``/``save``
+            (default: :class:`paratune.models.PerformanceModel`).
+
+    Returns:
+        One row per verified config: ``config``, ``status``, ``pred_tokens_per_s`` (before),
+        ``measured_tokens_per_s``, ``error_pct`` (prediction vs measurement),
+        ``refit_tokens_per_s`` and ``refit_error_pct``.
+
+    Raises:
+        ConfigError: ``k`` is not positive, or the job's hardware is not on this machine.
+    """
+    import pandas as pd
+
+    from paratune.profiler.campaign import CampaignSpec, run_campaign
+    from paratune.tuner._search import evaluate
+
+    if not isinstance(k, int) or k < 1:
+        raise ConfigError("verify", k, "must be a positive number of configs")
+    space = result.search.space
+    device, local = _local_hardware(space.world_size)
+    if local != space.hardware.name:
+        raise ConfigError("verify", k, f"profiling needs the job's hardware here: this "
+                          f"machine has {local}, the job asks for {space.hardware.name}")
+    base = Path(out_dir) if out_dir is not None else (
+        result.outputs["json"].parent / "verify" if result.outputs else None)
+    if base is None:
+        import tempfile
+
+        base = Path(tempfile.mkdtemp(prefix="paratune-verify-"))
+    configs = result.search.configs(k)
+    frames = []
+    for cfg in configs:
+        spec = CampaignSpec(model=space.model, world_sizes=(cfg.world_size,),
+                            space=pinned_space(cfg), warmup_steps=warmup_steps,
+                            measured_steps=measured_steps, timeout_s=timeout_s, device=device,
+                            hardware=space.hardware.name,
+                            devices_per_node=space.devices_per_node)
+        target = base / cfg.key()
+        resume = (target / "campaign.json").exists()
+        campaign = run_campaign(spec, target, resume=resume, track=False, progress=False)
+        frames.append(campaign.dataset.frame)
+    measured = pd.concat(frames, ignore_index=True)
+    ranked = result.search.ranked.head(k)
+
+    from paratune.models import load_measurements
+
+    training = [measured]
+    if dataset is not None:
+        paths = [dataset] if isinstance(dataset, (str, Path)) else list(dataset)
+        training.insert(0, load_measurements(paths))
+    frame = pd.concat(training, ignore_index=True)
+    if model_factory is None:
+        from paratune.models import PerformanceModel
+
+        model_factory = PerformanceModel
+    refit_path = Path(refit_dir) if refit_dir is not None else base / "refit"
+    if (frame["status"] == "ok").any():
+        refit = model_factory().fit(frame)
+        if hasattr(refit, "save"):
+            refit.save(refit_path)
+        after = evaluate(refit, space, configs, result.search.objective)["tokens_per_s"]
+    else:
+        logger.warning("no verified config ran (statuses: %s); nothing to refit on",
+                       ", ".join(measured["status"].astype(str)))
+        after = pd.Series([math.nan] * len(configs))
+
+    rows = []
+    for i, cfg in enumerate(configs):
+        match = measured[(measured["dp"] == cfg.dp) & (measured["tp"] == cfg.tp)
+                         & (measured["pp"] == cfg.pp)
+                         & (measured["micro_batch_size"] == cfg.micro_batch_size)
+                         & (measured["global_batch_size"] == cfg.global_batch_size)]
+        status = str(match["status"].iloc[0]) if len(match) else "missing"
+        got = float(match["tokens_per_s"].iloc[0]) if len(match) and status == "ok" else math.nan
+        pred = float(ranked["tokens_per_s"].iloc[i])
+        new = float(after.iloc[i])
+        rows.append({"config": cfg.key(), "status": status, "pred_tokens_per_s": pred,
+                     "measured_tokens_per_s": got,
+                     "error_pct": 100 * (pred - got) / got if got > 0 else math.nan,
+                     "refit_tokens_per_s": new,
+                     "refit_error_pct": 100 * (new - got) / got if got > 0 else math.nan})
+    logger.info("verified %d configs; refitted model saved to %s", len(rows), refit_path)
+    return pd.DataFrame(rows)
