@@ -1,0 +1,332 @@
+"""Time to a target loss: co-tuning batch size and parallelism against tuning either alone.
+
+Real training of a small Llama-style model on the standard library's source text (byte
+level) with four gloo processes on this machine, to a fixed validation loss, in four arms:
+
+1. ``fixed``: the fixed (global batch, parallelism) with the best predicted time to target;
+2. ``batch``: global batch follows the B_noise measured online, parallelism fixed;
+3. ``coadapt``: global batch follows B_noise and the parallelism is re-tuned (the fastest
+   measured layout for each batch) whenever the batch changes;
+4. ``plan``: the phases of :func:`paratune.tuner._plan.plan_phases` (what ``paratune plan``
+   prints) computed from a pilot run's B_noise trajectory.
+
+Step times of every (layout, batch) are measured first on this machine, and the plan and the
+arms use them (a measured-table predictor instead of a fitted model). Switches go through
+``torch.distributed.checkpoint`` and their cost counts in the wall time; evaluation does not.
+Arms are interleaved seed by seed so drifting machine load hits all of them alike.
+
+Run: ``python experiments/time_to_target.py`` (``--help`` for options). Prints the table of
+time and steps to target per arm (mean and spread over seeds) and logs everything to MLflow:
+the table, every run's curve, the B_noise trajectories, the plan and the plots.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import numpy as np
+import pandas as pd
+
+from paratune._io import read_jsonl
+from paratune._table import format_table
+from paratune.predictor import (
+    PRED_FEASIBLE_PROB,
+    PRED_PEAK_MEM_GB,
+    PRED_STEP_TIME_S,
+    PRED_TOKENS_PER_SEC_PER_GPU,
+)
+from paratune.spec import get_model
+
+ARMS = ("fixed", "batch", "coadapt", "plan")
+
+
+class MeasuredPredictor:
+    """A predictor that answers from measured step times (the configs profiled here)."""
+
+    def __init__(self, table: list[dict[str, Any]], seq_len: int) -> None:
+        from paratune.parallel import ParallelConfig
+
+        self.seq_len = seq_len
+        self.times = {ParallelConfig.from_dict(r["config"]).key(): r["step_time_s"]
+                      for r in table}
+
+    def predict(self, frame: pd.DataFrame) -> pd.DataFrame:
+        from paratune.parallel import ParallelConfig
+        from paratune.predictor import PARALLEL_COLUMNS
+
+        rows = []
+        for record in frame[list(PARALLEL_COLUMNS)].to_dict("records"):
+            key = ParallelConfig.from_dict(record).key()
+            step = self.times.get(key, math.nan)
+            world = record["dp"] * record["tp"] * record["pp"]
+            tokens = record["global_batch_size"] * self.seq_len / step / world
+            rows.append({PRED_STEP_TIME_S: step, PRED_TOKENS_PER_SEC_PER_GPU: tokens,
+                         PRED_FEASIBLE_PROB: 1.0 if math.isfinite(step) else 0.0,
+                         PRED_PEAK_MEM_GB: 0.1})
+        return pd.DataFrame(rows, index=frame.index)
+
+
+def _spawn(job: Any) -> None:
+    from _ttt_worker import worker
+
+    from paratune.profiler.gns import spawn
+
+    spawn(worker, 4, job)
+
+
+def _pilot_loss_at(curve: list[dict[str, Any]], tokens: float) -> float:
+    xs = np.array([c["tokens"] for c in curve], dtype=float)
+    ys = np.array([c["val_loss"] for c in curve], dtype=float)
+    return float(np.interp(tokens, xs, ys))
+
+
+def make_plan(profile: dict[str, Any], pilot: dict[str, Any], model: Any, batches: list[int],
+              out: Path) -> dict[str, Any]:
+    """The arms' settings from the measured table and the pilot run."""
+    from _ttt_worker import LAYOUTS, measured_config_for
+
+    from paratune.space import ConfigSpace
+    from paratune.tuner._objective import Objective
+    from paratune.tuner._plan import plan_phases
+    from paratune.tuner._space import SearchSpace
+    from paratune.tuner.gns_trajectory import load_trajectory
+
+    predictor = MeasuredPredictor(profile["table"], model.seq_len)
+    trajectory_path = out / "pilot_trajectory.csv"
+    pd.DataFrame(pilot["gns"]).to_csv(trajectory_path, index=False)
+    trajectory = load_trajectory(trajectory_path, smooth=5)
+    space = SearchSpace.build(
+        model, 4, "cpu", global_batch_sizes=batches,
+        space=ConfigSpace(global_batch_sizes=tuple(batches),
+                          micro_batch_sizes=tuple(sorted({b // d for b in batches
+                                                          for d in (1, 2, 4)} - {0})),
+                          schedules=("1f1b",), shardings=("none", "zero2"),
+                          recomputes=("none",), tp_degrees=(1, 2), pp_degrees=(1, 2)))
+    switch_s = float(np.mean([c["total_s"] for c in profile["switch_costs"]]))
+    plan = plan_phases(predictor, space, trajectory, reconfig_cost_s=switch_s,
+                       batch_change_cost_s=switch_s, threshold=0.05, max_segments=16,
+                       objective=Objective(memory_limit_gb=1e6))
+    print(plan.table())
+    phases = [{**p, "start_loss": _pilot_loss_at(pilot["curve"], p["start_tokens"])}
+              for p in plan.phases]
+    phases[0]["start_loss"] = math.inf
+    times = {(r["layout"], r["batch"]): r["step_time_s"] for r in profile["table"]}
+    # Layouts a noise-measuring run can use at each batch.
+    usable = {(lay, b) for lay in LAYOUTS for b in batches
+              if (lay, b) in times and measured_config_for(model, lay, b) is not None}
+    best_layout = {b: min((lay for lay in LAYOUTS if (lay, b) in usable),
+                          key=lambda lay, b=b: times[(lay, b)]) for b in batches
+                   if any((lay, b) in usable for lay in LAYOUTS)}
+
+    def follow_time(layout: str) -> float:
+        total = 0.0
+        for seg in plan.segments:
+            b = min(batches, key=lambda x: abs(math.log(x) - math.log(seg.b_noise)))
+            if (layout, b) not in usable:
+                return math.inf
+            total += seg.e_min * (1 + b / seg.b_noise) / b * times[(layout, b)]
+        return total
+
+    follow_layout = min(LAYOUTS, key=follow_time)
+    fixed = plan.baselines["fixed"]["config"]
+    settings = {"plan": plan.to_dict(), "phases": phases, "best_layout": best_layout,
+                "follow_layout": follow_layout, "fixed_config": fixed,
+                "switch_cost_s": switch_s,
+                "predicted_follow_layout_s": {lay: follow_time(lay) for lay in LAYOUTS}}
+    (out / "plan.json").write_text(json.dumps(settings, indent=1, default=str))
+    return settings
+
+
+def arm_runs(settings: dict[str, Any], batches: list[int], seeds: list[int]
+             ) -> list[dict[str, Any]]:
+    specs = {
+        "fixed": {"policy": "fixed", "config": settings["fixed_config"]},
+        "batch": {"policy": "follow", "batches": batches, "layout": settings["follow_layout"],
+                  "best_layout": settings["best_layout"]},
+        "coadapt": {"policy": "follow", "batches": batches, "layout": None,
+                    "best_layout": settings["best_layout"]},
+        "plan": {"policy": "phases", "phases": settings["phases"]},
+    }
+    runs = []
+    for i, seed in enumerate(seeds):
+        order = ARMS[i % len(ARMS):] + ARMS[:i % len(ARMS)]  # rotate against load drift
+        runs += [{"name": f"{arm}-seed{seed}", "arm": arm, "seed": seed, **specs[arm]}
+                 for arm in order]
+    return runs
+
+
+def summarise(results: list[dict[str, Any]]) -> pd.DataFrame:
+    rows = []
+    for arm in ARMS:
+        mine = [r for r in results if r["arm"] == arm]
+        t = np.array([r["time_s"] for r in mine], dtype=float)
+        s = np.array([r["steps"] for r in mine], dtype=float)
+        ok = np.isfinite(t)
+        rows.append({"arm": arm, "runs": len(mine), "reached": int(ok.sum()),
+                     "time_mean_s": float(np.mean(t[ok])) if ok.any() else math.nan,
+                     "time_std_s": float(np.std(t[ok], ddof=1)) if ok.sum() > 1 else math.nan,
+                     "time_min_s": float(np.min(t[ok])) if ok.any() else math.nan,
+                     "time_max_s": float(np.max(t[ok])) if ok.any() else math.nan,
+                     "steps_mean": float(np.mean(s[ok])) if ok.any() else math.nan,
+                     "steps_std": float(np.std(s[ok], ddof=1)) if ok.sum() > 1 else math.nan,
+                     "switches_mean": float(np.mean([r["num_switches"] for r in mine])),
+                     "switch_s_mean": float(np.mean([r["switch_s"] for r in mine]))})
+    frame = pd.DataFrame(rows)
+    best_baseline = frame[frame["arm"].isin(["fixed", "batch"])]["time_mean_s"].min()
+    frame["gain_vs_best_baseline_pct"] = 100 * (1 - frame["time_mean_s"] / best_baseline)
+    return frame
+
+
+def plots(results: list[dict[str, Any]], pilot: dict[str, Any], out: Path, target: float
+          ) -> dict[str, Any]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colours = dict(zip(ARMS, ("tab:blue", "tab:orange", "tab:green", "tab:red")))
+    figures = {}
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for r in results:
+        curve = pd.DataFrame(r["curve"])
+        label = r["arm"] if r["seed"] == min(x["seed"] for x in results) else None
+        axes[0].plot(curve["time_s"], curve["val_loss"], color=colours[r["arm"]], alpha=0.7,
+                     label=label)
+        axes[1].plot(curve["step"], curve["val_loss"], color=colours[r["arm"]], alpha=0.7,
+                     label=label)
+    for ax, xlabel in zip(axes, ("wall time (s, evaluation excluded)", "optimizer steps")):
+        ax.axhline(target, color="grey", linestyle="--", linewidth=1)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("validation loss (nats/byte)")
+        ax.legend()
+    fig.tight_layout()
+    figures["loss_vs_time.png"] = fig
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    gns = pd.DataFrame(pilot["gns"])
+    axes[0].plot(gns["tokens"], gns["b_simple"], color="black", label="pilot (fixed batch)")
+    for r in results:
+        if r["gns"]:
+            g = pd.DataFrame(r["gns"])
+            axes[0].plot(g["tokens"], g["b_simple"], color=colours[r["arm"]], alpha=0.5,
+                         label=r["arm"] if r["seed"] == min(x["seed"] for x in results)
+                         else None)
+        curve = pd.DataFrame(r["curve"])
+        axes[1].step(curve["tokens"], curve["batch"], where="post", color=colours[r["arm"]],
+                     alpha=0.6)
+    axes[0].set_xlabel("tokens")
+    axes[0].set_ylabel("B_simple (sequences)")
+    axes[0].set_yscale("log")
+    axes[0].legend()
+    axes[1].set_xlabel("tokens")
+    axes[1].set_ylabel("global batch (sequences)")
+    axes[1].set_yscale("log", base=2)
+    fig.tight_layout()
+    figures["b_noise_and_batch.png"] = fig
+    for name, figure in figures.items():
+        figure.savefig(out / name, dpi=110)
+    return figures
+
+
+def main(argv: list[str] | None = None) -> int:
+    from _ttt_worker import Job, config_for
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=Path("runs/time_to_target"))
+    parser.add_argument("--seeds", default="0,1,2", help="comma-separated seeds")
+    parser.add_argument("--target", type=float, default=2.0, help="validation loss to reach")
+    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--batches", default="4,8,16,32,64")
+    parser.add_argument("--pilot-batch", type=int, default=16)
+    parser.add_argument("--eval-every-tokens", type=int, default=4096)
+    parser.add_argument("--max-tokens", type=int, default=3_000_000)
+    parser.add_argument("--corpus-mb", type=float, default=4.0)
+    parser.add_argument("--no-track", action="store_true")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    seeds = [int(s) for s in args.seeds.split(",")]
+    batches = sorted(int(b) for b in args.batches.split(","))
+    model = get_model("tiny").replace(name="tiny-text", num_layers=2, hidden_size=64,
+                                      num_heads=4, num_kv_heads=2, ffn_hidden_size=176,
+                                      seq_len=64)
+    out = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    base = dict(model=model, out_dir=str(out), target_loss=args.target, lr=args.lr,
+                corpus_bytes=int(args.corpus_mb * (1 << 20)), val_seqs=64,
+                eval_every_tokens=args.eval_every_tokens, max_tokens=args.max_tokens,
+                batches=batches, gns_beta=0.9)
+    started = time.perf_counter()
+
+    # 1. Step times of every (layout, batch), switch cost, and the pilot's B_noise trajectory.
+    pilot_run = {"name": "pilot", "arm": "pilot", "seed": 1000, "policy": "fixed",
+                 "measure": True, "config": config_for("dp4", args.pilot_batch).to_dict()}
+    if not (out / "profile.json").exists() or "pilot" not in {
+            r["name"] for r in read_jsonl(out / "runs.jsonl")}:
+        _spawn(Job(**base, runs=[pilot_run], profile=not (out / "profile.json").exists()))
+    profile = json.loads((out / "profile.json").read_text())
+    print(format_table([{k: v for k, v in r.items() if k != "config"}
+                        for r in profile["table"]], title="Measured step times (4 gloo ranks)"))
+    print(format_table(profile["switch_costs"], title="Switch cost (DCP save, rebuild, load)"))
+    pilot = next(r for r in read_jsonl(out / "runs.jsonl") if r["name"] == "pilot")
+
+    # 2. Plan and arm settings.
+    settings = make_plan(profile, pilot, model, batches, out)
+
+    # 3. The arms, seed by seed.
+    runs = arm_runs(settings, batches, seeds)
+    _spawn(Job(**base, runs=runs))
+    results = [r for r in read_jsonl(out / "runs.jsonl") if r["arm"] in ARMS
+               and r["seed"] in seeds]
+    summary = summarise(results)
+    print(format_table(summary.to_dict("records"),
+                       title=f"Time and steps to validation loss {args.target} "
+                             f"(mean, std over seeds {seeds})", floatfmt=".4g"))
+    per_run = pd.DataFrame([{k: r[k] for k in ("name", "arm", "seed", "reached", "time_s",
+                                                "steps", "tokens", "num_switches", "switch_s")}
+                            for r in results])
+    print(format_table(per_run.to_dict("records"), title="Runs", floatfmt=".4g"))
+    figures = plots(results, pilot, out, args.target)
+    summary.to_csv(out / "summary.csv", index=False)
+    per_run.to_csv(out / "runs.csv", index=False)
+    print(f"experiment wall time: {time.perf_counter() - started:.0f} s")
+    if not args.no_track:
+        from paratune.tracking import start_run
+
+        with start_run("time-to-target", run_name=f"time-to-target-{model.name}",
+                       params={"model": model.to_dict(), "target_loss": args.target,
+                               "lr": args.lr, "batches": batches, "seeds": seeds,
+                               "world_size": 4, "backend": "gloo",
+                               "fixed_config": settings["fixed_config"],
+                               "follow_layout": settings["follow_layout"],
+                               "best_layout": settings["best_layout"],
+                               "switch_cost_s": settings["switch_cost_s"]}) as run:
+            for row in summary.to_dict("records"):
+                run.log_metrics({f"{row['arm']}_{k}": v for k, v in row.items()
+                                 if k != "arm"})
+            run.log_table(summary, "summary.csv")
+            run.log_table(per_run, "runs.csv")
+            run.log_table(pd.DataFrame(pilot["gns"]), "b_noise/pilot.csv")
+            for r in results:
+                run.log_table(pd.DataFrame(r["curve"]), f"curves/{r['name']}.csv")
+                if r["gns"]:
+                    run.log_table(pd.DataFrame(r["gns"]), f"b_noise/{r['name']}.csv")
+            run.log_table(pd.DataFrame(profile["table"]).drop(columns="config"),
+                          "step_times.csv")
+            run.log_dict(settings, "plan.json")
+            for name, figure in figures.items():
+                run.log_figure(figure, name)
+        print(f"MLflow run {run.run_id}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
