@@ -2,6 +2,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+from pathlib import Path
 
 import pandas as pd
 import pyarrow as pa
@@ -218,3 +220,17 @@ def test_datasets_show_cli(tmp_path, capsys):
 
 def test_fingerprint_columns_follow_the_record():
     assert set(FINGERPRINT_FIELDS) <= set(column_types())
+
+
+def test_datasets_import_cli_writes_a_readable_dataset(tmp_path, capsys):
+    repo = Path(__file__).resolve().parents[2]
+    public = Path(os.environ.get("PARATUNE_PUBLIC_DATA", repo.parent / "shared/data/public-gpu"))
+    source = public / "vtrain_a100_single_node.csv"
+    if not source.exists():
+        pytest.skip(f"public GPU measurements not found at {public}")
+    assert main(["datasets", "import", str(source), "--out", str(tmp_path / "pub")]) == 0
+    out = capsys.readouterr().out
+    dataset = read_dataset(tmp_path / "pub")
+    assert len(dataset) > 0 and set(dataset.frame["hardware"]) == {"A100-80GB"}
+    assert f"rows      {len(dataset)}" in out and "A100-80GB" in out
+    assert all(m.config.world_size in (2, 4, 8) for m in dataset.measurements()[:50])
