@@ -160,6 +160,7 @@ def run_worker(plan_path: str | Path, *, attempt: str | None = None) -> int:
     Returns:
         The process exit code (0 when every config is done).
     """
+    faults = parse_faults(os.environ.get(FAULT_ENV, ""))  # fail fast, before heavy imports
     import torch
     import torch.distributed as dist
 
@@ -181,7 +182,6 @@ def run_worker(plan_path: str | Path, *, attempt: str | None = None) -> int:
     if parent_pid is not None:
         _die_with_parent(parent_pid)
     attempt = attempt or os.environ.get(ATTEMPT_ENV)
-    faults = parse_faults(os.environ.get(FAULT_ENV, ""))
     timeout_s = float(plan["timeout_s"])
 
     if plan["device"] == "cuda":

@@ -450,7 +450,7 @@ def _run_world_size(paths: CampaignPaths, world_size: int, progress: _Progress, 
     plan_path = paths.plan(world_size)
     plan = read_plan(plan_path)
     keys = [ParallelConfig.from_dict(c).key() for c in plan["configs"]]
-    startup_failures = 0
+    no_progress = 0
     startup_timeout = startup_timeout_s or max(120.0, float(plan["timeout_s"]))
 
     def on_entry(entry: dict[str, Any]) -> None:
@@ -470,22 +470,20 @@ def _run_world_size(paths: CampaignPaths, world_size: int, progress: _Progress, 
                startup_timeout_s=startup_timeout)
         settled = _settle(launch, paths, world_size, plan, on_entry)
         codes = launch.exit_codes
-        if settled or launch.started_keys:
-            startup_failures = 0
+        progressed = settled or len(journal_keys(paths.journal(world_size)) - done) > 0
+        if progressed:
+            no_progress = 0
             if not settled and not all(c in (0, EXIT_RELAUNCH) for c in codes):
                 log.warning("ws=%d launch %s ended (%s, exit codes %s)", world_size, attempt,
                             launch.stop_reason, codes)
             continue
-        if all(c == 0 for c in codes):
-            continue  # nothing was left to do by the time it started
-        startup_failures += 1
-        log.warning("ws=%d: worker group failed to start (%s, exit codes %s)", world_size,
+        no_progress += 1
+        log.warning("ws=%d: worker group finished no config (%s, exit codes %s)", world_size,
                     launch.stop_reason, codes)
-        if startup_failures >= 3:
-            raise CampaignError(f"the worker group of world size {world_size} failed to start "
-                                f"3 times ({launch.stop_reason}, exit codes {codes}); "
-                                f"its output:\n"
-                                f"{group.log_tail()}")
+        if no_progress >= 3:
+            raise CampaignError(f"the worker group of world size {world_size} finished no "
+                                f"config in 3 launches ({launch.stop_reason}, exit codes "
+                                f"{codes}); its output:\n{group.log_tail()}")
 
 
 def _run_world_size_torchrun(paths: CampaignPaths, world_size: int, progress: _Progress, *,

@@ -26,6 +26,7 @@ from paratune.profiler._journal import (
 )
 from paratune.profiler._worker import parse_faults
 from paratune.profiler.campaign import (
+    CampaignError,
     CampaignSpec,
     enumerate_campaign,
     prepare_campaign,
@@ -186,6 +187,14 @@ def test_faults_are_isolated_and_recorded(tmp_path):
     assert dataset.frame["device_name"].iloc[0]  # failure rows carry the fingerprint too
     launches = {p.name.split("-rank")[0] for p in (tmp_path / "c" / "logs").iterdir()}
     assert len(launches) == 4  # relaunched after the hang, the exception and the crash
+
+
+@pytest.mark.slow
+def test_a_group_that_never_starts_stops_the_campaign_with_its_output(tmp_path):
+    with pytest.raises(CampaignError, match=r"(?s)finished no config in 3 launches.*"
+                                            r"PARATUNE_FAULT='explode:x'"):
+        run_campaign(_spec(world_sizes=(1,)), tmp_path / "c", track=False, progress=False,
+                     extra_env={"PARATUNE_FAULT": "explode:x"})
 
 
 def _workers_of(plan_dir: Path) -> list[int]:
