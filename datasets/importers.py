@@ -36,6 +36,7 @@ __all__ = [
     "import_files",
     "is_public_csv",
     "parse_public_csv",
+    "public_row_config",
     "read_public_csv",
 ]
 
@@ -218,7 +219,7 @@ def parse_public_csv(path: str | Path) -> tuple[list[Measurement], list[ImportPr
 
 
 class _Unmappable(ValueError):
-    pass
+    """A row's values cannot be mapped to a record; the message is the reason."""
 
 
 def _number(raw: dict[str, str], key: str) -> float | None:
@@ -290,8 +291,14 @@ def _ffn_from_params(raw: dict[str, str], *, layers: int, hidden: int, family: _
     return int(ffn)
 
 
-def config_from_public(raw: dict[str, str]) -> tuple[ParallelConfig, int]:
+def config_from_public(raw: dict[str, str], *, check_grad_accum: bool = True
+                       ) -> tuple[ParallelConfig, int]:
     """The :class:`ParallelConfig` of a public row and its stated GPU count.
+
+    Args:
+        raw: The row's cells.
+        check_grad_accum: Require ``dp * micro_batch * grad_accum == global_batch`` where
+            ``grad_accum`` is stated (a record needs it; a prediction uses ``global_batch``).
 
     Raises:
         _Unmappable: a degree is missing or stated values contradict each other.
@@ -309,7 +316,7 @@ def config_from_public(raw: dict[str, str]) -> tuple[ParallelConfig, int]:
         raise _Unmappable(f"global_batch={global_batch} is not a multiple of dp*micro_batch = "
                           f"{dp}*{micro}")
     grad_accum = _integer(raw, "grad_accum", required=False)
-    if grad_accum is not None and dp * micro * grad_accum != global_batch:
+    if check_grad_accum and grad_accum is not None and dp * micro * grad_accum != global_batch:
         raise _Unmappable(f"dp*micro_batch*grad_accum = {dp}*{micro}*{grad_accum} = "
                           f"{dp * micro * grad_accum} contradicts global_batch={global_batch}")
     zero = _number(raw, "zero_stage")
@@ -331,6 +338,38 @@ def config_from_public(raw: dict[str, str]) -> tuple[ParallelConfig, int]:
                             global_batch_size=global_batch, schedule=Schedule.ONE_F_ONE_B,
                             sharding=Sharding.from_stage(int(zero or 0)), recompute=recompute)
     return config, num_gpus
+
+
+def public_row_config(raw: dict[str, str]) -> dict[str, Any]:
+    """A config-frame row (:data:`paratune.predictor.CONFIG_COLUMNS`) for a public row.
+
+    Only the configuration is checked (not the metrics, nor a stated ``grad_accum`` that
+    contradicts ``global_batch``): this is what a prediction needs.
+    An unknown ``gpu`` name is passed through (the predictor reports it per row), with the
+    ``nodes`` column or 8 devices per node.
+
+    Raises:
+        ValueError: the configuration cannot be mapped (missing degrees, contradictions); the
+            message is the reason.
+    """
+    try:
+        model = model_spec_from_public(raw)
+        config, num_gpus = config_from_public(raw, check_grad_accum=False)
+    except ConfigError as exc:
+        raise ValueError(f"invalid {exc.field}={exc.value!r}: {exc.rule}") from None
+    try:
+        hardware = get_hardware(raw.get("gpu", ""))
+        name, per_node = hardware.name, hardware.devices_per_node
+    except ConfigError:
+        nodes = _integer(raw, "nodes", required=False)
+        name = raw.get("gpu", "")
+        per_node = max(num_gpus // nodes, 1) if nodes else 8
+    row: dict[str, Any] = {"model_name": model.name}
+    row.update({k: v for k, v in model.to_dict().items() if k != "name"})
+    row.update(config.to_dict())
+    row.update(world_size=config.world_size, num_microbatches=config.num_microbatches,
+               hardware=name, devices_per_node=per_node)
+    return row
 
 
 def _row_to_measurement(raw: dict[str, str]) -> Measurement:

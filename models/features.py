@@ -263,7 +263,9 @@ def _stage_params(c: Columns) -> np.ndarray:
     """Parameters held by the fullest pipeline rank before tensor-parallel splitting."""
     embed = c.vocab * c.hidden
     both_ends = np.where(c.tied, 1.0, 2.0)
-    return c.layers_per_stage * c.params_per_layer + embed * np.where(c.pp > 1, 1.0, both_ends)
+    final_norm = c.hidden
+    return (c.layers_per_stage * c.params_per_layer + embed * np.where(c.pp > 1, 1.0, both_ends)
+            + final_norm)
 
 
 def dp_reduction_bytes(frame: pd.DataFrame | Columns) -> np.ndarray:

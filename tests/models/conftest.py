@@ -31,29 +31,32 @@ def synthetic_measurements(seed: int = 0, n_per_model: int = 60) -> pd.DataFrame
     The hidden truth: tensor parallelism beyond 2 costs 20% per doubling, configurations
     whose analytical memory exceeds the device fail with OOM.
     """
+    from paratune.predictor import config_frame
+
     rng = np.random.default_rng(seed)
     records = []
     for name in ("llama3.2-1b", "llama3.2-3b", "llama3-8b"):
         model = get_model(name, seq_len=4096)
+        configs = []
         for _ in range(n_per_model):
-            tp, pp = (int(2 ** rng.integers(0, 4)) for _ in range(2))
-            dp = int(2 ** rng.integers(0, 4))
+            tp, pp, dp = (int(2 ** rng.integers(0, 4)) for _ in range(3))
             micro = int(2 ** rng.integers(0, 3))
-            config = ParallelConfig(dp=dp, tp=tp, pp=pp, micro_batch_size=micro,
-                                    global_batch_size=dp * micro * 8,
-                                    sharding="zero1" if rng.random() < 0.5 else "none")
-            frame = F.config_row(model, config, "H100")
-            analytical = F.analytical_step_time(frame)["step_time_s"][0]
-            memory = F.analytical_memory_gb(frame)[0]
+            configs.append(ParallelConfig(dp=dp, tp=tp, pp=pp, micro_batch_size=micro,
+                                          global_batch_size=dp * micro * 8,
+                                          sharding="zero1" if rng.random() < 0.5 else "none"))
+        frame = config_frame(model, configs, "H100")
+        analytical = F.analytical_step_time(frame)["step_time_s"]
+        memory = F.analytical_memory_gb(frame)
+        for i, config in enumerate(configs):
             m = Measurement(model=model, config=config, hardware="H100-80GB",
                             devices_per_node=8, source="synthetic")
-            if memory > 80:
+            if memory[i] > 80:
                 m.status, m.error = Status.OOM, "CUDA out of memory"
             else:
-                m.step_time_s = analytical * 1.5 * 1.2 ** max(np.log2(tp) - 1, 0) * float(
-                    rng.lognormal(0, 0.02))
+                m.step_time_s = analytical[i] * 1.5 * 1.2 ** max(np.log2(config.tp) - 1, 0) * (
+                    float(rng.lognormal(0, 0.02)))
                 m.tokens_per_s = config.global_batch_size * model.seq_len / m.step_time_s
-                m.peak_mem_reserved_gb = memory * 0.9
+                m.peak_mem_reserved_gb = memory[i] * 0.9
             records.append(m.to_row())
     return pd.DataFrame(records)
 

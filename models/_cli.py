@@ -1,0 +1,81 @@
+"""``paratune fit``, ``paratune predict`` and ``paratune evaluate``."""
+
+from __future__ import annotations
+
+import argparse
+
+__all__ = ["register"]
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the model subcommands (argparse only; heavy imports happen in the handlers)."""
+    fit = subparsers.add_parser(
+        "fit", help="fit the performance model on measurements",
+        description="Fit the performance model (XGBoost on analytical features) on paratune "
+                    "dataset directories and/or public-format CSVs; logs to MLflow.")
+    fit.add_argument("data", nargs="+", metavar="DATA",
+                     help="paratune dataset directories or public measurement CSVs")
+    fit.add_argument("--out", required=True, metavar="MODEL_DIR", help="directory to write")
+    fit.add_argument("--n-estimators", type=int, default=None,
+                     help="trees per booster (default: the model's default)")
+    fit.add_argument("--experiment", default="paratune-fit", help="MLflow experiment name")
+    fit.add_argument("--no-mlflow", action="store_true", help="do not log to MLflow")
+    fit.set_defaults(func=_fit)
+
+    predict = subparsers.add_parser(
+        "predict", help="predict step time, throughput, memory and feasibility for a CSV",
+        description="Predict every row of INPUT (public measurement format or paratune config "
+                    "columns); OUT gets the input columns plus pred_* columns and pred_error.")
+    predict.add_argument("input", metavar="INPUT.csv")
+    predict.add_argument("--model", required=True, metavar="MODEL_DIR")
+    predict.add_argument("--out", required=True, metavar="OUT.csv")
+    predict.set_defaults(func=_predict)
+
+    evaluate = subparsers.add_parser(
+        "evaluate", help="cross-validate the performance model (and baselines)",
+        description="Grouped cross-validation: random configurations, the largest cluster "
+                    "size held out, or each model held out. Prints MAPE, median APE, Spearman, "
+                    "top-1 regret and feasibility accuracy; writes a predicted-vs-measured plot.")
+    evaluate.add_argument("data", nargs="+", metavar="DATA")
+    evaluate.add_argument("--split", choices=("random", "cluster", "model"), default="random")
+    evaluate.add_argument("--baselines", action="store_true",
+                          help="also evaluate the analytical, raw-config XGBoost and "
+                               "HistGradientBoosting baselines")
+    evaluate.add_argument("--n-estimators", type=int, default=None)
+    evaluate.add_argument("--plot", default="predicted_vs_measured.png", metavar="PNG")
+    evaluate.add_argument("--folds", type=int, default=5, help="folds of the random split")
+    evaluate.add_argument("--experiment", default="paratune-evaluate")
+    evaluate.add_argument("--no-mlflow", action="store_true")
+    evaluate.set_defaults(func=_evaluate)
+
+
+def _fit(args: argparse.Namespace) -> int:
+    from paratune.models._workflows import fit_model
+
+    _model, summary = fit_model(args.data, args.out, n_estimators=args.n_estimators,
+                                experiment=None if args.no_mlflow else args.experiment)
+    print(summary)
+    return 0
+
+
+def _predict(args: argparse.Namespace) -> int:
+    from paratune.models._estimators import load_model
+    from paratune.models._predict_io import predict_csv
+
+    model = load_model(args.model)
+    out = predict_csv(model, args.input, args.out)
+    failed = int((out["pred_error"] != "").sum())
+    print(f"predicted {len(out) - failed} of {len(out)} rows -> {args.out}"
+          + (f" ({failed} rows with pred_error)" if failed else ""))
+    return 0
+
+
+def _evaluate(args: argparse.Namespace) -> int:
+    from paratune.models._workflows import evaluate_model
+
+    result = evaluate_model(args.data, split=args.split, baselines=args.baselines,
+                            n_estimators=args.n_estimators, plot=args.plot, folds=args.folds,
+                            experiment=None if args.no_mlflow else args.experiment)
+    print(result.table())
+    print(f"plot: {args.plot}")
+    return 0

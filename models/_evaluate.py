@@ -1,0 +1,281 @@
+"""Grouped cross-validation of predictors on measurements, and the figures it reports.
+
+Splits:
+
+* ``random``: five folds over configurations (a configuration's repeated or ok-and-failed
+  records stay in one fold);
+* ``cluster``: within each source, the largest cluster size is held out and the model is
+  trained on everything else (can it extrapolate to more devices?);
+* ``model``: each model in turn is held out (can it extrapolate to another model?).
+
+Figures, per source and per held-out group: MAPE and median absolute percentage error of
+tokens per second per device (= of step time inverted; both are reported), Spearman rank
+correlation, top-1 regret per (model, cluster) group (how much slower the predicted-best
+measured configuration is than the measured best), and feasibility accuracy over
+configurations (a configuration that ran at least once is feasible).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from paratune.errors import ConfigError, DatasetError
+from paratune.models._data import config_identity, feasibility_table, measured_step_time
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+__all__ = ["SPLITS", "EvaluationResult", "cross_validate", "metrics", "plot_predictions"]
+
+SPLITS = ("random", "cluster", "model")
+_GROUP = ("model_name", "world_size", "hardware")
+
+
+def _family(frame: pd.DataFrame) -> pd.Series:
+    """The measurement source of each row (hardware when no source is recorded)."""
+    if "source" in frame.columns:
+        return frame["source"].astype(str)
+    return frame["hardware"].astype(str)
+
+
+def _folds(frame: pd.DataFrame, split: str, *, n_splits: int, random_state: int
+           ) -> list[tuple[str, np.ndarray]]:
+    """``(label, test mask)`` per fold."""
+    from sklearn.model_selection import GroupKFold
+
+    family = _family(frame).to_numpy()
+    if split == "random":
+        identity = config_identity(frame).to_numpy()
+        n = min(n_splits, len(np.unique(identity)))
+        if n < 2:
+            raise DatasetError("random split needs at least two configurations")
+        folds = GroupKFold(n_splits=n, shuffle=True, random_state=random_state)
+        out = []
+        for i, (_, test) in enumerate(folds.split(frame, groups=identity)):
+            mask = np.zeros(len(frame), dtype=bool)
+            mask[test] = True
+            out.append((f"fold{i + 1}", mask))
+        return out
+    world = np.asarray(frame["world_size"], dtype=float)
+    if split == "cluster":
+        mask = np.zeros(len(frame), dtype=bool)
+        for fam in np.unique(family):
+            sel = family == fam
+            if len(np.unique(world[sel])) > 1:
+                mask |= sel & (world == world[sel].max())
+        if not mask.any():
+            raise DatasetError("cluster split needs more than one cluster size in a source")
+        return [("largest cluster per source", mask)]
+    if split == "model":
+        names = frame["model_name"].astype(str).to_numpy()
+        out = []
+        for fam in np.unique(family):
+            models = np.unique(names[family == fam])
+            if len(models) < 2:
+                continue
+            out.extend((f"{fam}:{m}", (family == fam) & (names == m)) for m in models)
+        if not out:
+            raise DatasetError("model split needs more than one model in a source")
+        return out
+    raise ConfigError("split", split, f"must be one of {', '.join(SPLITS)}")
+
+
+def _spearman(a: np.ndarray, b: np.ndarray) -> float:
+    from scipy.stats import spearmanr
+
+    if len(a) < 3 or np.all(a == a[0]) or np.all(b == b[0]):
+        return float("nan")
+    return float(spearmanr(a, b).statistic)
+
+
+def metrics(frame: pd.DataFrame, predictions: pd.DataFrame) -> dict[str, float]:
+    """Accuracy figures of predictions against the measurements of the same rows.
+
+    Args:
+        frame: Measurement rows.
+        predictions: The predictor's output for those rows (same index order).
+
+    Returns:
+        ``n``, ``mape``, ``mdape`` (of tokens/s per device, in fractions),
+        ``mape_step``, ``mdape_step`` (of step time), ``spearman`` (over all successful
+        rows), ``spearman_group`` (mean over (model, cluster) groups), ``regret_mean`` /
+        ``regret_max`` (top-1 regret over groups), ``feasibility_accuracy`` and
+        ``n_configs``.
+    """
+    step = measured_step_time(frame)
+    pred_step = np.asarray(predictions["pred_step_time_s"], dtype=float)
+    ok = np.isfinite(step) & np.isfinite(pred_step)
+    # tokens/s per device is inversely proportional to step time for a given row
+    ape = np.abs(step[ok] / pred_step[ok] - 1.0)
+    ape_step = np.abs(pred_step[ok] / step[ok] - 1.0)
+    out: dict[str, float] = {"n": float(ok.sum())}
+    out["mape"] = float(ape.mean()) if ok.any() else np.nan
+    out["mdape"] = float(np.median(ape)) if ok.any() else np.nan
+    out["mape_step"] = float(ape_step.mean()) if ok.any() else np.nan
+    out["mdape_step"] = float(np.median(ape_step)) if ok.any() else np.nan
+    c_world = np.asarray(frame["world_size"], dtype=float)
+    tokens = np.asarray(frame["global_batch_size"], dtype=float) * np.asarray(
+        frame["seq_len"], dtype=float)
+    measured_tps = tokens / (step * c_world)
+    predicted_tps = tokens / (pred_step * c_world)
+    out["spearman"] = _spearman(measured_tps[ok], predicted_tps[ok])
+    regrets, rhos = [], []
+    keys = frame.loc[ok, list(_GROUP)].astype(str).agg("|".join, axis=1).to_numpy()
+    m_ok, p_ok = measured_tps[ok], predicted_tps[ok]
+    for key in np.unique(keys):
+        sel = keys == key
+        if sel.sum() < 2:
+            continue
+        chosen = m_ok[sel][int(np.argmax(p_ok[sel]))]
+        regrets.append(m_ok[sel].max() / chosen - 1.0)
+        rhos.append(_spearman(m_ok[sel], p_ok[sel]))
+    out["regret_mean"] = float(np.mean(regrets)) if regrets else np.nan
+    out["regret_max"] = float(np.max(regrets)) if regrets else np.nan
+    out["spearman_group"] = float(np.nanmean(rhos)) if np.isfinite(rhos).any() else np.nan
+    prob = np.asarray(predictions["pred_feasible_prob"], dtype=float)
+    table = feasibility_table(frame.assign(_prob=prob).reset_index(drop=True))
+    known = np.isfinite(table["_prob"].to_numpy())
+    correct = (table["_prob"].to_numpy()[known] >= 0.5).astype(int) == table[
+        "feasible"].to_numpy()[known]
+    out["feasibility_accuracy"] = float(correct.mean()) if known.any() else np.nan
+    out["n_configs"] = float(known.sum())
+    return out
+
+
+@dataclass
+class EvaluationResult:
+    """Out-of-fold predictions and the figures computed from them."""
+
+    split: str
+    predictions: dict[str, pd.DataFrame] = field(default_factory=dict)
+    """Estimator name -> measurement rows with ``fold`` and prediction columns."""
+    summary: list[dict[str, Any]] = field(default_factory=list)
+    """One row per (estimator, source): the :func:`metrics` figures."""
+    by_fold: list[dict[str, Any]] = field(default_factory=list)
+    """One row per (estimator, fold) for the ``model`` and ``cluster`` splits."""
+
+    def table(self) -> str:
+        """The summary as an aligned text table (percentages)."""
+        from paratune._table import format_table
+
+        rows = []
+        for row in self.summary + self.by_fold:
+            shown = {k: row[k] for k in ("estimator", "source", "held_out") if k in row}
+            for key in ("mape", "mdape", "mape_step", "regret_mean", "feasibility_accuracy"):
+                shown[key] = 100.0 * row[key]
+            shown["spearman"] = row["spearman"]
+            shown["n"] = int(row["n"])
+            rows.append(shown)
+        headers = {"mape": "MAPE%", "mdape": "MdAPE%", "mape_step": "MAPE(step)%",
+                   "regret_mean": "regret%", "feasibility_accuracy": "feasible acc%",
+                   "spearman": "Spearman"}
+        columns = ["estimator", "source", "held_out", "n", "mape", "mdape", "mape_step",
+                   "spearman", "regret_mean", "feasibility_accuracy"]
+        return format_table(rows, columns, headers=headers, floatfmt=".3g",
+                            title=f"split={self.split}: tokens/s per device vs measured")
+
+
+def cross_validate(frame: pd.DataFrame, *, split: str = "random",
+                   estimators: Mapping[str, Callable[[], Any]] | None = None,
+                   n_splits: int = 5, random_state: int = 0) -> EvaluationResult:
+    """Cross-validate predictors on measurement rows.
+
+    Args:
+        frame: Measurement rows (from :func:`paratune.models.load_measurements`).
+        split: ``random``, ``cluster`` or ``model`` (see the module docstring).
+        estimators: Name -> factory of an unfitted predictor; defaults to the
+            :class:`~paratune.models.PerformanceModel` alone.
+        n_splits: Folds of the random split.
+        random_state: Seed of the random split.
+
+    Returns:
+        An :class:`EvaluationResult`.
+
+    Raises:
+        ConfigError: unknown split.
+        DatasetError: the data cannot be split that way.
+    """
+    from paratune.models._estimators import PerformanceModel
+
+    if split not in SPLITS:
+        raise ConfigError("split", split, f"must be one of {', '.join(SPLITS)}")
+    estimators = dict(estimators or {"performance_model": PerformanceModel})
+    frame = frame.reset_index(drop=True)
+    folds = _folds(frame, split, n_splits=n_splits, random_state=random_state)
+    result = EvaluationResult(split=split)
+    for name, factory in estimators.items():
+        collected = []
+        for label, test in folds:
+            model = factory().fit(frame[~test])
+            pred = model.predict(frame[test])
+            part = frame[test].copy()
+            for column in pred.columns:
+                part[column] = pred[column].to_numpy()
+            part["fold"] = label
+            collected.append(part)
+            if split != "random":
+                figures = metrics(frame[test], pred)
+                result.by_fold.append({"estimator": name, "source": "", "held_out": label,
+                                       **figures})
+        import pandas as pd
+
+        oof = pd.concat(collected).sort_index()
+        result.predictions[name] = oof
+        oof_family = _family(oof)
+        for fam in sorted(oof_family.unique()):
+            rows = oof[(oof_family == fam).to_numpy()]
+            figures = metrics(rows, rows)
+            result.summary.append({"estimator": name, "source": fam, "held_out": "", **figures})
+    return result
+
+
+def plot_predictions(result: EvaluationResult, path: str | Path, *,
+                     estimator: str | None = None) -> Path:
+    """Scatter of predicted vs measured tokens/s per device (log-log, one colour per source).
+
+    Args:
+        result: A cross-validation result.
+        path: PNG file to write.
+        estimator: Which estimator's predictions; defaults to the first.
+
+    Returns:
+        The written path.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    name = estimator or next(iter(result.predictions))
+    oof = result.predictions[name]
+    step = measured_step_time(oof)
+    tokens = oof["global_batch_size"].to_numpy(float) * oof["seq_len"].to_numpy(float)
+    world = oof["world_size"].to_numpy(float)
+    measured = tokens / (step * world)
+    predicted = oof["pred_tokens_per_sec_per_gpu"].to_numpy(float)
+    fig, ax = plt.subplots(figsize=(6, 6))
+    family = _family(oof).to_numpy()
+    for fam in np.unique(family):
+        sel = (family == fam) & np.isfinite(measured) & np.isfinite(predicted)
+        ax.scatter(measured[sel], predicted[sel], s=6, alpha=0.6, label=fam)
+    finite = np.concatenate([measured[np.isfinite(measured)], predicted[np.isfinite(predicted)]])
+    if finite.size:
+        lo, hi = finite[finite > 0].min(), finite.max()
+        ax.plot([lo, hi], [lo, hi], color="black", linewidth=1)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("measured tokens/s per device")
+    ax.set_ylabel("predicted tokens/s per device")
+    ax.set_title(f"{name}, split={result.split} (out of fold)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

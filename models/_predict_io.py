@@ -1,0 +1,182 @@
+"""Predicting a CSV of configurations: the public measurement format or paratune's own."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from paratune.errors import DatasetError
+from paratune.predictor import CONFIG_COLUMNS, MODEL_COLUMNS, PARALLEL_COLUMNS
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+    from paratune.predictor import Predictor
+
+__all__ = ["predict_csv", "read_config_csv"]
+
+_OWN_REQUIRED = ("num_layers", "hidden_size", "num_heads", "ffn_hidden_size", "vocab_size",
+                 "seq_len", "dp", "tp", "pp", "micro_batch_size", "global_batch_size",
+                 "hardware")
+_INTEGER = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "ffn_hidden_size",
+            "vocab_size", "seq_len", "dp", "tp", "pp", "micro_batch_size", "global_batch_size",
+            "virtual_stages", "world_size", "num_microbatches", "devices_per_node")
+_DEFAULTS: dict[str, Any] = {"model_name": "model", "num_kv_heads": np.nan,
+                             "tie_embeddings": False, "mlp": "swiglu", "rope_theta": 500000.0,
+                             "norm_eps": 1e-5, "schedule": "1f1b", "virtual_stages": 1,
+                             "sharding": "none", "recompute": "none",
+                             "devices_per_node": np.nan}
+
+
+def _read_raw(path: Path) -> pd.DataFrame:
+    import pandas as pd
+
+    from paratune.datasets.importers import _header_and_body
+
+    header, body, _, _ = _header_and_body(path)
+    import csv
+
+    rows = [cells + [""] * (len(header) - len(cells)) for cells in csv.reader(body)
+            if cells and any(c.strip() for c in cells)]
+    return pd.DataFrame([r[: len(header)] for r in rows], columns=header, dtype=object)
+
+
+def read_config_csv(path: str | Path) -> tuple[pd.DataFrame, pd.DataFrame, np.ndarray]:
+    """Read a CSV of configurations to predict.
+
+    Args:
+        path: A CSV in the public measurement format (optional ``# source:`` first line) or
+            with paratune's config columns (:data:`paratune.predictor.CONFIG_COLUMNS`;
+            optional ones take their defaults).
+
+    Returns:
+        ``(raw, configs, errors)``: the input cells as strings (every row, in order), the
+        config frame (same length; placeholder values where a row could not be read) and a
+        message per row (empty where the row was read).
+
+    Raises:
+        DatasetError: the file has neither format's required columns.
+    """
+    import pandas as pd
+
+    from paratune.datasets.importers import is_public_csv, public_row_config
+
+    path = Path(path)
+    raw = _read_raw(path)
+    errors = np.full(len(raw), "", dtype=object)
+    rows: list[dict[str, Any]] = []
+    if is_public_csv(path):
+        for i, cells in enumerate(raw.to_dict("records")):
+            try:
+                rows.append(public_row_config({k: str(v).strip() for k, v in cells.items()}))
+            except ValueError as exc:
+                errors[i] = str(exc)
+                rows.append({})
+        configs = pd.DataFrame(rows, columns=list(CONFIG_COLUMNS))
+        return raw, _fill_placeholders(configs, errors), errors
+    missing = [c for c in _OWN_REQUIRED if c not in raw.columns]
+    if missing:
+        raise DatasetError(f"{path}: neither the public measurement format nor paratune's "
+                           f"config columns (missing {', '.join(missing)})")
+    configs = pd.DataFrame(index=raw.index)
+    for column in (*MODEL_COLUMNS, *PARALLEL_COLUMNS, "devices_per_node", "hardware"):
+        if column in raw.columns:
+            configs[column] = raw[column].astype(str).str.strip()
+        else:
+            configs[column] = _DEFAULTS.get(column, np.nan)
+    for column in _INTEGER:
+        if column not in configs.columns:
+            continue
+        values = pd.to_numeric(configs[column].replace("", np.nan), errors="coerce")
+        bad = values.isna() & configs[column].astype(str).ne("") & configs[column].notna()
+        if column in _OWN_REQUIRED:
+            bad |= values.isna() | (values < 1)
+        for i in np.flatnonzero(bad.to_numpy() & (errors == "")):
+            errors[i] = f"{column}={raw[column].iloc[i]!r} must be a positive integer"
+        configs[column] = values
+    if "tie_embeddings" in raw.columns:
+        configs["tie_embeddings"] = raw["tie_embeddings"].astype(str).str.lower().isin(
+            ("true", "1", "yes"))
+    for column, default in (("schedule", "1f1b"), ("sharding", "none"), ("recompute", "none"),
+                            ("mlp", "swiglu")):
+        configs[column] = configs[column].replace("", default).fillna(default)
+    configs["virtual_stages"] = configs["virtual_stages"].fillna(1)
+    configs["world_size"] = configs["dp"] * configs["tp"] * configs["pp"]
+    if "world_size" in raw.columns:
+        stated = pd.to_numeric(raw["world_size"], errors="coerce")
+        clash = stated.notna() & (stated != configs["world_size"])
+        for i in np.flatnonzero(clash.to_numpy() & (errors == "")):
+            errors[i] = (f"world_size={raw['world_size'].iloc[i]} contradicts dp*tp*pp = "
+                         f"{int(configs['world_size'].iloc[i])}")
+    configs["num_microbatches"] = configs["global_batch_size"] / (
+        configs["dp"] * configs["micro_batch_size"])
+    uneven = configs["num_microbatches"] % 1 != 0
+    for i in np.flatnonzero(uneven.to_numpy() & (errors == "")):
+        errors[i] = (f"global_batch_size={raw['global_batch_size'].iloc[i]} is not a multiple "
+                     "of dp*micro_batch_size")
+    for column, rule in (("schedule", ("gpipe", "1f1b", "interleaved_1f1b")),
+                         ("sharding", ("none", "zero1", "zero2", "zero3")),
+                         ("recompute", ("none", "full", "selective")), ("mlp", ("swiglu", "gelu"))):
+        wrong = ~configs[column].astype(str).str.lower().isin(rule)
+        for i in np.flatnonzero(wrong.to_numpy() & (errors == "")):
+            errors[i] = f"{column}={configs[column].iloc[i]!r} must be one of {', '.join(rule)}"
+    return raw, _fill_placeholders(configs[list(CONFIG_COLUMNS)], errors), errors
+
+
+def _fill_placeholders(configs: pd.DataFrame, errors: np.ndarray) -> pd.DataFrame:
+    """Rows that could not be read get a harmless placeholder (their predictions are blanked)."""
+    from paratune.predictor import config_frame
+    from paratune.spec import get_model
+
+    bad = errors != ""
+    if not bad.any():
+        return configs.reset_index(drop=True)
+    from paratune.parallel import ParallelConfig
+
+    placeholder = config_frame(get_model("tiny"), [ParallelConfig()], "cpu").iloc[0]
+    configs = configs.reset_index(drop=True).copy()
+    for column in configs.columns:
+        configs[column] = configs[column].astype(object)
+        configs.loc[bad, column] = placeholder[column]
+    return configs
+
+
+def predict_csv(model: Predictor, input_path: str | Path, output_path: str | Path | None = None
+                ) -> pd.DataFrame:
+    """Predict every row of a configuration CSV and write input columns plus predictions.
+
+    Args:
+        model: A fitted predictor.
+        input_path: See :func:`read_config_csv`.
+        output_path: CSV to write (``None``: only return the frame).
+
+    Returns:
+        The input cells followed by the prediction columns and ``pred_error``, one row per
+        input row in order. Rows that could not be predicted have empty predictions and a
+        message.
+    """
+    from paratune._io import atomic_write_text
+    from paratune.models._estimators import PRED_ERROR
+
+    raw, configs, errors = read_config_csv(input_path)
+    if len(configs):
+        pred = model.predict(configs).reset_index(drop=True)
+    else:
+        import pandas as pd
+
+        from paratune.models._estimators import OUTPUT_COLUMNS
+
+        pred = pd.DataFrame(columns=list(OUTPUT_COLUMNS))
+    reading = errors != ""
+    numeric = [c for c in pred.columns if c != PRED_ERROR]
+    pred.loc[reading, numeric] = np.nan
+    pred[PRED_ERROR] = np.where(reading, errors, pred[PRED_ERROR].astype(object))
+    out = raw.reset_index(drop=True).copy()
+    for column in pred.columns:
+        name = column if column not in out.columns else f"{column}_predicted"
+        out[name] = pred[column].to_numpy()
+    if output_path is not None:
+        atomic_write_text(output_path, out.to_csv(index=False))
+    return out

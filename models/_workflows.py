@@ -1,0 +1,103 @@
+"""The library functions behind ``paratune fit`` and ``paratune evaluate``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from paratune.models._data import load_measurements, measured_step_time
+from paratune.models._estimators import PerformanceModel, estimator_factories
+from paratune.models._evaluate import EvaluationResult, cross_validate, plot_predictions
+
+__all__ = ["evaluate_model", "fit_model"]
+
+
+def fit_model(data: Sequence[str | Path], out: str | Path, *, n_estimators: int | None = None,
+              experiment: str | None = "paratune-fit") -> tuple[PerformanceModel, str]:
+    """Fit a :class:`PerformanceModel` on measurements, save it, and log the run to MLflow.
+
+    Args:
+        data: Dataset directories or public CSVs.
+        out: Model directory to write.
+        n_estimators: Trees per booster (``None``: the default).
+        experiment: MLflow experiment; ``None`` skips tracking.
+
+    Returns:
+        The fitted model and a short text summary.
+    """
+    frame = load_measurements(data)
+    model = PerformanceModel(**({} if n_estimators is None else {"n_estimators": n_estimators}))
+    model.fit(frame)
+    model.save(out)
+    pred = model.predict(frame)
+    step = measured_step_time(frame)
+    ok = np.isfinite(step) & np.isfinite(pred["pred_step_time_s"].to_numpy(float))
+    ape = np.abs(step[ok] / pred["pred_step_time_s"].to_numpy(float)[ok] - 1)
+    fit_metrics = {"train_mdape": float(np.median(ape)) if ok.any() else np.nan,
+                   "train_mape": float(ape.mean()) if ok.any() else np.nan,
+                   "num_rows": float(len(frame)), "num_time_rows": float(model.n_time_rows_),
+                   "num_memory_rows": float(model.n_memory_rows_),
+                   "num_feasibility_configs": float(model.n_feasibility_rows_)}
+    summary = (f"fitted on {len(frame)} rows ({model.n_time_rows_} timed, "
+               f"{model.n_memory_rows_} with memory, {model.n_feasibility_rows_} configurations "
+               f"for feasibility) -> {out}\n"
+               f"in-sample median APE {100 * fit_metrics['train_mdape']:.1f}% "
+               f"(cross-validate with `paratune evaluate`)\n"
+               f"training-data fingerprint {model.fingerprint_[:16]}")
+    if experiment:
+        from paratune.tracking import start_run
+
+        with start_run(experiment, run_name="fit") as run:
+            run.log_params({**model.get_params(), "data": [str(d) for d in data],
+                            "fingerprint": model.fingerprint_, "sources": model.sources_})
+            run.log_metrics(fit_metrics)
+            run.log_artifact(out, artifact_path="model")
+        summary += f"\nMLflow run {run.run_id} (experiment {experiment})"
+    return model, summary
+
+
+def evaluate_model(data: Sequence[str | Path], *, split: str = "random", baselines: bool = False,
+                   n_estimators: int | None = None, plot: str | Path | None = None,
+                   folds: int = 5, experiment: str | None = "paratune-evaluate"
+                   ) -> EvaluationResult:
+    """Cross-validate the performance model (and optionally the baselines) on measurements.
+
+    Args:
+        data: Dataset directories or public CSVs.
+        split: ``random``, ``cluster`` or ``model``.
+        baselines: Include the analytical, raw-config XGBoost and HistGradientBoosting
+            baselines.
+        n_estimators: Trees per booster for every learned estimator.
+        plot: PNG of predicted vs measured to write (``None``: none).
+        folds: Folds of the random split.
+        experiment: MLflow experiment; ``None`` skips tracking.
+
+    Returns:
+        The :class:`EvaluationResult`.
+    """
+    frame = load_measurements(data)
+    factories = estimator_factories(n_estimators=n_estimators)
+    if not baselines:
+        factories = {"performance_model": factories["performance_model"]}
+    result = cross_validate(frame, split=split, estimators=factories, n_splits=folds)
+    if plot:
+        plot_predictions(result, plot)
+    if experiment:
+        import pandas as pd
+
+        from paratune.tracking import start_run
+
+        with start_run(experiment, run_name=f"evaluate-{split}") as run:
+            run.log_params({"split": split, "data": [str(d) for d in data],
+                            "estimators": list(factories), "n_estimators": n_estimators})
+            for row in result.summary + result.by_fold:
+                prefix = "_".join(str(row[k]) for k in ("estimator", "source", "held_out")
+                                  if row.get(k)).replace(":", "_").replace(" ", "_")
+                run.log_metrics({f"{prefix}.{k}": v for k, v in row.items()
+                                 if k not in ("estimator", "source", "held_out")})
+            run.log_table(pd.DataFrame(result.summary + result.by_fold), "metrics.csv")
+            if plot:
+                run.log_artifact(plot)
+    return result

@@ -1,0 +1,126 @@
+from __future__ import annotations
+
+import csv
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from paratune.cli import main
+from paratune.predictor import CONFIG_COLUMNS
+
+PUBLIC_HEADER = ("source,model,params_b,layers,hidden,heads,seq_len,gpu,num_gpus,tp,pp,dp,cp,"
+                 "micro_batch,global_batch,zero_stage,recompute,tflops_per_gpu,mfu,"
+                 "tokens_per_sec,step_time_s,tokens_per_sec_per_gpu,precision,notes")
+PUBLIC_ROWS = [
+    "ultrascale_playbook_nanotron,8B,8,32,4096,32,4096,H100-80GB,16,2,1,8,1,1,256,1,,,,,,,bf16,",
+    # contradictory degrees: 2*1*4 != 16
+    "ultrascale_playbook_nanotron,8B,8,32,4096,32,4096,H100-80GB,16,2,1,4,1,1,256,1,,,,,,,bf16,",
+    "ultrascale_playbook_nanotron,80B,80,80,8192,64,4096,H100-80GB,64,8,4,2,1,1,256,1,,,,,,,bf16,",
+    "ultrascale_playbook_nanotron,8B,8,32,4096,32,4096,TPU-v9,16,2,1,8,1,1,256,1,,,,,,,bf16,",
+    "vtrain_ground_truth_multi_node,GPT,,24,2048,16,1024,A100,32,2,2,8,1,4,128,,full,,,,,,,",
+]
+
+
+@pytest.fixture
+def mlflow_uri(tmp_path, monkeypatch):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    return uri
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, synthetic):
+    tmp = tmp_path_factory.mktemp("fit")
+    data = tmp / "data.csv"
+    synthetic.to_csv(data, index=False)
+    out = tmp / "model"
+    assert main(["fit", str(data), "--out", str(out), "--n-estimators", "20",
+                 "--no-mlflow"]) == 0
+    return out
+
+
+def test_fit_logs_to_mlflow(tmp_path, synthetic, mlflow_uri, capsys):
+    import mlflow
+
+    data = tmp_path / "data.csv"
+    synthetic.to_csv(data, index=False)
+    model_dir = tmp_path / "model"
+    assert main(["fit", str(data), "--out", str(model_dir), "--n-estimators", "10"]) == 0
+    assert "MLflow run" in capsys.readouterr().out
+
+    mlflow.set_tracking_uri(mlflow_uri)
+    runs = mlflow.search_runs(experiment_names=["paratune-fit"])
+    assert len(runs) == 1
+    assert runs["params.n_estimators"].iloc[0] == "10"
+    assert runs["metrics.num_time_rows"].iloc[0] > 0
+    client = mlflow.tracking.MlflowClient()
+    names = [a.path for a in client.list_artifacts(runs["run_id"].iloc[0], "model")]
+    assert "model/model.json" in names
+
+
+def test_predict_public_csv_keeps_every_row_in_order(model_dir, tmp_path, capsys):
+    src = tmp_path / "in.csv"
+    src.write_text("# source: test\n" + PUBLIC_HEADER + "\n" + "\n".join(PUBLIC_ROWS) + "\n")
+    out = tmp_path / "out.csv"
+    assert main(["predict", "--model", str(model_dir), str(src), "--out", str(out)]) == 0
+    assert "3 of 5 rows" in capsys.readouterr().out
+    result = pd.read_csv(out, keep_default_na=False)
+    assert len(result) == 5
+    assert list(result.columns[:24]) == PUBLIC_HEADER.split(",")
+    assert result["dp"].tolist() == [8, 4, 2, 8, 8]
+    errors = result["pred_error"].tolist()
+    assert errors[0] == errors[2] == errors[4] == ""
+    assert "contradicts num_gpus=16" in errors[1]
+    assert "TPU-v9" in errors[3]
+    for i in (1, 3):
+        assert result["pred_step_time_s"].iloc[i] == ""
+    for i in (0, 2, 4):
+        assert float(result["pred_tokens_per_sec_per_gpu"].iloc[i]) > 0
+        assert 0 <= float(result["pred_feasible_prob"].iloc[i]) <= 1
+        assert float(result["pred_peak_mem_gb"].iloc[i]) > 0
+
+
+def test_predict_own_config_format(model_dir, synthetic, tmp_path):
+    frame = synthetic[list(CONFIG_COLUMNS)].head(4).astype(object)
+    frame.loc[frame.index[2], "tp"] = "x"
+    src = tmp_path / "configs.csv"
+    frame.to_csv(src, index=False)
+    out = tmp_path / "out.csv"
+    assert main(["predict", "--model", str(model_dir), str(src), "--out", str(out)]) == 0
+    result = pd.read_csv(out, keep_default_na=False)
+    assert len(result) == 4
+    assert "tp='x'" in result["pred_error"].iloc[2]
+    good = [0, 1, 3]
+    assert (result["pred_error"].iloc[good] == "").all()
+    assert np.all(result["pred_step_time_s"].iloc[good].astype(float) > 0)
+
+
+def test_predict_rejects_unknown_format(model_dir, tmp_path, capsys):
+    src = tmp_path / "x.csv"
+    with open(src, "w", newline="") as handle:
+        csv.writer(handle).writerows([["a", "b"], ["1", "2"]])
+    assert main(["predict", "--model", str(model_dir), str(src), "--out",
+                 str(tmp_path / "o.csv")]) == 2
+    assert "missing" in capsys.readouterr().err
+
+
+def test_predict_refuses_a_mismatched_model(tmp_path, capsys):
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "model.json").write_text('{"kind": "paratune.PerformanceModel", '
+                                               '"schema_version": 0}')
+    assert main(["predict", "--model", str(tmp_path / "m"), "in.csv", "--out", "o.csv"]) == 2
+    assert "schema_version=0" in capsys.readouterr().err
+
+
+def test_evaluate_prints_figures_and_writes_plot(tmp_path, synthetic, capsys):
+    data = tmp_path / "data.csv"
+    synthetic.to_csv(data, index=False)
+    plot = tmp_path / "pvm.png"
+    assert main(["evaluate", str(data), "--split", "model", "--n-estimators", "10",
+                 "--baselines", "--plot", str(plot), "--no-mlflow"]) == 0
+    out = capsys.readouterr().out
+    for header in ("MAPE%", "MdAPE%", "Spearman", "regret%", "feasible acc%"):
+        assert header in out
+    assert "xgb_raw_config" in out and "hist_gradient_boosting" in out
+    assert plot.exists()

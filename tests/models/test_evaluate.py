@@ -1,0 +1,65 @@
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from paratune import ConfigError
+from paratune.models import cross_validate
+from paratune.models._estimators import AnalyticalBaseline, PerformanceModel
+from paratune.models._evaluate import metrics, plot_predictions
+
+
+def _small():
+    return PerformanceModel(n_estimators=30, n_jobs=1)
+
+
+def test_metrics_on_known_predictions(synthetic):
+    ok = (synthetic.status == "ok").to_numpy()
+    pred = synthetic[["step_time_s"]].rename(columns={"step_time_s": "pred_step_time_s"})
+    pred["pred_step_time_s"] = pred["pred_step_time_s"] * 1.25  # 25% slower: tput -20%
+    pred["pred_feasible_prob"] = np.where(ok, 0.9, 0.1)
+    figures = metrics(synthetic, pred)
+    assert figures["mdape"] == pytest.approx(0.2)
+    assert figures["mdape_step"] == pytest.approx(0.25)
+    assert figures["spearman"] == pytest.approx(1.0)
+    assert figures["regret_mean"] == pytest.approx(0.0)
+    assert figures["feasibility_accuracy"] == pytest.approx(1.0)
+    # ranking the worst configuration first gives a positive regret
+    pred["pred_step_time_s"] = 1.0 / pred["pred_step_time_s"]
+    assert metrics(synthetic, pred)["regret_mean"] > 0
+
+
+@pytest.mark.parametrize("split", ["random", "cluster", "model"])
+def test_cross_validation_splits(synthetic, split):
+    result = cross_validate(synthetic, split=split, n_splits=3,
+                            estimators={"pm": _small, "analytical": AnalyticalBaseline})
+    assert {row["estimator"] for row in result.summary} == {"pm", "analytical"}
+    oof = result.predictions["pm"]
+    if split == "cluster":
+        assert (oof["world_size"] == synthetic["world_size"].max()).all()
+    else:
+        assert len(oof) == len(synthetic)
+    if split == "model":
+        assert {r["held_out"] for r in result.by_fold} == {
+            f"synthetic:{m}" for m in synthetic["model_name"].unique()}
+    pm = next(r for r in result.summary if r["estimator"] == "pm")
+    assert pm["mdape"] < 0.5
+    assert "MdAPE%" in result.table()
+
+
+def test_random_split_beats_analytical_baseline(synthetic):
+    result = cross_validate(synthetic, split="random", n_splits=3,
+                            estimators={"pm": _small, "analytical": AnalyticalBaseline})
+    by = {r["estimator"]: r for r in result.summary}
+    assert by["pm"]["mdape"] < by["analytical"]["mdape"]
+
+
+def test_unknown_split_is_named(synthetic):
+    with pytest.raises(ConfigError, match="split"):
+        cross_validate(synthetic, split="time")
+
+
+def test_plot_is_written(synthetic, tmp_path):
+    result = cross_validate(synthetic, split="random", n_splits=2, estimators={"pm": _small})
+    path = plot_predictions(result, tmp_path / "p.png")
+    assert path.stat().st_size > 1000

@@ -1,0 +1,143 @@
+"""One test per analytical feature, against values worked out by hand."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from paratune import ModelSpec, ParallelConfig, get_hardware
+from paratune.models import features as F
+
+H100 = get_hardware("H100")
+# A small Llama-style model with round numbers: every figure below is checkable by hand.
+SPEC = ModelSpec(name="t", num_layers=8, hidden_size=1024, num_heads=8, ffn_hidden_size=4096,
+                 vocab_size=32768, seq_len=2048)
+
+
+def row(**config):
+    base = {"global_batch_size": 64}
+    base.update(config)
+    return F.config_row(SPEC, ParallelConfig(**base), H100)
+
+
+def test_model_flops_per_device_matches_spec():
+    frame = row(dp=2, tp=2, pp=2, micro_batch_size=2)
+    expected = SPEC.flops_per_token() * 64 * 2048 / 8
+    assert F.model_flops_per_device(frame)[0] == pytest.approx(expected)
+
+
+def test_num_microbatches():
+    assert F.num_microbatches(row(dp=4, micro_batch_size=2))[0] == 8
+
+
+@pytest.mark.parametrize(("schedule", "virtual", "expected"), [
+    ("1f1b", 1, 3 / (8 + 3)),
+    ("gpipe", 1, 3 / (8 + 3)),
+    ("interleaved_1f1b", 2, 1.5 / (8 + 1.5)),
+])
+def test_bubble_fraction_by_schedule(schedule, virtual, expected):
+    frame = row(dp=2, pp=4, micro_batch_size=4, schedule=schedule, virtual_stages=virtual)
+    assert F.bubble_fraction(frame)[0] == pytest.approx(expected)
+    assert F.bubble_fraction(row(dp=2, micro_batch_size=4))[0] == 0
+
+
+def test_tp_bytes_per_microbatch_and_node_crossing():
+    frame = row(tp=4, pp=2, micro_batch_size=1)
+    tensor = 1 * 2048 * 1024 * 2  # micro * seq * hidden * bf16
+    expected = 4 * 4 * 2 * 3 / 4 * tensor  # 4 layers/stage, 4 all-reduces, 2(tp-1)/tp
+    assert F.tp_bytes_per_microbatch(frame)[0] == pytest.approx(expected)
+    assert F.tp_bytes_per_microbatch(row(tp=4, pp=2, recompute="full"))[0] == pytest.approx(
+        expected * 6 / 4)
+    assert F.tp_crosses_nodes(frame)[0] == 0
+    assert F.tp_crosses_nodes(row(tp=16))[0] == 1
+
+
+def test_pp_p2p_bytes_and_node_crossing():
+    assert F.pp_p2p_bytes_per_microbatch(row(pp=2, micro_batch_size=2))[0] == pytest.approx(
+        2 * 2 * 2048 * 1024 * 2)
+    assert F.pp_p2p_bytes_per_microbatch(row())[0] == 0
+    assert F.pp_crosses_nodes(row(pp=2, dp=4, tp=2))[0] == 1  # stride 8: every boundary
+    assert F.pp_crosses_nodes(row(pp=4, dp=1, tp=4))[0] == pytest.approx(1 / 3)
+    assert F.pp_crosses_nodes(row(pp=4, tp=2))[0] == 0  # 8 devices, one node
+
+
+@pytest.mark.parametrize(("sharding", "factor"), [("none", 2), ("zero1", 2), ("zero2", 2),
+                                                  ("zero3", 3)])
+def test_dp_reduction_bytes_by_sharding(sharding, factor):
+    frame = row(dp=4, micro_batch_size=1, sharding=sharding)
+    grads = SPEC.num_params * 2  # bf16, untied: both embeddings on the single stage
+    assert F.dp_reduction_bytes(frame)[0] == pytest.approx(factor * 3 / 4 * grads, rel=1e-6)
+    assert F.dp_crosses_nodes(frame)[0] == 0
+    assert F.dp_crosses_nodes(row(dp=16, tp=1))[0] == 1
+    assert F.dp_crosses_nodes(row(dp=4, tp=4))[0] == 1
+
+
+@pytest.mark.parametrize(("sharding", "params", "grads", "optimizer"), [
+    ("none", 2, 4, 12), ("zero1", 2, 4, 3), ("zero2", 2, 1, 3), ("zero3", 0.5, 1, 3)])
+def test_parameter_gradient_optimizer_memory(sharding, params, grads, optimizer):
+    frame = row(dp=4, sharding=sharding)
+    n = SPEC.num_params
+    assert F.parameter_memory_bytes(frame)[0] == pytest.approx(params * n, rel=1e-6)
+    assert F.gradient_memory_bytes(frame)[0] == pytest.approx(grads * n, rel=1e-6)
+    assert F.optimizer_memory_bytes(frame)[0] == pytest.approx(optimizer * n, rel=1e-6)
+
+
+def test_activation_memory_scales_with_micro_batch_tp_and_recompute():
+    one = F.activation_memory_bytes(row(micro_batch_size=1))[0]
+    tokens = 2048
+    per_layer = tokens * (18 * 1024 + 2 * 3 * 4096)
+    assert one == pytest.approx(8 * per_layer + tokens * 32768 * 4)
+    assert F.activation_memory_bytes(row(micro_batch_size=2))[0] == pytest.approx(2 * one)
+    assert F.activation_memory_bytes(row(tp=2, micro_batch_size=1))[0] == pytest.approx(one / 2)
+    logits = tokens * 32768 * 4
+    full = F.activation_memory_bytes(row(micro_batch_size=1, recompute="full"))[0]
+    assert full - logits == pytest.approx(8 * tokens * 1024 * 2 + per_layer)
+    # 1F1B keeps pp micro-batches in flight on the first stage, GPipe all of them
+    f1b = F.activation_memory_bytes(row(pp=4, micro_batch_size=1))[0]
+    gpipe = F.activation_memory_bytes(row(pp=4, micro_batch_size=1, schedule="gpipe"))[0]
+    assert gpipe == pytest.approx(f1b * 64 / 4)
+
+
+def test_analytical_step_time_is_compute_plus_communication_with_bubble():
+    frame = row(dp=1, micro_batch_size=1)
+    parts = F.analytical_step_time(frame)
+    assert parts["step_time_s"][0] == pytest.approx(
+        SPEC.flops_per_token() * 64 * 2048 / H100.peak_flops)
+    piped = F.analytical_step_time(row(pp=2, micro_batch_size=1))
+    assert piped["bubble_s"][0] > 0 and piped["pp_s"][0] > 0
+    total = sum(piped[k][0] for k in ("compute_s", "tp_s", "pp_s", "bubble_s", "dp_s"))
+    assert piped["step_time_s"][0] == pytest.approx(total)
+    # crossing nodes uses the slower link
+    inside = F.analytical_step_time(row(dp=8, micro_batch_size=1, global_batch_size=64))
+    across = F.analytical_step_time(row(dp=16, micro_batch_size=1, global_batch_size=64))
+    ratio = H100.intra_node_bw / H100.inter_node_bw
+    assert across["dp_s"][0] / inside["dp_s"][0] == pytest.approx(ratio * (15 / 16) / (7 / 8))
+
+
+def test_features_are_finite_and_relative():
+    frame = pd.concat([row(dp=2, tp=2, pp=2, micro_batch_size=2), row(tp=16)])
+    X, analytical = F.compute_features(frame)
+    assert X.shape == (2, len(F.FEATURE_NAMES)) and np.isfinite(X).all()
+    fractions = X[:, :5].sum(axis=1)
+    np.testing.assert_allclose(fractions, 1.0, rtol=1e-5)
+    assert (analytical["hardware_error"] == "").all()
+
+
+def test_unknown_hardware_gives_nan_and_message():
+    frame = row()
+    frame["hardware"] = "TPU-v9"
+    _, analytical = F.compute_features(frame)
+    assert np.isnan(analytical["step_time_s"][0])
+    assert "TPU-v9" in analytical["hardware_error"][0]
+
+
+def test_features_are_vectorised():
+    one = row(dp=2, tp=2, micro_batch_size=2)
+    frame = one.loc[np.zeros(20000, dtype=int)].reset_index(drop=True)
+    start = time.perf_counter()
+    X, _ = F.compute_features(frame)
+    assert X.shape[0] == 20000
+    assert time.perf_counter() - start < 5  # loose: a per-row loop would take minutes
