@@ -258,7 +258,7 @@ def prepare_campaign(spec: CampaignSpec, out: str | Path, *, resume: bool = Fals
             "devices_per_node": spec.devices_per_node or world_size,
             "warmup_steps": spec.warmup_steps, "measured_steps": spec.measured_steps,
             "seed": spec.seed, "timeout_s": spec.timeout_s,
-            "fingerprint": meta["fingerprint"],
+            "fingerprint": {**meta["fingerprint"], "device_count": world_size},
             "configs": [c.to_dict() for c in enumeration.valid]})
         for config, reason in enumeration.skipped:
             writer.writerow([world_size, config.key(), reason])
@@ -697,7 +697,7 @@ def _tracked(track: bool, meta: dict[str, Any], spec: CampaignSpec, paths: Campa
 
 def run_campaign(spec: CampaignSpec, out: str | Path, *, resume: bool = False,
                  track: bool = True, progress: bool = True, launcher: str = "local",
-                 fail_grace_s: float = 5.0,
+                 fail_grace_s: float = 3.0,
                  startup_timeout_s: float | None = None,
                  extra_env: dict[str, str] | None = None,
                  on_record: Callable[[str], None] | None = None) -> CampaignResult:
