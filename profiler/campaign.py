@@ -558,10 +558,13 @@ def materialise(out: str | Path) -> Dataset:
         from paratune.measurement import FINGERPRINT_FIELDS
 
         fingerprint = {k: ok_rows[0].get(k) for k in FINGERPRINT_FIELDS}
+    if rows:  # the machine had at least as many devices as the largest group used
+        fingerprint = {**fingerprint, "device_count": max(int(r["world_size"]) for r in rows)}
     identity = meta.get("identity", {})
     card = DatasetCard(
         campaign_id=meta["campaign_id"], source="paratune", fingerprint=fingerprint,
-        grid={"model": identity.get("model", {}).get("name"), **identity},
+        grid={**identity, "model": identity.get("model", {}).get("name"),
+              "model_spec": identity.get("model")},
         notes={"counts_per_world_size": counts,
                "skipped_per_world_size": meta.get("num_skipped", {}),
                "valid_per_world_size": meta.get("num_valid", {})})
