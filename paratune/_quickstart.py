@@ -58,7 +58,7 @@ def quickstart(out: str | Path = "paratune-quickstart", *,
         A :class:`QuickstartResult`.
     """
     from paratune.errors import ConfigError
-    from paratune.models import PerformanceModel
+    from paratune.models._workflows import fit_model
     from paratune.profiler.campaign import CampaignSpec, run_campaign
     from paratune.spec import get_model
     from paratune.tuner import tune
@@ -83,12 +83,10 @@ def quickstart(out: str | Path = "paratune-quickstart", *,
     log("[2/4] fitting the performance model on the measurements")
     started = time.monotonic()
     model_dir = out / "model"
-    frame = campaign.dataset.frame
-    predictor = PerformanceModel(n_estimators=300).fit(frame)
-    predictor.save(model_dir)
+    _predictor, summary = fit_model([campaign_dir], model_dir, n_estimators=300,
+                                    experiment="paratune-fit" if track else None)
     timings["fit"] = time.monotonic() - started
-    if track:
-        _track_fit(predictor, model_dir, campaign_dir, len(frame))
+    log(summary)
 
     log(f"[3/4] tuning {model.name} for {gpus} processes against the fitted model")
     started = time.monotonic()
@@ -108,14 +106,6 @@ def quickstart(out: str | Path = "paratune-quickstart", *,
         log(format_table(tuning.verification.to_dict("records"), floatfmt=".4g"))
     return QuickstartResult(out=out, campaign=campaign, model_dir=model_dir, tuning=tuning,
                             verification=tuning.verification, timings_s=timings)
-
-
-def _track_fit(predictor: Any, model_dir: Path, data_dir: Path, rows: int) -> None:
-    from paratune.tracking import start_run
-
-    with start_run("paratune-fit", run_name="quickstart",
-                   params={"data": str(data_dir), "rows": rows, **predictor.get_params()}) as run:
-        run.log_artifact(model_dir, "model")
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -1,0 +1,42 @@
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from paratune._quickstart import quickstart
+from paratune.errors import ConfigError
+
+
+@pytest.mark.slow
+def test_quickstart_runs_the_whole_loop_and_resumes(tmp_path, monkeypatch):
+    import mlflow
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    out = tmp_path / "qs"
+    lines: list[str] = []
+    result = quickstart(out, world_sizes=(1, 2), gpus=2, warmup_steps=1, measured_steps=2,
+                        verify=1, progress=False, log=lines.append)
+    measured = result.campaign.dataset.frame
+    assert (measured["status"] == "ok").all() and len(measured) >= 10
+    assert (result.model_dir / "model.json").exists()
+    rec = json.loads(result.tuning.outputs["json"].read_text())
+    assert rec["config"]["dp"] * rec["config"]["tp"] * rec["config"]["pp"] == 2
+    assert result.tuning.outputs["torchrun"].read_text().strip()
+    verified = result.verification
+    assert verified is not None and verified["status"].tolist() == ["ok"]
+    assert verified["measured_tokens_per_s"].iloc[0] > 0
+    experiments = {e.name for e in mlflow.search_experiments()}
+    assert {"paratune-profile", "paratune-fit"} <= experiments
+
+    # A second run resumes: nothing is measured again.
+    again = quickstart(out, world_sizes=(1, 2), gpus=2, warmup_steps=1, measured_steps=2,
+                       verify=0, track=False, progress=False, log=lines.append)
+    assert again.campaign.num_measured == 0
+    assert len(again.campaign.dataset.frame) == len(measured)
+
+
+def test_quickstart_rejects_unverifiable_job(tmp_path):
+    with pytest.raises(ConfigError, match="gpus=8"):
+        quickstart(tmp_path, world_sizes=(1, 2), gpus=8, verify=1, track=False)
