@@ -365,6 +365,28 @@ def resolve_mode(config: Any, mode: str = "auto") -> str:
     return mode
 
 
+def _average_over_dp(params: Sequence[torch.Tensor], local_sqnorm: float, group: Any,
+                     dp: int) -> float:
+    """Average plain-tensor gradients over ``group`` with ONE all-reduce (one flat bucket, as
+    DDP does, with this rank's squared norm riding along); returns the mean squared norm."""
+    import torch
+    import torch.distributed as dist
+
+    grads = [p.grad for p in params if p.grad is not None]
+    dtype = torch.promote_types(grads[0].dtype, torch.float32) if grads else torch.float64
+    flat = torch.cat([g.detach().reshape(-1).to(dtype) for g in grads]
+                     + [torch.tensor([local_sqnorm], dtype=dtype, device=grads[0].device
+                                     if grads else None)])
+    dist.all_reduce(flat, group=group)
+    flat.div_(dp)
+    offset = 0
+    for g in grads:
+        n = g.numel()
+        g.copy_(flat[offset:offset + n].view_as(g))
+        offset += n
+    return float(flat[-1])
+
+
 class NoiseScaleMeter:
     """Trains a :class:`~paratune.profiler.trainer.Trainer` and measures ``B_simple`` on the way.
 
@@ -426,8 +448,6 @@ class NoiseScaleMeter:
         Collective: every rank calls it with the same ``tokens``
         (``[global_batch_size, seq_len + 1]``).
         """
-        import torch
-        import torch.distributed as dist
 
         from paratune.parallel import MeshAxis
 
@@ -445,11 +465,10 @@ class NoiseScaleMeter:
             for p in params:
                 p.grad = None
             loss = trainer.forward_backward(tokens, sync_grads=False)
-            local = torch.tensor(sharded_sqnorm(params, preconditioners=weights),
-                                 dtype=torch.float64, device=trainer.device)
-            dist.all_reduce(local, group=trainer.mesh[MeshAxis.DP.value].get_group())
-            small = float(local) / self.config.dp
-            trainer.reduce_gradients()
+            local = sharded_sqnorm(params, preconditioners=weights)
+            small = _average_over_dp(params, local,
+                                     trainer.mesh[MeshAxis.DP.value].get_group(),
+                                     self.config.dp)
         else:
             k, chunk = self.num_small_batches, self.b_small
             sums: list[torch.Tensor | None] = [None] * len(params)
