@@ -1,0 +1,176 @@
+"""Train paratune's workload under one parallel configuration: the job a recommendation
+launches.
+
+Run it with torchrun (one process per device), e.g.::
+
+    torchrun --standalone --nproc-per-node=4 -m paratune.profiler.train \\
+        --model tiny --config '{"dp": 2, "tp": 2, "global_batch_size": 8}' --steps 50
+
+Without torchrun's environment it runs as a single process. It trains on real text (the
+byte-level corpus of Python's own sources) or on random tokens, and prints the loss and the
+throughput every ``--log-every`` steps on rank 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = ["TrainReport", "main", "train"]
+
+
+@dataclass
+class TrainReport:
+    """What a training run did (the same on every rank)."""
+
+    steps: int
+    final_loss: float
+    mean_step_time_s: float
+    tokens_per_s: float
+
+
+def train(model_name: str, config_json: str, *, steps: int, data: str = "text", seed: int = 0,
+          lr: float = 3e-4, log_every: int = 10, out: object = None) -> TrainReport:
+    """Train inside an initialised process group of ``config.world_size`` ranks.
+
+    Args:
+        model_name: A preset name or a Hugging Face ``config.json`` path.
+        config_json: The :class:`~paratune.ParallelConfig` as JSON.
+        steps: Optimizer steps to run.
+        data: ``"text"`` (real text) or ``"synthetic"`` (uniform random tokens).
+        seed: Initialisation and data seed.
+        lr: AdamW learning rate.
+        log_every: Print every this many steps on rank 0 (0: never).
+        out: Where rank 0 prints (default: stdout).
+
+    Returns:
+        A :class:`TrainReport`.
+
+    Raises:
+        ConfigError: a bad model, config or argument (named in the message).
+    """
+    import torch
+    import torch.distributed as dist
+
+    from paratune.errors import ConfigError
+    from paratune.parallel import ParallelConfig
+    from paratune.profiler.trainer import Trainer, _synchronize, synthetic_batch
+    from paratune.spec import get_model
+
+    if data not in ("text", "synthetic"):
+        raise ConfigError("data", data, "must be text or synthetic")
+    if steps < 1:
+        raise ConfigError("steps", steps, "must be a positive integer")
+    spec = get_model(model_name)
+    try:
+        config = ParallelConfig.from_dict(json.loads(config_json))
+    except json.JSONDecodeError as exc:
+        raise ConfigError("config", config_json, f"is not valid JSON ({exc})") from None
+    device = _device()
+    trainer = Trainer(spec, config, device=device, seed=seed, lr=lr)
+    corpus = None
+    if data == "text":
+        from paratune.profiler.corpus import TextCorpus
+
+        corpus = TextCorpus.from_stdlib()
+        if spec.vocab_size < corpus.vocab_size:
+            raise ConfigError("model", spec.name, f"vocab_size={spec.vocab_size} is smaller than "
+                              f"the byte-level corpus' {corpus.vocab_size}")
+    rank = dist.get_rank()
+    stream = out if out is not None else sys.stdout
+    tokens_per_step = config.global_batch_size * spec.seq_len
+    times: list[float] = []
+    loss = float("nan")
+    for step in range(steps):
+        if corpus is not None:
+            batch = corpus.batch(step, config.global_batch_size, spec.seq_len, seed=seed)
+        else:
+            batch = synthetic_batch(spec, config.global_batch_size, step=step, seed=seed)
+        _synchronize(device)
+        dist.barrier()
+        started = time.perf_counter()
+        loss = trainer.step(batch)
+        _synchronize(device)
+        elapsed = torch.tensor([time.perf_counter() - started], dtype=torch.float64)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        times.append(float(elapsed))
+        if rank == 0 and log_every and (step + 1) % log_every == 0:
+            print(f"step {step + 1:>6}  loss {loss:.4f}  step {times[-1]:.3f} s  "
+                  f"{tokens_per_step / times[-1]:,.0f} tokens/s", file=stream, flush=True)
+    timed = times[1:] or times  # the first step pays one-off costs
+    mean = sum(timed) / len(timed)
+    return TrainReport(steps=steps, final_loss=loss, mean_step_time_s=mean,
+                       tokens_per_s=tokens_per_step / mean)
+
+
+def _device() -> object:
+    import torch
+
+    if torch.cuda.is_available():
+        index = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
+    return torch.device("cpu")
+
+
+def _init_process_group() -> None:
+    import torch
+    import torch.distributed as dist
+
+    if "WORLD_SIZE" not in os.environ:  # a plain single process
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend, timeout=datetime.timedelta(minutes=10))
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m paratune.profiler.train",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", required=True, help="preset name or config.json path")
+    parser.add_argument("--config", required=True, help="ParallelConfig as JSON")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--data", choices=("text", "synthetic"), default="text")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--lr", type=float, default=3e-4)
+    parser.add_argument("--log-every", type=int, default=10)
+    parser.add_argument("--hardware", default=None,
+                        help="device kind, recorded for reference (e.g. H100)")
+    args = parser.parse_args(argv)
+
+    import torch.distributed as dist
+
+    from paratune.errors import ConfigError
+
+    _init_process_group()
+    try:
+        report = train(args.model, args.config, steps=args.steps, data=args.data,
+                       seed=args.seed, lr=args.lr, log_every=args.log_every)
+    except ConfigError as exc:
+        print(f"paratune.profiler.train: error: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"done: {report.steps} steps, final loss {report.final_loss:.4f}, "
+              f"{report.tokens_per_s:,.0f} tokens/s (mean step {report.mean_step_time_s:.3f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
