@@ -23,7 +23,7 @@ from paratune.spec import ModelSpec
 __all__ = ["megatron_args", "recommendation", "torchrun_command", "torchtitan_toml",
            "write_recommendation"]
 
-PROFILER_MODULE = "paratune.profiler.worker"
+PROFILER_MODULE = "paratune.profiler.train"
 """Module torchrun starts for paratune's own workload (one training job, one config)."""
 
 _TITAN_SCHEDULES = {Schedule.GPIPE: "GPipe", Schedule.ONE_F_ONE_B: "1F1B",
