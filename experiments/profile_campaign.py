@@ -70,6 +70,35 @@ def _campaign(spec: CampaignSpec, out: Path, *, track: bool) -> dict:
     return figures
 
 
+def _overhead_breakdown(out: Path) -> dict:
+    """Per-config overhead between two ``ok`` configs measured one after the other by the
+    same worker group (the steady state), and the time a failed config costs (its group is
+    torn down and a new one started), from the journal timestamps."""
+    from paratune.profiler._journal import read_journal
+    from paratune.profiler.campaign import _in_step_seconds
+
+    steady, failed = [], []
+    for journal in sorted(out.glob("journal-ws*.jsonl")):
+        previous = None
+        for entry in read_journal(journal):
+            row = entry["row"]
+            if previous is not None:
+                gap = row["timestamp"] - previous["row"]["timestamp"]
+                if row["status"] != "ok":
+                    failed.append(gap)
+                elif (previous["row"]["status"] == "ok"
+                      and entry.get("attempt") == previous.get("attempt")):
+                    steady.append(gap - _in_step_seconds(entry))
+            previous = entry
+    out_figures = {"steady_overhead_configs": len(steady), "failed_configs": len(failed)}
+    if steady:
+        out_figures.update(steady_overhead_median_s=statistics.median(steady),
+                           steady_overhead_max_s=max(steady))
+    if failed:
+        out_figures["failed_config_cost_median_s"] = statistics.median(failed)
+    return out_figures
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny")
@@ -90,6 +119,10 @@ def main(argv: list[str] | None = None) -> int:
                                 "overhead_per_config_s", "worker_cpu_s", "load_average_before",
                                 "load_average_after"],
                        title=f"full campaign ({args.model}, world sizes {args.world_sizes})"))
+    breakdown = _overhead_breakdown(args.out / "full")
+    full.update(breakdown)
+    print(format_table([breakdown], title="overhead outside warm-up and measured steps: "
+                                          "steady state per config, and per failed config"))
 
     # The repeat: the same micro-batch size, no sharding or recomputation variants, so every
     # degree layout and schedule is measured a second time in a separate campaign.
@@ -110,7 +143,10 @@ def main(argv: list[str] | None = None) -> int:
                      "config": f"dp{row['dp']}-tp{row['tp']}-pp{row['pp']}-"
                                f"{row['schedule']}",
                      "median_a_s": row["step_time_s_a"], "median_b_s": row["step_time_s_b"],
-                     "ratio_b_over_a": row["step_time_s_b"] / row["step_time_s_a"]})
+                     "ratio_b_over_a": row["step_time_s_b"] / row["step_time_s_a"],
+                     # spread of the steps within each campaign, for scale
+                     "p90_over_p10_a": row["step_time_p90_s_a"] / row["step_time_p10_s_a"],
+                     "p90_over_p10_b": row["step_time_p90_s_b"] / row["step_time_p10_s_b"]})
     rows.sort(key=lambda r: (r["world_size"], r["config"]))
     print()
     print(format_table(rows, title="step-time repeatability: median step time in two "
