@@ -264,7 +264,8 @@ def run_worker(plan_path: str | Path, *, attempt: str | None = None) -> int:
                 texts = list(dict.fromkeys(e for _, e in failed))
                 record = failure_record(plan, config, kind, " | ".join(texts[:4]),
                                         fingerprint=fp)
-            append_record(journal, record, call_s=call_s, attempt=attempt, **details)
+            append_record(journal, record, call_s=call_s, attempt=attempt,
+                          load_average=os.getloadavg()[0], **details)
         events.write("end", key, status=status)
         print(f"{key}: {status} in {call_s:.2f} s", flush=True)
         if statuses != {Status.OK.value}:
