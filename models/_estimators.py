@@ -134,17 +134,24 @@ def _xgb_regressor(params: dict[str, Any], **extra: Any) -> Any:
 class PerformanceModel(_Base):
     """XGBoost on analytical features, predicting measured / analytical ratios.
 
-    * step time: ``analytical * exp(g(x))``, ``g`` fitted to ``log(measured / analytical)``
-      (absolute-error objective: the median ratio), with 10th / 90th percentile models;
+    * step time: ``analytical * exp(g(x))``, ``g`` fitted to ``log(measured / analytical)``:
+      half the trees with an absolute-error objective (the median ratio, robust to the
+      pathological runs public sweeps contain), then half with a squared-error objective on
+      the remaining residuals clipped to ``refine_clip`` (a Huber-like refinement that fits
+      clean data closely without chasing outliers); 10th / 90th percentile models beside;
     * peak memory: ``analytical * exp(m(x))`` where memory was measured;
     * feasibility: an XGBoost classifier on the features and the predicted memory fraction,
       trained on successful and failed runs (a configuration that ran at least once is
       feasible); without failed runs in the data, a soft threshold on predicted memory.
 
     Args:
-        n_estimators: Trees per booster.
+        n_estimators: Trees of the step-time model (half median, half refinement).
         max_depth: Tree depth.
-        learning_rate: Shrinkage.
+        learning_rate: Shrinkage of the step-time booster.
+        aux_estimators: Boosting rounds of the quantile, memory and feasibility boosters
+            (smaller, so that predicting 100,000 configurations stays well under a second).
+        aux_learning_rate: Their shrinkage.
+        refine_clip: Residuals (in log ratio) are clipped to this for the refinement.
         subsample: Row subsampling per tree.
         colsample_bytree: Feature subsampling per tree.
         min_child_weight: Minimum hessian in a leaf.
@@ -153,14 +160,19 @@ class PerformanceModel(_Base):
         random_state: Seed.
     """
 
-    def __init__(self, *, n_estimators: int = 600, max_depth: int = 6,
-                 learning_rate: float = 0.05, subsample: float = 0.8,
+    def __init__(self, *, n_estimators: int = 500, max_depth: int = 6,
+                 learning_rate: float = 0.075, aux_estimators: int = 100,
+                 aux_learning_rate: float = 0.15, refine_clip: float = 0.2,
+                 subsample: float = 0.8,
                  colsample_bytree: float = 0.8, min_child_weight: float = 1.0,
                  quantiles: tuple[float, float] = (0.1, 0.9), n_jobs: int | None = None,
                  random_state: int = 0) -> None:
         self.n_estimators = n_estimators
         self.max_depth = max_depth
         self.learning_rate = learning_rate
+        self.aux_estimators = aux_estimators
+        self.aux_learning_rate = aux_learning_rate
+        self.refine_clip = refine_clip
         self.subsample = subsample
         self.colsample_bytree = colsample_bytree
         self.min_child_weight = min_child_weight
@@ -168,9 +180,12 @@ class PerformanceModel(_Base):
         self.n_jobs = n_jobs
         self.random_state = random_state
 
-    def _booster_params(self, n_estimators: int | None = None) -> dict[str, Any]:
-        return {"n_estimators": n_estimators or self.n_estimators, "max_depth": self.max_depth,
-                "learning_rate": self.learning_rate, "subsample": self.subsample,
+    def _booster_params(self, *, aux: bool = False, rate: float | None = None
+                        ) -> dict[str, Any]:
+        return {"n_estimators": self.aux_estimators if aux else max(self.n_estimators // 2, 1),
+                "max_depth": self.max_depth,
+                "learning_rate": rate or (self.aux_learning_rate if aux else self.learning_rate),
+                "subsample": self.subsample,
                 "colsample_bytree": self.colsample_bytree,
                 "min_child_weight": self.min_child_weight, "n_jobs": self.n_jobs,
                 "random_state": self.random_state}
@@ -200,7 +215,11 @@ class PerformanceModel(_Base):
         y = np.log(step[has_time] / analytical["step_time_s"][has_time])
         self.throughput_ = _xgb_regressor(self._booster_params(),
                                           objective="reg:absoluteerror").fit(X[has_time], y)
-        self.quantile_ = _xgb_regressor(self._booster_params(max(self.n_estimators // 2, 1)),
+        residual = np.clip(y - self.throughput_.predict(X[has_time]), -self.refine_clip,
+                           self.refine_clip)
+        self.refine_ = _xgb_regressor(self._booster_params(rate=0.1), base_score=0.0,
+                                      objective="reg:squarederror").fit(X[has_time], residual)
+        self.quantile_ = _xgb_regressor(self._booster_params(aux=True),
                                         objective="reg:quantileerror",
                                         quantile_alpha=np.asarray(self.quantiles, dtype=float)
                                         ).fit(X[has_time], y)
@@ -210,7 +229,7 @@ class PerformanceModel(_Base):
         self.memory_ = None
         if has_mem.sum() >= 10:
             y_mem = np.log(mem[has_mem] / analytical["memory_gb"][has_mem])
-            self.memory_ = _xgb_regressor(self._booster_params(max(self.n_estimators // 2, 1)),
+            self.memory_ = _xgb_regressor(self._booster_params(aux=True),
                                           objective="reg:absoluteerror").fit(X[has_mem], y_mem)
 
         table = feasibility_table(frame[usable].reset_index(drop=True))
@@ -220,7 +239,7 @@ class PerformanceModel(_Base):
             Xf = self._feasibility_matrix(table)
             self.feasibility_ = xgb.XGBClassifier(
                 tree_method="hist", objective="binary:logistic",
-                **self._booster_params(max(self.n_estimators // 2, 1))).fit(Xf, labels)
+                **self._booster_params(aux=True)).fit(Xf, labels)
         self.n_train_rows_ = len(frame)
         self.n_time_rows_ = int(has_time.sum())
         self.n_memory_rows_ = int(has_mem.sum())
@@ -250,17 +269,20 @@ class PerformanceModel(_Base):
     def _predict_arrays(self, frame: pd.DataFrame, X: np.ndarray, analytical: dict[str, Any]
                         ) -> dict[str, np.ndarray]:
         base = analytical["step_time_s"]
-        ratio = self.throughput_.predict(X)
+        ratio = self.throughput_.predict(X) + self.refine_.predict(X)
         bounds = np.asarray(self.quantile_.predict(X)).reshape(len(X), -1)
         lo = np.minimum(bounds[:, 0], ratio)
         hi = np.maximum(bounds[:, -1], ratio)
         memory = self._memory_gb(X, analytical)
         capacity = F.Columns(frame).memory_gb
+        known = np.isfinite(capacity) & (capacity > 0)
         if self.feasibility_ is not None:
+            # the memory fraction is missing (NaN) where the device memory is not catalogued
             feasible = self.feasibility_.predict_proba(self._augment(X, analytical, frame))[:, 1]
         else:
-            feasible = _memory_rule(memory, capacity)
-        feasible = np.where(np.isfinite(capacity) & (capacity > 0), feasible, np.nan)
+            # no failed runs to learn from: the memory estimate alone; no memory limit is
+            # known for uncatalogued device memory (the CPU)
+            feasible = np.where(known, _memory_rule(memory, capacity), 1.0)
         return {"step": base * np.exp(ratio), "step_lo": base * np.exp(lo),
                 "step_hi": base * np.exp(hi), "memory": memory, "feasible": feasible}
 
@@ -281,7 +303,8 @@ class PerformanceModel(_Base):
         self._check_fitted()
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
-        components = {"throughput": self.throughput_, "throughput_quantiles": self.quantile_,
+        components = {"throughput": self.throughput_, "throughput_refine": self.refine_,
+                      "throughput_quantiles": self.quantile_,
                       "memory": self.memory_, "feasibility": self.feasibility_}
         files = {}
         for name, booster in components.items():
@@ -355,10 +378,11 @@ class PerformanceModel(_Base):
                 raise ModelFormatError(f"{path / files[name]}: cannot load ({exc})") from None
             return obj
 
-        for required in ("throughput", "throughput_quantiles"):
+        for required in ("throughput", "throughput_refine", "throughput_quantiles"):
             if required not in files:
                 raise ModelFormatError(f"{manifest_path}: component {required!r} missing")
         model.throughput_ = booster("throughput", xgb.XGBRegressor)
+        model.refine_ = booster("throughput_refine", xgb.XGBRegressor)
         model.quantile_ = booster("throughput_quantiles", xgb.XGBRegressor)
         model.memory_ = booster("memory", xgb.XGBRegressor)
         model.feasibility_ = booster("feasibility", xgb.XGBClassifier)
@@ -533,9 +557,12 @@ class HistGradientBoostingBaseline(_Base):
 def estimator_factories(*, n_estimators: int | None = None) -> dict[str, Any]:
     """Name -> zero-argument factory of every predictor ``paratune evaluate`` compares."""
     kw = {} if n_estimators is None else {"n_estimators": n_estimators}
+    pm_kw = dict(kw)
+    if n_estimators is not None:
+        pm_kw["aux_estimators"] = min(100, max(n_estimators // 4, 10))
     hist_kw = {} if n_estimators is None else {"max_iter": n_estimators}
     return {
-        "performance_model": lambda: PerformanceModel(**kw),
+        "performance_model": lambda: PerformanceModel(**pm_kw),
         "analytical": AnalyticalBaseline,
         "xgb_raw_config": lambda: RawConfigBaseline(**kw),
         "hist_gradient_boosting": lambda: HistGradientBoostingBaseline(**hist_kw),

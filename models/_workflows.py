@@ -28,7 +28,7 @@ def fit_model(data: Sequence[str | Path], out: str | Path, *, n_estimators: int 
         The fitted model and a short text summary.
     """
     frame = load_measurements(data)
-    model = PerformanceModel(**({} if n_estimators is None else {"n_estimators": n_estimators}))
+    model = estimator_factories(n_estimators=n_estimators)["performance_model"]()
     model.fit(frame)
     model.save(out)
     pred = model.predict(frame)

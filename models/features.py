@@ -89,8 +89,7 @@ class Columns:
         def codes(name: str, table: dict[str, int], default: str) -> np.ndarray:
             if name not in frame.columns:
                 return np.full(len(frame), float(table[default]))
-            values = frame[name].astype(str).str.lower().map(table)
-            return np.asarray(values, dtype=float)
+            return _lookup(frame[name], lambda v: float(table.get(str(v).lower(), np.nan)))
 
         self.n = len(frame)
         self.layers = num("num_layers")
@@ -103,7 +102,8 @@ class Columns:
         self.seq = num("seq_len")
         self.tied = num("tie_embeddings", 0.0) > 0
         if "mlp" in frame.columns:
-            self.mlp_matrices = np.where(frame["mlp"].astype(str).str.lower() == "gelu", 2.0, 3.0)
+            self.mlp_matrices = _lookup(frame["mlp"],
+                                        lambda v: 2.0 if str(v).lower() == "gelu" else 3.0)
         else:
             self.mlp_matrices = np.full(self.n, 3.0)
         self.dp = num("dp")
@@ -144,29 +144,44 @@ class Columns:
         return np.maximum(np.ceil(self.layers / self.pp), 1.0)
 
 
+def _lookup(values: Any, convert: Any, *, dtype: Any = float) -> np.ndarray:
+    """``convert`` applied to each distinct value, spread back over the rows (vectorised)."""
+    import pandas as pd
+
+    codes, uniques = pd.factorize(pd.Series(np.asarray(values, dtype=object)), sort=False)
+    table = np.asarray([convert(u) for u in uniques] + [convert(None)], dtype=dtype)
+    return table[codes]  # code -1 (missing) picks the last entry
+
+
 def hardware_columns(names: Any) -> dict[str, np.ndarray]:
     """Catalogue figures for each row's hardware name (unknown names: NaN and an error)."""
     import pandas as pd
 
-    series = pd.Series(np.asarray(names, dtype=object)).astype(str)
-    uniques = series.unique()
-    table: dict[str, tuple[HardwareSpec | None, str]] = {}
-    for name in uniques:
+    codes, uniques = pd.factorize(pd.Series(np.asarray(names, dtype=object)), sort=False)
+    specs: list[HardwareSpec | None] = []
+    errors: list[str] = []
+    for name in [*uniques, None]:
+        if name is None:
+            specs.append(None)
+            errors.append("hardware is missing")
+            continue
         try:
-            table[name] = (get_hardware(name), "")
+            specs.append(get_hardware(str(name)))
+            errors.append("")
         except ConfigError as exc:
-            table[name] = (None, str(exc))
+            specs.append(None)
+            errors.append(str(exc))
     out: dict[str, np.ndarray] = {}
     # "peak_flops" here is the compute speed the estimate assumes: the vendor peak, or the
     # catalogue's nominal figure where there is none (the CPU).
     for attr, source in (("peak_flops", "effective_flops"), ("memory_gb", "memory_gb"),
                          ("intra_node_bw", "intra_node_bw"), ("inter_node_bw", "inter_node_bw"),
                          ("devices_per_node", "devices_per_node")):
-        mapping = {k: (float(getattr(s, source)) if s is not None
-                       and getattr(s, source) is not None else np.nan)
-                   for k, (s, _) in table.items()}
-        out[attr] = np.asarray(series.map(mapping), dtype=float)
-    out["error"] = np.asarray(series.map({k: e for k, (_, e) in table.items()}), dtype=object)
+        table = np.asarray([float(getattr(s, source)) if s is not None
+                            and getattr(s, source) is not None else np.nan for s in specs],
+                           dtype=float)
+        out[attr] = table[codes]
+    out["error"] = np.asarray(errors, dtype=object)[codes]
     return out
 
 
