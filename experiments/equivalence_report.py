@@ -1,7 +1,8 @@
 """How exactly does each parallel layout reproduce the single-process training step?
 
 Runs one optimizer step of the same model (same seed, same global batch) in one process and
-under each layout in one group of 4 gloo processes, and prints, per layout, the largest
+under each layout in one group of 4 gloo processes (and, with ``--with-3d``, full
+pp x dp x tp layouts in a group of 8), and prints, per layout, the largest
 relative difference of the loss, of any gradient and of any updated parameter (per tensor:
 ``max|x - x_ref| / max|x_ref|``, then the largest over tensors). Run in float64 (the test's
 setting) and float32.
@@ -11,7 +12,8 @@ each element by about ``lr * sign(g)``, so an element whose gradient is at the f
 rounding level can move the other way; with ``lr = 1e-3`` that shows as ~1e-3 relative to
 the tensor's largest entry. The float64 run removes that noise floor.
 
-    python experiments/equivalence_report.py [--dtype float64 float32] [--out out/equivalence]
+    python experiments/equivalence_report.py [--dtype float64 float32] [--with-3d]
+        [--out out/equivalence]
 
 Logs the table to MLflow (``MLFLOW_TRACKING_URI``, default ``./mlflow.db``) unless
 ``--no-mlflow``.
@@ -59,6 +61,15 @@ GPT_LAYOUTS = [
 ]
 
 
+# Full 3D layouts need 8 processes (``--with-3d``).
+LAYOUTS_3D = [
+    ParallelConfig(pp=2, dp=2, tp=2, micro_batch_size=2, global_batch_size=GLOBAL_BATCH),
+    ParallelConfig(pp=2, dp=2, tp=2, micro_batch_size=1, global_batch_size=GLOBAL_BATCH,
+                   sharding="zero3", schedule="interleaved_1f1b", virtual_stages=2,
+                   recompute="selective"),
+]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", nargs="+", default=["float64", "float32"],
@@ -68,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--out", type=Path, default=Path("out/equivalence"))
     parser.add_argument("--no-mlflow", action="store_true")
+    parser.add_argument("--with-3d", action="store_true",
+                        help="also run pp2 x dp2 x tp2 layouts in a group of 8 processes")
     args = parser.parse_args(argv)
 
     spec = get_model(args.model, seq_len=args.seq_len)
@@ -79,6 +92,10 @@ def main(argv: list[str] | None = None) -> int:
         results = run_layouts(spec, layouts, world_size=4, seed=args.seed,
                               dtype=getattr(torch, dtype_name))
         names = [c.key() for c in LAYOUTS] + [f"gpt:{c.key()}" for c in GPT_LAYOUTS]
+        if args.with_3d:
+            results += run_layouts(spec, LAYOUTS_3D, world_size=8, seed=args.seed,
+                                   dtype=getattr(torch, dtype_name))
+            names += [c.key() for c in LAYOUTS_3D]
         elapsed = time.perf_counter() - start
         for name, result in zip(names, results):
             rows.append({"dtype": dtype_name, "layout": name,
@@ -86,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
                          "param_rel": result.param_rel_diff, "worst_param": result.worst_param,
                          "status": "ok" if result.ok else
                          (result.error.strip().splitlines() or ["missing"])[-1][:60]})
-        print(f"{dtype_name}: {len(results)} layouts in one 4-process group, {elapsed:.1f} s")
+        print(f"{dtype_name}: {len(results)} layouts, {elapsed:.1f} s")
     print(format_table(rows, ["dtype", "layout", "loss_rel", "grad_rel", "param_rel",
                               "worst_param", "status"], floatfmt=".2e",
                        title=f"Largest relative difference vs one process ({spec.name}, "
