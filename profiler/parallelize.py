@@ -201,8 +201,8 @@ def build_optimizer(model: nn.Module, config: ParallelConfig, dp_mesh: DeviceMes
         group = dp_mesh.get_group() if dp_mesh is not None else None
         return ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW,
                                        process_group=group, **kwargs)
-    # foreach=False: the same per-tensor kernel on DTensors and plain tensors.
-    return torch.optim.AdamW(params, foreach=False, **kwargs)
+    # torch's default implementation: multi-tensor (foreach) kernels on CUDA, as in real runs.
+    return torch.optim.AdamW(params, **kwargs)
 
 
 def parallelize(model: Transformer, config: ParallelConfig, mesh: DeviceMesh, *,
