@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 import math
@@ -190,7 +191,8 @@ def make_sampler(name: str, *, seed: int | None) -> optuna.samplers.BaseSampler:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         if name == "tpe":
-            return optuna.samplers.TPESampler(seed=seed, multivariate=True, group=True)
+            return optuna.samplers.TPESampler(seed=seed, multivariate=True, group=True,
+                                              n_startup_trials=20)
         if name == "random":
             return optuna.samplers.RandomSampler(seed=seed)
         if name == "gp":
@@ -264,11 +266,30 @@ def _finished(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
     return study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED))
 
 
+def _leaders(cache: dict[ParallelConfig, tuple[float, tuple[float, float]]], k: int
+             ) -> list[ParallelConfig]:
+    """The best feasible config of each of the ``k`` best layouts (dp, tp, pp), best first.
+
+    One leader per layout keeps the local search from spending its whole budget around a
+    single region when the runner-up region holds the optimum.
+    """
+    feasible = sorted(((value, cfg.key(), cfg) for cfg, (value, viol) in cache.items()
+                       if max(viol) <= 0), key=lambda item: (-item[0], item[1]))
+    leaders: dict[tuple[int, int, int], ParallelConfig] = {}
+    for _, _, cfg in feasible:
+        leaders.setdefault((cfg.dp, cfg.tp, cfg.pp), cfg)
+        if len(leaders) == k:
+            break
+    return list(leaders.values())
+
+
 def optuna_search(predictor: Predictor, space: SearchSpace, objective: Objective, *,
                   n_trials: int = 200, sampler: str = "tpe", seed: int | None = 0,
                   storage: str | Path | None = None, study_name: str | None = None,
                   storage_dir: str | Path | None = None, batch_size: int = 8,
-                  timeout_s: float | None = None) -> tuple[SearchResult, optuna.Study]:
+                  refine_fraction: float = 0.5, refine_beam: int = 4,
+                  timeout_s: float | None = None
+                  ) -> tuple[SearchResult, optuna.Study]:
     """Search ``space`` with an Optuna sampler until the study holds ``n_trials`` trials.
 
     ``n_trials`` counts the finished trials of the whole study, so several processes
@@ -288,6 +309,12 @@ def optuna_search(predictor: Predictor, space: SearchSpace, objective: Objective
         storage_dir: Where the default journal goes; ``None`` with no ``storage`` keeps
             the study in memory.
         batch_size: Trials asked (and predicted in one call) at a time.
+        refine_fraction: Share of the trials, at the end, spent on a local search around
+            the best feasible configs so far: their neighbours (one parameter changed, see
+            :meth:`SearchSpace.neighbours`) are enqueued as trials, re-centred whenever the
+            leaders change; at a local optimum the sampler takes over again. This guards
+            against a model-based sampler settling next to the optimum.
+        refine_beam: How many of the best configs the local search starts from.
         timeout_s: Stop asking after this many seconds.
 
     Returns:
@@ -300,21 +327,47 @@ def optuna_search(predictor: Predictor, space: SearchSpace, objective: Objective
         raise ConfigError("n_trials", n_trials, "must be a positive integer")
     if batch_size < 1:
         raise ConfigError("batch_size", batch_size, "must be a positive integer")
+    if not 0.0 <= refine_fraction <= 1.0:
+        raise ConfigError("refine_fraction", refine_fraction, "must be in [0, 1]")
     start = time.perf_counter()
     study = open_study(space, objective, sampler=sampler, seed=seed, storage=storage,
                        study_name=study_name, storage_dir=storage_dir)
     cache: dict[ParallelConfig, tuple[float, tuple[float, float]]] = {}
+    params_of: dict[ParallelConfig, dict[str, Any]] = {}
     for trial in _finished(study):
         if trial.state is TrialState.COMPLETE and _CONFIG_ATTR in trial.user_attrs:
             cfg = ParallelConfig.from_dict(trial.user_attrs[_CONFIG_ATTR])
             cache[cfg] = (float(trial.value), (trial.constraints.get("feasible_prob", 0.0),
                                                trial.constraints.get("memory", 0.0)))
+            params_of[cfg] = dict(trial.params)
     worker = f"{socket.gethostname()}:{os.getpid()}"
+    refine_from = round(n_trials * (1.0 - refine_fraction))
+    pending: list[tuple[ParallelConfig, dict[str, Any]]] = []
+    queued: set[ParallelConfig] = set()
+    centre: list[ParallelConfig] | None = None
     done = len(_finished(study))
     while done < n_trials:
         if timeout_s is not None and time.perf_counter() - start > timeout_s:
             break
-        asked = [study.ask() for _ in range(min(batch_size, n_trials - done))]
+        size = min(batch_size, n_trials - done)
+        if done >= refine_from:
+            leaders = _leaders(cache, refine_beam)
+            if leaders and leaders != centre:
+                centre = leaders
+                around = [space.neighbours(params_of[c]) for c in leaders]
+                # best leader's neighbours first, then the next leader's, interleaved
+                pending = [pair for group in itertools.zip_longest(*around) for pair in group
+                           if pair is not None and pair[0] not in cache
+                           and pair[0] not in queued]
+            left = size
+            while pending and left > 0:
+                cfg, params = pending.pop(0)
+                if cfg in cache or cfg in queued:
+                    continue
+                study.enqueue_trial(params, skip_if_exists=True)
+                queued.add(cfg)
+                left -= 1
+        asked = [study.ask() for _ in range(size)]
         drawn = [space.suggest(trial) for trial in asked]
         fresh = list(dict.fromkeys(cfg for cfg, _ in drawn
                                    if cfg is not None and cfg not in cache))
@@ -329,6 +382,7 @@ def optuna_search(predictor: Predictor, space: SearchSpace, objective: Objective
                 study.tell(trial, state=TrialState.PRUNED)
                 continue
             value, violations = cache[cfg]
+            params_of.setdefault(cfg, dict(trial.params))
             trial.set_user_attr(_CONFIG_ATTR, cfg.to_dict())
             trial.set_user_attr("worker", worker)
             trial.set_constraint("feasible_prob", violations[0])

@@ -154,7 +154,10 @@ class SearchSpace:
                                                        devices_per_node=self.devices_per_node):
             if reason is not None:
                 continue
-            probe = ParallelConfig(dp=dp, tp=tp, pp=pp, global_batch_size=dp)
+            # Shape rules only (tp divides the heads, pp fits the layers): GPipe with one
+            # micro-batch per rank has no schedule rule of its own.
+            probe = ParallelConfig(dp=dp, tp=tp, pp=pp, global_batch_size=dp,
+                                   schedule=Schedule.GPIPE)
             if not probe.is_valid(self.model, self.world_size):
                 continue
             if any(gbs % (dp * mbs) == 0 for gbs in batches
@@ -183,7 +186,8 @@ class SearchSpace:
         layouts = self.layouts()
         return sorted({tp for _, tp, _ in layouts}), sorted({pp for _, _, pp in layouts})
 
-    def suggest(self, trial: optuna.trial.BaseTrial) -> tuple[ParallelConfig | None, str]:
+    def suggest(self, trial: optuna.trial.BaseTrial, *, conditional: bool = True
+                ) -> tuple[ParallelConfig | None, str]:
         """Draw a config from ``trial``.
 
         Batch size, tensor and pipeline degree and micro-batch size are ordinal: each is
@@ -200,7 +204,7 @@ class SearchSpace:
         tps, pps = self.degree_choices()
         mbss = sorted(self.space.micro_batch_sizes)
 
-        def pick(name: str, values: Sequence[int]) -> int:
+        def pick(name: str, values: Sequence[Any]) -> Any:
             if len(values) == 1:
                 return values[0]
             return values[trial.suggest_int(f"{name}_index", 0, len(values) - 1)]
@@ -219,15 +223,17 @@ class SearchSpace:
             return None, reason or (f"dp={dp}, tp={tp}, pp={pp} is not a valid layout of "
                                     f"{self.model.name} for any batch size searched")
         schedule, virtual = Schedule.ONE_F_ONE_B, 1
-        if pp > 1:
-            schedule, virtual = _parse_schedule_label(
-                trial.suggest_categorical("schedule", self.schedule_choices()))
+        if pp > 1 or not conditional:
+            label = trial.suggest_categorical("schedule", self.schedule_choices())
+            if pp > 1:
+                schedule, virtual = _parse_schedule_label(label)
         sharding = Sharding.NONE
-        if dp > 1:
-            sharding = Sharding(trial.suggest_categorical(
-                "sharding", [s.value for s in self.space.shardings]))
-        recompute = Recompute(trial.suggest_categorical(
-            "recompute", [r.value for r in self.space.recomputes]))
+        shardings = self.shardings()
+        if dp > 1 or not conditional:
+            chosen = pick("sharding", shardings)
+            if dp > 1:
+                sharding = chosen
+        recompute = pick("recompute", self.recomputes())
         cfg = ParallelConfig(dp=dp, tp=tp, pp=pp, micro_batch_size=mbs, global_batch_size=gbs,
                              schedule=schedule, virtual_stages=virtual, sharding=sharding,
                              recompute=recompute)
@@ -236,6 +242,60 @@ class SearchSpace:
         except ConfigError as exc:
             return None, str(exc)
         return cfg, ""
+
+    def shardings(self) -> list[Sharding]:
+        """Allowed sharding levels, by stage (less memory per rank as the index grows)."""
+        return sorted(self.space.shardings, key=lambda s: s.stage)
+
+    def recomputes(self) -> list[Recompute]:
+        """Allowed recomputation modes, from least to most recomputation."""
+        order = [Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL]
+        return sorted(self.space.recomputes, key=order.index)
+
+    def param_choices(self) -> dict[str, list[Any]]:
+        """Every value each sampled parameter can take (see :meth:`suggest`)."""
+        tps, pps = self.degree_choices()
+        out: dict[str, list[Any]] = {}
+        for name, values in (("global_batch_size", self.space.global_batch_sizes),
+                             ("tp", tps), ("pp", pps),
+                             ("micro_batch_size", self.space.micro_batch_sizes)):
+            if len(values) > 1:
+                out[f"{name}_index"] = list(range(len(values)))
+        for name, values in (("sharding", self.shardings()), ("recompute", self.recomputes())):
+            if len(values) > 1:
+                out[f"{name}_index"] = list(range(len(values)))
+        out["schedule"] = self.schedule_choices()
+        return out
+
+    def neighbours(self, params: dict[str, Any]) -> list[tuple[ParallelConfig, dict[str, Any]]]:
+        """Valid configs one parameter away from ``params`` (a trial's parameters).
+
+        A change that makes a conditional option apply (``pp`` from 1 to 2 asks for a
+        schedule) is tried with each of that option's values.
+
+        Returns:
+            ``(config, params)`` pairs, the params being exactly those the config asks for.
+        """
+        import optuna
+
+        choices = self.param_choices()
+        conditional = [c for c in ("schedule", "sharding_index") if c in choices]
+        out: dict[ParallelConfig, dict[str, Any]] = {}
+        for name, current in params.items():
+            for value in choices.get(name, []):
+                if value == current:
+                    continue
+                base = {**params, name: value}
+                variants = [base]
+                for cond in conditional:
+                    if cond not in base:
+                        variants = [{**v, cond: c} for v in variants for c in choices[cond]]
+                for variant in variants:
+                    fixed = optuna.trial.FixedTrial(variant)
+                    cfg, _ = self.suggest(fixed)
+                    if cfg is not None and cfg not in out:
+                        out[cfg] = dict(fixed.params)
+        return list(out.items())
 
     # ------------------------------------------------------------------ identity
     def to_dict(self) -> dict[str, Any]:

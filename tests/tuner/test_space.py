@@ -59,3 +59,22 @@ def test_impossible_job_is_a_clear_error():
     with pytest.raises(ConfigError, match="gpus=7"):
         SearchSpace.build(get_model("llama3-8b"), 7, "H100", global_batch_sizes=[4],
                           space=ConfigSpace(micro_batch_sizes=(1,), pp_degrees=(1,)))
+
+
+def test_neighbours_change_one_parameter_and_are_valid():
+    model = get_model("llama3-8b")
+    space = SearchSpace.build(model, 64, "H100", global_batch_sizes="128:512")
+    params = {"global_batch_size_index": 1, "tp_index": 2, "pp_index": 0,
+              "micro_batch_size_index": 0, "sharding_index": 1, "recompute_index": 0}
+    centre, _ = space.suggest(optuna.trial.FixedTrial(params))
+    assert centre is not None and centre.pp == 1
+    near = space.neighbours(params)
+    assert near and centre not in [c for c, _ in near]
+    for cfg, p in near:
+        cfg.validate(model, 64)
+        assert space.suggest(optuna.trial.FixedTrial(p))[0] == cfg
+        # one move; options that stop applying (sharding at dp=1) drop out, and a newly
+        # active schedule is added
+        changed = {k for k in params if k in p and p[k] != params[k]}
+        assert len(changed) == 1
+    assert any(c.pp > 1 for c, _ in near)  # pp moves bring in each schedule
