@@ -23,6 +23,7 @@ the table, every run's curve, the B_noise trajectories, the plan and the plots.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -164,11 +165,26 @@ def arm_runs(settings: dict[str, Any], batches: list[int], seeds: list[int]
     return runs
 
 
-def summarise(results: list[dict[str, Any]]) -> pd.DataFrame:
+def modelled_time(run: dict[str, Any], profile: dict[str, Any]) -> float:
+    """Time to target with the load taken out: each stretch of steps priced at the profiled
+    step time of the (layout, batch) it ran under, plus the mean measured switch cost."""
+    if not run["reached"]:
+        return math.nan
+    times = {(r["layout"], r["batch"]): r["step_time_s"] for r in profile["table"]}
+    switch_s = float(np.mean([c["total_s"] for c in profile["switch_costs"]]))
+    curve = run["curve"]
+    total = run["num_switches"] * switch_s
+    for prev, cur in itertools.pairwise(curve):
+        total += (cur["step"] - prev["step"]) * times.get((cur["layout"], cur["batch"]), math.nan)
+    return total
+
+
+def summarise(results: list[dict[str, Any]], profile: dict[str, Any]) -> pd.DataFrame:
     rows = []
     for arm in ARMS:
         mine = [r for r in results if r["arm"] == arm]
         t = np.array([r["time_s"] for r in mine], dtype=float)
+        m = np.array([modelled_time(r, profile) for r in mine], dtype=float)
         s = np.array([r["steps"] for r in mine], dtype=float)
         ok = np.isfinite(t)
         rows.append({"arm": arm, "runs": len(mine), "reached": int(ok.sum()),
@@ -176,6 +192,8 @@ def summarise(results: list[dict[str, Any]]) -> pd.DataFrame:
                      "time_std_s": float(np.std(t[ok], ddof=1)) if ok.sum() > 1 else math.nan,
                      "time_min_s": float(np.min(t[ok])) if ok.any() else math.nan,
                      "time_max_s": float(np.max(t[ok])) if ok.any() else math.nan,
+                     "modelled_mean_s": float(np.mean(m[ok])) if ok.any() else math.nan,
+                     "modelled_std_s": float(np.std(m[ok], ddof=1)) if ok.sum() > 1 else math.nan,
                      "steps_mean": float(np.mean(s[ok])) if ok.any() else math.nan,
                      "steps_std": float(np.std(s[ok], ddof=1)) if ok.sum() > 1 else math.nan,
                      "switches_mean": float(np.mean([r["num_switches"] for r in mine])),
@@ -183,6 +201,8 @@ def summarise(results: list[dict[str, Any]]) -> pd.DataFrame:
     frame = pd.DataFrame(rows)
     best_baseline = frame[frame["arm"].isin(["fixed", "batch"])]["time_mean_s"].min()
     frame["gain_vs_best_baseline_pct"] = 100 * (1 - frame["time_mean_s"] / best_baseline)
+    best_modelled = frame[frame["arm"].isin(["fixed", "batch"])]["modelled_mean_s"].min()
+    frame["modelled_gain_pct"] = 100 * (1 - frame["modelled_mean_s"] / best_modelled)
     return frame
 
 
@@ -286,13 +306,14 @@ def main(argv: list[str] | None = None) -> int:
     _spawn(Job(**base, runs=runs))
     results = [r for r in read_jsonl(out / "runs.jsonl") if r["arm"] in ARMS
                and r["seed"] in seeds]
-    summary = summarise(results)
+    summary = summarise(results, profile)
     print(format_table(summary.to_dict("records"),
                        title=f"Time and steps to validation loss {args.target} "
                              f"(mean, std over seeds {seeds})", floatfmt=".4g"))
-    per_run = pd.DataFrame([{k: r[k] for k in ("name", "arm", "seed", "reached", "time_s",
-                                                "steps", "tokens", "num_switches", "switch_s")}
-                            for r in results])
+    per_run = pd.DataFrame([{**{k: r[k] for k in ("name", "arm", "seed", "reached", "time_s",
+                                                   "steps", "tokens", "num_switches",
+                                                   "switch_s")},
+                             "modelled_s": modelled_time(r, profile)} for r in results])
     print(format_table(per_run.to_dict("records"), title="Runs", floatfmt=".4g"))
     figures = plots(results, pilot, out, args.target)
     summary.to_csv(out / "summary.csv", index=False)
