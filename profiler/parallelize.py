@@ -139,7 +139,7 @@ def has_dtensor_params(model: nn.Module) -> bool:
     return any(isinstance(p, DTensor) for p in model.parameters())
 
 
-def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:
+def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, *, pipeline: bool = False) -> nn.Module:
     """Replicate ``model`` over ``dp_mesh`` and average gradients (plain data parallelism).
 
     Models with plain tensors use ``DistributedDataParallel`` (bucketed all-reduce that
@@ -150,6 +150,11 @@ def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:
     Args:
         model: Full model or pipeline stage (after :func:`apply_tp` if any).
         dp_mesh: The 1-D ``dp`` sub-mesh.
+        pipeline: ``model`` is a pipeline stage. The schedule runs one backward per
+            micro-batch and lets only the last one reduce; DDP's bucket rebuild after the first
+            step would record every parameter once per micro-batch and fail its size check,
+            so the stage's buckets stay as built (``find_unused_parameters`` turns the rebuild
+            off; every parameter is used, so nothing else changes).
 
     Returns:
         The module to call: a ``DistributedDataParallel`` wrapping ``model`` (parameter
@@ -168,7 +173,8 @@ def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:
         device_ids = [device.index if device.index is not None else torch.cuda.current_device()]
     return DistributedDataParallel(model, device_ids=device_ids,
                                    process_group=dp_mesh.get_group(),
-                                   broadcast_buffers=False, init_sync=False)
+                                   broadcast_buffers=False, init_sync=False,
+                                   find_unused_parameters=pipeline)
 
 
 def build_optimizer(model: nn.Module, config: ParallelConfig, dp_mesh: DeviceMesh | None, *,

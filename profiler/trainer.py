@@ -153,7 +153,8 @@ class Trainer:
         self.model_parts: list[nn.Module] = parts
         dp_mesh = self.mesh[MeshAxis.DP.value]
         plain_dp = config.dp_enabled and config.sharding in (Sharding.NONE, Sharding.ZERO1)
-        self._runners: list[nn.Module] = [apply_ddp(p, dp_mesh) if plain_dp else p
+        self._runners: list[nn.Module] = [apply_ddp(p, dp_mesh, pipeline=config.pp_enabled)
+                                          if plain_dp else p
                                           for p in parts]
         self._ddp = any(isinstance(r, nn.parallel.DistributedDataParallel)
                         for r in self._runners)
