@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import itertools
 import json
 import logging
 import math
@@ -354,11 +353,9 @@ def optuna_search(predictor: Predictor, space: SearchSpace, objective: Objective
             leaders = _leaders(cache, refine_beam)
             if leaders and leaders != centre:
                 centre = leaders
-                around = [space.neighbours(params_of[c]) for c in leaders]
-                # best leader's neighbours first, then the next leader's, interleaved
-                pending = [pair for group in itertools.zip_longest(*around) for pair in group
-                           if pair is not None and pair[0] not in cache
-                           and pair[0] not in queued]
+                # every neighbour of the best leader first, then the next leader's
+                pending = [pair for c in leaders for pair in space.neighbours(params_of[c])
+                           if pair[0] not in cache and pair[0] not in queued]
             left = size
             while pending and left > 0:
                 cfg, params = pending.pop(0)

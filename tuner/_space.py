@@ -13,6 +13,7 @@ pruned with the rule it breaks.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import re
 from collections.abc import Sequence
@@ -72,6 +73,9 @@ def parse_batch_sizes(text: str | int | Sequence[int]) -> tuple[int, ...]:
     if any(v < 1 for v in values):
         raise ConfigError("global_batch_sizes", text, "batch sizes must be positive")
     return tuple(sorted(set(values)))
+
+
+_MEMORY_KNOBS = ("micro_batch_size_index", "schedule", "sharding_index", "recompute_index")
 
 
 def _schedule_label(schedule: Schedule, virtual_stages: int) -> str:
@@ -268,10 +272,12 @@ class SearchSpace:
         return out
 
     def neighbours(self, params: dict[str, Any]) -> list[tuple[ParallelConfig, dict[str, Any]]]:
-        """Valid configs one parameter away from ``params`` (a trial's parameters).
+        """Valid configs one move away from ``params`` (a trial's parameters).
 
-        A change that makes a conditional option apply (``pp`` from 1 to 2 asks for a
-        schedule) is tried with each of that option's values.
+        A move changes one parameter, or two of the memory knobs (micro-batch size,
+        schedule, sharding, recomputation) together. A change that makes a conditional
+        option apply (``pp`` from 1 to 2 asks for a schedule) is tried with each of that
+        option's values.
 
         Returns:
             ``(config, params)`` pairs, the params being exactly those the config asks for.
@@ -280,21 +286,26 @@ class SearchSpace:
 
         choices = self.param_choices()
         conditional = [c for c in ("schedule", "sharding_index") if c in choices]
+        moves: list[dict[str, Any]] = [{name: value} for name, current in params.items()
+                                       for value in choices.get(name, []) if value != current]
+        # Memory knobs also move in pairs: trading a larger micro-batch or an interleaved
+        # schedule for recomputation or sharding is one step for the search, not two
+        # through an infeasible config.
+        knobs = [k for k in _MEMORY_KNOBS if k in params]
+        for a, b in itertools.combinations(knobs, 2):
+            moves += [{a: x, b: y} for x in choices[a] for y in choices[b]
+                      if x != params[a] and y != params[b]]
         out: dict[ParallelConfig, dict[str, Any]] = {}
-        for name, current in params.items():
-            for value in choices.get(name, []):
-                if value == current:
-                    continue
-                base = {**params, name: value}
-                variants = [base]
-                for cond in conditional:
-                    if cond not in base:
-                        variants = [{**v, cond: c} for v in variants for c in choices[cond]]
-                for variant in variants:
-                    fixed = optuna.trial.FixedTrial(variant)
-                    cfg, _ = self.suggest(fixed)
-                    if cfg is not None and cfg not in out:
-                        out[cfg] = dict(fixed.params)
+        for move in moves:
+            variants = [{**params, **move}]
+            for cond in conditional:
+                if cond not in variants[0]:
+                    variants = [{**v, cond: c} for v in variants for c in choices[cond]]
+            for variant in variants:
+                fixed = optuna.trial.FixedTrial(variant)
+                cfg, _ = self.suggest(fixed)
+                if cfg is not None and cfg not in out:
+                    out[cfg] = dict(fixed.params)
         return list(out.items())
 
     # ------------------------------------------------------------------ identity
