@@ -11,8 +11,9 @@ Splits:
 Figures, per source and per held-out group: MAPE and median absolute percentage error of
 tokens per second per device (= of step time inverted; both are reported), Spearman rank
 correlation, top-1 regret per (model, cluster) group (how much slower the predicted-best
-measured configuration is than the measured best), and feasibility accuracy over
-configurations (a configuration that ran at least once is feasible).
+held-out configuration is than the measured best among the same held-out configurations of
+that group and fold), and feasibility accuracy over configurations (a configuration that ran
+at least once is feasible).
 """
 
 from __future__ import annotations
@@ -104,7 +105,8 @@ def metrics(frame: pd.DataFrame, predictions: pd.DataFrame) -> dict[str, float]:
         ``n``, ``mape``, ``mdape`` (of tokens/s per device, in fractions),
         ``mape_step``, ``mdape_step`` (of step time), ``spearman`` (over all successful
         rows), ``spearman_group`` (mean over (model, cluster) groups), ``regret_mean`` /
-        ``regret_max`` (top-1 regret over groups), ``feasibility_accuracy`` and
+        ``regret_max`` (top-1 regret over (model, cluster) groups, within each fold where
+        the rows carry a ``fold`` column), ``feasibility_accuracy`` and
         ``n_configs``.
     """
     step = measured_step_time(frame)
@@ -125,7 +127,10 @@ def metrics(frame: pd.DataFrame, predictions: pd.DataFrame) -> dict[str, float]:
     predicted_tps = tokens / (pred_step * c_world)
     out["spearman"] = _spearman(measured_tps[ok], predicted_tps[ok])
     regrets, rhos = [], []
-    keys = frame.loc[ok, list(_GROUP)].astype(str).agg("|".join, axis=1).to_numpy()
+    # Candidates of a top-1 choice: the held-out configurations of one (model, cluster) group
+    # in one fold, as a model choosing among configurations it has not seen would.
+    group = [*_GROUP, "fold"] if "fold" in frame.columns else list(_GROUP)
+    keys = frame.loc[ok, group].astype(str).agg("|".join, axis=1).to_numpy()
     m_ok, p_ok = measured_tps[ok], predicted_tps[ok]
     for key in np.unique(keys):
         sel = keys == key

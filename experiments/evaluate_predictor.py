@@ -1,0 +1,131 @@
+"""Accuracy of the performance model on the public GPU measurements, per target scenario.
+
+Runs the three grouped cross-validations of ``paratune evaluate`` on the public CSVs and
+prints one figure per scenario of the performance-model issue next to its target:
+
+* Ultra-Scale, unseen configurations of seen models and cluster sizes (random split):
+  median APE, top-1 regret, feasibility accuracy;
+* Ultra-Scale, larger clusters (the largest cluster size, 256 GPUs, held out);
+* Ultra-Scale, a larger model (8B held out, trained on 1B and 3B and vTrain);
+* vTrain single node, unseen configurations (random split): MAPE;
+* vTrain, a larger cluster than any in training (8 GPUs held out, trained on 2 and 4): the
+  closest check of cluster extrapolation the development data allows for vTrain.
+
+Writes the tables and predicted-vs-measured plots under --out and logs them to MLflow.
+
+    python experiments/evaluate_predictor.py [--data DIR] [--out DIR] [--baselines]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+
+def _public_dir(arg: str | None) -> Path:
+    default = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "public-gpu"
+    return Path(arg or os.environ.get("PARATUNE_PUBLIC_DATA", default))
+
+
+def _pick(result, *, estimator: str, source: str | None = None, held_out: str | None = None):
+    rows = result.summary if held_out is None else result.by_fold
+    for row in rows:
+        if row["estimator"] != estimator:
+            continue
+        if source is not None and source not in row["source"]:
+            continue
+        if held_out is not None and not row["held_out"].endswith(held_out):
+            continue
+        return row
+    return None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data", default=None, help="folder of the public CSVs")
+    parser.add_argument("--out", default="results/evaluate_predictor")
+    parser.add_argument("--baselines", action="store_true",
+                        help="also run the analytical, raw-config XGBoost and "
+                             "HistGradientBoosting baselines")
+    parser.add_argument("--n-estimators", type=int, default=None)
+    parser.add_argument("--no-mlflow", action="store_true")
+    args = parser.parse_args()
+
+    import pandas as pd
+
+    from paratune._table import format_table
+    from paratune.models import cross_validate, load_measurements
+    from paratune.models._estimators import estimator_factories
+    from paratune.models._evaluate import metrics, plot_predictions
+
+    data = _public_dir(args.data)
+    files = sorted(data.glob("*.csv"))
+    if not files:
+        raise SystemExit(f"no public CSVs under {data}; pass --data")
+    frame = load_measurements(files)
+    factories = estimator_factories(n_estimators=args.n_estimators)
+    if not args.baselines:
+        factories = {"performance_model": factories["performance_model"]}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    results = {}
+    for split in ("random", "cluster", "model"):
+        result = cross_validate(frame, split=split, estimators=factories)
+        results[split] = result
+        print(result.table())
+        print()
+        plot_predictions(result, out / f"predicted_vs_measured_{split}.png")
+        pd.DataFrame(result.summary + result.by_fold).to_csv(out / f"metrics_{split}.csv",
+                                                             index=False)
+
+    scenarios = []
+    for name in factories:
+        def add(scenario, row, key, target, *, _name=name):
+            value = row[key] if row else float("nan")
+            scenarios.append({"estimator": _name, "scenario": scenario, "figure": key,
+                              "value_pct": 100 * value, "target_pct": target})
+
+        us = "ultrascale"
+        row = _pick(results["random"], estimator=name, source=us)
+        add("Ultra-Scale unseen configs", row, "mdape", "<= 8")
+        add("Ultra-Scale unseen configs", row, "mape", "-")
+        add("Ultra-Scale unseen configs", row, "regret_mean", "<= 2")
+        add("Ultra-Scale unseen configs", row, "feasibility_accuracy", ">= 95")
+        cluster_rows = [r for r in results["cluster"].predictions[name].groupby("source")]
+        for source, part in cluster_rows:
+            figures = metrics(part, part)
+            label = "Ultra-Scale 256 GPUs held out" if us in source else \
+                "vTrain 8 GPUs held out (cluster extrapolation proxy)"
+            add(label, figures, "mdape", "<= 20" if us in source else "-")
+            add(label, figures, "mape", "-" if us in source else "<= 12 (multi-node)")
+            add(label, figures, "feasibility_accuracy", "-")
+        row = _pick(results["model"], estimator=name, held_out=":8B")
+        add("Ultra-Scale 8B held out (larger model)", row, "mdape", "<= 25")
+        add("Ultra-Scale 8B held out (larger model)", row, "feasibility_accuracy", ">= 90")
+        row = _pick(results["random"], estimator=name, source="vtrain")
+        add("vTrain single node unseen configs", row, "mape", "<= 3")
+        add("vTrain single node unseen configs", row, "mdape", "-")
+
+    table = format_table(scenarios, ["estimator", "scenario", "figure", "value_pct",
+                                     "target_pct"], floatfmt=".1f",
+                         title="Targets (figures in %)")
+    print(table)
+    pd.DataFrame(scenarios).to_csv(out / "targets.csv", index=False)
+    (out / "targets.txt").write_text(table + "\n")
+    if not args.no_mlflow:
+        from paratune.tracking import start_run
+
+        with start_run("paratune-evaluate", run_name="evaluate_predictor") as run:
+            run.log_params({"data": [str(f) for f in files], "estimators": list(factories),
+                            "n_estimators": args.n_estimators})
+            for s in scenarios:
+                key = f"{s['estimator']}.{s['scenario']}.{s['figure']}"
+                key = "".join(ch if ch.isalnum() or ch in "._-/" else "_" for ch in key)
+                run.log_metrics({key: s["value_pct"]})
+            run.log_artifact(out)
+
+
+if __name__ == "__main__":
+    main()
