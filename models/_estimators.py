@@ -52,6 +52,7 @@ __all__ = [
     "RawConfigBaseline",
     "estimator_factories",
     "load_model",
+    "source_family",
 ]
 
 SCHEMA_VERSION = 1
@@ -62,6 +63,17 @@ PRED_ERROR = "pred_error"
 OUTPUT_COLUMNS = (*PREDICTION_COLUMNS, PRED_TOKENS_Q10, PRED_TOKENS_Q90, "analytical_step_time_s",
                   PRED_ERROR)
 _MANIFEST = "model.json"
+
+
+def source_family(frame: pd.DataFrame) -> np.ndarray:
+    """The measurement family of each row: the first ``_``-separated word of its source
+    (``vtrain_ground_truth_single_node`` and ``vtrain_ground_truth_multi_node`` are one
+    family, ``vtrain``); ``paratune`` where no source is recorded."""
+    if "source" not in frame.columns:
+        return np.full(len(frame), "paratune", dtype=object)
+    text = frame["source"].fillna("").astype(str).str.strip().str.lower()
+    family = text.str.split("_").str[0].replace("", "paratune")
+    return np.asarray(family, dtype=object)
 
 
 def _memory_rule(mem_gb: np.ndarray, capacity_gb: np.ndarray) -> np.ndarray:
@@ -139,6 +151,10 @@ class PerformanceModel(_Base):
       pathological runs public sweeps contain), then half with a squared-error objective on
       the remaining residuals clipped to ``refine_clip`` (a Huber-like refinement that fits
       clean data closely without chasing outliers); 10th / 90th percentile models beside;
+      fitted on all rows and, where the data mixes measurement families (sources of one
+      framework and cluster), once per family; a row uses its family's model (by its
+      ``source`` column, else by its hardware when that was measured in one family only),
+      else the model fitted on all rows;
     * peak memory: ``analytical * exp(m(x))`` where memory was measured;
     * feasibility: an XGBoost classifier on the features and the predicted memory fraction,
       trained on successful and failed runs (a configuration that ran at least once is
@@ -152,6 +168,8 @@ class PerformanceModel(_Base):
             (smaller, so that predicting 100,000 configurations stays well under a second).
         aux_learning_rate: Their shrinkage.
         refine_clip: Residuals (in log ratio) are clipped to this for the refinement.
+        min_family_rows: Timed rows a measurement family (see :func:`source_family`) needs
+            for its own step-time model when the data mixes families.
         subsample: Row subsampling per tree.
         colsample_bytree: Feature subsampling per tree.
         min_child_weight: Minimum hessian in a leaf.
@@ -163,7 +181,7 @@ class PerformanceModel(_Base):
     def __init__(self, *, n_estimators: int = 500, max_depth: int = 6,
                  learning_rate: float = 0.075, aux_estimators: int = 100,
                  aux_learning_rate: float = 0.15, refine_clip: float = 0.2,
-                 subsample: float = 0.8,
+                 min_family_rows: int = 200, subsample: float = 0.8,
                  colsample_bytree: float = 0.8, min_child_weight: float = 1.0,
                  quantiles: tuple[float, float] = (0.1, 0.9), n_jobs: int | None = None,
                  random_state: int = 0) -> None:
@@ -173,6 +191,7 @@ class PerformanceModel(_Base):
         self.aux_estimators = aux_estimators
         self.aux_learning_rate = aux_learning_rate
         self.refine_clip = refine_clip
+        self.min_family_rows = min_family_rows
         self.subsample = subsample
         self.colsample_bytree = colsample_bytree
         self.min_child_weight = min_child_weight
@@ -212,17 +231,25 @@ class PerformanceModel(_Base):
         has_time = usable & np.isfinite(step)
         if not has_time.any():
             raise DatasetError("no successful measurement with a step time on known hardware")
-        y = np.log(step[has_time] / analytical["step_time_s"][has_time])
-        self.throughput_ = _xgb_regressor(self._booster_params(),
-                                          objective="reg:absoluteerror").fit(X[has_time], y)
-        residual = np.clip(y - self.throughput_.predict(X[has_time]), -self.refine_clip,
-                           self.refine_clip)
-        self.refine_ = _xgb_regressor(self._booster_params(rate=0.1), base_score=0.0,
-                                      objective="reg:squarederror").fit(X[has_time], residual)
-        self.quantile_ = _xgb_regressor(self._booster_params(aux=True),
-                                        objective="reg:quantileerror",
-                                        quantile_alpha=np.asarray(self.quantiles, dtype=float)
-                                        ).fit(X[has_time], y)
+        y = np.log(step / analytical["step_time_s"])
+        self.throughput_, self.refine_, self.quantile_ = self._fit_time(X[has_time],
+                                                                        y[has_time])
+        # One step-time model per measurement family (framework and cluster of a source) with
+        # enough rows: a family's quirks (e.g. one framework's pathological pipeline runs)
+        # must not leak into another's extrapolation, which the analytical estimate carries.
+        families = source_family(frame)
+        self.families_ = {}
+        if len(np.unique(families[has_time])) > 1:
+            for family in np.unique(families[has_time]):
+                rows = has_time & (families == family)
+                if rows.sum() >= self.min_family_rows:
+                    self.families_[str(family)] = self._fit_time(X[rows], y[rows])
+        hardware = frame["hardware"].astype(str).to_numpy()
+        self.hardware_family_ = {}
+        for name in np.unique(hardware[has_time]):
+            seen = np.unique(families[has_time & (hardware == name)])
+            if len(seen) == 1 and str(seen[0]) in self.families_:
+                self.hardware_family_[str(name)] = str(seen[0])
 
         mem = measured_memory_gb(frame)
         has_mem = usable & np.isfinite(mem)
@@ -249,6 +276,33 @@ class PerformanceModel(_Base):
         self.sources_ = sorted(sources.unique().tolist()) if sources is not None else []
         return self
 
+    def _fit_time(self, X: np.ndarray, y: np.ndarray) -> tuple[Any, Any, Any]:
+        """Median booster, clipped refinement and quantile booster of the log time ratio."""
+        median = _xgb_regressor(self._booster_params(),
+                                objective="reg:absoluteerror").fit(X, y)
+        residual = np.clip(y - median.predict(X), -self.refine_clip, self.refine_clip)
+        refine = _xgb_regressor(self._booster_params(rate=0.1), base_score=0.0,
+                                objective="reg:squarederror").fit(X, residual)
+        quantile = _xgb_regressor(self._booster_params(aux=True), objective="reg:quantileerror",
+                                  quantile_alpha=np.asarray(self.quantiles, dtype=float)
+                                  ).fit(X, y)
+        return median, refine, quantile
+
+    def _route(self, frame: pd.DataFrame) -> np.ndarray:
+        """Family model per row: its source's family, else the one family its hardware was
+        measured in; ``""`` (the model fitted on everything) otherwise."""
+        out = np.full(len(frame), "", dtype=object)
+        if not self.families_:
+            return out
+        if "hardware" in frame.columns:
+            hardware = frame["hardware"].astype(str)
+            out = np.asarray(hardware.map(self.hardware_family_).fillna(""), dtype=object)
+        if "source" in frame.columns:
+            families = source_family(frame)
+            known = np.isin(families, list(self.families_))
+            out = np.where(known, families, out)
+        return out
+
     def _memory_gb(self, X: np.ndarray, analytical: dict[str, Any]) -> np.ndarray:
         if self.memory_ is None:
             return analytical["memory_gb"]
@@ -269,8 +323,16 @@ class PerformanceModel(_Base):
     def _predict_arrays(self, frame: pd.DataFrame, X: np.ndarray, analytical: dict[str, Any]
                         ) -> dict[str, np.ndarray]:
         base = analytical["step_time_s"]
-        ratio = self.throughput_.predict(X) + self.refine_.predict(X)
-        bounds = np.asarray(self.quantile_.predict(X)).reshape(len(X), -1)
+        ratio = np.zeros(len(X))
+        bounds = np.zeros((len(X), 2))
+        route = self._route(frame)
+        for family in np.unique(route):
+            rows = route == family
+            median, refine, quantile = (self.families_[family] if family else
+                                        (self.throughput_, self.refine_, self.quantile_))
+            ratio[rows] = median.predict(X[rows]) + refine.predict(X[rows])
+            q = np.asarray(quantile.predict(X[rows])).reshape(int(rows.sum()), -1)
+            bounds[rows] = q[:, [0, -1]]
         lo = np.minimum(bounds[:, 0], ratio)
         hi = np.maximum(bounds[:, -1], ratio)
         memory = self._memory_gb(X, analytical)
@@ -306,6 +368,10 @@ class PerformanceModel(_Base):
         components = {"throughput": self.throughput_, "throughput_refine": self.refine_,
                       "throughput_quantiles": self.quantile_,
                       "memory": self.memory_, "feasibility": self.feasibility_}
+        for family, boosters in self.families_.items():
+            for name, booster in zip(("throughput", "throughput_refine",
+                                      "throughput_quantiles"), boosters):
+                components[f"family-{family}-{name}"] = booster
         files = {}
         for name, booster in components.items():
             if booster is None:
@@ -326,6 +392,8 @@ class PerformanceModel(_Base):
             "target": "log(measured_step_time_s / analytical_step_time_s)",
             "params": params,
             "components": files,
+            "families": sorted(self.families_),
+            "hardware_family": self.hardware_family_,
             "training": {"fingerprint_sha256": self.fingerprint_,
                          "num_rows": self.n_train_rows_, "num_time_rows": self.n_time_rows_,
                          "num_memory_rows": self.n_memory_rows_,
@@ -386,6 +454,14 @@ class PerformanceModel(_Base):
         model.quantile_ = booster("throughput_quantiles", xgb.XGBRegressor)
         model.memory_ = booster("memory", xgb.XGBRegressor)
         model.feasibility_ = booster("feasibility", xgb.XGBClassifier)
+        model.families_ = {}
+        for family in manifest.get("families", []):
+            parts = tuple(booster(f"family-{family}-{name}", xgb.XGBRegressor) for name in
+                          ("throughput", "throughput_refine", "throughput_quantiles"))
+            if any(p is None for p in parts):
+                raise ModelFormatError(f"{manifest_path}: family {family!r} lacks a component")
+            model.families_[family] = parts
+        model.hardware_family_ = dict(manifest.get("hardware_family", {}))
         training = manifest["training"]
         model.fingerprint_ = training["fingerprint_sha256"]
         model.n_train_rows_ = training["num_rows"]

@@ -53,8 +53,8 @@ def read_config_csv(path: str | Path) -> tuple[pd.DataFrame, pd.DataFrame, np.nd
 
     Returns:
         ``(raw, configs, errors)``: the input cells as strings (every row, in order), the
-        config frame (same length; placeholder values where a row could not be read) and a
-        message per row (empty where the row was read).
+        config frame with a ``source`` column (same length; placeholder values where a row
+        could not be read) and a message per row (empty where the row was read).
 
     Raises:
         DatasetError: the file has neither format's required columns.
@@ -75,6 +75,7 @@ def read_config_csv(path: str | Path) -> tuple[pd.DataFrame, pd.DataFrame, np.nd
                 errors[i] = str(exc)
                 rows.append({})
         configs = pd.DataFrame(rows, columns=list(CONFIG_COLUMNS))
+        configs["source"] = raw["source"].to_numpy() if "source" in raw.columns else ""
         return raw, _fill_placeholders(configs, errors), errors
     missing = [c for c in _OWN_REQUIRED if c not in raw.columns]
     if missing:
@@ -122,7 +123,9 @@ def read_config_csv(path: str | Path) -> tuple[pd.DataFrame, pd.DataFrame, np.nd
         wrong = ~configs[column].astype(str).str.lower().isin(rule)
         for i in np.flatnonzero(wrong.to_numpy() & (errors == "")):
             errors[i] = f"{column}={configs[column].iloc[i]!r} must be one of {', '.join(rule)}"
-    return raw, _fill_placeholders(configs[list(CONFIG_COLUMNS)], errors), errors
+    # the source (when given) picks the step-time model of its measurement family
+    configs["source"] = raw["source"].astype(str) if "source" in raw.columns else ""
+    return raw, _fill_placeholders(configs[[*CONFIG_COLUMNS, "source"]], errors), errors
 
 
 def _fill_placeholders(configs: pd.DataFrame, errors: np.ndarray) -> pd.DataFrame:
@@ -139,7 +142,7 @@ def _fill_placeholders(configs: pd.DataFrame, errors: np.ndarray) -> pd.DataFram
     configs = configs.reset_index(drop=True).copy()
     for column in configs.columns:
         configs[column] = configs[column].astype(object)
-        configs.loc[bad, column] = placeholder[column]
+        configs.loc[bad, column] = placeholder.get(column, "")
     return configs
 
 

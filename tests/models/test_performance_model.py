@@ -3,6 +3,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pandas as pd
 import pytest
 
 from paratune import ModelFormatError
@@ -87,3 +88,31 @@ def test_every_predictor_meets_the_contract(name, synthetic):
 def test_unfitted_predict_raises(synthetic):
     with pytest.raises(ModelFormatError, match="not fitted"):
         PerformanceModel().predict(synthetic)
+
+
+def test_each_measurement_family_gets_its_own_step_time_model(synthetic, tmp_path):
+    from paratune.models import features as F
+
+    other = synthetic.copy()
+    other["hardware"] = "A100-80GB"
+    other["source"] = "otherlab_cluster"
+    ok = other["status"] == "ok"
+    other.loc[ok, "step_time_s"] = F.analytical_step_time(other)["step_time_s"][ok.to_numpy()] * 4
+    both = pd.concat([synthetic, other], ignore_index=True)
+    model = PerformanceModel(n_estimators=40, aux_estimators=10, min_family_rows=50,
+                             n_jobs=1).fit(both)
+    assert sorted(model.families_) == ["otherlab", "synthetic"]
+    assert model.hardware_family_ == {"A100-80GB": "otherlab", "H100-80GB": "synthetic"}
+    pred = model.predict(both[both["status"] == "ok"])
+    ratio = pred["pred_step_time_s"] / pred["analytical_step_time_s"]
+    a100 = (both.loc[both["status"] == "ok", "hardware"] == "A100-80GB").to_numpy()
+    assert np.median(ratio[a100]) == pytest.approx(4, rel=0.05)
+    assert np.median(ratio[~a100]) < 2.5
+    # without a source column the hardware picks the family
+    configs = both.loc[both["status"] == "ok", list(CONFIG_COLUMNS)]
+    np.testing.assert_allclose(model.predict(configs)["pred_step_time_s"].to_numpy(),
+                               pred["pred_step_time_s"].to_numpy(), rtol=1e-6)
+    # families survive a save / load
+    back = load_model(model.save(tmp_path / "m"))
+    np.testing.assert_allclose(back.predict(configs)["pred_step_time_s"].to_numpy(),
+                               pred["pred_step_time_s"].to_numpy(), rtol=1e-6)
