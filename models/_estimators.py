@@ -178,11 +178,11 @@ class PerformanceModel(_Base):
         random_state: Seed.
     """
 
-    def __init__(self, *, n_estimators: int = 500, max_depth: int = 6,
+    def __init__(self, *, n_estimators: int = 500, max_depth: int = 4,
                  learning_rate: float = 0.075, aux_estimators: int = 100,
                  aux_learning_rate: float = 0.15, refine_clip: float = 0.2,
                  min_family_rows: int = 200, subsample: float = 0.8,
-                 colsample_bytree: float = 0.8, min_child_weight: float = 1.0,
+                 colsample_bytree: float = 0.8, min_child_weight: float = 5.0,
                  quantiles: tuple[float, float] = (0.1, 0.9), n_jobs: int | None = None,
                  random_state: int = 0) -> None:
         self.n_estimators = n_estimators
