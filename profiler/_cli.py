@@ -43,6 +43,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
                         help="per-config timeout (default 300)")
     parser.add_argument("--seed", type=int, default=None, help="seed (default 0)")
+    parser.add_argument("--data", choices=("synthetic", "text"), default=None,
+                        help="training tokens: random (default) or real text (Python's own "
+                             "sources, byte-level; needs a byte-level vocabulary)")
     parser.add_argument("--resume", action="store_true",
                         help="continue the campaign in --out; options not given are taken "
                              "from it")
@@ -116,7 +119,8 @@ def build_spec(args: argparse.Namespace):  # -> CampaignSpec (heavy import kept 
         timeout_s=args.timeout, seed=pick(args.seed, "seed", 0), device=device,
         hardware=hardware,
         devices_per_node=pick(args.devices_per_node or args.nproc_per_node, "devices_per_node",
-                              None))
+                              None),
+        data=pick(args.data, "data", "synthetic"))
 
 
 def _profile(args: argparse.Namespace) -> int:

@@ -237,7 +237,7 @@ def run_worker(plan_path: str | Path, *, attempt: str | None = None) -> int:
                 model, config, hardware=plan["hardware"], device=device,
                 warmup_steps=int(plan["warmup_steps"]),
                 measured_steps=int(plan["measured_steps"]), seed=int(plan.get("seed", 0)),
-                details=details)
+                details=details, data=plan.get("data", "synthetic"))
         except Exception as exc:  # every failure becomes this config's status
             status = Status.OOM.value if is_oom(exc) else Status.ERROR.value
             error = _describe(exc, rank)

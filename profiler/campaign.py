@@ -134,6 +134,9 @@ class CampaignSpec:
     devices_per_node: int | None = None
     """Devices per node (decides tensor-parallel groups that would cross nodes); ``None``:
     each world size fits in one node."""
+    data: str = "synthetic"
+    """Training tokens: ``"synthetic"`` (random, the default for timing) or ``"text"`` (the
+    byte-level corpus of Python's own sources)."""
 
     def __post_init__(self) -> None:
         from paratune.hardware import get_hardware
@@ -157,6 +160,12 @@ class CampaignSpec:
             raise ConfigError("timeout_s", self.timeout_s, "must be a positive number of seconds")
         if self.device not in ("cpu", "cuda"):
             raise ConfigError("device", self.device, "must be cpu or cuda")
+        if self.data not in ("synthetic", "text"):
+            raise ConfigError("data", self.data, "must be synthetic or text")
+        if self.data == "text" and self.model.vocab_size < 256:
+            raise ConfigError("data", self.data, f"real text is byte-level: it needs "
+                              f"vocab_size >= 256 (model {self.model.name} has "
+                              f"{self.model.vocab_size})")
         self.hardware = get_hardware(self.hardware).name
         if self.devices_per_node is not None and self.devices_per_node < 1:
             raise ConfigError("devices_per_node", self.devices_per_node,
@@ -165,11 +174,14 @@ class CampaignSpec:
     def identity(self) -> dict[str, Any]:
         """The fields that decide what is measured (a resumed campaign must match them)."""
         assert self.space is not None
-        return {"model": self.model.to_dict(), "world_sizes": list(self.world_sizes),
-                "grid": self.space.to_dict(), "warmup_steps": self.warmup_steps,
-                "measured_steps": self.measured_steps, "seed": self.seed,
-                "device": self.device, "hardware": self.hardware,
-                "devices_per_node": self.devices_per_node}
+        identity = {"model": self.model.to_dict(), "world_sizes": list(self.world_sizes),
+                    "grid": self.space.to_dict(), "warmup_steps": self.warmup_steps,
+                    "measured_steps": self.measured_steps, "seed": self.seed,
+                    "device": self.device, "hardware": self.hardware,
+                    "devices_per_node": self.devices_per_node}
+        if self.data != "synthetic":  # campaigns written before the option stay resumable
+            identity["data"] = self.data
+        return identity
 
 
 def enumerate_campaign(spec: CampaignSpec) -> dict[int, SpaceEnumeration]:
@@ -257,7 +269,7 @@ def prepare_campaign(spec: CampaignSpec, out: str | Path, *, resume: bool = Fals
             "model": spec.model.to_dict(), "hardware": spec.hardware, "device": spec.device,
             "devices_per_node": spec.devices_per_node or world_size,
             "warmup_steps": spec.warmup_steps, "measured_steps": spec.measured_steps,
-            "seed": spec.seed, "timeout_s": spec.timeout_s,
+            "seed": spec.seed, "timeout_s": spec.timeout_s, "data": spec.data,
             "fingerprint": {**meta["fingerprint"], "device_count": world_size},
             "configs": [c.to_dict() for c in enumeration.valid]})
         for config, reason in enumeration.skipped:

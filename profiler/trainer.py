@@ -7,6 +7,7 @@ Everything here is collective: every rank of an initialised process group whose 
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import math
 import os
@@ -362,16 +363,38 @@ def _devices_per_node(device: torch.device, world_size: int) -> int:
     return world_size
 
 
+@functools.lru_cache(maxsize=1)
+def _stdlib_corpus() -> Any:
+    from paratune.profiler.corpus import TextCorpus
+
+    return TextCorpus.from_stdlib()
+
+
+def _batch_source(model: ModelSpec, data: str) -> Any:
+    """``(global_batch_size, step, seed) -> tokens`` for ``data`` (checked before building)."""
+    if data == "synthetic":
+        return lambda size, step, seed: synthetic_batch(model, size, step=step, seed=seed)
+    if data != "text":
+        raise ConfigError("data", data, "must be synthetic or text")
+    corpus = _stdlib_corpus()
+    if model.vocab_size < corpus.vocab_size:
+        raise ConfigError("data", data, f"real text is byte-level: it needs vocab_size >= "
+                          f"{corpus.vocab_size} (model {model.name} has {model.vocab_size})")
+    return lambda size, step, seed: corpus.batch(step, size, model.seq_len, seed=seed)
+
+
 def measure_config(model: ModelSpec, config: ParallelConfig, *, hardware: str,
                    device: torch.device | str, warmup_steps: int = 3,
                    measured_steps: int = 10, seed: int = 0, mesh: DeviceMesh | None = None,
-                   details: dict[str, Any] | None = None) -> Measurement:
+                   details: dict[str, Any] | None = None, data: str = "synthetic"
+                   ) -> Measurement:
     """Time training steps of ``model`` under ``config`` (collective over all ranks).
 
     Builds the mesh (unless given; meshes are cached per shape) and a :class:`Trainer`, runs
     ``warmup_steps`` uncounted steps, then ``measured_steps`` steps on
-    :func:`synthetic_batch` data. Each step starts after a barrier and ends after a device
-    synchronise; its time is the slowest rank's. Everything built is freed before returning.
+    :func:`synthetic_batch` data (or real text with ``data="text"``). Each step starts after
+    a barrier and ends after a device synchronise; its time is the slowest rank's. Everything
+    built is freed before returning.
 
     Args:
         model: The model shape.
@@ -382,6 +405,8 @@ def measure_config(model: ModelSpec, config: ParallelConfig, *, hardware: str,
         measured_steps: Steps timed.
         seed: Initialisation and data seed.
         mesh: A prebuilt (pp, dp, tp) mesh.
+        data: ``"synthetic"`` (uniform random tokens, the default for timing) or ``"text"``
+            (the byte-level corpus of Python's own sources, for a byte-level vocabulary).
         details: If given, filled with ``build_s`` (including ``mesh_s``, the part spent
             getting the mesh: creating process groups the first time a shape is seen,
             about nothing once cached) and ``teardown_s`` (slowest rank),
@@ -407,6 +432,7 @@ def measure_config(model: ModelSpec, config: ParallelConfig, *, hardware: str,
         raise ConfigError("measured_steps", measured_steps, "must be >= 1")
     if warmup_steps < 0:
         raise ConfigError("warmup_steps", warmup_steps, "must be >= 0")
+    batches = _batch_source(model, data)
     device = torch.device(device)
     hw = get_hardware(hardware)
     world = dist.get_world_size()
@@ -429,7 +455,7 @@ def measure_config(model: ModelSpec, config: ParallelConfig, *, hardware: str,
     loss = math.nan
     try:
         for step in range(warmup_steps + measured_steps):
-            tokens = synthetic_batch(model, config.global_batch_size, step=step, seed=seed)
+            tokens = batches(config.global_batch_size, step, seed)
             _synchronize(device)
             dist.barrier()
             begin = time.perf_counter()

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import os
 import signal
 import subprocess
@@ -295,3 +296,20 @@ def test_torchrun_launcher_runs_the_same_worker(tmp_path, capsys):
     assert dataset.frame["dp"].tolist() == [2] and dataset.frame["status"].tolist() == ["ok"]
     assert dataset.card.campaign_id  # written by the workers' rank 0 and again at the end
     assert "world  valid  ok" in out
+
+
+@pytest.mark.slow
+def test_campaign_on_real_text(tmp_path):
+    one = ConfigSpace(micro_batch_sizes=[2], shardings=["none"], recomputes=["none"])
+    losses = {}
+    for data in ("synthetic", "text"):
+        result = run_campaign(_spec(world_sizes=(1,), space=one, data=data), tmp_path / data,
+                              track=False, progress=False)
+        frame = result.dataset.frame
+        assert frame["status"].tolist() == ["ok"]
+        losses[data] = float(frame["loss"].iloc[0])
+    # Uniform random tokens sit at ln(256); bytes of real source code do not.
+    assert losses["synthetic"] == pytest.approx(math.log(256), abs=0.05)
+    assert abs(losses["text"] - losses["synthetic"]) > 1e-3
+    with pytest.raises(ConfigError, match="vocab_size >= 256"):
+        _spec(model=TINY.replace(vocab_size=128), data="text")
