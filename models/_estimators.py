@@ -55,8 +55,9 @@ __all__ = [
     "source_family",
 ]
 
-SCHEMA_VERSION = 1
-"""Version of the saved-model directory format; loading another version fails."""
+SCHEMA_VERSION = 2
+"""Version of the saved-model directory format; loading another version fails (2: the
+layer-passes feature)."""
 PRED_TOKENS_Q10 = f"{PRED_TOKENS_PER_SEC_PER_GPU}_q10"
 PRED_TOKENS_Q90 = f"{PRED_TOKENS_PER_SEC_PER_GPU}_q90"
 PRED_ERROR = "pred_error"

@@ -395,6 +395,7 @@ FEATURE_NAMES: tuple[str, ...] = (
     "tp_crosses_nodes", "dp_crosses_nodes", "pp_crosses_nodes",
     "sharding", "recompute", "schedule", "mem_fraction", "log2_vocab_per_tp_over_hidden",
     "log10_flops_per_byte_inter", "log10_flops_per_byte_intra", "log2_dp_mem_share",
+    "log10_layer_passes_per_s",
 )
 """Columns of :func:`compute_features`: relative quantities (fractions, ratios, log sizes) so
 that a model trained on them can extrapolate to larger clusters and models."""
@@ -415,6 +416,12 @@ def compute_features(frame: pd.DataFrame | Columns) -> tuple[np.ndarray, dict[st
     times = analytical_step_time(c)
     total = times["step_time_s"]
     mem_gb = analytical_memory_gb(c)
+    warmup = (c.pp - 1.0) / np.where(c.schedule == 2, c.virtual, 1.0)
+    # Layer passes (one per layer of a stage and micro-batch slot) per analytical second: a
+    # fixed cost per pass (kernel launches, per-micro-batch synchronisation) costs this
+    # fraction of the step; it separates the slow regime of deep pipelines with many small
+    # micro-batches from compute-bound configurations.
+    layer_passes = c.layers_per_stage * (num_microbatches(c) + warmup)
     with np.errstate(divide="ignore", invalid="ignore"):
         columns = {
             "frac_compute": times["compute_s"] / total,
@@ -441,6 +448,7 @@ def compute_features(frame: pd.DataFrame | Columns) -> tuple[np.ndarray, dict[st
             "log10_flops_per_byte_inter": np.log10(c.peak_flops / c.inter_bw),
             "log10_flops_per_byte_intra": np.log10(c.peak_flops / c.intra_bw),
             "log2_dp_mem_share": np.log2(optimizer_memory_bytes(c) / 1e9 / c.memory_gb),
+            "log10_layer_passes_per_s": np.log10(layer_passes / total),
         }
     matrix = np.column_stack([columns[name] for name in FEATURE_NAMES]).astype(np.float32)
     matrix[~np.isfinite(matrix)] = np.nan

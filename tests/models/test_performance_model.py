@@ -12,6 +12,7 @@ from paratune.models._estimators import (
     OUTPUT_COLUMNS,
     PRED_TOKENS_Q10,
     PRED_TOKENS_Q90,
+    SCHEMA_VERSION,
     estimator_factories,
 )
 from paratune.predictor import CONFIG_COLUMNS, PREDICTION_COLUMNS, Predictor
@@ -42,7 +43,7 @@ def test_save_load_roundtrip_is_json_and_identical(fitted, synthetic, tmp_path):
     files = sorted(p.name for p in (tmp_path / "m").iterdir())
     assert "model.json" in files and all(f.endswith(".json") for f in files)
     manifest = json.loads((tmp_path / "m" / "model.json").read_text())
-    assert manifest["schema_version"] == 1 and manifest["feature_names"]
+    assert manifest["schema_version"] == SCHEMA_VERSION and manifest["feature_names"]
     assert len(manifest["training"]["fingerprint_sha256"]) == 64
     back = load_model(tmp_path / "m")
     a = fitted.predict(synthetic)
