@@ -78,9 +78,17 @@ def source_family(frame: pd.DataFrame) -> np.ndarray:
 
 
 def _memory_rule(mem_gb: np.ndarray, capacity_gb: np.ndarray) -> np.ndarray:
-    """Probability of fitting in memory from a memory estimate alone (a soft threshold)."""
+    """Probability of fitting in memory from a memory estimate alone (a soft threshold).
+
+    Hardware without a catalogued capacity (the CPU: 0 GB) sets no limit: probability 1.
+    """
+    mem_gb = np.asarray(mem_gb, dtype=float)
+    capacity_gb = np.broadcast_to(np.asarray(capacity_gb, dtype=float), mem_gb.shape)
+    known = capacity_gb > 0
+    fraction = np.divide(mem_gb, capacity_gb, out=np.zeros_like(mem_gb), where=known)
     with np.errstate(over="ignore", invalid="ignore"):
-        return 1.0 / (1.0 + np.exp((mem_gb / capacity_gb - 0.95) / 0.03))
+        prob = 1.0 / (1.0 + np.exp((fraction - 0.95) / 0.03))
+    return np.where(known, prob, 1.0)
 
 
 class _Base(BaseEstimator):

@@ -123,19 +123,16 @@ def _init_process_group() -> None:
     import torch
     import torch.distributed as dist
 
-    if "WORLD_SIZE" not in os.environ:  # a plain single process
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend, timeout=datetime.timedelta(minutes=10))
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    timeout = datetime.timedelta(minutes=10)
+    if "WORLD_SIZE" not in os.environ:
+        # A plain single process: an in-memory store, with no TCP server thread to race the
+        # interpreter's exit.
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=timeout)
+        return
+    dist.init_process_group(backend, timeout=timeout)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
