@@ -113,9 +113,8 @@ def test_public_files_import_with_every_skipped_row_explained():
 
 
 def test_import_writes_a_dataset(tmp_path):
-    datasets = pytest.importorskip("paratune.datasets")
-    if not hasattr(datasets, "write_dataset"):
-        pytest.skip("the dataset store is not available")
+    from paratune import datasets
+
     report = import_files([_write(tmp_path, GOOD, GOOD.replace(",8,1,1,8,", ",8,1,1,4,"))],
                           tmp_path / "ds")
     assert report.num_records == 1 and len(report.problems) == 1
