@@ -1,0 +1,143 @@
+"""How much of the Ultra-Scale prediction error is the measurements' own noise?
+
+The Ultra-Scale sweep measured many layouts twice: once without sharding and once with
+ZeRO-1, everything else equal. Those twins should run within a few percent of each other
+(ZeRO-1 moves the same gradient bytes, split into reduce-scatter and all-gather), with at most
+a systematic offset per cluster size. This script measures:
+
+* **twin noise**: per cluster size, the median log ratio ZeRO-1 / no sharding (the
+  systematic offset) and the median absolute deviation of the twins from it;
+* **implied run noise**: if each run's log step time deviates from its layout's true value
+  by independent noise, a twin difference carries two such deviations, so a run's median
+  deviation is about the twins' spread over sqrt(2). A predictor that knew every layout's
+  true step time would still show this median APE against single runs: a floor for the
+  median APE the performance model is scored on;
+* **twin oracle**: the median APE of predicting each run from its measured twin times the
+  offset of its cluster size (computed without that pair);
+* **stall regime**: pipeline runs with MFU under 10% and more than 0.5 s per micro-batch:
+  the distribution of their time per micro-batch, by model size (a fixed cost per
+  micro-batch, not a slower version of the normal step).
+
+    python experiments/noise_floor.py [--data DIR] [--no-mlflow]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _public import public_data_dir
+
+KEY = ["model_name", "world_size", "dp", "tp", "pp", "micro_batch_size", "global_batch_size"]
+
+
+def twins(frame):
+    """One row per layout measured both without sharding and with ZeRO-1."""
+    import pandas as pd
+
+    ok = frame[np.isfinite(frame["step_time_s"])]
+    wide = ok.pivot_table(index=KEY, columns="sharding", values="step_time_s", aggfunc="median")
+    if not {"none", "zero1"} <= set(wide.columns):
+        raise SystemExit("no layouts measured both without sharding and with zero1")
+    pairs = wide[["none", "zero1"]].dropna().reset_index()
+    pairs["log_ratio"] = np.log(pairs["zero1"] / pairs["none"])
+    pairs["nodes"] = pairs["world_size"] // 8
+    return pd.DataFrame(pairs)
+
+
+def twin_oracle_ape(pairs) -> np.ndarray:
+    """APE of predicting each twin from the other, with the leave-pair-out offset of its
+    cluster size; two errors per pair."""
+    errors = []
+    for i, row in pairs.iterrows():
+        same = pairs[(pairs["world_size"] == row["world_size"]) & (pairs.index != i)]
+        offset = float(np.median(same["log_ratio"])) if len(same) else 0.0
+        errors.append(abs(row["zero1"] / (row["none"] * np.exp(offset)) - 1.0))
+        errors.append(abs(row["none"] / (row["zero1"] * np.exp(-offset)) - 1.0))
+    return np.asarray(errors)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data", default=None, help="folder of the public CSVs")
+    parser.add_argument("--no-mlflow", action="store_true")
+    args = parser.parse_args()
+
+    import pandas as pd
+
+    from paratune._table import format_table
+    from paratune.models import load_measurements
+    from paratune.models._data import measured_step_time
+
+    data = public_data_dir(args.data)
+    frame = load_measurements([data / "ultrascale_playbook_h100.csv"])
+    frame["step_time_s"] = measured_step_time(frame)
+    pairs = twins(frame)
+    oracle = twin_oracle_ape(pairs)
+
+    rows = []
+    for nodes, part in pairs.groupby("nodes"):
+        offset = float(np.median(part["log_ratio"]))
+        spread = float(np.median(np.abs(part["log_ratio"] - offset)))
+        ape = twin_oracle_ape(part.reset_index(drop=True))
+        rows.append({"nodes": int(nodes), "pairs": len(part),
+                     "zero1_vs_none_pct": 100 * (np.exp(offset) - 1),
+                     "twin_spread_pct": 100 * (np.exp(spread) - 1),
+                     "implied_run_noise_pct": 100 * (np.exp(spread / np.sqrt(2)) - 1),
+                     "twin_oracle_mdape_pct": 100 * float(np.median(ape))})
+    offsets = pairs.groupby("nodes")["log_ratio"].transform("median")
+    spread_all = float(np.median(np.abs(pairs["log_ratio"] - offsets)))
+    noise_all = 100 * (np.exp(spread_all / np.sqrt(2)) - 1)
+    rows.append({"nodes": "all", "pairs": len(pairs), "zero1_vs_none_pct": float("nan"),
+                 "twin_spread_pct": 100 * (np.exp(spread_all) - 1),
+                 "implied_run_noise_pct": noise_all,
+                 "twin_oracle_mdape_pct": 100 * float(np.median(oracle))})
+    table = format_table(rows, ["nodes", "pairs", "zero1_vs_none_pct", "twin_spread_pct",
+                                "implied_run_noise_pct", "twin_oracle_mdape_pct"],
+                         floatfmt=".1f",
+                         title="Twin layouts (no sharding vs ZeRO-1): offset, spread, implied "
+                               "noise of one run, and the twin oracle's median APE")
+    print(table)
+    multi = frame[np.isfinite(frame["step_time_s"])]
+    share = float((multi["world_size"] > 16).mean())
+    print(f"\n{100 * share:.0f}% of the successful runs are on 4 or more nodes, where twins "
+          "disagree most.")
+
+    per_mb = frame["step_time_s"] / frame["num_microbatches"]
+    stalled = frame[(frame["pp"] > 1) & (frame["mfu"] < 0.10) & (per_mb > 0.5)].copy()
+    stalled["s_per_microbatch"] = per_mb[stalled.index]
+    stall_rows = []
+    for model, part in stalled.groupby("model_name"):
+        q = np.percentile(part["s_per_microbatch"], [10, 50, 90])
+        stall_rows.append({"model": model, "runs": len(part), "p10_s": q[0], "median_s": q[1],
+                           "p90_s": q[2]})
+    stall = format_table(stall_rows, ["model", "runs", "p10_s", "median_s", "p90_s"],
+                         floatfmt=".2f",
+                         title="Stalled pipeline runs (MFU < 10%, > 0.5 s per micro-batch): "
+                               "seconds per micro-batch")
+    print()
+    print(stall)
+    pipeline = frame[(frame["pp"] > 1) & np.isfinite(frame["step_time_s"])]
+    print(f"\n{len(stalled)} of {len(pipeline)} successful pipeline runs are stalled.")
+
+    if not args.no_mlflow:
+        from paratune.tracking import start_run
+
+        with start_run("paratune-evaluate", run_name="noise_floor") as run:
+            run.log_params({"data": str(data)})
+            run.log_metrics({"twin_oracle_mdape_pct": 100 * float(np.median(oracle)),
+                             "implied_run_noise_pct": noise_all,
+                             "twin_pairs": float(len(pairs)),
+                             "stalled_pipeline_runs": float(len(stalled)),
+                             "stall_median_s_per_microbatch":
+                                 float(np.median(stalled["s_per_microbatch"]))})
+            run.log_text(table + "\n\n" + stall + "\n", "noise_floor.txt")
+            run.log_text(pd.DataFrame(rows).to_csv(index=False), "twins_by_nodes.csv")
+
+
+if __name__ == "__main__":
+    main()
