@@ -55,9 +55,9 @@ __all__ = [
     "source_family",
 ]
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 """Version of the saved-model directory format; loading another version fails (2: the
-layer-passes feature)."""
+layer-passes feature; 3: the data-parallel ring latency in the analytical estimate)."""
 PRED_TOKENS_Q10 = f"{PRED_TOKENS_PER_SEC_PER_GPU}_q10"
 PRED_TOKENS_Q90 = f"{PRED_TOKENS_PER_SEC_PER_GPU}_q90"
 PRED_ERROR = "pred_error"
@@ -187,7 +187,7 @@ class PerformanceModel(_Base):
         random_state: Seed.
     """
 
-    def __init__(self, *, n_estimators: int = 500, max_depth: int = 4,
+    def __init__(self, *, n_estimators: int = 500, max_depth: int = 3,
                  learning_rate: float = 0.075, aux_estimators: int = 100,
                  aux_learning_rate: float = 0.15, refine_clip: float = 0.2,
                  min_family_rows: int = 200, subsample: float = 0.8,

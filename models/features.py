@@ -18,7 +18,8 @@ Conventions (Megatron-LM / nanotron accounting; the learned model corrects what 
   ``s*b*(18*h + 2*m*f) / tp`` bytes with ``m`` MLP matrices;
 * step time = slowest pipeline stage's per-micro-batch time (compute at peak FLOP/s plus
   tensor-parallel collectives and pipeline transfers at link bandwidth) times
-  ``num_microbatches + (pp - 1) / virtual_stages``, plus the data-parallel gradient reduction.
+  ``num_microbatches + (pp - 1) / virtual_stages``, plus the data-parallel gradient reduction
+  (bytes at link bandwidth plus a ring latency per gradient bucket and node hop).
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ACTIVATION_BYTES",
+    "DP_BUCKET_BYTES",
+    "DP_HOP_LATENCY_S",
     "FEATURE_NAMES",
     "MEMORY_OVERHEAD_GB",
     "Columns",
@@ -48,6 +51,8 @@ __all__ = [
     "compute_features",
     "config_row",
     "dp_crosses_nodes",
+    "dp_latency_s",
+    "dp_nodes",
     "dp_reduction_bytes",
     "gradient_memory_bytes",
     "hardware_columns",
@@ -65,6 +70,10 @@ ACTIVATION_BYTES = 2.0
 """Bytes per activation / communicated element (bf16)."""
 MEMORY_OVERHEAD_GB = 2.0
 """CUDA context, NCCL buffers and allocator slack added to every device's estimate."""
+DP_BUCKET_BYTES = 25e6
+"""Gradient bytes per data-parallel reduction call (PyTorch DDP's default bucket, 25 MB)."""
+DP_HOP_LATENCY_S = 20e-6
+"""Latency of one inter-node step of a ring collective (NIC, switch and NCCL proxy)."""
 _SCHEDULES = {"gpipe": 0, "1f1b": 1, "interleaved_1f1b": 2}
 _SHARDING = {"none": 0, "zero1": 1, "zero2": 2, "zero3": 3}
 _RECOMPUTE = {"none": 0, "full": 1, "selective": 2}
@@ -283,6 +292,28 @@ def _stage_params(c: Columns) -> np.ndarray:
             + final_norm)
 
 
+def dp_nodes(frame: pd.DataFrame | Columns) -> np.ndarray:
+    """Nodes a data-parallel group spans (mesh order (pp, dp, tp): a group's ranks are
+    ``tp`` apart)."""
+    c = _cols(frame)
+    spanned = np.where(c.tp >= c.per_node, c.dp, np.ceil(c.dp * c.tp / c.per_node))
+    return np.maximum(spanned, 1.0)
+
+
+def dp_latency_s(frame: pd.DataFrame | Columns) -> np.ndarray:
+    """Latency of the data-parallel gradient reduction per step, in seconds.
+
+    The gradients go in :data:`DP_BUCKET_BYTES` buckets; a ring collective over ``n`` nodes
+    takes ``2 (n - 1)`` inter-node steps per bucket, each :data:`DP_HOP_LATENCY_S`. Zero
+    inside one node and without data parallelism. This is what makes the reduction slower
+    than its bytes at link bandwidth as the cluster grows.
+    """
+    c = _cols(frame)
+    buckets = np.ceil(_stage_params(c) / c.tp * ACTIVATION_BYTES / DP_BUCKET_BYTES)
+    hops = 2.0 * (dp_nodes(c) - 1.0)
+    return np.where(c.dp > 1, buckets * hops * DP_HOP_LATENCY_S, 0.0)
+
+
 def dp_reduction_bytes(frame: pd.DataFrame | Columns) -> np.ndarray:
     """Bytes each device moves per step to synchronise gradients across data parallelism.
 
@@ -358,7 +389,8 @@ def analytical_step_time(frame: pd.DataFrame | Columns) -> dict[str, np.ndarray]
     Returns:
         ``compute_s`` (slowest stage's FLOPs at peak over the step), ``tp_s``, ``pp_s``
         (communication over the step), ``bubble_s`` (pipeline idle), ``dp_s`` (gradient
-        reduction) and ``step_time_s`` (their sum).
+        reduction: bytes at bandwidth plus :func:`dp_latency_s`) and ``step_time_s`` (their
+        sum).
     """
     c = _cols(frame)
     stage_layers = c.layers_per_stage
@@ -375,7 +407,7 @@ def analytical_step_time(frame: pd.DataFrame | Columns) -> dict[str, np.ndarray]
     warmup = (c.pp - 1.0) / np.where(c.schedule == 2, c.virtual, 1.0)
     per_mb = compute_mb + tp_mb + pp_mb
     dp_bw = np.where(dp_crosses_nodes(c) > 0, c.inter_bw, c.intra_bw)
-    dp_s = dp_reduction_bytes(c) / dp_bw
+    dp_s = dp_reduction_bytes(c) / dp_bw + dp_latency_s(c)
     out = {
         "compute_s": compute_mb * n_micro,
         "tp_s": tp_mb * n_micro,

@@ -114,7 +114,26 @@ def test_analytical_step_time_is_compute_plus_communication_with_bubble():
     inside = F.analytical_step_time(row(dp=8, micro_batch_size=1, global_batch_size=64))
     across = F.analytical_step_time(row(dp=16, micro_batch_size=1, global_batch_size=64))
     ratio = H100.intra_node_bw / H100.inter_node_bw
-    assert across["dp_s"][0] / inside["dp_s"][0] == pytest.approx(ratio * (15 / 16) / (7 / 8))
+    across_bytes_s = across["dp_s"][0] - F.dp_latency_s(row(dp=16, micro_batch_size=1,
+                                                           global_batch_size=64))[0]
+    assert across_bytes_s / inside["dp_s"][0] == pytest.approx(ratio * (15 / 16) / (7 / 8))
+
+
+def test_dp_latency_counts_buckets_and_inter_node_ring_steps():
+    # inside one node, or without data parallelism: no latency term
+    assert F.dp_latency_s(row(dp=8, micro_batch_size=1, global_batch_size=64))[0] == 0
+    assert F.dp_latency_s(row(dp=1, tp=16, micro_batch_size=1))[0] == 0
+    # dp=32, tp=2 on 8-device nodes spans 8 nodes: 2 * 7 ring steps per bucket
+    frame = row(dp=32, tp=2, micro_batch_size=1, global_batch_size=64)
+    assert F.dp_nodes(frame)[0] == 8
+    stage_bytes = (F.parameter_memory_bytes(frame)[0])  # bf16 weights = bf16 gradients
+    buckets = np.ceil(stage_bytes / F.DP_BUCKET_BYTES)
+    assert F.dp_latency_s(frame)[0] == pytest.approx(buckets * 14 * F.DP_HOP_LATENCY_S)
+    # tp fills the node: every data-parallel rank sits in another node
+    assert F.dp_nodes(row(dp=4, tp=8, micro_batch_size=1, global_batch_size=64))[0] == 4
+    # the latency grows with the nodes spanned, the bytes term does not
+    wider = row(dp=64, tp=2, micro_batch_size=1, global_batch_size=64)
+    assert F.dp_latency_s(wider)[0] > F.dp_latency_s(frame)[0]
 
 
 def test_features_are_finite_and_relative():
