@@ -160,6 +160,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"paratune.profiler.train: error: {exc}", file=sys.stderr)
         return 2
+    else:
+        # Every rank past its last collective before any tears its connections down: a rank
+        # that closes while a peer still reads aborts that peer's gloo thread at exit.
+        dist.barrier()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
