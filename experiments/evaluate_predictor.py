@@ -81,15 +81,11 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
-    from paratune.models import PerformanceModel
-
     # The random split again under other fold (and model) seeds, performance model only.
     repeats = []
     for seed in range(1, args.fold_seeds):
         def factory(_seed=seed):
-            return PerformanceModel(random_state=_seed,
-                                    **({"n_estimators": args.n_estimators}
-                                       if args.n_estimators else {}))
+            return factories["performance_model"]().set_params(random_state=_seed)
         again = cross_validate(frame, split="random", estimators={"performance_model": factory},
                                random_state=seed)
         repeats.append(_pick(again, estimator="performance_model", source="ultrascale"))

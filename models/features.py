@@ -292,6 +292,11 @@ def _stage_params(c: Columns) -> np.ndarray:
             + final_norm)
 
 
+def _stage_gradient_bytes(c: Columns) -> np.ndarray:
+    """bf16 gradient bytes a device reduces per step (its stage's share of the tp split)."""
+    return _stage_params(c) / c.tp * ACTIVATION_BYTES
+
+
 def dp_nodes(frame: pd.DataFrame | Columns) -> np.ndarray:
     """Nodes a data-parallel group spans (mesh order (pp, dp, tp): a group's ranks are
     ``tp`` apart)."""
@@ -309,7 +314,7 @@ def dp_latency_s(frame: pd.DataFrame | Columns) -> np.ndarray:
     than its bytes at link bandwidth as the cluster grows.
     """
     c = _cols(frame)
-    buckets = np.ceil(_stage_params(c) / c.tp * ACTIVATION_BYTES / DP_BUCKET_BYTES)
+    buckets = np.ceil(_stage_gradient_bytes(c) / DP_BUCKET_BYTES)
     hops = 2.0 * (dp_nodes(c) - 1.0)
     return np.where(c.dp > 1, buckets * hops * DP_HOP_LATENCY_S, 0.0)
 
@@ -322,9 +327,8 @@ def dp_reduction_bytes(frame: pd.DataFrame | Columns) -> np.ndarray:
     ``3 (dp-1)/dp``.
     """
     c = _cols(frame)
-    grads = _stage_params(c) / c.tp * ACTIVATION_BYTES
     factor = np.where(c.sharding == 3, 3.0, 2.0)
-    return factor * (c.dp - 1.0) / c.dp * grads
+    return factor * (c.dp - 1.0) / c.dp * _stage_gradient_bytes(c)
 
 
 # ---------------------------------------------------------------------------------- memory
