@@ -702,6 +702,8 @@ def _gns_worker(rank: int, world_size: int, port: int, job: GNSJob) -> None:
                 state.extra["elapsed_s"] = elapsed
                 save_checkpoint(ckpt, trainer, state)
         trainer.close()
+        # every rank past its last collective before any closes its connections
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
