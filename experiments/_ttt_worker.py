@@ -335,10 +335,11 @@ def worker(rank: int, world_size: int, port: int, job: Job) -> None:
 
     from paratune.profiler.corpus import TextCorpus
     from paratune.profiler.gns import init_worker
+    from paratune.profiler.mesh import closing_process_group
 
     device = init_worker(rank, world_size, port, "cpu")
     out = Path(job.out_dir)
-    try:
+    with closing_process_group():
         if job.profile:
             result = profile(job, device)
             if rank == 0:
@@ -358,5 +359,3 @@ def worker(rank: int, world_size: int, port: int, job: Job) -> None:
                 print(f"{run['name']}: reached={result['reached']} time={result['time_s']:.1f}s "
                       f"steps={result['steps']} switches={result['num_switches']}", flush=True)
             dist.barrier()
-    finally:
-        dist.destroy_process_group()

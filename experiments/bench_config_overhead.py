@@ -54,6 +54,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str, warmup: int, measure
             repeats: int) -> None:
     import torch.distributed as dist
 
+    from paratune.profiler.mesh import closing_process_group
     from paratune.profiler.trainer import measure_config
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -62,18 +63,19 @@ def _worker(rank: int, world: int, port: int, out_dir: str, warmup: int, measure
                             timeout=datetime.timedelta(seconds=300))
     spec = get_model("tiny")
     rows = []
-    for repeat in range(repeats):
-        for cfg in layouts(world):
-            details: dict = {}
-            start = time.perf_counter()
-            m = measure_config(spec, cfg, hardware="cpu", device="cpu", warmup_steps=warmup,
-                               measured_steps=measured, details=details)
-            rows.append({"repeat": repeat, "layout": cfg.key(),
-                         "wall_s": time.perf_counter() - start,
-                         "step_s": m.step_time_s, **details})
-    if rank == 0:
-        torch.save(rows, Path(out_dir) / "rows.pt")
-    dist.destroy_process_group()
+    with closing_process_group():
+        for repeat in range(repeats):
+            for cfg in layouts(world):
+                details: dict = {}
+                start = time.perf_counter()
+                m = measure_config(spec, cfg, hardware="cpu", device="cpu",
+                                   warmup_steps=warmup, measured_steps=measured,
+                                   details=details)
+                rows.append({"repeat": repeat, "layout": cfg.key(),
+                             "wall_s": time.perf_counter() - start,
+                             "step_s": m.step_time_s, **details})
+        if rank == 0:
+            torch.save(rows, Path(out_dir) / "rows.pt")
 
 
 def main(argv: list[str] | None = None) -> int:

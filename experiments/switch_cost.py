@@ -32,14 +32,13 @@ CYCLE = [
 
 def _worker(rank: int, world_size: int, port: int, model: Any, repeats: int,
             out_dir: str) -> None:
-    import torch.distributed as dist
-
     from paratune.profiler.gns import init_worker
+    from paratune.profiler.mesh import closing_process_group
     from paratune.profiler.reconfigure import RunState, reconfigure
     from paratune.profiler.trainer import Trainer, synthetic_batch
 
     device = init_worker(rank, world_size, port, "cpu")
-    try:
+    with closing_process_group():
         def build(config: ParallelConfig) -> Trainer:
             return Trainer(model, config, device=device, seed=0)
 
@@ -61,8 +60,6 @@ def _worker(rank: int, world_size: int, port: int, model: Any, repeats: int,
         trainer.close()
         if rank == 0:
             Path(out_dir, "rows.json").write_text(json.dumps(rows))
-    finally:
-        dist.destroy_process_group()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -116,6 +116,7 @@ def _worker(rank: int, world_size: int, port: int, jobs: list[tuple[ModelSpec, P
             seed: int, dtype: torch.dtype, out_dir: str) -> None:
     import torch.distributed as dist
 
+    from paratune.profiler.mesh import closing_process_group
     from paratune.profiler.trainer import Trainer, synthetic_batch
 
     torch.set_num_threads(1)
@@ -123,7 +124,7 @@ def _worker(rank: int, world_size: int, port: int, jobs: list[tuple[ModelSpec, P
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=120))
-    try:
+    with closing_process_group():
         for index, (spec, config) in enumerate(jobs):
             try:
                 trainer = Trainer(spec, config, device=torch.device("cpu"), seed=seed, lr=LR,
@@ -140,8 +141,6 @@ def _worker(rank: int, world_size: int, port: int, jobs: list[tuple[ModelSpec, P
             if rank == 0 or "error" in got:
                 torch.save(got, Path(out_dir) / f"{index}-{rank}.pt")
             dist.barrier()
-    finally:
-        dist.destroy_process_group()
 
 
 def run_layouts(spec: ModelSpec, configs: list[Layout], *, world_size: int, seed: int = 0,

@@ -650,6 +650,7 @@ def _gns_worker(rank: int, world_size: int, port: int, job: GNSJob) -> None:
     import torch.distributed as dist
 
     from paratune.profiler.corpus import TextCorpus
+    from paratune.profiler.mesh import closing_process_group
     from paratune.profiler.reconfigure import (
         RUN_STATE_FILE,
         RunState,
@@ -659,7 +660,7 @@ def _gns_worker(rank: int, world_size: int, port: int, job: GNSJob) -> None:
     from paratune.profiler.trainer import Trainer
 
     device = init_worker(rank, world_size, port, job.device)
-    try:
+    with closing_process_group():
         corpus = TextCorpus.from_stdlib(max_bytes=job.corpus_bytes)
         meter = NoiseScaleMeter(job.config, mode=job.mode,
                                 num_small_batches=job.num_small_batches,
@@ -702,10 +703,6 @@ def _gns_worker(rank: int, world_size: int, port: int, job: GNSJob) -> None:
                 state.extra["elapsed_s"] = elapsed
                 save_checkpoint(ckpt, trainer, state)
         trainer.close()
-        # every rank past its last collective before any closes its connections
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
 
 
 def run_gns(job: GNSJob) -> Path:
@@ -739,11 +736,12 @@ def _layouts_worker(rank: int, world_size: int, port: int, model: Any, runs: lis
     import torch.distributed as dist
 
     from paratune.profiler.corpus import TextCorpus
+    from paratune.profiler.mesh import closing_process_group
     from paratune.profiler.trainer import Trainer
 
     torch.set_default_dtype(getattr(torch, dtype_name))
     device = init_worker(rank, world_size, port, "cpu")
-    try:
+    with closing_process_group():
         corpus = TextCorpus.from_stdlib(max_bytes=1 << 19)
         for index, run in enumerate(runs):
             config = run["config"]
@@ -760,8 +758,6 @@ def _layouts_worker(rank: int, world_size: int, port: int, model: Any, runs: lis
             if rank == 0:
                 Path(out_dir, f"{index}.json").write_text(json.dumps(records))
             dist.barrier()
-    finally:
-        dist.destroy_process_group()
 
 
 def measure_layouts(model: Any, runs: list[dict[str, Any]], *, world_size: int, steps: int = 3,

@@ -8,14 +8,16 @@ one set of processes pays for each shape once.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
 
 from paratune.parallel import MeshAxis, ParallelConfig
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["MESH_AXES", "build_mesh", "clear_mesh_cache"]
+__all__ = ["MESH_AXES", "build_mesh", "clear_mesh_cache", "closing_process_group"]
 
 MESH_AXES: tuple[str, ...] = tuple(axis.value for axis in MeshAxis)
 """Mesh axis names, outermost first: ``("pp", "dp", "tp")``."""
@@ -59,3 +61,30 @@ def build_mesh(config: ParallelConfig, device_type: str) -> DeviceMesh:
 def clear_mesh_cache() -> None:
     """Forget cached meshes (call before destroying the process group)."""
     _CACHE.clear()
+
+
+@contextmanager
+def closing_process_group(group: Any = None) -> Iterator[None]:
+    """Run the body, then forget the cached meshes and destroy the default process group.
+
+    When the body finishes, every rank first meets at a barrier (on ``group``, default the
+    world): a rank that closes its gloo connections while a peer is still reading aborts
+    that peer at exit. When the body raises, the group is destroyed at once, since a peer may
+    never reach a barrier.
+
+        with closing_process_group():
+            ...  # collectives
+    """
+    import torch.distributed as dist
+
+    try:
+        yield
+    except BaseException:
+        clear_mesh_cache()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        raise
+    clear_mesh_cache()
+    if dist.is_initialized():
+        dist.barrier(group=group)
+        dist.destroy_process_group()

@@ -121,6 +121,27 @@ def test_mesh_is_cached_per_shape(world_one):
     assert build_mesh(config.replace(global_batch_size=4), "cpu") is mesh
 
 
+@pytest.mark.parametrize("fails", [False, True])
+def test_closing_process_group_destroys_it_after_the_body(tmp_path, fails):
+    from paratune.profiler import mesh as mesh_module
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        with mesh_module.closing_process_group():
+            build_mesh(ParallelConfig(global_batch_size=2), "cpu")
+            assert mesh_module._CACHE
+            if fails:
+                raise ValueError("in the body")
+    except ValueError as exc:
+        assert fails and str(exc) == "in the body"
+    finally:
+        initialized = dist.is_initialized()
+        if initialized:
+            dist.destroy_process_group()
+    assert not initialized and not mesh_module._CACHE
+
+
 # ---------------------------------------------------------------------- two processes
 def _two_rank_worker(rank: int, port: int, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
