@@ -23,10 +23,14 @@ def test_metrics_on_known_predictions(synthetic):
     assert figures["mdape_step"] == pytest.approx(0.25)
     assert figures["spearman"] == pytest.approx(1.0)
     assert figures["regret_mean"] == pytest.approx(0.0)
+    assert figures["regret_median"] == pytest.approx(0.0)
+    assert figures["regret_within_5pct"] == pytest.approx(1.0)
     assert figures["feasibility_accuracy"] == pytest.approx(1.0)
     # ranking the worst configuration first gives a positive regret
     pred["pred_step_time_s"] = 1.0 / pred["pred_step_time_s"]
-    assert metrics(synthetic, pred)["regret_mean"] > 0
+    worst_first = metrics(synthetic, pred)
+    assert worst_first["regret_mean"] > 0 and worst_first["regret_median"] > 0
+    assert worst_first["regret_within_5pct"] < figures["regret_within_5pct"]
 
 
 @pytest.mark.parametrize("split", ["random", "cluster", "model"])
