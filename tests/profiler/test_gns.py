@@ -156,7 +156,7 @@ def _reference(spec, gb, steps, *, num_small, precondition="none"):
 
             def backward(chunk, losses=losses):
                 loss = cross_entropy_loss(model(chunk[:, :-1]), chunk[:, 1:])
-                losses.append(float(loss))
+                losses.append(loss.item())
                 loss.backward()
 
             weights = adam_preconditioners([opt]) if precondition == "adam" else None
