@@ -55,15 +55,18 @@ __all__ = [
     "source_family",
 ]
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 """Version of the saved-model directory format; loading another version fails (2: the
-layer-passes feature; 3: the data-parallel ring latency in the analytical estimate)."""
+layer-passes feature; 3: the data-parallel ring latency in the analytical estimate; 4: the
+step-time models for models not in the training data)."""
 PRED_TOKENS_Q10 = f"{PRED_TOKENS_PER_SEC_PER_GPU}_q10"
 PRED_TOKENS_Q90 = f"{PRED_TOKENS_PER_SEC_PER_GPU}_q90"
 PRED_ERROR = "pred_error"
 OUTPUT_COLUMNS = (*PREDICTION_COLUMNS, PRED_TOKENS_Q10, PRED_TOKENS_Q90, "analytical_step_time_s",
                   PRED_ERROR)
 _MANIFEST = "model.json"
+_TIME_COMPONENTS = ("throughput", "throughput_refine", "throughput_quantiles")
+_TRANSFER_COLUMNS = np.asarray([F.FEATURE_NAMES.index(name) for name in F.TRANSFER_FEATURE_NAMES])
 
 
 def source_family(frame: pd.DataFrame) -> np.ndarray:
@@ -163,7 +166,11 @@ class PerformanceModel(_Base):
       fitted on all rows and, where the data mixes measurement families (sources of one
       framework and cluster), once per family; a row uses its family's model (by its
       ``source`` column, else by its hardware when that was measured in one family only),
-      else the model fitted on all rows;
+      else the model fitted on all rows; each of these step-time models comes twice: on all
+      features for configurations of models in the training data, and on
+      :data:`~paratune.models.features.TRANSFER_FEATURE_NAMES` (no feature that tells the
+      trained-on models apart by size) for models it has not seen, which a tree would
+      otherwise treat as whichever trained-on model their size falls next to;
     * peak memory: ``analytical * exp(m(x))`` where memory was measured;
     * feasibility: an XGBoost classifier on the features and the predicted memory fraction,
       trained on successful and failed runs (a configuration that ran at least once is
@@ -243,16 +250,22 @@ class PerformanceModel(_Base):
         y = np.log(step / analytical["step_time_s"])
         self.throughput_, self.refine_, self.quantile_ = self._fit_time(X[has_time],
                                                                         y[has_time])
+        transfer = _TRANSFER_COLUMNS
+        self.transfer_ = self._fit_time(X[has_time][:, transfer], y[has_time])
+        self.seen_models_ = sorted(str(k) for k in np.unique(F.model_keys(frame)[has_time]))
         # One step-time model per measurement family (framework and cluster of a source) with
         # enough rows: a family's quirks (e.g. one framework's pathological pipeline runs)
         # must not leak into another's extrapolation, which the analytical estimate carries.
         families = source_family(frame)
         self.families_ = {}
+        self.family_transfer_ = {}
         if len(np.unique(families[has_time])) > 1:
             for family in np.unique(families[has_time]):
                 rows = has_time & (families == family)
                 if rows.sum() >= self.min_family_rows:
                     self.families_[str(family)] = self._fit_time(X[rows], y[rows])
+                    self.family_transfer_[str(family)] = self._fit_time(X[rows][:, transfer],
+                                                                        y[rows])
         hardware = frame["hardware"].astype(str).to_numpy()
         self.hardware_family_ = {}
         for name in np.unique(hardware[has_time]):
@@ -335,13 +348,23 @@ class PerformanceModel(_Base):
         ratio = np.zeros(len(X))
         bounds = np.zeros((len(X), 2))
         route = self._route(frame)
+        seen = np.isin(F.model_keys(frame), self.seen_models_)
         for family in np.unique(route):
-            rows = route == family
-            median, refine, quantile = (self.families_[family] if family else
-                                        (self.throughput_, self.refine_, self.quantile_))
-            ratio[rows] = median.predict(X[rows]) + refine.predict(X[rows])
-            q = np.asarray(quantile.predict(X[rows])).reshape(int(rows.sum()), -1)
-            bounds[rows] = q[:, [0, -1]]
+            for known in (True, False):
+                rows = (route == family) & (seen == known)
+                if not rows.any():
+                    continue
+                if known:
+                    boosters = (self.families_[family] if family else
+                                (self.throughput_, self.refine_, self.quantile_))
+                    Xr = X[rows]
+                else:
+                    boosters = self.family_transfer_[family] if family else self.transfer_
+                    Xr = X[rows][:, _TRANSFER_COLUMNS]
+                median, refine, quantile = boosters
+                ratio[rows] = median.predict(Xr) + refine.predict(Xr)
+                q = np.asarray(quantile.predict(Xr)).reshape(int(rows.sum()), -1)
+                bounds[rows] = q[:, [0, -1]]
         lo = np.minimum(bounds[:, 0], ratio)
         hi = np.maximum(bounds[:, -1], ratio)
         memory = self._memory_gb(X, analytical)
@@ -377,10 +400,13 @@ class PerformanceModel(_Base):
         components = {"throughput": self.throughput_, "throughput_refine": self.refine_,
                       "throughput_quantiles": self.quantile_,
                       "memory": self.memory_, "feasibility": self.feasibility_}
+        for name, booster in zip(_TIME_COMPONENTS, self.transfer_):
+            components[f"transfer-{name}"] = booster
         for family, boosters in self.families_.items():
-            for name, booster in zip(("throughput", "throughput_refine",
-                                      "throughput_quantiles"), boosters):
+            for name, booster in zip(_TIME_COMPONENTS, boosters):
                 components[f"family-{family}-{name}"] = booster
+            for name, booster in zip(_TIME_COMPONENTS, self.family_transfer_[family]):
+                components[f"family-{family}-transfer-{name}"] = booster
         files = {}
         for name, booster in components.items():
             if booster is None:
@@ -398,6 +424,8 @@ class PerformanceModel(_Base):
             "paratune_version": __version__,
             "feature_names": list(F.FEATURE_NAMES),
             "feasibility_feature_names": [*F.FEATURE_NAMES, "log2_pred_mem_fraction"],
+            "transfer_feature_names": list(F.TRANSFER_FEATURE_NAMES),
+            "seen_models": self.seen_models_,
             "target": "log(measured_step_time_s / analytical_step_time_s)",
             "params": params,
             "components": files,
@@ -437,7 +465,8 @@ class PerformanceModel(_Base):
         if version != SCHEMA_VERSION:
             raise ModelFormatError(f"{manifest_path}: schema_version={version!r} but this "
                                    f"paratune reads schema_version={SCHEMA_VERSION}; refit it")
-        if manifest.get("feature_names") != list(F.FEATURE_NAMES):
+        if (manifest.get("feature_names") != list(F.FEATURE_NAMES)
+                or manifest.get("transfer_feature_names") != list(F.TRANSFER_FEATURE_NAMES)):
             raise ModelFormatError(f"{manifest_path}: feature_names differ from this paratune's "
                                    "features; refit the model")
         params = dict(manifest["params"])
@@ -455,21 +484,23 @@ class PerformanceModel(_Base):
                 raise ModelFormatError(f"{path / files[name]}: cannot load ({exc})") from None
             return obj
 
-        for required in ("throughput", "throughput_refine", "throughput_quantiles"):
-            if required not in files:
-                raise ModelFormatError(f"{manifest_path}: component {required!r} missing")
-        model.throughput_ = booster("throughput", xgb.XGBRegressor)
-        model.refine_ = booster("throughput_refine", xgb.XGBRegressor)
-        model.quantile_ = booster("throughput_quantiles", xgb.XGBRegressor)
+        def time_models(prefix: str) -> tuple[Any, Any, Any]:
+            for name in _TIME_COMPONENTS:
+                if prefix + name not in files:
+                    raise ModelFormatError(f"{manifest_path}: component {prefix + name!r} "
+                                           "missing")
+            return tuple(booster(prefix + name, xgb.XGBRegressor) for name in _TIME_COMPONENTS)
+
+        model.throughput_, model.refine_, model.quantile_ = time_models("")
+        model.transfer_ = time_models("transfer-")
+        model.seen_models_ = [str(k) for k in manifest.get("seen_models", [])]
         model.memory_ = booster("memory", xgb.XGBRegressor)
         model.feasibility_ = booster("feasibility", xgb.XGBClassifier)
         model.families_ = {}
+        model.family_transfer_ = {}
         for family in manifest.get("families", []):
-            parts = tuple(booster(f"family-{family}-{name}", xgb.XGBRegressor) for name in
-                          ("throughput", "throughput_refine", "throughput_quantiles"))
-            if any(p is None for p in parts):
-                raise ModelFormatError(f"{manifest_path}: family {family!r} lacks a component")
-            model.families_[family] = parts
+            model.families_[family] = time_models(f"family-{family}-")
+            model.family_transfer_[family] = time_models(f"family-{family}-transfer-")
         model.hardware_family_ = dict(manifest.get("hardware_family", {}))
         training = manifest["training"]
         model.fingerprint_ = training["fingerprint_sha256"]

@@ -43,6 +43,8 @@ __all__ = [
     "DP_HOP_LATENCY_S",
     "FEATURE_NAMES",
     "MEMORY_OVERHEAD_GB",
+    "MODEL_SIZE_FEATURES",
+    "TRANSFER_FEATURE_NAMES",
     "Columns",
     "activation_memory_bytes",
     "analytical_memory_gb",
@@ -57,6 +59,7 @@ __all__ = [
     "gradient_memory_bytes",
     "hardware_columns",
     "model_flops_per_device",
+    "model_keys",
     "num_microbatches",
     "optimizer_memory_bytes",
     "parameter_memory_bytes",
@@ -435,6 +438,36 @@ FEATURE_NAMES: tuple[str, ...] = (
 )
 """Columns of :func:`compute_features`: relative quantities (fractions, ratios, log sizes) so
 that a model trained on them can extrapolate to larger clusters and models."""
+
+MODEL_SIZE_FEATURES: tuple[str, ...] = (
+    "frac_dp", "log2_hidden_per_tp", "log2_ffn_per_tp", "log2_dp_mem_share")
+"""Features that say which of the trained-on models a row belongs to: the hidden and FFN widths
+per tensor-parallel device and the optimizer state's share of device memory follow the model's
+size, and the data-parallel share of the step follows its gradient bytes. For configurations
+of a model in the training data they separate that model's quirks (which layouts of it
+stall); for a model the predictor has not seen, trees split on them as if on the name of a
+model it has, so :data:`TRANSFER_FEATURE_NAMES` leaves them out."""
+
+TRANSFER_FEATURE_NAMES: tuple[str, ...] = tuple(
+    name for name in FEATURE_NAMES if name not in MODEL_SIZE_FEATURES)
+"""The features of the step-time model for models not in the training data."""
+
+
+def model_keys(frame: pd.DataFrame | Columns) -> np.ndarray:
+    """The architecture of each row as a string (layers, widths, heads, vocabulary): rows with
+    one key are configurations of one model, whatever its name."""
+    import pandas as pd
+
+    c = _cols(frame)
+    shapes = pd.DataFrame({"L": c.layers, "H": c.hidden, "A": c.heads, "KV": c.kv_heads,
+                           "F": c.ffn, "V": c.vocab})
+    if not len(shapes):
+        return np.empty(0, dtype=object)
+    group = shapes.groupby(list(shapes.columns), sort=False, dropna=False).ngroup().to_numpy()
+    _, first = np.unique(group, return_index=True)
+    labels = np.asarray(["L{:g}-H{:g}-A{:g}-KV{:g}-F{:g}-V{:g}".format(*row)
+                         for row in shapes.to_numpy()[first]], dtype=object)
+    return labels[group]
 
 
 def compute_features(frame: pd.DataFrame | Columns) -> tuple[np.ndarray, dict[str, np.ndarray]]:

@@ -160,3 +160,12 @@ def test_features_are_vectorised():
     X, _ = F.compute_features(frame)
     assert X.shape[0] == 20000
     assert time.perf_counter() - start < 5  # loose: a per-row loop would take minutes
+
+
+def test_model_keys_name_the_architecture_not_the_label():
+    a = row()
+    renamed = a.assign(model_name="something-else", dp=4, tp=2)
+    deeper = a.assign(num_layers=a["num_layers"] * 2)
+    keys = F.model_keys(pd.concat([a, renamed, deeper], ignore_index=True))
+    assert keys[0] == keys[1] != keys[2]
+    assert keys[0].startswith(f"L{a['num_layers'].iloc[0]:g}-H{a['hidden_size'].iloc[0]:g}-")

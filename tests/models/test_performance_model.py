@@ -117,3 +117,33 @@ def test_each_measurement_family_gets_its_own_step_time_model(synthetic, tmp_pat
     back = load_model(model.save(tmp_path / "m"))
     np.testing.assert_allclose(back.predict(configs)["pred_step_time_s"].to_numpy(),
                                pred["pred_step_time_s"].to_numpy(), rtol=1e-6)
+
+
+def test_a_model_not_in_the_training_data_uses_the_transfer_features(fitted, synthetic,
+                                                                     tmp_path):
+    from paratune.models import features as F
+
+    configs = synthetic.loc[synthetic["status"] == "ok", list(CONFIG_COLUMNS)]
+    bigger = configs.assign(model_name="twice-as-deep", num_layers=configs["num_layers"] * 2)
+    pred = fitted.predict(bigger)
+    ratio = (pred["pred_step_time_s"] / pred["analytical_step_time_s"]).to_numpy()
+    X, _ = F.compute_features(bigger)
+    transfer = X[:, [F.FEATURE_NAMES.index(n) for n in F.TRANSFER_FEATURE_NAMES]]
+    median, refine, _ = fitted.transfer_
+    np.testing.assert_allclose(ratio, np.exp(median.predict(transfer) + refine.predict(transfer)),
+                               rtol=1e-5)
+    assert not set(F.MODEL_SIZE_FEATURES) & set(F.TRANSFER_FEATURE_NAMES)
+    # a trained-on architecture under another name is a seen model: all features
+    seen = fitted.predict(configs)
+    X, _ = F.compute_features(configs)
+    full = np.exp(fitted.throughput_.predict(X) + fitted.refine_.predict(X))
+    np.testing.assert_allclose((seen["pred_step_time_s"] / seen["analytical_step_time_s"]
+                                ).to_numpy(), full, rtol=1e-5)
+    renamed = fitted.predict(configs.assign(model_name="another-name"))
+    np.testing.assert_allclose(renamed["pred_step_time_s"], seen["pred_step_time_s"])
+    # the transfer models and the list of seen models survive a save / load
+    back = load_model(fitted.save(tmp_path / "m"))
+    np.testing.assert_allclose(back.predict(bigger)["pred_step_time_s"],
+                               pred["pred_step_time_s"], rtol=1e-6)
+    np.testing.assert_allclose(back.predict(configs)["pred_step_time_s"],
+                               seen["pred_step_time_s"], rtol=1e-6)
