@@ -94,7 +94,7 @@ def _reference():
                 loss.backward()
                 opt.step()
                 opt.zero_grad()
-                losses.append(float(loss))
+                losses.append(loss.item())
         return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
     finally:
         torch.set_default_dtype(previous)
