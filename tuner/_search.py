@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 import math
@@ -308,11 +309,14 @@ def optuna_search(predictor: Predictor, space: SearchSpace, objective: Objective
         storage_dir: Where the default journal goes; ``None`` with no ``storage`` keeps
             the study in memory.
         batch_size: Trials asked (and predicted in one call) at a time.
-        refine_fraction: Share of the trials, at the end, spent on a local search around
-            the best feasible configs so far: their neighbours (one parameter changed, see
-            :meth:`SearchSpace.neighbours`) are enqueued as trials, re-centred whenever the
-            leaders change; at a local optimum the sampler takes over again. This guards
-            against a model-based sampler settling next to the optimum.
+        refine_fraction: Share of the trials, at the end, spent on a local search: first
+            every layout with the knobs that need the least memory (see
+            :meth:`SearchSpace.probes`), then the neighbours (one parameter changed, see
+            :meth:`SearchSpace.neighbours`) of the best feasible config of each of the
+            ``refine_beam`` best layouts, taken in turn and re-centred whenever the leaders
+            change; at a local optimum the sampler takes over again. This guards against a
+            model-based sampler settling in one region when the optimum is a lone config in
+            a layout it seldom drew with the right knobs.
         refine_beam: How many of the best configs the local search starts from.
         timeout_s: Stop asking after this many seconds.
 
@@ -344,21 +348,32 @@ def optuna_search(predictor: Predictor, space: SearchSpace, objective: Objective
     pending: list[tuple[ParallelConfig, dict[str, Any]]] = []
     queued: set[ParallelConfig] = set()
     centre: list[ParallelConfig] | None = None
+    probes: list[tuple[ParallelConfig, dict[str, Any]]] | None = None
     done = len(_finished(study))
     while done < n_trials:
         if timeout_s is not None and time.perf_counter() - start > timeout_s:
             break
         size = min(batch_size, n_trials - done)
         if done >= refine_from:
-            leaders = _leaders(cache, refine_beam)
-            if leaders and leaders != centre:
-                centre = leaders
-                # every neighbour of the best leader first, then the next leader's
-                pending = [pair for c in leaders for pair in space.neighbours(params_of[c])
-                           if pair[0] not in cache and pair[0] not in queued]
+            if probes is None:
+                best = _leaders(cache, 1)
+                probes = ([pair for pair in space.probes(params_of[best[0]])
+                           if pair[0] not in cache] if best else [])
+            if not probes:
+                leaders = _leaders(cache, refine_beam)
+                if leaders and leaders != centre:
+                    centre = leaders
+                    # the leaders' neighbours in turn (one of each, then the next of each),
+                    # so a runner-up layout's one-move improvement is not queued behind
+                    # every neighbour of the best
+                    lists = [space.neighbours(params_of[c]) for c in leaders]
+                    pending = [pair for group in itertools.zip_longest(*lists)
+                               for pair in group if pair is not None
+                               and pair[0] not in cache and pair[0] not in queued]
+            queue = probes or pending
             left = size
-            while pending and left > 0:
-                cfg, params = pending.pop(0)
+            while queue and left > 0:
+                cfg, params = queue.pop(0)
                 if cfg in cache or cfg in queued:
                     continue
                 study.enqueue_trial(params, skip_if_exists=True)

@@ -308,6 +308,57 @@ class SearchSpace:
                     out[cfg] = dict(fixed.params)
         return list(out.items())
 
+    def probes(self, params: dict[str, Any]) -> list[tuple[ParallelConfig, dict[str, Any]]]:
+        """Every valid layout with the knobs that need the least memory.
+
+        Per layout (dp, tp, pp): the smallest micro-batch, full recomputation, the most
+        sharding (and again with the sharding of ``params``) and, with a pipeline, the
+        schedule with the smallest bubble that the layout accepts (interleaved with the most
+        virtual stages, then 1F1B, then GPipe), at the global batch of ``params`` or the
+        nearest one that gives that schedule enough micro-batches. Such configs run in most
+        layouts, so they tell which layouts are worth a local search, which then relaxes the
+        knobs one move at a time. A sampler rarely draws a layout whose best config needs
+        every knob set just so.
+
+        Args:
+            params: Trial parameters (as :meth:`suggest` asks them) of the best config so far.
+
+        Returns:
+            ``(config, params)`` pairs, at most two per layout.
+        """
+        import optuna
+
+        choices = self.param_choices()
+        tps, pps = self.degree_choices()
+        least_memory = {name: choices[name][index] for name, index in (
+            ("micro_batch_size_index", 0), ("sharding_index", -1), ("recompute_index", -1))
+            if name in choices}
+        bases = [{**params, **least_memory}]
+        if "sharding_index" in params and params["sharding_index"] != least_memory.get(
+                "sharding_index"):
+            bases.append({**bases[0], "sharding_index": params["sharding_index"]})
+        order = [Schedule.INTERLEAVED_1F1B, Schedule.ONE_F_ONE_B, Schedule.GPIPE]
+
+        def bubble_rank(label: str) -> tuple[int, int]:
+            schedule, virtual = _parse_schedule_label(label)
+            return order.index(schedule), -virtual
+
+        schedules = sorted(choices["schedule"], key=bubble_rank)
+        batch = "global_batch_size_index"
+        batches: list[Any] = sorted(choices.get(batch, [None]), key=lambda i: (
+            0 if i is None else abs(i - params.get(batch, 0)), i))
+        out: dict[ParallelConfig, dict[str, Any]] = {}
+        for (_, tp, pp), knobs in itertools.product(self.layouts(), bases):
+            layout = {**knobs, "tp_index": tps.index(tp), "pp_index": pps.index(pp)}
+            for label, b in itertools.product(schedules, batches):
+                fixed = optuna.trial.FixedTrial({**layout, "schedule": label,
+                                                 **({} if b is None else {batch: b})})
+                cfg, _ = self.suggest(fixed)
+                if cfg is not None:
+                    out.setdefault(cfg, dict(fixed.params))
+                    break
+        return list(out.items())
+
     # ------------------------------------------------------------------ identity
     def to_dict(self) -> dict[str, Any]:
         return {"model": self.model.to_dict(), "world_size": self.world_size,

@@ -79,3 +79,37 @@ def test_neighbours_change_one_parameter_and_are_valid():
         knobs = {"micro_batch_size_index", "schedule", "sharding_index", "recompute_index"}
         assert len(changed) == 1 or (len(changed) == 2 and changed <= knobs)
     assert any(c.pp > 1 for c, _ in near)  # pp moves bring in each schedule
+
+
+def test_probes_put_every_layout_at_its_least_memory_knobs():
+    from paratune.parallel import Recompute, Schedule
+
+    model = get_model("llama3-8b")
+    space = SearchSpace.build(model, 64, "H100", global_batch_sizes="128:512",
+                              space=ConfigSpace(micro_batch_sizes=(1, 2, 4),
+                                                virtual_stages=(2, 4)))
+    params = {"global_batch_size_index": 0, "tp_index": 2, "pp_index": 0,
+              "micro_batch_size_index": 2, "sharding_index": 1, "recompute_index": 0}
+    probes = space.probes(params)
+    layouts = {(c.dp, c.tp, c.pp) for c, _ in probes}
+    assert layouts == set(space.layouts())
+    most_sharding = space.shardings()[-1]
+    interleaved: dict[tuple[int, int, int], int] = {}  # layout -> smallest batch it runs at
+    for c in space.enumerate().valid:
+        if c.schedule is Schedule.INTERLEAVED_1F1B and c.micro_batch_size == 1:
+            key = (c.dp, c.tp, c.pp)
+            interleaved[key] = min(interleaved.get(key, c.global_batch_size),
+                                   c.global_batch_size)
+    for cfg, p in probes:
+        cfg.validate(model, 64)
+        assert space.suggest(optuna.trial.FixedTrial(p))[0] == cfg
+        assert cfg.micro_batch_size == 1 and cfg.recompute is Recompute.FULL
+        if cfg.dp > 1:  # the most sharding, or the sharding of params
+            assert cfg.sharding in (most_sharding, space.shardings()[1])
+        if (cfg.dp, cfg.tp, cfg.pp) in interleaved:
+            # the smallest bubble the layout allows, at the nearest batch that allows it
+            assert cfg.schedule is Schedule.INTERLEAVED_1F1B
+            assert cfg.global_batch_size == interleaved[(cfg.dp, cfg.tp, cfg.pp)]
+        elif cfg.pp > 1:
+            assert cfg.schedule is Schedule.ONE_F_ONE_B
+    assert len(probes) <= 2 * len(layouts)
