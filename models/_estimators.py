@@ -101,8 +101,8 @@ class _Base(BaseEstimator):
         if not hasattr(self, "n_train_rows_"):
             raise ModelFormatError(f"{type(self).__name__} is not fitted: call fit() or load()")
 
-    def _predict_arrays(self, frame: pd.DataFrame, X: np.ndarray, analytical: dict[str, Any]
-                        ) -> dict[str, np.ndarray]:
+    def _predict_arrays(self, frame: pd.DataFrame, c: F.Columns, X: np.ndarray,
+                        analytical: dict[str, Any]) -> dict[str, np.ndarray]:
         raise NotImplementedError
 
     def predict(self, frame: pd.DataFrame) -> pd.DataFrame:
@@ -119,9 +119,11 @@ class _Base(BaseEstimator):
         import pandas as pd
 
         self._check_fitted()
-        X, analytical = F.compute_features(frame)
-        out = self._predict_arrays(frame, X, analytical)
+        # the columns once: building them (hardware lookups over every row) is a good part
+        # of predicting 100,000 configurations
         c = F.Columns(frame)
+        X, analytical = F.compute_features(c)
+        out = self._predict_arrays(frame, c, X, analytical)
         step = out["step"]
         tokens = c.global_batch * c.seq
         with np.errstate(divide="ignore", invalid="ignore"):
@@ -240,7 +242,8 @@ class PerformanceModel(_Base):
         """
         import xgboost as xgb
 
-        X, analytical = F.compute_features(frame)
+        c = F.Columns(frame)
+        X, analytical = F.compute_features(c)
         usable = np.asarray(analytical["hardware_error"] == "") & np.isfinite(
             analytical["step_time_s"]) & (analytical["step_time_s"] > 0)
         step = measured_step_time(frame)
@@ -252,7 +255,7 @@ class PerformanceModel(_Base):
                                                                         y[has_time])
         transfer = _TRANSFER_COLUMNS
         self.transfer_ = self._fit_time(X[has_time][:, transfer], y[has_time])
-        self.seen_models_ = sorted(str(k) for k in np.unique(F.model_keys(frame)[has_time]))
+        self.seen_models_ = sorted(str(k) for k in np.unique(F.model_keys(c)[has_time]))
         # One step-time model per measurement family (framework and cluster of a source) with
         # enough rows: a family's quirks (e.g. one framework's pathological pipeline runs)
         # must not leak into another's extrapolation, which the analytical estimate carries.
@@ -331,24 +334,24 @@ class PerformanceModel(_Base):
         return analytical["memory_gb"] * np.exp(self.memory_.predict(X))
 
     def _feasibility_matrix(self, frame: pd.DataFrame) -> np.ndarray:
-        X, analytical = F.compute_features(frame)
-        return self._augment(X, analytical, frame)
+        c = F.Columns(frame)
+        X, analytical = F.compute_features(c)
+        return self._augment(X, analytical, c.memory_gb)
 
-    def _augment(self, X: np.ndarray, analytical: dict[str, Any], frame: pd.DataFrame
+    def _augment(self, X: np.ndarray, analytical: dict[str, Any], capacity: np.ndarray
                  ) -> np.ndarray:
-        capacity = F.Columns(frame).memory_gb
         with np.errstate(divide="ignore", invalid="ignore"):
             fraction = np.log2(self._memory_gb(X, analytical) / capacity)
         return np.column_stack([X, fraction]).astype(np.float32)
 
     # ------------------------------------------------------------------ predict
-    def _predict_arrays(self, frame: pd.DataFrame, X: np.ndarray, analytical: dict[str, Any]
-                        ) -> dict[str, np.ndarray]:
+    def _predict_arrays(self, frame: pd.DataFrame, c: F.Columns, X: np.ndarray,
+                        analytical: dict[str, Any]) -> dict[str, np.ndarray]:
         base = analytical["step_time_s"]
         ratio = np.zeros(len(X))
         bounds = np.zeros((len(X), 2))
         route = self._route(frame)
-        seen = np.isin(F.model_keys(frame), self.seen_models_)
+        seen = np.isin(F.model_keys(c), self.seen_models_)
         for family in np.unique(route):
             for known in (True, False):
                 rows = (route == family) & (seen == known)
@@ -368,11 +371,12 @@ class PerformanceModel(_Base):
         lo = np.minimum(bounds[:, 0], ratio)
         hi = np.maximum(bounds[:, -1], ratio)
         memory = self._memory_gb(X, analytical)
-        capacity = F.Columns(frame).memory_gb
+        capacity = c.memory_gb
         known = np.isfinite(capacity) & (capacity > 0)
         if self.feasibility_ is not None:
             # the memory fraction is missing (NaN) where the device memory is not catalogued
-            feasible = self.feasibility_.predict_proba(self._augment(X, analytical, frame))[:, 1]
+            feasible = self.feasibility_.predict_proba(self._augment(X, analytical,
+                                                                     capacity))[:, 1]
         else:
             # no failed runs to learn from: the memory estimate alone; no memory limit is
             # known for uncatalogued device memory (the CPU)
@@ -533,11 +537,11 @@ class AnalyticalBaseline(_Base):
         self.n_train_rows_ = len(frame)
         return self
 
-    def _predict_arrays(self, frame: pd.DataFrame, X: np.ndarray, analytical: dict[str, Any]
-                        ) -> dict[str, np.ndarray]:
+    def _predict_arrays(self, frame: pd.DataFrame, c: F.Columns, X: np.ndarray,
+                        analytical: dict[str, Any]) -> dict[str, np.ndarray]:
         memory = analytical["memory_gb"]
         return {"step": analytical["step_time_s"] * self.scale_, "memory": memory,
-                "feasible": _memory_rule(memory, F.Columns(frame).memory_gb)}
+                "feasible": _memory_rule(memory, c.memory_gb)}
 
 
 _RAW_NUMERIC = ("num_layers", "hidden_size", "num_heads", "ffn_hidden_size", "vocab_size",
@@ -545,8 +549,8 @@ _RAW_NUMERIC = ("num_layers", "hidden_size", "num_heads", "ffn_hidden_size", "vo
                 "world_size", "virtual_stages", "devices_per_node")
 
 
-def _raw_matrix(frame: pd.DataFrame) -> np.ndarray:
-    c = F.Columns(frame)
+def _raw_matrix(frame: pd.DataFrame, c: F.Columns | None = None) -> np.ndarray:
+    c = F.Columns(frame) if c is None else c
     cols = [np.asarray(frame[name], dtype=float) if name in frame.columns else np.full(c.n, np.nan)
             for name in _RAW_NUMERIC]
     cols += [c.sharding, c.recompute, c.schedule, c.mlp_matrices, c.peak_flops, c.memory_gb]
@@ -582,8 +586,8 @@ class RawConfigBaseline(_Base):
     def fit(self, frame: pd.DataFrame) -> RawConfigBaseline:
         import xgboost as xgb
 
-        X = _raw_matrix(frame)
         c = F.Columns(frame)
+        X = _raw_matrix(frame, c)
         step = measured_step_time(frame)
         has_time = np.isfinite(step)
         if not has_time.any():
@@ -604,10 +608,9 @@ class RawConfigBaseline(_Base):
         self.n_train_rows_ = len(frame)
         return self
 
-    def _predict_arrays(self, frame: pd.DataFrame, X: np.ndarray, analytical: dict[str, Any]
-                        ) -> dict[str, np.ndarray]:
-        raw = _raw_matrix(frame)
-        c = F.Columns(frame)
+    def _predict_arrays(self, frame: pd.DataFrame, c: F.Columns, X: np.ndarray,
+                        analytical: dict[str, Any]) -> dict[str, np.ndarray]:
+        raw = _raw_matrix(frame, c)
         tps = np.exp(self.throughput_.predict(raw))
         memory = (np.exp(self.memory_.predict(raw)) if self.memory_ is not None
                   else np.full(len(raw), np.nan))
@@ -660,12 +663,12 @@ class HistGradientBoostingBaseline(_Base):
         self.n_train_rows_ = len(frame)
         return self
 
-    def _predict_arrays(self, frame: pd.DataFrame, X: np.ndarray, analytical: dict[str, Any]
-                        ) -> dict[str, np.ndarray]:
+    def _predict_arrays(self, frame: pd.DataFrame, c: F.Columns, X: np.ndarray,
+                        analytical: dict[str, Any]) -> dict[str, np.ndarray]:
         memory = analytical["memory_gb"] * (np.exp(self.memory_.predict(X))
                                             if self.memory_ is not None else 1.0)
         feasible = (self.feasibility_.predict_proba(X)[:, 1] if self.feasibility_ is not None
-                    else _memory_rule(memory, F.Columns(frame).memory_gb))
+                    else _memory_rule(memory, c.memory_gb))
         return {"step": analytical["step_time_s"] * np.exp(self.throughput_.predict(X)),
                 "memory": memory, "feasible": feasible}
 
