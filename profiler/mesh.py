@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from paratune.parallel import MeshAxis, ParallelConfig
 
@@ -64,13 +64,12 @@ def clear_mesh_cache() -> None:
 
 
 @contextmanager
-def closing_process_group(group: Any = None) -> Iterator[None]:
+def closing_process_group() -> Iterator[None]:
     """Run the body, then forget the cached meshes and destroy the default process group.
 
-    When the body finishes, every rank first meets at a barrier (on ``group``, default the
-    world): a rank that closes its gloo connections while a peer is still reading aborts
-    that peer at exit. When the body raises, the group is destroyed at once, since a peer may
-    never reach a barrier.
+    When the body finishes, every rank first meets at a barrier: a rank that closes its gloo
+    connections while a peer is still reading aborts that peer at exit. When the body raises,
+    the group is destroyed at once, since a peer may never reach a barrier.
 
         with closing_process_group():
             ...  # collectives
@@ -86,5 +85,5 @@ def closing_process_group(group: Any = None) -> Iterator[None]:
         raise
     clear_mesh_cache()
     if dist.is_initialized():
-        dist.barrier(group=group)
+        dist.barrier()
         dist.destroy_process_group()

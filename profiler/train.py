@@ -149,24 +149,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="device kind, recorded for reference (e.g. H100)")
     args = parser.parse_args(argv)
 
-    import torch.distributed as dist
-
     from paratune.errors import ConfigError
+    from paratune.profiler.mesh import closing_process_group
 
     _init_process_group()
     try:
-        report = train(args.model, args.config, steps=args.steps, data=args.data,
-                       seed=args.seed, lr=args.lr, log_every=args.log_every)
+        with closing_process_group():
+            report = train(args.model, args.config, steps=args.steps, data=args.data,
+                           seed=args.seed, lr=args.lr, log_every=args.log_every)
     except ConfigError as exc:
         print(f"paratune.profiler.train: error: {exc}", file=sys.stderr)
         return 2
-    else:
-        # Every rank past its last collective before any tears its connections down: a rank
-        # that closes while a peer still reads aborts that peer's gloo thread at exit.
-        dist.barrier()
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"done: {report.steps} steps, final loss {report.final_loss:.4f}, "
               f"{report.tokens_per_s:,.0f} tokens/s (mean step {report.mean_step_time_s:.3f} s)")
