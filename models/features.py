@@ -236,10 +236,16 @@ def _recompute_factor(c: Columns) -> np.ndarray:
     return np.where(c.recompute == 1, 4.0 / 3.0, np.where(c.recompute == 2, 1.02, 1.0))
 
 
+def _warmup_slots(c: Columns) -> np.ndarray:
+    """Micro-batch slots a pipeline spends filling and draining: ``(pp-1)/v`` (``v`` virtual
+    stages with the interleaved schedule, else 1)."""
+    return (c.pp - 1.0) / np.where(c.schedule == _SCHEDULES["interleaved_1f1b"], c.virtual, 1.0)
+
+
 def bubble_fraction(frame: pd.DataFrame | Columns) -> np.ndarray:
     """Idle fraction of the pipeline: ``(pp-1)/v / (num_microbatches + (pp-1)/v)``."""
     c = _cols(frame)
-    warmup = (c.pp - 1.0) / np.where(c.schedule == 2, c.virtual, 1.0)
+    warmup = _warmup_slots(c)
     return warmup / (num_microbatches(c) + warmup)
 
 
@@ -411,7 +417,7 @@ def analytical_step_time(frame: pd.DataFrame | Columns) -> dict[str, np.ndarray]
     pp_bw = np.where(pp_crosses_nodes(c) > 0, c.inter_bw, c.intra_bw)
     pp_mb = pp_p2p_bytes_per_microbatch(c) / pp_bw
     n_micro = num_microbatches(c)
-    warmup = (c.pp - 1.0) / np.where(c.schedule == 2, c.virtual, 1.0)
+    warmup = _warmup_slots(c)
     per_mb = compute_mb + tp_mb + pp_mb
     dp_bw = np.where(dp_crosses_nodes(c) > 0, c.inter_bw, c.intra_bw)
     dp_s = dp_reduction_bytes(c) / dp_bw + dp_latency_s(c)
@@ -485,7 +491,7 @@ def compute_features(frame: pd.DataFrame | Columns) -> tuple[np.ndarray, dict[st
     times = analytical_step_time(c)
     total = times["step_time_s"]
     mem_gb = analytical_memory_gb(c)
-    warmup = (c.pp - 1.0) / np.where(c.schedule == 2, c.virtual, 1.0)
+    warmup = _warmup_slots(c)
     # Layer passes (one per layer of a stage and micro-batch slot) per analytical second: a
     # fixed cost per pass (kernel launches, per-micro-batch synchronisation) costs this
     # fraction of the step; it separates the slow regime of deep pipelines with many small
