@@ -44,6 +44,8 @@ __all__ = [
     "FEATURE_NAMES",
     "MEMORY_OVERHEAD_GB",
     "MODEL_SIZE_FEATURES",
+    "STALL_MAX_MFU",
+    "STALL_MIN_SECONDS_PER_MICROBATCH",
     "TRANSFER_FEATURE_NAMES",
     "Columns",
     "activation_memory_bytes",
@@ -65,6 +67,7 @@ __all__ = [
     "parameter_memory_bytes",
     "pp_crosses_nodes",
     "pp_p2p_bytes_per_microbatch",
+    "stalled_pipeline",
     "tp_bytes_per_microbatch",
     "tp_crosses_nodes",
 ]
@@ -137,6 +140,7 @@ class Columns:
         self.per_node = np.where(np.isnan(per_node) | (per_node < 1), hw["devices_per_node"],
                                  per_node)
         self.hardware_error = hw["error"]
+        self.accelerator = hw["accelerator"]
         self.world = self.dp * self.tp * self.pp
 
     # derived shapes
@@ -193,6 +197,8 @@ def hardware_columns(names: Any) -> dict[str, np.ndarray]:
                             and getattr(s, source) is not None else np.nan for s in specs],
                            dtype=float)
         out[attr] = table[codes]
+    out["accelerator"] = np.asarray([s is not None and s.device_type != "cpu" for s in specs],
+                                    dtype=bool)[codes]
     out["error"] = np.asarray(errors, dtype=object)[codes]
     return out
 
@@ -214,6 +220,40 @@ def num_microbatches(frame: pd.DataFrame | Columns) -> np.ndarray:
     """Micro-batches per step on each data-parallel rank: ``global / (dp * micro)``."""
     c = _cols(frame)
     return c.global_batch / (c.dp * c.micro)
+
+
+STALL_MIN_SECONDS_PER_MICROBATCH = 0.5
+"""A pipeline run on accelerators is *stalled* when a micro-batch takes longer than this..."""
+STALL_MAX_MFU = 0.10
+"""... while the step reaches less than this model-FLOPs utilisation."""
+
+
+def stalled_pipeline(frame: pd.DataFrame | Columns, step_time_s: np.ndarray) -> np.ndarray:
+    """Which measured runs fell into the stalled regime of pipeline-parallel training.
+
+    Public GPU sweeps show it: about a third of their pipeline runs on more than one node take
+    a roughly fixed second or so per micro-batch (0.5-3 s, whatever the model's size), 3-300x
+    the analytical estimate, at a few percent of peak FLOP/s. It is a regime of its own, not
+    a slower version of the normal step: a run either stalls or it does not, and twin
+    layouts may land on either side. Such a run is a pipeline run (``pp > 1``) on an
+    accelerator whose measured step spends more than :data:`STALL_MIN_SECONDS_PER_MICROBATCH`
+    per micro-batch at under :data:`STALL_MAX_MFU` model-FLOPs utilisation. On a CPU, half a
+    second per micro-batch is ordinary, so CPU runs never count.
+
+    Args:
+        frame: Config frame of the measurements.
+        step_time_s: Their measured step times (NaN where a run has none).
+
+    Returns:
+        A boolean per row.
+    """
+    c = _cols(frame)
+    step = np.asarray(step_time_s, dtype=float)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        per_micro = step / num_microbatches(c)
+        mfu = model_flops_per_device(c) / (step * c.peak_flops)
+    slow = np.nan_to_num(per_micro) > STALL_MIN_SECONDS_PER_MICROBATCH
+    return c.accelerator & (c.pp > 1) & slow & (np.nan_to_num(mfu, nan=1.0) < STALL_MAX_MFU)
 
 
 def _forward_flops_per_token(c: Columns, layers: np.ndarray, *, lm_head: np.ndarray | float

@@ -8,7 +8,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from paratune import ModelSpec, ParallelConfig, get_hardware
+from paratune import ModelSpec, ParallelConfig, get_hardware, get_model
 from paratune.models import features as F
 
 H100 = get_hardware("H100")
@@ -169,3 +169,27 @@ def test_model_keys_name_the_architecture_not_the_label():
     keys = F.model_keys(pd.concat([a, renamed, deeper], ignore_index=True))
     assert keys[0] == keys[1] != keys[2]
     assert keys[0].startswith(f"L{a['num_layers'].iloc[0]:g}-H{a['hidden_size'].iloc[0]:g}-")
+
+
+def test_stalled_pipeline_needs_a_pipeline_an_accelerator_slow_micro_batches_and_low_mfu():
+    from paratune.predictor import config_frame
+
+    configs = [ParallelConfig(dp=2, tp=2, pp=4, micro_batch_size=1, global_batch_size=16),
+               ParallelConfig(dp=8, tp=2, pp=1, micro_batch_size=1, global_batch_size=16)]
+    small = get_model("llama3.2-1b", seq_len=4096)
+    gpu = config_frame(small, configs, "H100")
+    micro = F.num_microbatches(gpu)
+    stalled_time = 1.2 * micro  # 1.2 s per micro-batch: a few percent of an H100's peak
+    assert F.stalled_pipeline(gpu, stalled_time).tolist() == [True, False]  # pp=1: no pipeline
+    cpu = config_frame(small, configs, "cpu")
+    assert not F.stalled_pipeline(cpu, stalled_time).any()  # ordinary on a CPU
+    assert not F.stalled_pipeline(gpu, 0.4 * micro).any()  # fast micro-batches
+    assert not F.stalled_pipeline(gpu, np.full(2, np.nan)).any()  # no measurement
+    # slow micro-batches that keep the device busy: a large model near peak, not a stall
+    large = config_frame(get_model("llama3-70b", seq_len=4096),
+                         [ParallelConfig(dp=2, tp=2, pp=4, micro_batch_size=8,
+                                         global_batch_size=128)], "H100")
+    busy = F.model_flops_per_device(large) / (0.5 * get_hardware("H100").peak_flops)
+    assert busy / F.num_microbatches(large) > F.STALL_MIN_SECONDS_PER_MICROBATCH
+    assert not F.stalled_pipeline(large, busy).any()
+    assert F.stalled_pipeline(large, 10 * busy).all()  # 5% of peak: stalled
