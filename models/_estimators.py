@@ -34,6 +34,7 @@ from paratune.predictor import (
     PRED_FEASIBLE_PROB,
     PRED_PEAK_MEM_GB,
     PRED_STEP_TIME_S,
+    PRED_TOKENS_EXPECTED,
     PRED_TOKENS_PER_SEC_PER_GPU,
     PREDICTION_COLUMNS,
 )
@@ -43,6 +44,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "PRED_ERROR",
+    "PRED_STALL_PROB",
+    "PRED_TOKENS_EXPECTED",
     "PRED_TOKENS_Q10",
     "PRED_TOKENS_Q90",
     "SCHEMA_VERSION",
@@ -55,17 +58,19 @@ __all__ = [
     "source_family",
 ]
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 """Version of the saved-model directory format; loading another version fails (2: the
 layer-passes feature; 3: the data-parallel ring latency in the analytical estimate; 4: the
-step-time models for models not in the training data)."""
+step-time models for models not in the training data; 5: the stalled-pipeline regime)."""
 PRED_TOKENS_Q10 = f"{PRED_TOKENS_PER_SEC_PER_GPU}_q10"
 PRED_TOKENS_Q90 = f"{PRED_TOKENS_PER_SEC_PER_GPU}_q90"
+PRED_STALL_PROB = "pred_stall_prob"
 PRED_ERROR = "pred_error"
-OUTPUT_COLUMNS = (*PREDICTION_COLUMNS, PRED_TOKENS_Q10, PRED_TOKENS_Q90, "analytical_step_time_s",
-                  PRED_ERROR)
+OUTPUT_COLUMNS = (*PREDICTION_COLUMNS, PRED_TOKENS_Q10, PRED_TOKENS_Q90, PRED_TOKENS_EXPECTED,
+                  PRED_STALL_PROB, "analytical_step_time_s", PRED_ERROR)
 _MANIFEST = "model.json"
 _TIME_COMPONENTS = ("throughput", "throughput_refine", "throughput_quantiles")
+_STALL_COMPONENTS = ("stall_classifier", "stall_time", "stall_time_quantiles")
 _TRANSFER_COLUMNS = np.asarray([F.FEATURE_NAMES.index(name) for name in F.TRANSFER_FEATURE_NAMES])
 
 
@@ -114,7 +119,11 @@ class _Base(BaseEstimator):
         Returns:
             A frame with the input's index and :data:`OUTPUT_COLUMNS`; rows that cannot be
             predicted (unknown hardware, impossible values) have NaN predictions and a
-            ``pred_error`` message.
+            ``pred_error`` message. ``pred_step_time_s`` is the most likely step time;
+            ``pred_tokens_per_sec_per_gpu_expected`` the throughput of the expected step
+            time over the regimes a run may fall into, and ``pred_stall_prob`` the
+            probability of the stalled-pipeline regime (NaN from predictors that do not
+            model it; there both equal the point prediction's).
         """
         import pandas as pd
 
@@ -130,6 +139,7 @@ class _Base(BaseEstimator):
             per_gpu = tokens / (step * c.world)
             q10 = tokens / (out.get("step_hi", step) * c.world)
             q90 = tokens / (out.get("step_lo", step) * c.world)
+            expected = tokens / (out.get("step_expected", step) * c.world)
         errors = np.asarray(analytical["hardware_error"], dtype=object).copy()
         bad_values = ~(np.isfinite(analytical["step_time_s"]) & (analytical["step_time_s"] > 0))
         errors = np.where((errors == "") & bad_values,
@@ -143,6 +153,8 @@ class _Base(BaseEstimator):
             PRED_PEAK_MEM_GB: out["memory"],
             PRED_TOKENS_Q10: q10,
             PRED_TOKENS_Q90: q90,
+            PRED_TOKENS_EXPECTED: expected,
+            PRED_STALL_PROB: out.get("stall_prob", np.full(len(frame), np.nan)),
             "analytical_step_time_s": analytical["step_time_s"],
             PRED_ERROR: errors,
         }, index=frame.index)
@@ -173,6 +185,16 @@ class PerformanceModel(_Base):
       :data:`~paratune.models.features.TRANSFER_FEATURE_NAMES` (no feature that tells the
       trained-on models apart by size) for models it has not seen, which a tree would
       otherwise treat as whichever trained-on model their size falls next to;
+    * stalled pipelines (see :func:`~paratune.models.features.stalled_pipeline`): where the
+      training data holds at least ``min_stall_rows`` of them, the step-time models above
+      learn from the other runs only, and three smaller boosters learn the stalled regime: a
+      classifier of the probability that a pipeline configuration stalls, and the median and
+      quantiles of a stalled run's time per micro-batch (a fixed cost per micro-batch,
+      whatever the model's size). The point prediction is the more likely regime's time;
+      the expected step time weighs the two by the probability (the tuner ranks by it); the
+      upper time quantile is the stalled time where the probability exceeds the upper
+      quantile's tail. All three come, like the step-time models, on all features and on the
+      transfer features;
     * peak memory: ``analytical * exp(m(x))`` where memory was measured;
     * feasibility: an XGBoost classifier on the features and the predicted memory fraction,
       trained on successful and failed runs (a configuration that ran at least once is
@@ -188,6 +210,8 @@ class PerformanceModel(_Base):
         refine_clip: Residuals (in log ratio) are clipped to this for the refinement.
         min_family_rows: Timed rows a measurement family (see :func:`source_family`) needs
             for its own step-time model when the data mixes families.
+        min_stall_rows: Stalled pipeline runs the data needs for the stalled regime to be
+            learned (with fewer, they train the step-time model like any other run).
         subsample: Row subsampling per tree.
         colsample_bytree: Feature subsampling per tree.
         min_child_weight: Minimum hessian in a leaf.
@@ -199,7 +223,8 @@ class PerformanceModel(_Base):
     def __init__(self, *, n_estimators: int = 500, max_depth: int = 3,
                  learning_rate: float = 0.075, aux_estimators: int = 100,
                  aux_learning_rate: float = 0.15, refine_clip: float = 0.2,
-                 min_family_rows: int = 200, subsample: float = 0.8,
+                 min_family_rows: int = 200, min_stall_rows: int = 30,
+                 subsample: float = 0.8,
                  colsample_bytree: float = 0.8, min_child_weight: float = 5.0,
                  quantiles: tuple[float, float] = (0.1, 0.9), n_jobs: int | None = None,
                  random_state: int = 0) -> None:
@@ -210,6 +235,7 @@ class PerformanceModel(_Base):
         self.aux_learning_rate = aux_learning_rate
         self.refine_clip = refine_clip
         self.min_family_rows = min_family_rows
+        self.min_stall_rows = min_stall_rows
         self.subsample = subsample
         self.colsample_bytree = colsample_bytree
         self.min_child_weight = min_child_weight
@@ -251,11 +277,23 @@ class PerformanceModel(_Base):
         if not has_time.any():
             raise DatasetError("no successful measurement with a step time on known hardware")
         y = np.log(step / analytical["step_time_s"])
+        self.seen_models_ = sorted(str(k) for k in np.unique(F.model_keys(c)[has_time]))
+        transfer = _TRANSFER_COLUMNS
+        # Stalled pipeline runs are a regime of their own (a fixed cost per micro-batch); the
+        # step-time models learn the normal regime without them where there are enough to
+        # learn the stalled one apart.
+        stalled = has_time & F.stalled_pipeline(c, step)
+        self.stall_ = self.stall_transfer_ = None
+        if stalled.sum() >= self.min_stall_rows and (has_time & ~stalled).any():
+            pipeline = has_time & (c.pp > 1) & c.accelerator
+            per_micro = np.log(step / F.num_microbatches(c))
+            self.stall_ = self._fit_stall(X, pipeline, stalled, per_micro)
+            self.stall_transfer_ = self._fit_stall(X[:, transfer], pipeline, stalled, per_micro)
+            has_time = has_time & ~stalled
+        self.n_stall_rows_ = int(stalled.sum()) if self.stall_ is not None else 0
         self.throughput_, self.refine_, self.quantile_ = self._fit_time(X[has_time],
                                                                         y[has_time])
-        transfer = _TRANSFER_COLUMNS
         self.transfer_ = self._fit_time(X[has_time][:, transfer], y[has_time])
-        self.seen_models_ = sorted(str(k) for k in np.unique(F.model_keys(c)[has_time]))
         # One step-time model per measurement family (framework and cluster of a source) with
         # enough rows: a family's quirks (e.g. one framework's pathological pipeline runs)
         # must not leak into another's extrapolation, which the analytical estimate carries.
@@ -293,7 +331,7 @@ class PerformanceModel(_Base):
                 tree_method="hist", objective="binary:logistic",
                 **self._booster_params(aux=True)).fit(Xf, labels)
         self.n_train_rows_ = len(frame)
-        self.n_time_rows_ = int(has_time.sum())
+        self.n_time_rows_ = int(has_time.sum()) + self.n_stall_rows_
         self.n_memory_rows_ = int(has_mem.sum())
         self.n_feasibility_rows_ = len(table)
         self.fingerprint_ = training_fingerprint(frame)
@@ -312,6 +350,28 @@ class PerformanceModel(_Base):
                                   quantile_alpha=np.asarray(self.quantiles, dtype=float)
                                   ).fit(X, y)
         return median, refine, quantile
+
+    def _fit_stall(self, X: np.ndarray, pipeline: np.ndarray, stalled: np.ndarray,
+                   per_micro: np.ndarray) -> tuple[Any, Any, Any]:
+        """Classifier of stalling among pipeline runs, then the median and quantile boosters
+        of a stalled run's log time per micro-batch."""
+        import xgboost as xgb
+
+        classifier = xgb.XGBClassifier(tree_method="hist", objective="binary:logistic",
+                                       **self._booster_params(aux=True)
+                                       ).fit(X[pipeline], stalled[pipeline])
+        median = _xgb_regressor(self._booster_params(aux=True), objective="reg:absoluteerror"
+                                ).fit(X[stalled], per_micro[stalled])
+        quantile = _xgb_regressor(self._booster_params(aux=True), objective="reg:quantileerror",
+                                  quantile_alpha=np.asarray(self.quantiles, dtype=float)
+                                  ).fit(X[stalled], per_micro[stalled])
+        return classifier, median, quantile
+
+    def _seen(self, c: F.Columns) -> np.ndarray:
+        """Which rows are configurations of a model in the training data."""
+        import pandas as pd
+
+        return pd.Series(F.model_keys(c)).isin(self.seen_models_).to_numpy()
 
     def _route(self, frame: pd.DataFrame) -> np.ndarray:
         """Family model per row: its source's family, else the one family its hardware was
@@ -336,12 +396,14 @@ class PerformanceModel(_Base):
     def _feasibility_matrix(self, frame: pd.DataFrame) -> np.ndarray:
         c = F.Columns(frame)
         X, analytical = F.compute_features(c)
-        return self._augment(X, analytical, c.memory_gb)
+        return self._augment(X, self._memory_gb(X, analytical), c.memory_gb)
 
-    def _augment(self, X: np.ndarray, analytical: dict[str, Any], capacity: np.ndarray
-                 ) -> np.ndarray:
+    @staticmethod
+    def _augment(X: np.ndarray, memory_gb: np.ndarray, capacity: np.ndarray) -> np.ndarray:
+        """The feasibility classifier's matrix: the features and the log2 predicted memory
+        fraction."""
         with np.errstate(divide="ignore", invalid="ignore"):
-            fraction = np.log2(self._memory_gb(X, analytical) / capacity)
+            fraction = np.log2(memory_gb / capacity)
         return np.column_stack([X, fraction]).astype(np.float32)
 
     # ------------------------------------------------------------------ predict
@@ -351,7 +413,7 @@ class PerformanceModel(_Base):
         ratio = np.zeros(len(X))
         bounds = np.zeros((len(X), 2))
         route = self._route(frame)
-        seen = np.isin(F.model_keys(c), self.seen_models_)
+        seen = self._seen(c)
         for family in np.unique(route):
             for known in (True, False):
                 rows = (route == family) & (seen == known)
@@ -368,21 +430,56 @@ class PerformanceModel(_Base):
                 ratio[rows] = median.predict(Xr) + refine.predict(Xr)
                 q = np.asarray(quantile.predict(Xr)).reshape(int(rows.sum()), -1)
                 bounds[rows] = q[:, [0, -1]]
-        lo = np.minimum(bounds[:, 0], ratio)
-        hi = np.maximum(bounds[:, -1], ratio)
+        step = base * np.exp(ratio)
+        lo = base * np.exp(np.minimum(bounds[:, 0], ratio))
+        hi = base * np.exp(np.maximum(bounds[:, -1], ratio))
+        expected = step
+        prob = np.zeros(len(X))
+        if self.stall_ is not None:
+            prob, stall, stall_lo, stall_hi = self._stall(c, X, seen)
+            # the more likely regime is the point prediction; the expected time weighs both
+            expected = np.where(prob > 0, (1.0 - prob) * step + prob * stall, step)
+            lower, upper = self.quantiles[0], self.quantiles[-1]
+            # where stalling is likelier than the upper quantile's tail, that quantile of the
+            # step time lies in the stalled regime (and the lower one where it is likelier
+            # than the lower quantile's complement)
+            hi = np.where(prob > 1.0 - upper, np.maximum(hi, stall_hi), hi)
+            lo = np.where(prob > 1.0 - lower, np.minimum(lo, stall_lo), lo)
+            step = np.where(prob > 0.5, stall, step)
+            lo, hi = np.minimum(lo, step), np.maximum(hi, step)
         memory = self._memory_gb(X, analytical)
         capacity = c.memory_gb
         known = np.isfinite(capacity) & (capacity > 0)
         if self.feasibility_ is not None:
             # the memory fraction is missing (NaN) where the device memory is not catalogued
-            feasible = self.feasibility_.predict_proba(self._augment(X, analytical,
+            feasible = self.feasibility_.predict_proba(self._augment(X, memory,
                                                                      capacity))[:, 1]
         else:
             # no failed runs to learn from: the memory estimate alone; no memory limit is
             # known for uncatalogued device memory (the CPU)
             feasible = np.where(known, _memory_rule(memory, capacity), 1.0)
-        return {"step": base * np.exp(ratio), "step_lo": base * np.exp(lo),
-                "step_hi": base * np.exp(hi), "memory": memory, "feasible": feasible}
+        return {"step": step, "step_lo": lo, "step_hi": hi, "step_expected": expected,
+                "stall_prob": prob, "memory": memory, "feasible": feasible}
+
+    def _stall(self, c: F.Columns, X: np.ndarray, seen: np.ndarray
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Probability of the stalled regime, and the median, lower and upper quantiles of
+        the step time in it (zero probability and NaN times off pipelines)."""
+        n = len(X)
+        prob = np.zeros(n)
+        per_micro = np.full((n, 3), np.nan)
+        pipeline = (c.pp > 1) & c.accelerator
+        for known in (True, False):
+            rows = pipeline & (seen == known)
+            if not rows.any():
+                continue
+            classifier, median, quantile = self.stall_ if known else self.stall_transfer_
+            Xr = X[rows] if known else X[rows][:, _TRANSFER_COLUMNS]
+            prob[rows] = classifier.predict_proba(Xr)[:, 1]
+            q = np.asarray(quantile.predict(Xr)).reshape(int(rows.sum()), -1)
+            per_micro[rows] = np.column_stack([median.predict(Xr), q[:, 0], q[:, -1]])
+        times = F.num_microbatches(c)[:, None] * np.exp(per_micro)
+        return prob, times[:, 0], times[:, 1], times[:, 2]
 
     # ------------------------------------------------------------------ persistence
     def save(self, path: str | Path) -> Path:
@@ -406,6 +503,11 @@ class PerformanceModel(_Base):
                       "memory": self.memory_, "feasibility": self.feasibility_}
         for name, booster in zip(_TIME_COMPONENTS, self.transfer_):
             components[f"transfer-{name}"] = booster
+        if self.stall_ is not None:
+            for name, booster in zip(_STALL_COMPONENTS, self.stall_):
+                components[name] = booster
+            for name, booster in zip(_STALL_COMPONENTS, self.stall_transfer_):
+                components[f"transfer-{name}"] = booster
         for family, boosters in self.families_.items():
             for name, booster in zip(_TIME_COMPONENTS, boosters):
                 components[f"family-{family}-{name}"] = booster
@@ -431,6 +533,7 @@ class PerformanceModel(_Base):
             "transfer_feature_names": list(F.TRANSFER_FEATURE_NAMES),
             "seen_models": self.seen_models_,
             "target": "log(measured_step_time_s / analytical_step_time_s)",
+            "stall_target": "log(measured_step_time_s / num_microbatches) of stalled runs",
             "params": params,
             "components": files,
             "families": sorted(self.families_),
@@ -438,6 +541,7 @@ class PerformanceModel(_Base):
             "training": {"fingerprint_sha256": self.fingerprint_,
                          "num_rows": self.n_train_rows_, "num_time_rows": self.n_time_rows_,
                          "num_memory_rows": self.n_memory_rows_,
+                         "num_stall_rows": self.n_stall_rows_,
                          "num_feasibility_configs": self.n_feasibility_rows_,
                          "sources": self.sources_},
         }
@@ -498,6 +602,20 @@ class PerformanceModel(_Base):
         model.throughput_, model.refine_, model.quantile_ = time_models("")
         model.transfer_ = time_models("transfer-")
         model.seen_models_ = [str(k) for k in manifest.get("seen_models", [])]
+        model.stall_ = model.stall_transfer_ = None
+        if _STALL_COMPONENTS[0] in files:
+            kinds = (xgb.XGBClassifier, xgb.XGBRegressor, xgb.XGBRegressor)
+
+            def stall_models(prefix: str) -> tuple[Any, Any, Any]:
+                for name in _STALL_COMPONENTS:
+                    if prefix + name not in files:
+                        raise ModelFormatError(f"{manifest_path}: component "
+                                               f"{prefix + name!r} missing")
+                return tuple(booster(prefix + name, kind)
+                             for name, kind in zip(_STALL_COMPONENTS, kinds))
+
+            model.stall_ = stall_models("")
+            model.stall_transfer_ = stall_models("transfer-")
         model.memory_ = booster("memory", xgb.XGBRegressor)
         model.feasibility_ = booster("feasibility", xgb.XGBClassifier)
         model.families_ = {}
@@ -511,6 +629,7 @@ class PerformanceModel(_Base):
         model.n_train_rows_ = training["num_rows"]
         model.n_time_rows_ = training["num_time_rows"]
         model.n_memory_rows_ = training["num_memory_rows"]
+        model.n_stall_rows_ = training["num_stall_rows"]
         model.n_feasibility_rows_ = training["num_feasibility_configs"]
         model.sources_ = training["sources"]
         return model

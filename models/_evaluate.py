@@ -27,6 +27,7 @@ import numpy as np
 
 from paratune.errors import ConfigError, DatasetError
 from paratune.models._data import config_identity, feasibility_table, measured_step_time
+from paratune.predictor import PRED_TOKENS_EXPECTED
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -106,7 +107,9 @@ def metrics(frame: pd.DataFrame, predictions: pd.DataFrame) -> dict[str, float]:
         ``mape_step``, ``mdape_step`` (of step time), ``spearman`` (over all successful
         rows), ``spearman_group`` (mean over (model, cluster) groups), ``regret_mean`` /
         ``regret_max`` / ``regret_median`` (top-1 regret over (model, cluster) groups,
-        within each fold where the rows carry a ``fold`` column), ``regret_within_5pct``
+        within each fold where the rows carry a ``fold`` column; the choice is by
+        ``pred_tokens_per_sec_per_gpu_expected`` where predicted, else by
+        ``pred_tokens_per_sec_per_gpu``), ``regret_within_5pct``
         (the share of those groups whose choice is within 5% of their best),
         ``regret_q10_mean`` (the same for the choice by the 10th-percentile throughput,
         where predicted), ``feasibility_accuracy`` and
@@ -135,6 +138,12 @@ def metrics(frame: pd.DataFrame, predictions: pd.DataFrame) -> dict[str, float]:
     group = [*_GROUP, "fold"] if "fold" in frame.columns else list(_GROUP)
     keys = frame.loc[ok, group].astype(str).agg("|".join, axis=1).to_numpy()
     m_ok, p_ok = measured_tps[ok], predicted_tps[ok]
+    # the choice (and the ranking within a group) is by the expected throughput where the
+    # predictor gives one: a configuration likely to stall is not picked for its fast
+    # regime's time, as the tuner does not pick it
+    if PRED_TOKENS_EXPECTED in predictions.columns:
+        ranked = np.asarray(predictions[PRED_TOKENS_EXPECTED], dtype=float)[ok]
+        p_ok = np.where(np.isfinite(ranked), ranked, p_ok)
     q10 = "pred_tokens_per_sec_per_gpu_q10"
     cautious = (np.asarray(predictions[q10], dtype=float)[ok] if q10 in predictions.columns
                 else None)

@@ -27,6 +27,7 @@ __all__ = [
     "PRED_FEASIBLE_PROB",
     "PRED_PEAK_MEM_GB",
     "PRED_STEP_TIME_S",
+    "PRED_TOKENS_EXPECTED",
     "PRED_TOKENS_PER_SEC_PER_GPU",
     "Predictor",
     "config_frame",
@@ -43,6 +44,9 @@ PRED_STEP_TIME_S = "pred_step_time_s"
 PRED_TOKENS_PER_SEC_PER_GPU = "pred_tokens_per_sec_per_gpu"
 PRED_FEASIBLE_PROB = "pred_feasible_prob"
 PRED_PEAK_MEM_GB = "pred_peak_mem_gb"
+PRED_TOKENS_EXPECTED = f"{PRED_TOKENS_PER_SEC_PER_GPU}_expected"
+"""Optional: the throughput of the expected step time where a run may fall into more than one
+regime (e.g. a stalled pipeline); the tuner ranks by it when a predictor gives it."""
 PREDICTION_COLUMNS = (PRED_STEP_TIME_S, PRED_TOKENS_PER_SEC_PER_GPU, PRED_FEASIBLE_PROB,
                       PRED_PEAK_MEM_GB)
 
@@ -52,7 +56,8 @@ class Predictor(Protocol):
     """Anything that maps a config frame to predictions.
 
     ``predict`` may add further columns (quantiles such as
-    ``pred_tokens_per_sec_per_gpu_q10``, an analytical estimate, ...).
+    ``pred_tokens_per_sec_per_gpu_q10``, the expected throughput
+    :data:`PRED_TOKENS_EXPECTED`, an analytical estimate, ...).
     """
 
     def predict(self, frame: pd.DataFrame) -> pd.DataFrame: ...

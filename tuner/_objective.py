@@ -22,6 +22,7 @@ from paratune.predictor import (
     PRED_FEASIBLE_PROB,
     PRED_PEAK_MEM_GB,
     PRED_STEP_TIME_S,
+    PRED_TOKENS_EXPECTED,
     PRED_TOKENS_PER_SEC_PER_GPU,
 )
 from paratune.tuner._efficiency import pollux_efficiency
@@ -58,7 +59,9 @@ class Objective:
     """Reference batch of the Pollux efficiency; defaults to the smallest batch searched."""
     risk_quantile: str | None = None
     """Rank by this quantile of predicted throughput (e.g. ``"q10"``, the column
-    ``pred_tokens_per_sec_per_gpu_q10``) instead of the median: risk-averse choices."""
+    ``pred_tokens_per_sec_per_gpu_q10``) instead of the expected throughput (the column
+    ``pred_tokens_per_sec_per_gpu_expected`` where the predictor gives it, else its point
+    prediction): risk-averse choices."""
     min_feasible_prob: float = 0.5
     """Smallest predicted probability of running (not OOM) for a config to be feasible."""
     memory_limit_gb: float | None = None
@@ -134,6 +137,12 @@ class Objective:
                 raise ConfigError("risk_quantile", self.risk_quantile,
                                   f"the predictor gives no {column} column")
             out["ranked_tokens_per_s"] = out[column].to_numpy(dtype=float) * world
+        elif PRED_TOKENS_EXPECTED in out.columns:
+            # the throughput of the expected step time: a configuration likely to stall is
+            # ranked by what it is likely to run at, not by its fast regime
+            expected = out[PRED_TOKENS_EXPECTED].to_numpy(dtype=float) * world
+            out["ranked_tokens_per_s"] = np.where(np.isfinite(expected), expected,
+                                                  out["tokens_per_s"])
         else:
             out["ranked_tokens_per_s"] = out["tokens_per_s"]
         step = (out[PRED_STEP_TIME_S].to_numpy(dtype=float) if PRED_STEP_TIME_S in out

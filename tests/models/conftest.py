@@ -25,11 +25,14 @@ def public_dir() -> Path:
     return path
 
 
-def synthetic_measurements(seed: int = 0, n_per_model: int = 60) -> pd.DataFrame:
+def synthetic_measurements(seed: int = 0, n_per_model: int = 60, *,
+                           stalls: bool = False) -> pd.DataFrame:
     """Measurement rows whose step time is a known function of the analytical estimate.
 
     The hidden truth: tensor parallelism beyond 2 costs 20% per doubling, configurations
-    whose analytical memory exceeds the device fail with OOM.
+    whose analytical memory exceeds the device fail with OOM. With ``stalls``, pipelines of
+    4 or more stages that span more than one node take 1.2 s per micro-batch (the stalled
+    regime), whatever the model.
     """
     from paratune.predictor import config_frame
 
@@ -55,6 +58,8 @@ def synthetic_measurements(seed: int = 0, n_per_model: int = 60) -> pd.DataFrame
             else:
                 m.step_time_s = analytical[i] * 1.5 * 1.2 ** max(np.log2(config.tp) - 1, 0) * (
                     float(rng.lognormal(0, 0.02)))
+                if stalls and config.pp >= 4 and config.world_size > 8:
+                    m.step_time_s = 1.2 * config.num_microbatches * float(rng.lognormal(0, 0.05))
                 m.tokens_per_s = config.global_batch_size * model.seq_len / m.step_time_s
                 m.peak_mem_reserved_gb = memory[i] * 0.9
             records.append(m.to_row())

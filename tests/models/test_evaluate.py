@@ -31,6 +31,13 @@ def test_metrics_on_known_predictions(synthetic):
     worst_first = metrics(synthetic, pred)
     assert worst_first["regret_mean"] > 0 and worst_first["regret_median"] > 0
     assert worst_first["regret_within_5pct"] < figures["regret_within_5pct"]
+    # the choice follows the expected throughput where the predictor gives one
+    measured_tps = (synthetic["global_batch_size"] * synthetic["seq_len"]
+                    / (synthetic["step_time_s"] * synthetic["world_size"]))
+    pred["pred_tokens_per_sec_per_gpu_expected"] = measured_tps.to_numpy()
+    by_expected = metrics(synthetic, pred)
+    assert by_expected["regret_mean"] == pytest.approx(0.0)
+    assert by_expected["mdape"] == worst_first["mdape"]
 
 
 @pytest.mark.parametrize("split", ["random", "cluster", "model"])

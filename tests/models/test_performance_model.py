@@ -147,3 +147,52 @@ def test_a_model_not_in_the_training_data_uses_the_transfer_features(fitted, syn
                                pred["pred_step_time_s"], rtol=1e-6)
     np.testing.assert_allclose(back.predict(configs)["pred_step_time_s"],
                                seen["pred_step_time_s"], rtol=1e-6)
+
+
+def test_stalled_pipelines_are_learned_as_a_regime_of_their_own(make_synthetic, tmp_path):
+    from paratune.models import features as F
+    from paratune.models._estimators import PRED_STALL_PROB, PRED_TOKENS_EXPECTED
+
+    train = make_synthetic(stalls=True)
+    model = PerformanceModel(n_estimators=60, aux_estimators=30, n_jobs=1).fit(train)
+    assert model.n_stall_rows_ >= model.min_stall_rows
+    test = make_synthetic(seed=1, n_per_model=40, stalls=True)
+    test = test[test["status"] == "ok"].reset_index(drop=True)
+    stalled = F.stalled_pipeline(test, test["step_time_s"].to_numpy())
+    assert 10 < stalled.sum() < len(test) - 10
+    pred = model.predict(test[list(CONFIG_COLUMNS)])
+    prob = pred[PRED_STALL_PROB].to_numpy()
+    # the classifier tells the regimes apart on configurations it has not seen
+    assert np.mean((prob > 0.5) == stalled) > 0.9
+    assert (prob[test["pp"].to_numpy() == 1] == 0).all()
+    # each regime's time: the stalled one is a cost per micro-batch, the other the ratio
+    ape = np.abs(pred["pred_step_time_s"] / test["step_time_s"] - 1).to_numpy()
+    assert np.median(ape[stalled]) < 0.1 and np.median(ape[~stalled]) < 0.1
+    # the expected throughput lies between the regimes' and is the point one without a pipeline
+    tps = pred["pred_tokens_per_sec_per_gpu"].to_numpy()
+    expected = pred[PRED_TOKENS_EXPECTED].to_numpy()
+    flat = test["pp"].to_numpy() == 1
+    np.testing.assert_allclose(expected[flat], tps[flat], rtol=1e-6)
+    likely = prob > 0.5
+    assert (expected[likely] >= tps[likely] * (1 - 1e-6)).all()
+    assert (expected[~likely] <= tps[~likely] * (1 + 1e-6)).all()
+    # a stall likelier than the upper quantile's tail puts the 10th-percentile throughput in it
+    q10 = pred[PRED_TOKENS_Q10].to_numpy()
+    assert (q10 <= tps * (1 + 1e-6)).all()
+    risky = prob > 1 - model.quantiles[-1]
+    assert risky.any() and (q10[risky] <= expected[risky] * (1 + 1e-6)).all()
+    # the step-time model learned from the other runs only: it does not average the regimes
+    X, analytical = F.compute_features(test)
+    normal = analytical["step_time_s"] * np.exp(model.throughput_.predict(X)
+                                                 + model.refine_.predict(X))
+    assert np.median(np.abs(normal[stalled] / test["step_time_s"].to_numpy()[stalled] - 1)) > 0.5
+    # the regime survives a save / load
+    back = load_model(model.save(tmp_path / "m"))
+    again = back.predict(test[list(CONFIG_COLUMNS)])
+    for column in ("pred_step_time_s", PRED_STALL_PROB, PRED_TOKENS_EXPECTED, PRED_TOKENS_Q10):
+        np.testing.assert_allclose(again[column], pred[column], rtol=1e-6)
+    # too few stalled runs to learn the regime from: they train the step-time model like any
+    few = PerformanceModel(n_estimators=20, aux_estimators=10, min_stall_rows=10_000,
+                           n_jobs=1).fit(train)
+    assert few.stall_ is None and few.n_stall_rows_ == 0
+    assert (few.predict(test)[PRED_STALL_PROB] == 0).all()

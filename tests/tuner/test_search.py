@@ -75,6 +75,34 @@ def test_risk_aware_ranking_uses_the_lower_quantile(closed_form):
         evaluate(closed_form, space, configs, Objective(risk_quantile="q05"))
 
 
+def test_ranking_uses_the_expected_throughput_where_predicted(closed_form):
+    class StallRisk:
+        """The closed form, with pipelines of four stages or more likely to stall (expected
+        throughput a tenth of the point prediction)."""
+
+        def predict(self, frame):
+            out = closed_form.predict(frame)
+            risky = frame["pp"].to_numpy() >= 4
+            point = out["pred_tokens_per_sec_per_gpu"].to_numpy()
+            out["pred_tokens_per_sec_per_gpu_expected"] = np.where(risky, point / 10, point)
+            return out
+
+    space = SearchSpace.build(get_model("llama3-8b"), 64, "H100", global_batch_sizes=[256])
+    configs = space.enumerate().valid
+    scored = evaluate(StallRisk(), space, configs, Objective())
+    expected = scored["pred_tokens_per_sec_per_gpu_expected"] * scored["world_size"]
+    assert np.allclose(scored["objective"], expected)
+    # the reported throughput stays the point prediction
+    assert np.allclose(scored["tokens_per_s"],
+                       scored["pred_tokens_per_sec_per_gpu"] * scored["world_size"])
+    best = exhaustive(StallRisk(), space, Objective()).best
+    assert best.pp < 4
+    # a risk quantile still takes precedence
+    cautious = evaluate(StallRisk(), space, configs, Objective(risk_quantile="q10"))
+    assert np.allclose(cautious["objective"],
+                       cautious["pred_tokens_per_sec_per_gpu_q10"] * cautious["world_size"])
+
+
 def test_objective_rules_are_named(closed_form):
     with pytest.raises(ConfigError, match="gns"):
         Objective(kind="goodput")
