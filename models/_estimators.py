@@ -437,6 +437,12 @@ class PerformanceModel(_Base):
         prob = np.zeros(len(X))
         if self.stall_ is not None:
             prob, stall, stall_lo, stall_hi = self._stall(c, X, seen)
+            # a stalled run is by definition slower than the stall thresholds, and no faster
+            # than the same configuration not stalling: for a model larger than any trained
+            # on, the learned cost per micro-batch alone can fall below its normal step
+            floor = np.maximum(F.stall_floor_s(c), step)
+            stall, stall_lo, stall_hi = (np.maximum(t, floor)
+                                         for t in (stall, stall_lo, stall_hi))
             # the more likely regime is the point prediction; the expected time weighs both
             expected = np.where(prob > 0, (1.0 - prob) * step + prob * stall, step)
             lower, upper = self.quantiles[0], self.quantiles[-1]

@@ -67,6 +67,7 @@ __all__ = [
     "parameter_memory_bytes",
     "pp_crosses_nodes",
     "pp_p2p_bytes_per_microbatch",
+    "stall_floor_s",
     "stalled_pipeline",
     "tp_bytes_per_microbatch",
     "tp_crosses_nodes",
@@ -254,6 +255,15 @@ def stalled_pipeline(frame: pd.DataFrame | Columns, step_time_s: np.ndarray) -> 
         mfu = model_flops_per_device(c) / (step * c.peak_flops)
     slow = np.nan_to_num(per_micro) > STALL_MIN_SECONDS_PER_MICROBATCH
     return c.accelerator & (c.pp > 1) & slow & (np.nan_to_num(mfu, nan=1.0) < STALL_MAX_MFU)
+
+
+def stall_floor_s(frame: pd.DataFrame | Columns) -> np.ndarray:
+    """The shortest step time :func:`stalled_pipeline` counts as stalled: over
+    :data:`STALL_MIN_SECONDS_PER_MICROBATCH` per micro-batch and under :data:`STALL_MAX_MFU`."""
+    c = _cols(frame)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.maximum(STALL_MIN_SECONDS_PER_MICROBATCH * num_microbatches(c),
+                          model_flops_per_device(c) / (STALL_MAX_MFU * c.peak_flops))
 
 
 def _forward_flops_per_token(c: Columns, layers: np.ndarray, *, lm_head: np.ndarray | float
