@@ -272,12 +272,17 @@ class SearchSpace:
         return out
 
     def neighbours(self, params: dict[str, Any]) -> list[tuple[ParallelConfig, dict[str, Any]]]:
-        """Valid configs one move away from ``params`` (a trial's parameters).
+        """Valid configs one move away from ``params`` (a trial's parameters), nearest first.
 
         A move changes one parameter, or two of the memory knobs (micro-batch size,
         schedule, sharding, recomputation) together. A change that makes a conditional
         option apply (``pp`` from 1 to 2 asks for a schedule) is tried with each of that
-        option's values.
+        option's values. Three layout moves keep each rank's work per step and come first:
+        doubling (halving) ``tp`` or ``pp`` together with the micro-batch (``dp`` halves
+        as the micro-batch doubles, so the micro-batches per step stay), and doubling one of
+        ``tp`` and ``pp`` while halving the other (``dp`` stays). Then the others, the
+        fewest index steps from ``params`` first: the local search tries the nearby configs
+        of several layouts before the far ones of one.
 
         Returns:
             ``(config, params)`` pairs, the params being exactly those the config asks for.
@@ -295,8 +300,20 @@ class SearchSpace:
         for a, b in itertools.combinations(knobs, 2):
             moves += [{a: x, b: y} for x in choices[a] for y in choices[b]
                       if x != params[a] and y != params[b]]
-        out: dict[ParallelConfig, dict[str, Any]] = {}
-        for move in moves:
+
+        def steps(variant: dict[str, Any]) -> int:
+            total = sum(1 for name in params if name not in variant)
+            for name, value in variant.items():
+                if name not in params:
+                    total += 1
+                elif value != params[name]:
+                    numeric = isinstance(value, int) and isinstance(params[name], int)
+                    total += abs(value - params[name]) if numeric else 1
+            return total
+
+        out: dict[ParallelConfig, tuple[int, dict[str, Any]]] = {}
+        keeping = [(True, move) for move in self._work_keeping_moves(params)]
+        for keeps_work, move in keeping + [(False, move) for move in moves]:
             variants = [{**params, **move}]
             for cond in conditional:
                 if cond not in variants[0]:
@@ -305,8 +322,32 @@ class SearchSpace:
                 fixed = optuna.trial.FixedTrial(variant)
                 cfg, _ = self.suggest(fixed)
                 if cfg is not None and cfg not in out:
-                    out[cfg] = dict(fixed.params)
-        return list(out.items())
+                    out[cfg] = (-1 if keeps_work else steps(fixed.params), dict(fixed.params))
+        ranked = sorted(out.items(), key=lambda item: item[1][0])  # stable: moves' order
+        return [(cfg, p) for cfg, (_, p) in ranked]
+
+    def _work_keeping_moves(self, params: dict[str, Any]) -> list[dict[str, Any]]:
+        """Layout moves that keep each rank's work per step (see :meth:`neighbours`)."""
+        tps, pps = self.degree_choices()
+        micros = list(self.space.micro_batch_sizes)
+        choices = self.param_choices()
+        tp = tps[params["tp_index"]] if "tp_index" in params else tps[0]
+        pp = pps[params["pp_index"]] if "pp_index" in params else pps[0]
+        micro_index = params.get("micro_batch_size_index")
+        micro = micros[micro_index] if micro_index is not None else None
+        out: list[dict[str, Any]] = []
+        for factor in (2, 0.5):
+            for name, degrees, degree in (("tp_index", tps, tp), ("pp_index", pps, pp)):
+                if micro is None or name not in choices:
+                    continue
+                if degree * factor in degrees and micro * factor in micros:
+                    out.append({name: degrees.index(int(degree * factor)),
+                                "micro_batch_size_index": micros.index(int(micro * factor))})
+            if ("tp_index" in choices and "pp_index" in choices and tp * factor in tps
+                    and pp / factor in pps):
+                out.append({"tp_index": tps.index(int(tp * factor)),
+                            "pp_index": pps.index(int(pp / factor))})
+        return out
 
     def probes(self, params: dict[str, Any]) -> list[tuple[ParallelConfig, dict[str, Any]]]:
         """Every valid layout with the knobs that need the least memory.

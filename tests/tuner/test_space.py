@@ -77,8 +77,26 @@ def test_neighbours_change_one_parameter_and_are_valid():
         # active schedule is added
         changed = {k for k in params if k in p and p[k] != params[k]}
         knobs = {"micro_batch_size_index", "schedule", "sharding_index", "recompute_index"}
-        assert len(changed) == 1 or (len(changed) == 2 and changed <= knobs)
+        keeps_work = (cfg.dp * cfg.micro_batch_size == centre.dp * centre.micro_batch_size
+                      and cfg.global_batch_size == centre.global_batch_size
+                      and changed in ({"tp_index", "micro_batch_size_index"},
+                                      {"pp_index", "micro_batch_size_index"},
+                                      {"tp_index", "pp_index"}))
+        assert len(changed) == 1 or (len(changed) == 2 and changed <= knobs) or keeps_work
     assert any(c.pp > 1 for c, _ in near)  # pp moves bring in each schedule
+    # first the layout moves that keep each rank's micro-batches per step: tp x2 with the
+    # micro-batch x2 (dp halves), and tp x2 with pp / 2 (dp stays) ...
+    first = {(c.dp, c.tp, c.pp, c.micro_batch_size) for c, _ in near[:4]}
+    assert (centre.dp // 2, centre.tp * 2, 1, 2) in first
+    assert any(c.dp == centre.dp and c.tp == centre.tp // 2 and c.pp == 2 for c, _ in near[:6])
+    # ... then the rest, the fewest index steps away first
+    def steps(p):
+        return sum(abs(p[k] - params[k]) if isinstance(p.get(k), int) else 1
+                   for k in params.keys() | p.keys() if p.get(k) != params.get(k))
+    rest = [steps(p) for c, p in near if c.dp * c.micro_batch_size
+            != centre.dp * centre.micro_batch_size or c.global_batch_size
+            != centre.global_batch_size]
+    assert rest == sorted(rest) and rest[0] == 1
 
 
 def test_probes_put_every_layout_at_its_least_memory_knobs():
