@@ -193,3 +193,20 @@ def test_stalled_pipeline_needs_a_pipeline_an_accelerator_slow_micro_batches_and
     assert busy / F.num_microbatches(large) > F.STALL_MIN_SECONDS_PER_MICROBATCH
     assert not F.stalled_pipeline(large, busy).any()
     assert F.stalled_pipeline(large, 10 * busy).all()  # 5% of peak: stalled
+
+
+def test_stall_floor_is_the_fastest_step_the_stalled_regime_admits():
+    from paratune.predictor import config_frame
+
+    configs = [ParallelConfig(dp=2, tp=2, pp=4, micro_batch_size=1, global_batch_size=16),
+               ParallelConfig(dp=2, tp=2, pp=4, micro_batch_size=8, global_batch_size=128)]
+    frame = config_frame(get_model("llama3-70b", seq_len=4096), configs, "H100")
+    floor = F.stall_floor_s(frame)
+    micro = F.num_microbatches(frame)
+    by_mfu = F.model_flops_per_device(frame) / (F.STALL_MAX_MFU * get_hardware("H100").peak_flops)
+    np.testing.assert_allclose(floor, np.maximum(F.STALL_MIN_SECONDS_PER_MICROBATCH * micro,
+                                                 by_mfu))
+    assert by_mfu[1] > F.STALL_MIN_SECONDS_PER_MICROBATCH * micro[1]  # a large model: MFU binds
+    # just above the floor a run is stalled, just below it is not
+    assert F.stalled_pipeline(frame, floor * 1.01).all()
+    assert not F.stalled_pipeline(frame, floor * 0.99).any()

@@ -181,6 +181,11 @@ def test_stalled_pipelines_are_learned_as_a_regime_of_their_own(make_synthetic, 
     assert (q10 <= tps * (1 + 1e-6)).all()
     risky = prob > 1 - model.quantiles[-1]
     assert risky.any() and (q10[risky] <= expected[risky] * (1 + 1e-6)).all()
+    # a stalled run is no faster than the regime's definition or than not stalling
+    X, analytical = F.compute_features(test)
+    stalled_rows = prob > 0.5
+    point = pred["pred_step_time_s"].to_numpy()
+    assert (point[stalled_rows] >= F.stall_floor_s(test)[stalled_rows] * (1 - 1e-9)).all()
     # the step-time model learned from the other runs only: it does not average the regimes
     X, analytical = F.compute_features(test)
     normal = analytical["step_time_s"] * np.exp(model.throughput_.predict(X)
