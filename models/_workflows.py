@@ -39,8 +39,11 @@ def fit_model(data: Sequence[str | Path], out: str | Path, *, n_estimators: int 
                    "train_mape": float(ape.mean()) if ok.any() else np.nan,
                    "num_rows": float(len(frame)), "num_time_rows": float(model.n_time_rows_),
                    "num_memory_rows": float(model.n_memory_rows_),
+                   "num_stall_rows": float(model.n_stall_rows_),
                    "num_feasibility_configs": float(model.n_feasibility_rows_)}
-    summary = (f"fitted on {len(frame)} rows ({model.n_time_rows_} timed, "
+    stalls = (f", {model.n_stall_rows_} of them stalled pipelines learned as their own regime"
+              if model.n_stall_rows_ else "")
+    summary = (f"fitted on {len(frame)} rows ({model.n_time_rows_} timed{stalls}, "
                f"{model.n_memory_rows_} with memory, {model.n_feasibility_rows_} configurations "
                f"for feasibility) -> {out}\n"
                f"in-sample median APE {100 * fit_metrics['train_mdape']:.1f}% "

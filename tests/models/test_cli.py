@@ -40,20 +40,21 @@ def model_dir(tmp_path_factory, synthetic):
     return out
 
 
-def test_fit_logs_to_mlflow(tmp_path, synthetic, mlflow_uri, capsys):
+def test_fit_logs_to_mlflow(tmp_path, make_synthetic, mlflow_uri, capsys):
     import mlflow
 
     data = tmp_path / "data.csv"
-    synthetic.to_csv(data, index=False)
+    make_synthetic(stalls=True).to_csv(data, index=False)
     model_dir = tmp_path / "model"
     assert main(["fit", str(data), "--out", str(model_dir), "--n-estimators", "10"]) == 0
-    assert "MLflow run" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "MLflow run" in out and "stalled pipelines learned as their own regime" in out
 
     mlflow.set_tracking_uri(mlflow_uri)
     runs = mlflow.search_runs(experiment_names=["paratune-fit"])
     assert len(runs) == 1
     assert runs["params.n_estimators"].iloc[0] == "10"
-    assert runs["metrics.num_time_rows"].iloc[0] > 0
+    assert runs["metrics.num_time_rows"].iloc[0] > runs["metrics.num_stall_rows"].iloc[0] > 0
     client = mlflow.tracking.MlflowClient()
     names = [a.path for a in client.list_artifacts(runs["run_id"].iloc[0], "model")]
     assert "model/model.json" in names
