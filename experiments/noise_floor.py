@@ -14,6 +14,10 @@ a systematic offset per cluster size. This script measures:
   median APE the performance model is scored on;
 * **twin oracle**: the median APE of predicting each run from its measured twin times the
   offset of its cluster size (computed without that pair);
+* **twin oracle regret**: in each (model, cluster) group, the layout whose ZeRO-1 run was
+  fastest, timed by its no-sharding run, against the fastest no-sharding run (and the other
+  way round): the top-1 regret of choosing by a repeat measurement, which no predictor of the
+  runs' true times can be sure to beat;
 * **stall regime**: pipeline runs with MFU under 10% and more than 0.5 s per micro-batch:
   the distribution of their time per micro-batch, by model size (a fixed cost per
   micro-batch, not a slower version of the normal step).
@@ -59,6 +63,19 @@ def twin_oracle_ape(pairs) -> np.ndarray:
         errors.append(abs(row["zero1"] / (row["none"] * np.exp(offset)) - 1.0))
         errors.append(abs(row["none"] / (row["zero1"] * np.exp(-offset)) - 1.0))
     return np.asarray(errors)
+
+
+def twin_oracle_regret(pairs) -> np.ndarray:
+    """Top-1 regret per (model, cluster) group and direction of choosing by one twin and
+    being timed by the other (groups of at least two pairs)."""
+    regrets = []
+    for _, group in pairs.groupby(["model_name", "world_size"]):
+        if len(group) < 2:
+            continue
+        for chooser, timer in (("zero1", "none"), ("none", "zero1")):
+            chosen = group[timer].to_numpy()[int(np.argmin(group[chooser].to_numpy()))]
+            regrets.append(chosen / group[timer].min() - 1.0)
+    return np.asarray(regrets)
 
 
 def main() -> None:
@@ -107,6 +124,10 @@ def main() -> None:
     share = float((multi["world_size"] > 16).mean())
     print(f"\n{100 * share:.0f}% of the successful runs are on 4 or more nodes, where twins "
           "disagree most.")
+    regret = twin_oracle_regret(pairs)
+    print(f"\nTwin oracle top-1 regret over {len(regret)} (model, cluster, direction) choices: "
+          f"mean {100 * regret.mean():.1f}%, median {100 * np.median(regret):.1f}%, "
+          f"{100 * np.mean(regret <= 0.05):.0f}% within 5% of the best.")
 
     per_mb = frame["step_time_s"] / frame["num_microbatches"]
     stalled = frame[(frame["pp"] > 1) & (frame["mfu"] < 0.10) & (per_mb > 0.5)].copy()
@@ -131,6 +152,7 @@ def main() -> None:
         with start_run("paratune-evaluate", run_name="noise_floor") as run:
             run.log_params({"data": str(data)})
             run.log_metrics({"twin_oracle_mdape_pct": 100 * float(np.median(oracle)),
+                             "twin_oracle_regret_mean_pct": 100 * float(regret.mean()),
                              "implied_run_noise_pct": noise_all,
                              "twin_pairs": float(len(pairs)),
                              "stalled_pipeline_runs": float(len(stalled)),
