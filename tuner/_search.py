@@ -88,6 +88,9 @@ class SearchResult:
     def table(self, k: int = 10) -> str:
         """The top ``k`` as a terminal table."""
         rows = []
+        # the probability of a stalled pipeline, from predictors that model it
+        stall = ("pred_stall_prob" in self.ranked.columns
+                 and bool(self.top(k)["pred_stall_prob"].notna().any()))
         for _, row in self.top(k).iterrows():
             rows.append({
                 "rank": int(row["rank"]), "gbs": int(row["global_batch_size"]),
@@ -99,7 +102,9 @@ class SearchResult:
                 "tok/s": float(row["tokens_per_s"]),
                 "tok/s/gpu": float(row["tokens_per_s"]) / float(row["world_size"]),
                 "step_s": float(row["step_time_s"]), "mem_gb": float(row["peak_mem_gb"]),
-                "p_ok": float(row["feasible_prob"]), "eff": float(row["efficiency"]),
+                "p_ok": float(row["feasible_prob"]),
+                **({"p_stall": float(row["pred_stall_prob"])} if stall else {}),
+                "eff": float(row["efficiency"]),
                 "goodput": float(row["goodput"]),
                 "vs_best": f"{100 * float(row['vs_best']):.1f}%",
                 "ok": "yes" if row["feasible"] else "NO",

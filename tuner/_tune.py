@@ -198,7 +198,7 @@ def tune(model: ModelSpec | str, gpus: int, gpu: HardwareSpec | str,
     best = result.best_row
     predicted = {k: _plain(best[k]) for k in (
         "tokens_per_s", "ranked_tokens_per_s", "step_time_s", "peak_mem_gb", "feasible_prob",
-        "efficiency", "goodput", "objective", "feasible") if k in best}
+        "efficiency", "goodput", "objective", "feasible", "pred_stall_prob") if k in best}
     rec = recommendation(spec, result.best, hw, devices_per_node=search_space.devices_per_node,
                          predicted=predicted, objective=obj.to_dict())
     rec["top"] = [{**c.to_dict(), "objective": float(o), "vs_best": float(v)}

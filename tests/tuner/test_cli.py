@@ -35,6 +35,9 @@ def test_tune_command_prints_ranking_and_writes_launch_files(model_dir, tmp_path
     assert "vs_best" in text and "torchrun" in text and "--tensor-model-parallel-size" in text
     rec = json.loads((out / "recommendation.json").read_text())
     assert rec["world_size"] == 64 and rec["predicted"]["tokens_per_s"] > 0
+    # the model learned the stalled-pipeline regime from the public runs: the ranking shows
+    # each config's probability of stalling, and the recommendation records it
+    assert "p_stall" in text and 0 <= rec["predicted"]["pred_stall_prob"] <= 1
     assert (out / "torchtitan.toml").exists() and (out / "megatron_args.txt").exists()
 
 
