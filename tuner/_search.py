@@ -88,9 +88,9 @@ class SearchResult:
     def table(self, k: int = 10) -> str:
         """The top ``k`` as a terminal table."""
         rows = []
-        # the probability of a stalled pipeline, from predictors that model it
+        # the probability of a stalled pipeline, where the predictor learned that regime
         stall = ("pred_stall_prob" in self.ranked.columns
-                 and bool(self.top(k)["pred_stall_prob"].notna().any()))
+                 and bool((self.top(k)["pred_stall_prob"].fillna(0) > 0).any()))
         for _, row in self.top(k).iterrows():
             rows.append({
                 "rank": int(row["rank"]), "gbs": int(row["global_batch_size"]),
