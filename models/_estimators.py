@@ -123,7 +123,7 @@ class _Base(BaseEstimator):
             ``pred_tokens_per_sec_per_gpu_expected`` the throughput of the expected step
             time over the regimes a run may fall into, and ``pred_stall_prob`` the
             probability of the stalled-pipeline regime (NaN from predictors that do not
-            model it; there both equal the point prediction's).
+            model it, whose expected throughput is their point prediction).
         """
         import pandas as pd
 
