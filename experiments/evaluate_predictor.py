@@ -118,6 +118,10 @@ def main() -> None:
         add("Ultra-Scale unseen configs", row, "regret_within_5pct", "-")
         add("Ultra-Scale unseen configs", row, "regret_q10_mean", "-")
         add("Ultra-Scale unseen configs", row, "feasibility_accuracy", ">= 95")
+        stalls = name == "performance_model"  # the one predictor with a stalled regime
+        if stalls:
+            add("Ultra-Scale unseen configs", row, "stall_share", "-")
+            add("Ultra-Scale unseen configs", row, "stall_accuracy", "-")
         if name == "performance_model" and repeats:
             runs = [row, *repeats]
             for key, target in (("mdape", "<= 8"), ("regret_mean", "<= 2"),
@@ -135,9 +139,15 @@ def main() -> None:
             add(label, figures, "mdape", "<= 20" if us in source else "-")
             add(label, figures, "mape", "-" if us in source else "<= 12 (multi-node)")
             add(label, figures, "feasibility_accuracy", "-")
+            if stalls and us in source:
+                add(label, figures, "stall_share", "-")
+                add(label, figures, "stall_accuracy", "-")
         row = _pick(results["model"], estimator=name, held_out=":8B")
         add("Ultra-Scale 8B held out (larger model)", row, "mdape", "<= 25")
         add("Ultra-Scale 8B held out (larger model)", row, "feasibility_accuracy", ">= 90")
+        if stalls:
+            add("Ultra-Scale 8B held out (larger model)", row, "stall_share", "-")
+            add("Ultra-Scale 8B held out (larger model)", row, "stall_accuracy", "-")
         row = _pick(results["random"], estimator=name, source="vtrain")
         add("vTrain single node unseen configs", row, "mape", "<= 3")
         add("vTrain single node unseen configs", row, "mdape", "-")

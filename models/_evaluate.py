@@ -112,8 +112,10 @@ def metrics(frame: pd.DataFrame, predictions: pd.DataFrame) -> dict[str, float]:
         ``pred_tokens_per_sec_per_gpu``), ``regret_within_5pct``
         (the share of those groups whose choice is within 5% of their best),
         ``regret_q10_mean`` (the same for the choice by the 10th-percentile throughput,
-        where predicted), ``feasibility_accuracy`` and
-        ``n_configs``.
+        where predicted), ``feasibility_accuracy``, ``n_configs``, and where the predictor
+        gives ``pred_stall_prob``: ``stall_share`` (the measured pipeline runs that stalled)
+        and ``stall_accuracy`` (the share of them whose regime the probability called right,
+        at 0.5; NaN otherwise).
     """
     step = measured_step_time(frame)
     pred_step = np.asarray(predictions["pred_step_time_s"], dtype=float)
@@ -175,6 +177,17 @@ def metrics(frame: pd.DataFrame, predictions: pd.DataFrame) -> dict[str, float]:
         "feasible"].to_numpy()[known]
     out["feasibility_accuracy"] = float(correct.mean()) if known.any() else np.nan
     out["n_configs"] = float(known.sum())
+    # how well the stalled-pipeline regime is told apart, where the predictor models it
+    out["stall_share"] = out["stall_accuracy"] = np.nan
+    if "pred_stall_prob" in predictions.columns:
+        from paratune.models import features as F
+
+        stall_prob = np.asarray(predictions["pred_stall_prob"], dtype=float)
+        pipeline = ok & (np.asarray(frame["pp"], dtype=float) > 1) & np.isfinite(stall_prob)
+        if pipeline.any():
+            stalled = F.stalled_pipeline(frame, step)[pipeline]
+            out["stall_share"] = float(stalled.mean())
+            out["stall_accuracy"] = float(np.mean((stall_prob[pipeline] > 0.5) == stalled))
     return out
 
 
@@ -198,8 +211,8 @@ class EvaluationResult:
         for row in self.summary + self.by_fold:
             shown = {k: row[k] for k in ("estimator", "source", "held_out") if k in row}
             for key in ("mape", "mdape", "mape_step", "regret_mean", "regret_median",
-                        "regret_q10_mean", "feasibility_accuracy"):
-                shown[key] = 100.0 * row[key]
+                        "regret_q10_mean", "feasibility_accuracy", "stall_accuracy"):
+                shown[key] = 100.0 * row.get(key, np.nan)
             shown["spearman"] = row["spearman"]
             shown["n"] = int(row["n"])
             rows.append(shown)
@@ -207,10 +220,10 @@ class EvaluationResult:
                    "regret_mean": "regret%", "regret_median": "regret median%",
                    "regret_q10_mean": "regret(q10)%",
                    "feasibility_accuracy": "feasible acc%",
-                   "spearman": "Spearman"}
+                   "stall_accuracy": "stall acc%", "spearman": "Spearman"}
         columns = ["estimator", "source", "held_out", "n", "mape", "mdape", "mape_step",
                    "spearman", "regret_mean", "regret_median", "regret_q10_mean",
-                   "feasibility_accuracy"]
+                   "feasibility_accuracy", "stall_accuracy"]
         return format_table(rows, columns, headers=headers, floatfmt=".3g",
                             title=f"split={self.split}: tokens/s per device vs measured")
 

@@ -74,3 +74,20 @@ def test_plot_is_written(synthetic, tmp_path):
     result = cross_validate(synthetic, split="random", n_splits=2, estimators={"pm": _small})
     path = plot_predictions(result, tmp_path / "p.png")
     assert path.stat().st_size > 1000
+
+
+def test_stall_figures_score_the_regime_probability(make_synthetic):
+    from paratune.models import features as F
+
+    frame = make_synthetic(stalls=True)
+    stalled = F.stalled_pipeline(frame, frame["step_time_s"].to_numpy())
+    pred = frame[["step_time_s"]].rename(columns={"step_time_s": "pred_step_time_s"})
+    pred["pred_feasible_prob"] = 0.9
+    assert np.isnan(metrics(frame, pred)["stall_accuracy"])  # not modelled: no figure
+    pred["pred_stall_prob"] = np.where(stalled, 0.9, 0.1)
+    right = metrics(frame, pred)
+    pipeline = (frame["status"] == "ok") & (frame["pp"] > 1)
+    assert right["stall_share"] == pytest.approx(stalled[pipeline.to_numpy()].mean())
+    assert right["stall_accuracy"] == pytest.approx(1.0)
+    pred["pred_stall_prob"] = 0.0  # never stalls: right on the pipeline runs that did not
+    assert metrics(frame, pred)["stall_accuracy"] == pytest.approx(1 - right["stall_share"])
