@@ -249,17 +249,15 @@ def stalled_pipeline(frame: pd.DataFrame | Columns, step_time_s: np.ndarray) -> 
         A boolean per row.
     """
     c = _cols(frame)
-    step = np.asarray(step_time_s, dtype=float)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        per_micro = step / num_microbatches(c)
-        mfu = model_flops_per_device(c) / (step * c.peak_flops)
-    slow = np.nan_to_num(per_micro) > STALL_MIN_SECONDS_PER_MICROBATCH
-    return c.accelerator & (c.pp > 1) & slow & (np.nan_to_num(mfu, nan=1.0) < STALL_MAX_MFU)
+    # over the floor means both over the seconds per micro-batch and under the MFU
+    slow = np.asarray(step_time_s, dtype=float) > stall_floor_s(c)  # NaN: not stalled
+    return c.accelerator & (c.pp > 1) & slow
 
 
 def stall_floor_s(frame: pd.DataFrame | Columns) -> np.ndarray:
-    """The shortest step time :func:`stalled_pipeline` counts as stalled: over
-    :data:`STALL_MIN_SECONDS_PER_MICROBATCH` per micro-batch and under :data:`STALL_MAX_MFU`."""
+    """The step time above which :func:`stalled_pipeline` counts a pipeline run as stalled:
+    over :data:`STALL_MIN_SECONDS_PER_MICROBATCH` per micro-batch and under
+    :data:`STALL_MAX_MFU` (NaN where the hardware is unknown)."""
     c = _cols(frame)
     with np.errstate(divide="ignore", invalid="ignore"):
         return np.maximum(STALL_MIN_SECONDS_PER_MICROBATCH * num_microbatches(c),
