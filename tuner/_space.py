@@ -312,7 +312,7 @@ class SearchSpace:
             return total
 
         out: dict[ParallelConfig, tuple[int, dict[str, Any]]] = {}
-        keeping = [(True, move) for move in self._work_keeping_moves(params)]
+        keeping = [(True, move) for move in self._work_keeping_moves(params, choices)]
         for keeps_work, move in keeping + [(False, move) for move in moves]:
             variants = [{**params, **move}]
             for cond in conditional:
@@ -326,11 +326,12 @@ class SearchSpace:
         ranked = sorted(out.items(), key=lambda item: item[1][0])  # stable: moves' order
         return [(cfg, p) for cfg, (_, p) in ranked]
 
-    def _work_keeping_moves(self, params: dict[str, Any]) -> list[dict[str, Any]]:
-        """Layout moves that keep each rank's work per step (see :meth:`neighbours`)."""
+    def _work_keeping_moves(self, params: dict[str, Any], choices: dict[str, list[Any]]
+                            ) -> list[dict[str, Any]]:
+        """Layout moves that keep each rank's work per step (see :meth:`neighbours`);
+        ``choices`` as :meth:`param_choices` gives them."""
         tps, pps = self.degree_choices()
         micros = list(self.space.micro_batch_sizes)
-        choices = self.param_choices()
         tp = tps[params["tp_index"]] if "tp_index" in params else tps[0]
         pp = pps[params["pp_index"]] if "pp_index" in params else pps[0]
         micro_index = params.get("micro_batch_size_index")
