@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from paratune.errors import ConfigError, DatasetError
+from paratune.models import features as F
 from paratune.models._data import config_identity, feasibility_table, measured_step_time
 from paratune.predictor import PRED_TOKENS_EXPECTED
 
@@ -180,8 +181,6 @@ def metrics(frame: pd.DataFrame, predictions: pd.DataFrame) -> dict[str, float]:
     # how well the stalled-pipeline regime is told apart, where the predictor models it
     out["stall_share"] = out["stall_accuracy"] = np.nan
     if "pred_stall_prob" in predictions.columns:
-        from paratune.models import features as F
-
         stall_prob = np.asarray(predictions["pred_stall_prob"], dtype=float)
         pipeline = ok & (np.asarray(frame["pp"], dtype=float) > 1) & np.isfinite(stall_prob)
         if pipeline.any():
