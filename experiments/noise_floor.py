@@ -18,7 +18,8 @@ a systematic offset per cluster size. This script measures:
   fastest, timed by its no-sharding run, against the fastest no-sharding run (and the other
   way round): the top-1 regret of choosing by a repeat measurement, which no predictor of the
   runs' true times can be sure to beat;
-* **stall regime**: pipeline runs with MFU under 10% and more than 0.5 s per micro-batch:
+* **stall regime**: pipeline runs with MFU under 10% and more than 0.5 s per micro-batch
+  (:func:`paratune.models.features.stalled_pipeline`, the model's own definition):
   the distribution of their time per micro-batch, by model size (a fixed cost per
   micro-batch, not a slower version of the normal step).
 
@@ -87,6 +88,7 @@ def main() -> None:
     import pandas as pd
 
     from paratune._table import format_table
+    from paratune.models import features as F
     from paratune.models import load_measurements
     from paratune.models._data import measured_step_time
 
@@ -130,7 +132,7 @@ def main() -> None:
           f"{100 * np.mean(regret <= 0.05):.0f}% within 5% of the best.")
 
     per_mb = frame["step_time_s"] / frame["num_microbatches"]
-    stalled = frame[(frame["pp"] > 1) & (frame["mfu"] < 0.10) & (per_mb > 0.5)].copy()
+    stalled = frame[F.stalled_pipeline(frame, frame["step_time_s"].to_numpy())].copy()
     stalled["s_per_microbatch"] = per_mb[stalled.index]
     stall_rows = []
     for model, part in stalled.groupby("model_name"):
