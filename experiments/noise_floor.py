@@ -18,6 +18,10 @@ a systematic offset per cluster size. This script measures:
   fastest, timed by its no-sharding run, against the fastest no-sharding run (and the other
   way round): the top-1 regret of choosing by a repeat measurement, which no predictor of the
   runs' true times can be sure to beat;
+* **error budget of the regret**: the mean top-1 regret, over the same (model, cluster,
+  fold) groups as ``evaluate_predictor.py``'s random split, of a predictor that knew every
+  run's measured time up to independent log-normal errors of a given median APE (and no
+  outliers): the median APE a predictor needs before the top-1 regret target is in reach;
 * **stall regime**: pipeline runs with MFU under 10% and more than 0.5 s per micro-batch
   (:func:`paratune.models.features.stalled_pipeline`, the model's own definition):
   the distribution of their time per micro-batch, by model size (a fixed cost per
@@ -79,6 +83,40 @@ def twin_oracle_regret(pairs) -> np.ndarray:
     return np.asarray(regrets)
 
 
+# median |z| of a standard normal: a log-normal error of scale sigma has median APE
+# exp(0.6745 * sigma) - 1
+_MEDIAN_ABS_Z = 0.6744897501960817
+
+
+def error_budget_regret(frame, mdape: float, *, seeds: int = 5, draws: int = 10,
+                        random_state: int = 0) -> tuple[float, float]:
+    """Mean top-1 regret and share of groups within 5% of their best, over ``seeds`` random
+    5-fold splits and ``draws`` noise draws, of predictions that are the measured step times
+    times independent log-normal errors of median APE ``mdape``."""
+    import pandas as pd
+
+    from paratune.models._evaluate import _folds, metrics
+
+    rng = np.random.default_rng(random_state)
+    sigma = np.log1p(mdape) / _MEDIAN_ABS_Z
+    step = frame["step_time_s"].to_numpy(float)
+    regrets, within = [], []
+    for seed in range(seeds):
+        labels = np.empty(len(frame), dtype=object)
+        for label, test in _folds(frame, "random", n_splits=5, random_state=seed):
+            labels[test] = label
+        split = frame.assign(fold=labels)
+        for _ in range(draws):
+            noisy = step * np.exp(rng.normal(0.0, sigma, len(step)))
+            pred = pd.DataFrame({"pred_step_time_s": noisy,
+                                 "pred_feasible_prob": np.isfinite(step).astype(float)},
+                                index=frame.index)
+            figures = metrics(split, pred)
+            regrets.append(figures["regret_mean"])
+            within.append(figures["regret_within_5pct"])
+    return float(np.mean(regrets)), float(np.mean(within))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", default=None, help="folder of the public CSVs")
@@ -131,6 +169,19 @@ def main() -> None:
           f"mean {100 * regret.mean():.1f}%, median {100 * np.median(regret):.1f}%, "
           f"{100 * np.mean(regret <= 0.05):.0f}% within 5% of the best.")
 
+    budget = []
+    for mdape in (0.02, 0.04, 0.055, 0.075, 0.10):
+        mean, within = error_budget_regret(frame, mdape)
+        budget.append({"predictor_mdape_pct": 100 * mdape, "regret_mean_pct": 100 * mean,
+                       "within_5pct_pct": 100 * within})
+    budget_table = format_table(budget, ["predictor_mdape_pct", "regret_mean_pct",
+                                         "within_5pct_pct"], floatfmt=".1f",
+                                title="Top-1 regret of the measurements with independent "
+                                      "log-normal errors (5 fold seeds x 10 draws, "
+                                      "random split groups)")
+    print()
+    print(budget_table)
+
     per_mb = frame["step_time_s"] / frame["num_microbatches"]
     stalled = frame[F.stalled_pipeline(frame, frame["step_time_s"].to_numpy())].copy()
     stalled["s_per_microbatch"] = per_mb[stalled.index]
@@ -160,7 +211,10 @@ def main() -> None:
                              "stalled_pipeline_runs": float(len(stalled)),
                              "stall_median_s_per_microbatch":
                                  float(np.median(stalled["s_per_microbatch"]))})
-            run.log_text(table + "\n\n" + stall + "\n", "noise_floor.txt")
+            run.log_metrics({f"error_budget_regret_pct_at_mdape_{row['predictor_mdape_pct']:g}":
+                             row["regret_mean_pct"] for row in budget})
+            run.log_text(table + "\n\n" + budget_table + "\n\n" + stall + "\n",
+                         "noise_floor.txt")
             run.log_text(pd.DataFrame(rows).to_csv(index=False), "twins_by_nodes.csv")
 
 
