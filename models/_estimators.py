@@ -58,10 +58,11 @@ __all__ = [
     "source_family",
 ]
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 """Version of the saved-model directory format; loading another version fails (2: the
 layer-passes feature; 3: the data-parallel ring latency in the analytical estimate; 4: the
-step-time models for models not in the training data; 5: the stalled-pipeline regime)."""
+step-time models for models not in the training data; 5: the stalled-pipeline regime; 6:
+model keys with every digit of the shapes, hardware names in their catalogue spelling)."""
 PRED_TOKENS_Q10 = f"{PRED_TOKENS_PER_SEC_PER_GPU}_q10"
 PRED_TOKENS_Q90 = f"{PRED_TOKENS_PER_SEC_PER_GPU}_q90"
 PRED_STALL_PROB = "pred_stall_prob"
@@ -72,6 +73,21 @@ _MANIFEST = "model.json"
 _TIME_COMPONENTS = ("throughput", "throughput_refine", "throughput_quantiles")
 _STALL_COMPONENTS = ("stall_classifier", "stall_time", "stall_time_quantiles")
 _TRANSFER_COLUMNS = np.asarray([F.FEATURE_NAMES.index(name) for name in F.TRANSFER_FEATURE_NAMES])
+
+
+def _catalogue_names(names: Any) -> np.ndarray:
+    """Hardware names in their catalogue spelling (``h100`` -> ``H100-80GB``); names the
+    catalogue does not know are kept as they are."""
+    from paratune.errors import ConfigError
+    from paratune.hardware import get_hardware
+
+    def canonical(name: Any) -> str:
+        try:
+            return get_hardware(str(name)).name
+        except ConfigError:
+            return str(name)
+
+    return F._lookup(names, canonical, dtype=object)
 
 
 def source_family(frame: pd.DataFrame) -> np.ndarray:
@@ -140,7 +156,7 @@ class _Base(BaseEstimator):
             q10 = tokens / (out.get("step_hi", step) * c.world)
             q90 = tokens / (out.get("step_lo", step) * c.world)
             expected = tokens / (out.get("step_expected", step) * c.world)
-        errors = np.asarray(analytical["hardware_error"], dtype=object).copy()
+        errors = np.asarray(analytical["error"], dtype=object).copy()
         bad_values = ~(np.isfinite(analytical["step_time_s"]) & (analytical["step_time_s"] > 0))
         errors = np.where((errors == "") & bad_values,
                           "configuration values give no finite analytical estimate "
@@ -270,7 +286,7 @@ class PerformanceModel(_Base):
 
         c = F.Columns(frame)
         X, analytical = F.compute_features(c)
-        usable = np.asarray(analytical["hardware_error"] == "") & np.isfinite(
+        usable = np.asarray(analytical["error"] == "") & np.isfinite(
             analytical["step_time_s"]) & (analytical["step_time_s"] > 0)
         step = measured_step_time(frame)
         has_time = usable & np.isfinite(step)
@@ -283,9 +299,12 @@ class PerformanceModel(_Base):
         # step-time models learn the normal regime without them where there are enough to
         # learn the stalled one apart.
         stalled = has_time & F.stalled_pipeline(c, step)
+        pipeline = has_time & (c.pp > 1) & c.accelerator
         self.stall_ = self.stall_transfer_ = None
-        if stalled.sum() >= self.min_stall_rows and (has_time & ~stalled).any():
-            pipeline = has_time & (c.pp > 1) & c.accelerator
+        # the classifier needs pipeline runs of both regimes; the step-time models some
+        # runs that did not stall
+        if (stalled.sum() >= self.min_stall_rows and (pipeline & ~stalled).any()
+                and (has_time & ~stalled).any()):
             per_micro = np.log(step / F.num_microbatches(c))
             self.stall_ = self._fit_stall(X, pipeline, stalled, per_micro)
             self.stall_transfer_ = self._fit_stall(X[:, transfer], pipeline, stalled, per_micro)
@@ -307,7 +326,7 @@ class PerformanceModel(_Base):
                     self.families_[str(family)] = self._fit_time(X[rows], y[rows])
                     self.family_transfer_[str(family)] = self._fit_time(X[rows][:, transfer],
                                                                         y[rows])
-        hardware = frame["hardware"].astype(str).to_numpy()
+        hardware = _catalogue_names(frame["hardware"])
         self.hardware_family_ = {}
         for name in np.unique(hardware[has_time]):
             seen = np.unique(families[has_time & (hardware == name)])
@@ -380,8 +399,9 @@ class PerformanceModel(_Base):
         if not self.families_:
             return out
         if "hardware" in frame.columns:
-            hardware = frame["hardware"].astype(str)
-            out = np.asarray(hardware.map(self.hardware_family_).fillna(""), dtype=object)
+            hardware = _catalogue_names(frame["hardware"])
+            out = np.asarray([self.hardware_family_.get(h, "") for h in hardware],
+                             dtype=object)
         if "source" in frame.columns:
             families = source_family(frame)
             known = np.isin(families, list(self.families_))
@@ -457,9 +477,11 @@ class PerformanceModel(_Base):
         capacity = c.memory_gb
         known = np.isfinite(capacity) & (capacity > 0)
         if self.feasibility_ is not None:
-            # the memory fraction is missing (NaN) where the device memory is not catalogued
-            feasible = self.feasibility_.predict_proba(self._augment(X, memory,
-                                                                     capacity))[:, 1]
+            # the classifier learned from devices with a memory size; where none is
+            # catalogued (the CPU) no memory limit is known, as without a classifier
+            learned = self.feasibility_.predict_proba(self._augment(X, memory,
+                                                                    capacity))[:, 1]
+            feasible = np.where(known, learned, 1.0)
         else:
             # no failed runs to learn from: the memory estimate alone; no memory limit is
             # known for uncatalogued device memory (the CPU)
@@ -493,7 +515,8 @@ class PerformanceModel(_Base):
 
         The manifest (``model.json``) holds the schema version, feature names, parameters,
         the training-data fingerprint and the component files. Written file by file with
-        atomic replaces; the manifest last, so a half-written directory does not load.
+        atomic replaces; a manifest already there goes first and the new one is written last,
+        so a half-written directory (also one saved over another model) does not load.
 
         Args:
             path: Directory (created if missing).
@@ -504,6 +527,9 @@ class PerformanceModel(_Base):
         self._check_fitted()
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
+        # saving over another model: without its manifest the directory does not load until
+        # this one's manifest is written, never as a mixture of the two models' files
+        (path / _MANIFEST).unlink(missing_ok=True)
         components = {"throughput": self.throughput_, "throughput_refine": self.refine_,
                       "throughput_quantiles": self.quantile_,
                       "memory": self.memory_, "feasibility": self.feasibility_}
@@ -562,8 +588,6 @@ class PerformanceModel(_Base):
             ModelFormatError: missing or corrupt files, another schema version, or feature
                 names that differ from this version's.
         """
-        import xgboost as xgb
-
         path = Path(path)
         manifest_path = path / _MANIFEST
         if not manifest_path.exists():
@@ -583,6 +607,20 @@ class PerformanceModel(_Base):
                 or manifest.get("transfer_feature_names") != list(F.TRANSFER_FEATURE_NAMES)):
             raise ModelFormatError(f"{manifest_path}: feature_names differ from this paratune's "
                                    "features; refit the model")
+        try:
+            return cls._from_manifest(path, manifest)
+        except ModelFormatError:
+            raise
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ModelFormatError(f"{manifest_path}: corrupt manifest (bad or missing "
+                                   f"entry {exc})") from None
+
+    @classmethod
+    def _from_manifest(cls, path: Path, manifest: dict[str, Any]) -> PerformanceModel:
+        """The model a checked manifest describes (KeyError/TypeError where it is corrupt)."""
+        import xgboost as xgb
+
+        manifest_path = path / _MANIFEST
         params = dict(manifest["params"])
         params["quantiles"] = tuple(params["quantiles"])
         model = cls(**params)

@@ -90,8 +90,9 @@ _RECOMPUTE = {"none": 0, "full": 1, "selective": 2}
 class Columns:
     """numpy views of a config frame's columns, resolved once (hardware looked up per name).
 
-    Rows whose hardware is unknown get NaN hardware figures; :attr:`hardware_error` holds the
-    message for them (empty string elsewhere).
+    Rows whose hardware is unknown get NaN hardware figures, and rows with an unknown
+    schedule, sharding or recompute value a NaN code; :attr:`error` holds the message for
+    them (empty string elsewhere).
     """
 
     def __init__(self, frame: pd.DataFrame) -> None:
@@ -102,10 +103,25 @@ class Columns:
                 return np.full(len(frame), float(default))
             return np.asarray(frame[name], dtype=float)
 
+        option_errors = np.full(len(frame), "", dtype=object)
+
         def codes(name: str, table: dict[str, int], default: str) -> np.ndarray:
             if name not in frame.columns:
                 return np.full(len(frame), float(table[default]))
-            return _lookup(frame[name], lambda v: float(table.get(str(v).lower(), np.nan)))
+
+            def code(value: Any) -> float:
+                if value is None or (isinstance(value, float) and np.isnan(value)):
+                    return float(table[default])  # an empty cell: the default
+                return float(table.get(str(value).strip().lower(), np.nan))
+
+            out = _lookup(frame[name], code)
+            bad = np.isnan(out)
+            if bad.any():
+                values = np.asarray(frame[name], dtype=object)
+                rule = f"must be one of {', '.join(table)}"
+                option_errors[bad & (option_errors == "")] = [
+                    f"{name}={v!r} {rule}" for v in values[bad & (option_errors == "")]]
+            return out
 
         self.n = len(frame)
         self.layers = num("num_layers")
@@ -141,6 +157,7 @@ class Columns:
         self.per_node = np.where(np.isnan(per_node) | (per_node < 1), hw["devices_per_node"],
                                  per_node)
         self.hardware_error = hw["error"]
+        self.error = np.where(self.hardware_error != "", self.hardware_error, option_errors)
         self.accelerator = hw["accelerator"]
         self.world = self.dp * self.tp * self.pp
 
@@ -519,7 +536,7 @@ def model_keys(frame: pd.DataFrame | Columns) -> np.ndarray:
         return np.empty(0, dtype=object)
     group = shapes.groupby(list(shapes.columns), sort=False, dropna=False).ngroup().to_numpy()
     _, first = np.unique(group, return_index=True)
-    labels = np.asarray(["L{:g}-H{:g}-A{:g}-KV{:g}-F{:g}-V{:g}".format(*row)
+    labels = np.asarray(["L{:.0f}-H{:.0f}-A{:.0f}-KV{:.0f}-F{:.0f}-V{:.0f}".format(*row)
                          for row in shapes.to_numpy()[first]], dtype=object)
     return labels[group]
 
@@ -533,7 +550,7 @@ def compute_features(frame: pd.DataFrame | Columns) -> tuple[np.ndarray, dict[st
     Returns:
         ``(X, analytical)``: an ``(n, len(FEATURE_NAMES))`` float32 matrix, and a dict with
         the parts of :func:`analytical_step_time`, ``memory_gb`` (analytical peak memory)
-        and ``hardware_error`` (message per row, empty where the hardware is known).
+        and ``error`` (message per row: unknown hardware or option value; empty elsewhere).
     """
     c = _cols(frame)
     times = analytical_step_time(c)
@@ -577,5 +594,5 @@ def compute_features(frame: pd.DataFrame | Columns) -> tuple[np.ndarray, dict[st
     matrix[~np.isfinite(matrix)] = np.nan
     analytical = dict(times)
     analytical["memory_gb"] = mem_gb
-    analytical["hardware_error"] = c.hardware_error
+    analytical["error"] = c.error
     return matrix, analytical

@@ -142,7 +142,7 @@ def test_features_are_finite_and_relative():
     assert X.shape == (2, len(F.FEATURE_NAMES)) and np.isfinite(X).all()
     fractions = X[:, :5].sum(axis=1)
     np.testing.assert_allclose(fractions, 1.0, rtol=1e-5)
-    assert (analytical["hardware_error"] == "").all()
+    assert (analytical["error"] == "").all()
 
 
 def test_unknown_hardware_gives_nan_and_message():
@@ -150,7 +150,24 @@ def test_unknown_hardware_gives_nan_and_message():
     frame["hardware"] = "TPU-v9"
     _, analytical = F.compute_features(frame)
     assert np.isnan(analytical["step_time_s"][0])
-    assert "TPU-v9" in analytical["hardware_error"][0]
+    assert "TPU-v9" in analytical["error"][0]
+
+
+def test_unknown_option_value_gives_message_naming_field_and_rule():
+    frame = pd.concat([row(), row(), row()]).reset_index(drop=True)
+    frame["sharding"] = ["zero-1", "zero1", None]
+    X, analytical = F.compute_features(frame)
+    assert analytical["error"][0] == "sharding='zero-1' must be one of none, zero1, zero2, zero3"
+    # a known value and an empty cell (the default) are fine
+    assert list(analytical["error"][1:]) == ["", ""]
+    assert X[2, F.FEATURE_NAMES.index("sharding")] == 0
+
+
+def test_model_keys_keep_every_digit():
+    a, b = row(), row()
+    a["vocab_size"], b["vocab_size"] = 1048576, 1048580
+    keys = F.model_keys(pd.concat([a, b]))
+    assert keys[0] != keys[1] and "V1048576" in keys[0]
 
 
 def test_features_are_vectorised():

@@ -201,3 +201,66 @@ def test_stalled_pipelines_are_learned_as_a_regime_of_their_own(make_synthetic, 
                            n_jobs=1).fit(train)
     assert few.stall_ is None and few.n_stall_rows_ == 0
     assert (few.predict(test)[PRED_STALL_PROB] == 0).all()
+    # every pipeline run stalled: nothing to tell the regimes apart, so no stall classifier
+    # (and no crash); the stalled runs train the step-time model
+    all_stalled = train[(train["pp"] == 1) | F.stalled_pipeline(
+        train, train["step_time_s"].to_numpy())].reset_index(drop=True)
+    none_apart = PerformanceModel(n_estimators=20, aux_estimators=10, n_jobs=1).fit(all_stalled)
+    assert none_apart.stall_ is None and none_apart.n_time_rows_ == int(
+        all_stalled["step_time_s"].notna().sum())
+
+
+def test_unknown_option_value_gets_error_naming_the_field(fitted, synthetic):
+    frame = synthetic[list(CONFIG_COLUMNS)].head(3).copy()
+    frame.loc[frame.index[0], "sharding"] = "zero-1"
+    frame.loc[frame.index[2], "schedule"] = "one_f_one_b"
+    pred = fitted.predict(frame)
+    assert pred["pred_error"].iloc[0] == ("sharding='zero-1' must be one of none, zero1, "
+                                          "zero2, zero3")
+    assert pred["pred_error"].iloc[2].startswith("schedule='one_f_one_b' must be one of")
+    assert np.isnan(pred["pred_step_time_s"].iloc[[0, 2]]).all()
+    assert pred["pred_error"].iloc[1] == "" and np.isfinite(pred["pred_step_time_s"].iloc[1])
+
+
+def test_hardware_alias_routes_like_its_catalogue_name(synthetic):
+    other = synthetic.assign(hardware="A100-80GB", source="otherlab_cluster")
+    model = PerformanceModel(n_estimators=20, aux_estimators=10, min_family_rows=50,
+                             n_jobs=1).fit(pd.concat([synthetic, other], ignore_index=True))
+    configs = synthetic[list(CONFIG_COLUMNS)]
+    named = model.predict(configs)["pred_step_time_s"].to_numpy()
+    for alias in ("h100", "H100", "h100-80gb"):
+        np.testing.assert_array_equal(
+            model.predict(configs.assign(hardware=alias))["pred_step_time_s"].to_numpy(), named)
+
+
+def test_saving_over_another_model_never_loads_a_mixture(fitted, synthetic, tmp_path):
+    other = PerformanceModel(n_estimators=20, aux_estimators=10, n_jobs=1).fit(
+        synthetic.head(120))
+    other.save(tmp_path / "m")
+    # a save over it that dies after its first booster: the directory does not load
+    broken = PerformanceModel(n_estimators=20, aux_estimators=10, n_jobs=1).fit(synthetic)
+    broken.memory_ = object()  # no save_model: the save fails part-way
+    with pytest.raises(AttributeError):
+        broken.save(tmp_path / "m")
+    with pytest.raises(ModelFormatError, match=r"no model\.json"):
+        load_model(tmp_path / "m")
+    # a complete save over it loads as the new model
+    fitted.save(tmp_path / "m")
+    assert load_model(tmp_path / "m").n_train_rows_ == fitted.n_train_rows_
+
+
+@pytest.mark.parametrize("damage", ["training", "params", "components"])
+def test_corrupt_manifest_fails_clearly(fitted, tmp_path, damage):
+    fitted.save(tmp_path / "m")
+    manifest_path = tmp_path / "m" / "model.json"
+    manifest = json.loads(manifest_path.read_text())
+    del manifest[damage]
+    manifest_path.write_text(json.dumps(manifest))
+    with pytest.raises(ModelFormatError, match=f"corrupt manifest.*{damage}"):
+        load_model(tmp_path / "m")
+
+
+def test_no_memory_limit_is_known_on_the_cpu(fitted, synthetic):
+    # the feasibility classifier learned H100 memory; the CPU has no catalogued memory size
+    cpu = synthetic[list(CONFIG_COLUMNS)].assign(hardware="cpu").head(20)
+    assert (fitted.predict(cpu)["pred_feasible_prob"] == 1.0).all()
