@@ -91,9 +91,10 @@ def read_config_csv(path: str | Path) -> tuple[pd.DataFrame, pd.DataFrame, np.nd
         if column not in configs.columns:
             continue
         values = pd.to_numeric(configs[column].replace("", np.nan), errors="coerce")
-        bad = values.isna() & configs[column].astype(str).ne("") & configs[column].notna()
+        given = configs[column].astype(str).ne("") & configs[column].notna()
+        bad = (values.isna() & given) | (values.notna() & ((values < 1) | (values % 1 != 0)))
         if column in _OWN_REQUIRED:
-            bad |= values.isna() | (values < 1)
+            bad |= values.isna()
         for i in np.flatnonzero(bad.to_numpy() & (errors == "")):
             errors[i] = f"{column}={raw[column].iloc[i]!r} must be a positive integer"
         configs[column] = values
@@ -123,9 +124,50 @@ def read_config_csv(path: str | Path) -> tuple[pd.DataFrame, pd.DataFrame, np.nd
         wrong = ~configs[column].astype(str).str.lower().isin(rule)
         for i in np.flatnonzero(wrong.to_numpy() & (errors == "")):
             errors[i] = f"{column}={configs[column].iloc[i]!r} must be one of {', '.join(rule)}"
+    _check_layouts(configs, errors)
     # the source (when given) picks the step-time model of its measurement family
     configs["source"] = raw["source"].astype(str) if "source" in raw.columns else ""
     return raw, _fill_placeholders(configs[[*CONFIG_COLUMNS, "source"]], errors), errors
+
+
+def _check_layouts(configs: pd.DataFrame, errors: np.ndarray) -> None:
+    """Write into ``errors`` why a row's layout cannot run its model (tp must divide the heads,
+    a stage needs a layer, virtual stages need the interleaved schedule...), for the rows
+    read without error; each distinct layout is checked once."""
+    from paratune.errors import ConfigError
+    from paratune.parallel import ParallelConfig
+    from paratune.spec import ModelSpec
+
+    model_fields = [c for c in MODEL_COLUMNS if c != "model_name"]
+    columns = [*model_fields, *PARALLEL_COLUMNS]
+    readable = np.flatnonzero(errors == "")
+    if not len(readable):
+        return
+    part = configs.iloc[readable][columns]
+    keys = part.astype(str).agg("|".join, axis=1).to_numpy()
+    _, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
+    reasons = []
+    for i in first:
+        cells = part.iloc[i]
+        try:
+            shape = {k: cells[k] for k in model_fields}
+            shape = {k: (None if k == "num_kv_heads" and _missing(v) else
+                         int(v) if k in _INTEGER else v) for k, v in shape.items()}
+            shape["tie_embeddings"] = bool(shape["tie_embeddings"])
+            shape["rope_theta"] = float(shape["rope_theta"])
+            shape["norm_eps"] = float(shape["norm_eps"])
+            layout = ParallelConfig(**{k: (int(cells[k]) if k in _INTEGER else str(cells[k]))
+                                       for k in PARALLEL_COLUMNS})
+            layout.validate(ModelSpec(**shape), runnable=False)
+            reasons.append("")
+        except ConfigError as exc:
+            reasons.append(str(exc))
+    errors[readable] = np.asarray(reasons, dtype=object)[inverse]
+
+
+def _missing(value: Any) -> bool:
+    """True for a missing cell (None or NaN)."""
+    return value is None or (isinstance(value, float) and np.isnan(value))
 
 
 def _fill_placeholders(configs: pd.DataFrame, errors: np.ndarray) -> pd.DataFrame:

@@ -142,12 +142,16 @@ class ParallelConfig:
         return (self.pp, self.dp, self.tp)
 
     # ------------------------------------------------------------------ validation
-    def validate(self, model: ModelSpec | None = None, world_size: int | None = None) -> None:
+    def validate(self, model: ModelSpec | None = None, world_size: int | None = None, *,
+                 runnable: bool = True) -> None:
         """Raise if this layout cannot run ``model`` on ``world_size`` devices.
 
         Args:
             model: The model; shape rules are checked when given.
             world_size: Devices available; ``dp * tp * pp`` must equal it when given.
+            runnable: Also check the limits of paratune's own trainer (torch's 1F1B schedule
+                needs at least ``pp`` micro-batches); ``False`` checks only what any
+                framework needs, e.g. for predicting a layout run elsewhere.
 
         Raises:
             ConfigError: naming the field, the value and the rule broken.
@@ -174,7 +178,7 @@ class ParallelConfig:
             raise ConfigError("virtual_stages", self.virtual_stages,
                               f"must be 1 unless schedule=interleaved_1f1b "
                               f"(schedule={self.schedule.value})")
-        elif (self.pp_enabled and self.schedule is Schedule.ONE_F_ONE_B
+        elif (runnable and self.pp_enabled and self.schedule is Schedule.ONE_F_ONE_B
               and self.num_microbatches < self.pp):
             # torch.distributed.pipelining.Schedule1F1B refuses fewer micro-batches than stages.
             raise ConfigError("global_batch_size", self.global_batch_size,

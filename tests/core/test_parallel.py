@@ -35,6 +35,15 @@ def test_validate_names_field_value_and_rule(kwargs, world, field, rule):
     assert not cfg.is_valid(get_model("tiny"), world)
 
 
+def test_runnable_false_skips_only_the_trainers_own_limits():
+    # fewer micro-batches than stages: torch's 1F1B refuses it, other frameworks run it
+    fewer = ParallelConfig(pp=2, micro_batch_size=2, global_batch_size=2)
+    fewer.validate(get_model("tiny"), 2, runnable=False)
+    # the rules every framework has still hold
+    with pytest.raises(ConfigError, match="must divide num_heads=8"):
+        ParallelConfig(tp=3).validate(get_model("tiny"), 3, runnable=False)
+
+
 def test_bad_enum_value_lists_choices():
     with pytest.raises(ConfigError, match=r"sharding='zero4'.*none, zero1, zero2, zero3"):
         ParallelConfig(sharding="zero4")

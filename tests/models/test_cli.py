@@ -97,6 +97,47 @@ def test_predict_own_config_format(model_dir, synthetic, tmp_path):
     assert np.all(result["pred_step_time_s"].iloc[good].astype(float) > 0)
 
 
+@pytest.mark.parametrize(("column", "value", "message"), [
+    ("tp", 1.5, "tp='1.5' must be a positive integer"),
+    ("micro_batch_size", 2.5, "micro_batch_size='2.5' must be a positive integer"),
+    ("virtual_stages", -3, "virtual_stages='-3' must be a positive integer"),
+    ("virtual_stages", 4, "virtual_stages=4: must be 1 unless schedule=interleaved_1f1b"),
+    ("schedule", "interleaved_1f1b", "interleaved_1f1b needs pp >= 2"),
+])
+def test_predict_own_format_checks_each_layout(model_dir, synthetic, tmp_path, column, value,
+                                               message):
+    frame = synthetic[list(CONFIG_COLUMNS)].head(3).astype(object)
+    frame.loc[frame.index[1], column] = value
+    src = tmp_path / "configs.csv"
+    frame.to_csv(src, index=False)
+    out = tmp_path / "out.csv"
+    assert main(["predict", "--model", str(model_dir), str(src), "--out", str(out)]) == 0
+    result = pd.read_csv(out, keep_default_na=False)
+    assert message in result["pred_error"].iloc[1]
+    assert result["pred_step_time_s"].iloc[1] == ""
+    assert (result["pred_error"].iloc[[0, 2]] == "").all()
+
+
+def test_predict_own_format_checks_the_model_shape(model_dir, synthetic, tmp_path):
+    frame = synthetic[list(CONFIG_COLUMNS)].head(2).astype(object)
+    # 8 heads cannot be split over tp=16 (dp adjusted so the world size still holds)
+    row = frame.index[0]
+    frame.loc[row, ["num_heads", "num_kv_heads"]] = [8, 8]
+    frame.loc[row, "dp"] = frame.loc[row, "dp"] * frame.loc[row, "tp"] // 16 or 1
+    frame.loc[row, "tp"] = 16
+    frame.loc[row, "world_size"] = frame.loc[row, "dp"] * 16 * frame.loc[row, "pp"]
+    frame.loc[row, "global_batch_size"] = frame.loc[row, "dp"] * frame.loc[
+        row, "micro_batch_size"]
+    frame.loc[row, "num_microbatches"] = 1
+    src = tmp_path / "configs.csv"
+    frame.to_csv(src, index=False)
+    out = tmp_path / "out.csv"
+    assert main(["predict", "--model", str(model_dir), str(src), "--out", str(out)]) == 0
+    result = pd.read_csv(out, keep_default_na=False)
+    assert result["pred_error"].iloc[0] == "tp=16: must divide num_heads=8"
+    assert result["pred_error"].iloc[1] == ""
+
+
 def test_predict_rejects_unknown_format(model_dir, tmp_path, capsys):
     src = tmp_path / "x.csv"
     with open(src, "w", newline="") as handle:
