@@ -126,6 +126,10 @@ class _Base(BaseEstimator):
                         analytical: dict[str, Any]) -> dict[str, np.ndarray]:
         raise NotImplementedError
 
+    def _quantile_columns(self) -> tuple[str, str]:
+        """Names of the lower and upper throughput quantile columns."""
+        return PRED_TOKENS_Q10, PRED_TOKENS_Q90
+
     def predict(self, frame: pd.DataFrame) -> pd.DataFrame:
         """Predict every row of a config frame.
 
@@ -167,14 +171,14 @@ class _Base(BaseEstimator):
             PRED_TOKENS_PER_SEC_PER_GPU: per_gpu,
             PRED_FEASIBLE_PROB: out["feasible"],
             PRED_PEAK_MEM_GB: out["memory"],
-            PRED_TOKENS_Q10: q10,
-            PRED_TOKENS_Q90: q90,
+            self._quantile_columns()[0]: q10,
+            self._quantile_columns()[1]: q90,
             PRED_TOKENS_EXPECTED: expected,
             PRED_STALL_PROB: out.get("stall_prob", np.full(len(frame), np.nan)),
             "analytical_step_time_s": analytical["step_time_s"],
             PRED_ERROR: errors,
         }, index=frame.index)
-        numeric = [c for c in OUTPUT_COLUMNS if c != PRED_ERROR]
+        numeric = [c for c in result.columns if c != PRED_ERROR]
         result.loc[failed, numeric] = np.nan
         return result
 
@@ -231,7 +235,9 @@ class PerformanceModel(_Base):
         subsample: Row subsampling per tree.
         colsample_bytree: Feature subsampling per tree.
         min_child_weight: Minimum hessian in a leaf.
-        quantiles: Lower and upper throughput quantiles to predict.
+        quantiles: Lower and upper step-time quantiles to predict, in whole percent
+            (``(0.1, 0.9)``: the throughput columns ``..._q10`` and ``..._q90``, the
+            throughput the step time's 90th and 10th percentiles give).
         n_jobs: Threads (``None``: XGBoost's default).
         random_state: Seed.
     """
@@ -259,6 +265,23 @@ class PerformanceModel(_Base):
         self.n_jobs = n_jobs
         self.random_state = random_state
 
+    def _quantile_columns(self) -> tuple[str, str]:
+        # the slow end of throughput is the step time's upper quantile
+        lower, upper = self.quantiles
+        return (f"{PRED_TOKENS_PER_SEC_PER_GPU}_q{round(100 * (1 - upper)):02d}",
+                f"{PRED_TOKENS_PER_SEC_PER_GPU}_q{round(100 * (1 - lower)):02d}")
+
+    def _check_quantiles(self) -> None:
+        from paratune.errors import ConfigError
+
+        q = self.quantiles
+        ok = (isinstance(q, tuple | list) and len(q) == 2
+              and all(isinstance(v, int | float) for v in q) and 0 < q[0] < 0.5 < q[1] < 1
+              and all(abs(100 * v - round(100 * v)) < 1e-9 for v in q))
+        if not ok:
+            raise ConfigError("quantiles", q, "must be two probabilities lower < 0.5 < upper "
+                                              "in whole percent, e.g. (0.1, 0.9)")
+
     def _booster_params(self, *, aux: bool = False, rate: float | None = None
                         ) -> dict[str, Any]:
         return {"n_estimators": self.aux_estimators if aux else max(self.n_estimators // 2, 1),
@@ -281,9 +304,11 @@ class PerformanceModel(_Base):
 
         Raises:
             DatasetError: no successful measurement with a step time to learn from.
+            ConfigError: ``quantiles`` is not a pair of probabilities around the median.
         """
         import xgboost as xgb
 
+        self._check_quantiles()
         c = F.Columns(frame)
         X, analytical = F.compute_features(c)
         usable = np.asarray(analytical["error"] == "") & np.isfinite(

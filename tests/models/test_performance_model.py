@@ -264,3 +264,17 @@ def test_no_memory_limit_is_known_on_the_cpu(fitted, synthetic):
     # the feasibility classifier learned H100 memory; the CPU has no catalogued memory size
     cpu = synthetic[list(CONFIG_COLUMNS)].assign(hardware="cpu").head(20)
     assert (fitted.predict(cpu)["pred_feasible_prob"] == 1.0).all()
+
+
+def test_quantile_columns_follow_the_quantiles(synthetic):
+    from paratune import ConfigError
+
+    model = PerformanceModel(n_estimators=20, aux_estimators=10, quantiles=(0.05, 0.95),
+                             n_jobs=1).fit(synthetic)
+    pred = model.predict(synthetic[list(CONFIG_COLUMNS)])
+    low, high = "pred_tokens_per_sec_per_gpu_q05", "pred_tokens_per_sec_per_gpu_q95"
+    assert {low, high} <= set(pred.columns) and PRED_TOKENS_Q10 not in pred.columns
+    assert (pred[low] <= pred["pred_tokens_per_sec_per_gpu"] * (1 + 1e-9)).all()
+    assert (pred[high] >= pred["pred_tokens_per_sec_per_gpu"] * (1 - 1e-9)).all()
+    with pytest.raises(ConfigError, match=r"quantiles=\(0.9, 0.1\).*lower < 0.5 < upper"):
+        PerformanceModel(quantiles=(0.9, 0.1)).fit(synthetic)
