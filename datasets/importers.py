@@ -33,6 +33,7 @@ __all__ = [
     "ImportProblem",
     "ImportReport",
     "ParsedRow",
+    "header_and_body",
     "import_files",
     "is_public_csv",
     "parse_public_csv",
@@ -151,13 +152,13 @@ class ImportReport:
 def is_public_csv(path: str | Path) -> bool:
     """Whether ``path`` looks like a CSV in the public format (by its header)."""
     try:
-        header = _header_and_body(Path(path))[0]
+        header = header_and_body(Path(path))[0]
     except (OSError, DatasetError):
         return False
     return {"tp", "pp", "dp", "num_gpus", "micro_batch", "global_batch"} <= set(header)
 
 
-def _header_and_body(path: Path) -> tuple[list[str], list[str], int, str]:
+def header_and_body(path: Path) -> tuple[list[str], list[str], int, str]:
     """Header cells, the remaining lines, the line number of the header and the provenance."""
     with open(path, encoding="utf-8", newline="") as handle:
         lines = handle.read().splitlines()
@@ -187,7 +188,7 @@ def read_public_csv(path: str | Path) -> tuple[list[ParsedRow], str]:
         FileNotFoundError: no such file.
     """
     path = Path(path)
-    header, body, header_line, provenance = _header_and_body(path)
+    header, body, header_line, provenance = header_and_body(path)
     missing = [c for c in PUBLIC_REQUIRED if c not in header]
     if missing:
         raise DatasetError(f"{path}: not the public measurement format, missing columns "

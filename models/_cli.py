@@ -17,7 +17,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                      help="paratune dataset directories or public measurement CSVs")
     fit.add_argument("--out", required=True, metavar="MODEL_DIR", help="directory to write")
     fit.add_argument("--n-estimators", type=int, default=None,
-                     help="trees per booster (default: the model's default)")
+                     help="trees of the step-time model, half median and half refinement; "
+                          "its quantile, stall, memory and feasibility boosters get a quarter, "
+                          "10 to 100 (default: the model's defaults, 500 and 100)")
     fit.add_argument("--experiment", default="paratune-fit", help="MLflow experiment name")
     fit.add_argument("--no-mlflow", action="store_true", help="do not log to MLflow")
     fit.set_defaults(func=_fit)

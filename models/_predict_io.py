@@ -33,9 +33,9 @@ _DEFAULTS: dict[str, Any] = {"model_name": "model", "num_kv_heads": np.nan,
 def _read_raw(path: Path) -> pd.DataFrame:
     import pandas as pd
 
-    from paratune.datasets.importers import _header_and_body
+    from paratune.datasets.importers import header_and_body
 
-    header, body, _, _ = _header_and_body(path)
+    header, body, _, _ = header_and_body(path)
     import csv
 
     rows = [cells + [""] * (len(header) - len(cells)) for cells in csv.reader(body)

@@ -21,7 +21,8 @@ def fit_model(data: Sequence[str | Path], out: str | Path, *, n_estimators: int 
     Args:
         data: Dataset directories or public CSVs.
         out: Model directory to write.
-        n_estimators: Trees per booster (``None``: the default).
+        n_estimators: Trees of the step-time model (its auxiliary boosters get a quarter,
+            10 to 100; ``None``: the defaults).
         experiment: MLflow experiment; ``None`` skips tracking.
 
     Returns:
