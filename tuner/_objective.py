@@ -88,6 +88,10 @@ class Objective:
                               "must name a predicted quantile such as q10")
         if not 0.0 < self.memory_fraction <= 1.0:
             raise ConfigError("memory_fraction", self.memory_fraction, "must be in (0, 1]")
+        if self.memory_limit_gb is not None and not (
+                math.isfinite(self.memory_limit_gb) and self.memory_limit_gb > 0):
+            raise ConfigError("memory_limit_gb", self.memory_limit_gb,
+                              "must be a positive number of GB")
 
     # ------------------------------------------------------------------
     def check(self, space: SearchSpace) -> None:
@@ -120,7 +124,11 @@ class Objective:
             ``predictions`` with the :data:`SCORE_COLUMNS` added: cluster tokens/s, the
             tokens/s used for ranking (a quantile under ``risk_quantile``), efficiency,
             goodput, the objective, constraint violations (``<= 0`` is satisfied) and
-            ``feasible``.
+            ``feasible``. A config is feasible when its predicted probability of running is
+            a number of at least ``min_feasible_prob`` and, under a memory limit, its
+            predicted peak memory is a number within it; a failed (NaN) prediction of either
+            makes it infeasible. A predictor without a peak-memory column is not held to
+            the memory limit.
 
         Raises:
             ConfigError: ``risk_quantile`` names a column the predictor does not produce.
@@ -163,13 +171,17 @@ class Objective:
         out["objective"] = (out["goodput"] if self.kind is ObjectiveKind.GOODPUT
                             else out["ranked_tokens_per_s"])
         out["objective"] = out["objective"].fillna(0.0).clip(lower=0.0)
-        out["violation_feasible"] = np.nan_to_num(self.min_feasible_prob - prob, nan=0.0)
+        # A prediction that failed (NaN) is not evidence that a config runs: it violates
+        # the constraint (Optuna reads > 0 as violated) and the config is not feasible.
+        out["violation_feasible"] = np.nan_to_num(self.min_feasible_prob - prob, nan=1.0)
         limit = self.memory_limit(space)
-        if math.isfinite(limit):
-            out["violation_memory"] = np.nan_to_num((mem - limit) / limit, nan=0.0)
+        if math.isfinite(limit) and PRED_PEAK_MEM_GB in out.columns:
+            out["violation_memory"] = np.nan_to_num((mem - limit) / limit, nan=1.0)
+            fits = np.isfinite(mem) & (mem <= limit)
         else:
             out["violation_memory"] = 0.0
-        out["feasible"] = (out["violation_feasible"] <= 0) & (out["violation_memory"] <= 0)
+            fits = np.ones(len(out), dtype=bool)
+        out["feasible"] = np.isfinite(prob) & (prob >= self.min_feasible_prob) & fits
         return out
 
     def to_dict(self) -> dict[str, Any]:

@@ -122,3 +122,64 @@ def test_memory_constraint_marks_configs_infeasible(closed_form):
     assert (ranked.loc[ranked["feasible"], "peak_mem_gb"] <= limit).all()
     tight = exhaustive(closed_form, space, Objective(memory_limit_gb=1.0))
     assert not tight.best_feasible
+
+
+def test_failed_predictions_are_infeasible(closed_form):
+    """A NaN probability of running or NaN peak memory (a failed prediction) is no evidence
+    that a config runs: it is infeasible, violates the Optuna constraints, and never wins."""
+
+    space = SearchSpace.build(get_model("llama3-8b"), 16, "H100", global_batch_sizes=[64])
+    winner = exhaustive(closed_form, space, Objective()).best
+
+    class FailsOnTheWinner:
+        """The closed form, failing (NaN) on every config of its winner's layout."""
+
+        def predict(self, frame):
+            out = closed_form.predict(frame)
+            fail = ((frame["dp"] == winner.dp) & (frame["tp"] == winner.tp)
+                    & (frame["pp"] == winner.pp)).to_numpy()
+            out.loc[fail, "pred_feasible_prob"] = np.nan
+            out.loc[fail, "pred_peak_mem_gb"] = np.nan
+            return out
+
+    result = exhaustive(FailsOnTheWinner(), space, Objective())
+    ranked = result.ranked
+    failed = ranked["feasible_prob"].isna()
+    assert failed.any()
+    assert not ranked.loc[failed, "feasible"].any()
+    assert (ranked.loc[failed, "violation_feasible"] > 0).all()
+    assert (ranked.loc[failed, "violation_memory"] > 0).all()
+    assert result.best_feasible and not np.isnan(result.best_row["feasible_prob"])
+    # only the probability failed: still infeasible; only the memory failed: likewise
+    from paratune.parallel import ParallelConfig
+    from paratune.tuner._search import config_from_row
+
+    runs = [config_from_row(row) for _, row in ranked[ranked["feasible"]].head(3).iterrows()]
+    for column in ("pred_feasible_prob", "pred_peak_mem_gb"):
+        class FailsOne:
+            def predict(self, frame, column=column):
+                out = closed_form.predict(frame)
+                out.loc[0, column] = np.nan
+                return out
+
+        scored = evaluate(FailsOne(), space, runs, Objective())
+        assert not scored["feasible"].iloc[0] and scored["feasible"].iloc[1:].all()
+    # the Optuna search reads the same violations as its constraints
+    failed_keys = {config_from_row(row).key() for _, row in ranked[failed].iterrows()}
+    found, study = optuna_search(FailsOnTheWinner(), space, Objective(), n_trials=150, seed=0)
+    assert found.best_feasible and not np.isnan(found.best_row["feasible_prob"])
+    hits = 0
+    for trial in study.trials:
+        if trial.state.name == "COMPLETE":
+            key = ParallelConfig.from_dict(trial.user_attrs["config"]).key()
+            if key in failed_keys:
+                hits += 1
+                assert min(trial.constraints.values()) > 0
+    assert hits  # the search did sample the (failed) configs of the winner's layout
+
+
+def test_memory_limit_must_be_a_positive_number():
+    for bad in (-5.0, 0.0, float("nan"), float("inf")):
+        with pytest.raises(ConfigError, match="memory_limit_gb"):
+            Objective(memory_limit_gb=bad)
+    assert Objective(memory_limit_gb=40).memory_limit_gb == 40
