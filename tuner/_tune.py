@@ -209,8 +209,7 @@ def tune(model: ModelSpec | str, gpus: int, gpu: HardwareSpec | str,
     if verify:
         from paratune.tuner._verify import verify_top_k
 
-        out.verification = verify_top_k(out, verify, predictor=predictor,
-                                         **(verify_options or {}))
+        out.verification = verify_top_k(out, verify, **(verify_options or {}))
     if track:
         out.run_id = _track(out, search_space, obj, search=search, sampler=sampler, seed=seed,
                             n_trials=n_trials, top_k=top_k, tracking_uri=tracking_uri)

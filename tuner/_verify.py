@@ -21,7 +21,6 @@ from paratune.space import ConfigSpace
 if TYPE_CHECKING:
     import pandas as pd
 
-    from paratune.predictor import Predictor
     from paratune.tuner._tune import TuneResult
 
 __all__ = ["pinned_space", "verify_top_k"]
@@ -41,14 +40,14 @@ def pinned_space(config: ParallelConfig) -> ConfigSpace:
                        tp_degrees=(config.tp,), pp_degrees=(config.pp,), tp_within_node=False)
 
 
-def _local_hardware(world_size: int) -> tuple[str, str]:
+def _local_hardware() -> tuple[str, str]:
     from paratune.profiler.campaign import detect_device, detect_hardware
 
     device = detect_device()
     return device, detect_hardware(device)
 
 
-def verify_top_k(result: TuneResult, k: int, *, predictor: Predictor | str | Path,
+def verify_top_k(result: TuneResult, k: int, *,
                  dataset: str | Path | Sequence[str | Path] | None = None,
                  out_dir: str | Path | None = None, refit_dir: str | Path | None = None,
                  warmup_steps: int = 2, measured_steps: int = 5, timeout_s: float = 300.0,
@@ -58,7 +57,6 @@ def verify_top_k(result: TuneResult, k: int, *, predictor: Predictor | str | Pat
     Args:
         result: A tuning result whose hardware is this machine's.
         k: Configs to profile (from the top of the ranking).
-        predictor: The predictor that made the ranking (object or saved directory).
         dataset: Measurements the predictor was fitted on (dataset directories, public CSVs
             or parquet files); the new measurements are added to them for the refit. Without
             it the refit uses the new measurements alone.
@@ -82,12 +80,12 @@ def verify_top_k(result: TuneResult, k: int, *, predictor: Predictor | str | Pat
     import pandas as pd
 
     from paratune.profiler.campaign import CampaignSpec, run_campaign
-    from paratune.tuner._search import evaluate
+    from paratune.tuner._search import config_from_row, evaluate
 
     if not isinstance(k, int) or k < 1:
         raise ConfigError("verify", k, "must be a positive number of configs")
     space = result.search.space
-    device, local = _local_hardware(space.world_size)
+    device, local = _local_hardware()
     if local != space.hardware.name:
         raise ConfigError("verify", k, f"profiling needs the job's hardware here: this "
                           f"machine has {local}, the job asks for {space.hardware.name}")
@@ -135,11 +133,12 @@ def verify_top_k(result: TuneResult, k: int, *, predictor: Predictor | str | Pat
         after = pd.Series([math.nan] * len(configs))
 
     rows = []
-    for i, cfg in enumerate(configs):
-        match = measured[(measured["dp"] == cfg.dp) & (measured["tp"] == cfg.tp)
-                         & (measured["pp"] == cfg.pp)
-                         & (measured["micro_batch_size"] == cfg.micro_batch_size)
-                         & (measured["global_batch_size"] == cfg.global_batch_size)]
+    for i, (cfg, own) in enumerate(zip(configs, frames)):
+        # each config's measurement comes from its own campaign, matched on the whole
+        # config: configs that differ only in sharding, recomputation or schedule share
+        # their degrees and batch sizes
+        match = own.iloc[[j for j, (_, row) in enumerate(own.iterrows())
+                          if config_from_row(row) == cfg]]
         status = str(match["status"].iloc[0]) if len(match) else "missing"
         got = float(match["tokens_per_s"].iloc[0]) if len(match) and status == "ok" else math.nan
         pred = float(ranked["tokens_per_s"].iloc[i])

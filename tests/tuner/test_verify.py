@@ -52,3 +52,29 @@ def test_verify_needs_the_hardware_here(closed_form):
         tune("llama3-8b", 16, "H100", closed_form, search="exhaustive",
              global_batch_sizes=[64], track=False, verify=1,
              space=ConfigSpace(recomputes=("none",), micro_batch_sizes=(1,)))
+
+
+@pytest.mark.slow
+def test_each_verified_config_gets_its_own_measurement(closed_form, tmp_path):
+    """Two top configs with the same degrees and batch sizes, differing only in sharding:
+    each row of the verification reports the measurement of its own config."""
+    from paratune.models import PerformanceModel, load_measurements
+
+    space = ConfigSpace(global_batch_sizes=(8,), micro_batch_sizes=(4,),
+                        shardings=("none", "zero3"), recomputes=("none",), schedules=("1f1b",),
+                        tp_degrees=(1,), pp_degrees=(1,))
+    result = tune("tiny", 2, "cpu", closed_form, search="exhaustive", space=space,
+                  track=False, output_dir=tmp_path / "out", verify=2,
+                  verify_options={"measured_steps": 2, "warmup_steps": 1, "timeout_s": 120,
+                                  "model_factory": lambda: PerformanceModel(
+                                      n_estimators=10, n_jobs=1)})
+    configs = result.search.configs(2)
+    assert {c.sharding.value for c in configs} == {"none", "zero3"}
+    table = result.verification
+    assert list(table["config"]) == [c.key() for c in configs]
+    for cfg, (_, row) in zip(configs, table.iterrows()):
+        own = load_measurements([tmp_path / "out" / "verify" / cfg.key()])
+        own = own[own["sharding"] == cfg.sharding.value]
+        assert len(own) == 1 and row["status"] == own["status"].iloc[0] == "ok"
+        assert row["measured_tokens_per_s"] == pytest.approx(float(own["tokens_per_s"].iloc[0]))
+    assert table["measured_tokens_per_s"].iloc[0] != table["measured_tokens_per_s"].iloc[1]
