@@ -92,15 +92,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _space(args: argparse.Namespace):
-    """The space file's options (``None`` without one: the library defaults apply)."""
+    """The space file's options (``None`` without one: the library defaults apply).
+
+    ``--tp-across-nodes`` is not folded in here: a space built for it would stand in for
+    "no space given" and change the defaults (``tune`` picks the global batch only when
+    neither a space nor a batch is given); it travels as ``tp_within_node`` instead.
+    """
     from paratune.space import ConfigSpace
 
-    if args.space is None and not args.tp_across_nodes:
-        return None
-    space = ConfigSpace.from_file(args.space) if args.space else ConfigSpace()
-    if args.tp_across_nodes:
-        space = space.replace(tp_within_node=False)
-    return space
+    return ConfigSpace.from_file(args.space) if args.space else None
+
+
+def _tp_within_node(args: argparse.Namespace) -> bool | None:
+    """``False`` under ``--tp-across-nodes``; ``None`` leaves the space's setting."""
+    return False if args.tp_across_nodes else None
 
 
 def _tune(args: argparse.Namespace) -> int:
@@ -114,7 +119,8 @@ def _tune(args: argparse.Namespace) -> int:
     result = tune(model, args.gpus, args.gpu, args.predictor, objective=args.objective,
                   gns=args.gns, b0=args.b0, global_batch_sizes=args.global_batch,
                   space=_space(args), devices_per_node=args.devices_per_node,
-                  search=args.search, n_trials=args.trials, sampler=args.sampler,
+                  tp_within_node=_tp_within_node(args), search=args.search,
+                  n_trials=args.trials, sampler=args.sampler,
                   seed=args.seed, storage=args.storage, study_name=args.study_name,
                   batch_size=args.batch_size, risk_quantile=args.risk,
                   min_feasible_prob=args.min_feasible_prob,
@@ -128,7 +134,8 @@ def _tune(args: argparse.Namespace) -> int:
               f"{search.wall_time_s:.1f} s")
     launch = result.recommendation["launch"]
     print(f"\nwinner: {result.best.key()}")
-    print(f"  torchrun:   {launch['torchrun']}")
+    if launch["torchrun"]:
+        print(f"  torchrun:   {launch['torchrun']}")
     print(f"  Megatron-LM: {' '.join(launch['megatron_args'])}")
     print("  torchtitan:\n    " + launch["torchtitan_toml"].strip().replace("\n", "\n    "))
     for note in launch["notes"]:
@@ -149,6 +156,7 @@ def _plan(args: argparse.Namespace) -> int:
     import json
 
     from paratune._io import atomic_write_text
+    from paratune.space import ConfigSpace
     from paratune.spec import get_model
     from paratune.tuner._objective import Objective
     from paratune.tuner._plan import plan_phases
@@ -158,7 +166,10 @@ def _plan(args: argparse.Namespace) -> int:
 
     model = get_model(args.model)
     trajectory = load_trajectory(args.trajectory, smooth=args.smooth)
-    space = SearchSpace.build(model, args.gpus, args.gpu, space=_space(args),
+    options = _space(args)
+    if args.tp_across_nodes:
+        options = (options or ConfigSpace()).replace(tp_within_node=False)
+    space = SearchSpace.build(model, args.gpus, args.gpu, space=options,
                               global_batch_sizes=args.global_batch or _default_plan_batches(
                                   trajectory, args.gpus),
                               devices_per_node=args.devices_per_node)

@@ -5,7 +5,10 @@
 * Megatron-LM arguments.
 
 Where a framework cannot express an option exactly, the closest setting is emitted with a
-comment saying so (torchtitan has no ZeRO-1; Megatron-LM has no GPipe schedule).
+comment saying so (torchtitan has no ZeRO-1; Megatron-LM has no GPipe schedule). Pipeline
+stages hold the layers as paratune's workload splits them (the split its predictions were
+measured on): an even split as a layer count per stage, an uneven one spelled out stage by
+stage.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from paratune._io import atomic_write_text
+from paratune.errors import ConfigError
 from paratune.hardware import HardwareSpec
 from paratune.parallel import ParallelConfig, Recompute, Schedule, Sharding
 from paratune.spec import ModelSpec
@@ -30,23 +34,59 @@ _TITAN_SCHEDULES = {Schedule.GPIPE: "GPipe", Schedule.ONE_F_ONE_B: "1F1B",
                     Schedule.INTERLEAVED_1F1B: "Interleaved1F1B"}
 
 
+def _stage_layer_counts(num_layers: int, num_stages: int) -> list[int]:
+    """Transformer layers of each pipeline stage, in stage order.
+
+    The split of paratune's workload (``paratune.profiler.pipeline.layer_ranges``), which
+    is what the predictions were measured on: as even as possible, the earlier stages
+    taking one layer more where ``num_stages`` does not divide ``num_layers``.
+
+    Raises:
+        ConfigError: fewer layers than stages.
+    """
+    if num_stages < 1 or num_layers < num_stages:
+        raise ConfigError("pp", num_stages, f"{num_stages} pipeline stages need at least as "
+                          f"many layers (num_layers={num_layers})")
+    base, extra = divmod(num_layers, num_stages)
+    return [base + (1 if stage < extra else 0) for stage in range(num_stages)]
+
+
+def _launch_shape(world_size: int, devices_per_node: int) -> tuple[int, int]:
+    """``(nodes, processes per node)`` of a job: as few nodes as hold it, the same number
+    of processes on each (torchrun starts ``--nproc-per-node`` on every node)."""
+    per_node = min(world_size, devices_per_node)
+    nodes = -(-world_size // per_node)
+    if world_size % nodes:
+        raise ConfigError("devices_per_node", devices_per_node,
+                          f"a job of {world_size} ranks needs {nodes} nodes, and torchrun "
+                          f"starts the same number of processes on every node: "
+                          f"{world_size} is not divisible by {nodes} (choose a world size "
+                          f"that fills the nodes evenly)")
+    return nodes, world_size // nodes
+
+
 def torchrun_command(model: ModelSpec, config: ParallelConfig, hardware: HardwareSpec, *,
                      devices_per_node: int | None = None, steps: int = 20,
                      module: str = PROFILER_MODULE) -> str:
     """A ``torchrun`` command that trains ``model`` under ``config`` with paratune's workload.
 
-    Multi-node jobs need ``MASTER_ADDR`` set and the command run on every node (``NODE_RANK``
-    is read by torchrun's c10d rendezvous).
+    The job takes as few nodes as hold it, with the same number of processes on each (12
+    ranks on nodes of 8 devices: 2 nodes of 6). Multi-node jobs need ``MASTER_ADDR`` set and
+    the command run on every node (``NODE_RANK`` is read by torchrun's c10d rendezvous).
+
+    Raises:
+        ConfigError: ``devices_per_node``: the ranks cannot be spread evenly over the fewest
+            nodes that hold them (e.g. 5 ranks on nodes of 4).
     """
-    per_node = min(config.world_size, devices_per_node or hardware.devices_per_node)
-    nodes = -(-config.world_size // per_node)
+    nodes, per_node = _launch_shape(config.world_size,
+                                    devices_per_node or hardware.devices_per_node)
     args = ["torchrun", f"--nnodes={nodes}", f"--nproc-per-node={per_node}"]
     if nodes > 1:
         args += ["--rdzv-backend=c10d", "--rdzv-endpoint=$MASTER_ADDR:29500",
                  "--rdzv-id=paratune"]
     else:
         args += ["--standalone"]
-    args += ["-m", module, "--model", model.name if model.name != "custom" else "custom",
+    args += ["-m", module, "--model", model.name,
              "--hardware", hardware.name, "--steps", str(steps),
              "--config", json.dumps(config.to_dict(), sort_keys=True)]
     return " ".join(a if a.startswith(("--rdzv-endpoint", "$")) else shlex.quote(a)
@@ -74,9 +114,17 @@ def torchtitan_toml(model: ModelSpec, config: ParallelConfig) -> str:
     if config.pp > 1:
         lines.append(f'pipeline_parallel_schedule = "{_TITAN_SCHEDULES[config.schedule]}"')
         lines.append(f"pipeline_parallel_microbatch_size = {config.micro_batch_size}")
-        if config.schedule is Schedule.INTERLEAVED_1F1B:
-            per_stage = max(1, model.num_layers // config.num_stages)
-            lines.append(f"pipeline_parallel_layers_per_stage = {per_stage}")
+        counts = _stage_layer_counts(model.num_layers, config.num_stages)
+        if len(set(counts)) > 1:
+            # uneven: name each stage's modules (torchtitan's own split would weigh the
+            # embedding and the output as layers and differ from the one measured)
+            notes.append(f"# {model.num_layers} layers over {config.num_stages} pipeline "
+                         f"stages: the earlier stages take one layer more, as measured")
+            lines.append("module_fqns_per_model_part = [")
+            lines += [f"  {json.dumps(stage)}," for stage in _stage_fqns(counts)]
+            lines.append("]")
+        elif config.schedule is Schedule.INTERLEAVED_1F1B:
+            lines.append(f"pipeline_parallel_layers_per_stage = {counts[0]}")
     lines += ["", "[training]",
               f"local_batch_size = {config.local_batch_size}",
               f"global_batch_size = {config.global_batch_size}",
@@ -94,9 +142,13 @@ def megatron_args(model: ModelSpec, config: ParallelConfig) -> list[str]:
             f"--micro-batch-size {config.micro_batch_size}",
             f"--global-batch-size {config.global_batch_size}",
             f"--seq-length {model.seq_len}"]
-    if config.schedule is Schedule.INTERLEAVED_1F1B:
-        per_stage = max(1, model.num_layers // config.num_stages)
-        args.append(f"--num-layers-per-virtual-pipeline-stage {per_stage}")
+    counts = _stage_layer_counts(model.num_layers, config.num_stages) if config.pp > 1 else []
+    if len(set(counts)) > 1:
+        # uneven: Megatron-LM splits the layers evenly unless a layout names every
+        # (virtual) stage, in the order stage = virtual index * pp + pipeline rank
+        args.append("--pipeline-model-parallel-layout " + shlex.quote(_megatron_layout(counts)))
+    elif config.schedule is Schedule.INTERLEAVED_1F1B and counts:
+        args.append(f"--num-layers-per-virtual-pipeline-stage {counts[0]}")
     if config.sharding is Sharding.ZERO1:
         args.append("--use-distributed-optimizer")
     elif config.sharding is Sharding.ZERO2:
@@ -111,16 +163,54 @@ def megatron_args(model: ModelSpec, config: ParallelConfig) -> list[str]:
     return args
 
 
+def _stage_fqns(counts: list[int]) -> list[list[str]]:
+    """torchtitan module names of each stage (embedding first, norm and output last)."""
+    stages, start = [], 0
+    for stage, count in enumerate(counts):
+        names = [f"layers.{i}" for i in range(start, start + count)]
+        start += count
+        if stage == 0:
+            names.insert(0, "tok_embeddings")
+        if stage == len(counts) - 1:
+            names += ["norm", "output"]
+        stages.append(names)
+    return stages
+
+
+def _megatron_layout(counts: list[int]) -> str:
+    """A ``--pipeline-model-parallel-layout`` string: ``E`` embedding, ``t`` a transformer
+    layer, ``L`` the loss, ``|`` between stages."""
+    stages = [f"t*{count}" for count in counts]
+    stages[0] = "E," + stages[0]
+    stages[-1] += ",L"
+    return "|".join(stages)
+
+
 def recommendation(model: ModelSpec, config: ParallelConfig, hardware: HardwareSpec, *,
                    devices_per_node: int | None = None,
                    predicted: dict[str, Any] | None = None,
                    objective: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Everything about the winner as one JSON-able mapping."""
+    """Everything about the winner as one JSON-able mapping.
+
+    Where the job cannot be launched by one ``torchrun`` command (see
+    :func:`torchrun_command`), ``launch.torchrun`` is ``None`` and a note says why.
+    """
     megatron = megatron_args(model, config)
     notes = []
     if config.pp > 1 and config.schedule is Schedule.GPIPE:
         notes.append("Megatron-LM has no GPipe schedule; it runs 1F1B (same bubble, less "
                      "activation memory).")
+    if config.pp > 1 and model.num_layers % config.num_stages:
+        notes.append(f"{model.num_layers} layers do not divide evenly over "
+                     f"{config.num_stages} pipeline stages; the exports name each stage's "
+                     f"layers as measured (torchtitan module_fqns_per_model_part, Megatron-LM "
+                     f"--pipeline-model-parallel-layout).")
+    try:
+        torchrun: str | None = torchrun_command(model, config, hardware,
+                                                devices_per_node=devices_per_node)
+    except ConfigError as exc:
+        torchrun = None
+        notes.append(f"no torchrun command: {exc}")
     return {
         "model": model.to_dict(), "hardware": hardware.name, "world_size": config.world_size,
         "devices_per_node": devices_per_node or hardware.devices_per_node,
@@ -128,8 +218,7 @@ def recommendation(model: ModelSpec, config: ParallelConfig, hardware: HardwareS
         "num_microbatches": config.num_microbatches,
         "predicted": predicted or {}, "objective": objective or {},
         "launch": {
-            "torchrun": torchrun_command(model, config, hardware,
-                                         devices_per_node=devices_per_node),
+            "torchrun": torchrun,
             "torchtitan_toml": torchtitan_toml(model, config),
             "megatron_args": megatron,
             "notes": notes,
@@ -139,7 +228,8 @@ def recommendation(model: ModelSpec, config: ParallelConfig, hardware: HardwareS
 
 def write_recommendation(rec: dict[str, Any], directory: str | Path) -> dict[str, Path]:
     """Write ``recommendation.json``/``.yaml``, ``torchrun.sh``, ``torchtitan.toml`` and
-    ``megatron_args.txt`` into ``directory`` (atomically); returns the paths by kind."""
+    ``megatron_args.txt`` into ``directory`` (atomically); returns the paths by kind
+    (no ``torchrun.sh`` where the recommendation has no torchrun command)."""
     import yaml
 
     directory = Path(directory)
@@ -153,7 +243,10 @@ def write_recommendation(rec: dict[str, Any], directory: str | Path) -> dict[str
     atomic_write_text(paths["json"], json.dumps(rec, indent=2, sort_keys=True, default=float))
     atomic_write_text(paths["yaml"], yaml.safe_dump(json.loads(json.dumps(rec, default=float)),
                                                     sort_keys=False))
-    atomic_write_text(paths["torchrun"], "#!/bin/sh\n" + launch["torchrun"] + "\n")
+    if launch["torchrun"] is not None:
+        atomic_write_text(paths["torchrun"], "#!/bin/sh\n" + launch["torchrun"] + "\n")
+    else:
+        del paths["torchrun"]
     atomic_write_text(paths["torchtitan"], launch["torchtitan_toml"])
     atomic_write_text(paths["megatron"], " \\\n  ".join(launch["megatron_args"]) + "\n")
     return paths

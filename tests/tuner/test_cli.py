@@ -61,3 +61,20 @@ def test_bad_input_is_a_named_error(model_dir, capsys):
                  "--predictor", str(model_dir), "--objective", "goodput", "--no-track"])
     assert code == 2
     assert "gns" in capsys.readouterr().err
+
+
+def test_tp_across_nodes_does_not_change_the_batch_searched(model_dir, tmp_path, capsys):
+    from paratune import get_model
+    from paratune.tuner._tune import default_global_batch
+
+    batches = []
+    for flags in ([], ["--tp-across-nodes"]):
+        out = tmp_path / ("across" if flags else "within")
+        code = main(["tune", "--model", "llama3-8b", "--gpus", "16", "--gpu", "H100",
+                     "--predictor", str(model_dir), "--search", "exhaustive", "--top-k", "50",
+                     "--output", str(out), "--no-track", *flags])
+        assert code == 0
+        rec = json.loads((out / "recommendation.json").read_text())
+        batches.append({c["global_batch_size"] for c in rec["top"]})
+    capsys.readouterr()
+    assert batches[0] == batches[1] == {default_global_batch(get_model("llama3-8b"), 16)}

@@ -1,11 +1,13 @@
 from __future__ import annotations
 
 import json
+import re
 import tomllib
 
+import pytest
 import yaml
 
-from paratune import ParallelConfig, get_hardware, get_model
+from paratune import ConfigError, ParallelConfig, get_hardware, get_model
 from paratune.tuner import megatron_args, recommendation, torchrun_command, torchtitan_toml
 from paratune.tuner._export import write_recommendation
 
@@ -56,3 +58,56 @@ def test_torchrun_nodes_and_recommendation_files(tmp_path):
     assert yaml.safe_load(paths["yaml"].read_text())["config_key"] == cfg.key()
     assert "--tensor-model-parallel-size 4" in paths["megatron"].read_text()
     assert tomllib.loads(paths["torchtitan"].read_text())["parallelism"]
+
+
+def test_torchrun_launches_exactly_the_world_size(tmp_path):
+    for world, per_node, shape in ((12, 8, (2, 6)), (64, 8, (8, 8)), (4, 8, (1, 4)),
+                                   (24, 8, (3, 8)), (10, 4, (3, None))):
+        cfg = ParallelConfig(dp=world, global_batch_size=4 * world)
+        if shape[1] is None:  # 10 ranks cannot fill 3 nodes evenly
+            with pytest.raises(ConfigError, match="devices_per_node"):
+                torchrun_command(MODEL, cfg, H100, devices_per_node=per_node)
+            rec = recommendation(MODEL, cfg, H100, devices_per_node=per_node)
+            assert rec["launch"]["torchrun"] is None
+            assert any("torchrun" in note for note in rec["launch"]["notes"])
+            paths = write_recommendation(rec, tmp_path / "uneven")
+            assert "torchrun" not in paths and not (tmp_path / "uneven" / "torchrun.sh").exists()
+            continue
+        cmd = torchrun_command(MODEL, cfg, H100, devices_per_node=per_node)
+        nodes = int(re.search(r"--nnodes=(\d+)", cmd).group(1))
+        nproc = int(re.search(r"--nproc-per-node=(\d+)", cmd).group(1))
+        assert (nodes, nproc) == shape and nodes * nproc == world
+        assert f"--model {MODEL.name} " in cmd
+
+
+def test_uneven_pipeline_split_is_spelled_out_as_measured():
+    pipeline = pytest.importorskip("paratune.profiler.pipeline")
+    cfg = ParallelConfig(dp=1, pp=3, global_batch_size=12, schedule="interleaved_1f1b",
+                         virtual_stages=2)
+    cfg.validate(MODEL, 3)
+    measured = [len(r) for r in pipeline.layer_ranges(MODEL.num_layers, cfg.num_stages)]
+    assert sum(measured) == MODEL.num_layers == 32 and len(set(measured)) > 1
+    # torchtitan: every stage's modules, each layer exactly once, in order
+    par = tomllib.loads(torchtitan_toml(MODEL, cfg))["parallelism"]
+    assert "pipeline_parallel_layers_per_stage" not in par
+    stages = par["module_fqns_per_model_part"]
+    assert [len([m for m in s if m.startswith("layers.")]) for s in stages] == measured
+    layers = [m for s in stages for m in s if m.startswith("layers.")]
+    assert layers == [f"layers.{i}" for i in range(MODEL.num_layers)]
+    assert stages[0][0] == "tok_embeddings" and stages[-1][-2:] == ["norm", "output"]
+    # Megatron-LM: a layout naming each (virtual) stage, instead of a per-stage count
+    args = megatron_args(MODEL, cfg)
+    assert not any("virtual-pipeline-stage" in a for a in args)
+    (layout,) = [a.split(" ", 1)[1].strip("'") for a in args
+                 if a.startswith("--pipeline-model-parallel-layout")]
+    parts = layout.split("|")
+    assert [int(p.split("t*")[1].split(",")[0]) for p in parts] == measured
+    assert parts[0].startswith("E,") and parts[-1].endswith(",L")
+    rec = recommendation(MODEL, cfg, H100)
+    assert any("do not divide evenly" in note for note in rec["launch"]["notes"])
+    # a plain 1F1B pipeline with an uneven split is spelled out too
+    plain = cfg.replace(schedule="1f1b", virtual_stages=1)
+    assert "module_fqns_per_model_part" in tomllib.loads(torchtitan_toml(MODEL, plain))[
+        "parallelism"]
+    assert any(a.startswith("--pipeline-model-parallel-layout") for a in megatron_args(
+        MODEL, plain))
