@@ -68,23 +68,26 @@ class ConfigSpace:
     """Which configurations to consider; every field is a list of allowed values."""
 
     global_batch_sizes: tuple[int, ...] = (8,)
-    """Global batch sizes, in sequences."""
+    """Global batch sizes, in sequences (stored sorted, without repeats)."""
     micro_batch_sizes: tuple[int, ...] = (1, 2, 4)
-    """Micro-batch sizes, in sequences per data-parallel rank."""
+    """Micro-batch sizes, in sequences per data-parallel rank (stored sorted, without
+    repeats)."""
     schedules: tuple[Schedule, ...] = (Schedule.GPIPE, Schedule.ONE_F_ONE_B,
                                        Schedule.INTERLEAVED_1F1B)
     """Pipeline schedules (only varied when pp > 1)."""
     virtual_stages: tuple[int, ...] = (2,)
-    """Virtual stages per rank tried with ``interleaved_1f1b``."""
+    """Virtual stages per rank tried with ``interleaved_1f1b`` (stored sorted)."""
     shardings: tuple[Sharding, ...] = (Sharding.NONE, Sharding.ZERO1, Sharding.ZERO2,
                                        Sharding.ZERO3)
     """Data-parallel sharding levels (only varied when dp > 1)."""
     recomputes: tuple[Recompute, ...] = (Recompute.NONE, Recompute.FULL)
     """Activation checkpointing modes."""
     tp_degrees: tuple[int, ...] | None = None
-    """Allowed tensor-parallel degrees; ``None`` allows every divisor of the world size."""
+    """Allowed tensor-parallel degrees (stored sorted); ``None`` allows every divisor of the
+    world size."""
     pp_degrees: tuple[int, ...] | None = None
-    """Allowed pipeline degrees; ``None`` allows every divisor of the world size."""
+    """Allowed pipeline degrees (stored sorted); ``None`` allows every divisor of the world
+    size."""
     tp_within_node: bool = True
     """Keep the tensor-parallel group inside one node (tp <= devices per node)."""
 
@@ -102,6 +105,12 @@ class ConfigSpace:
             bad = [v for v in getattr(self, name) if v < 1]
             if bad:
                 raise ConfigError(name, bad[0], "must be a positive integer")
+        # Integer options are ordinal: the tuner samples them by index and moves between
+        # neighbours, so every consumer sees them sorted and without repeats.
+        for name in ("global_batch_sizes", "micro_batch_sizes", "virtual_stages",
+                     "tp_degrees", "pp_degrees"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, tuple(sorted(set(getattr(self, name)))))
         bad_v = [v for v in self.virtual_stages if v < 2]
         if bad_v:
             raise ConfigError("virtual_stages", bad_v[0],

@@ -206,7 +206,7 @@ class SearchSpace:
         """
         batches = self.space.global_batch_sizes
         tps, pps = self.degree_choices()
-        mbss = sorted(self.space.micro_batch_sizes)
+        mbss = list(self.space.micro_batch_sizes)
 
         def pick(name: str, values: Sequence[Any]) -> Any:
             if len(values) == 1:

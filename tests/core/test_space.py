@@ -58,3 +58,14 @@ def test_space_from_yaml_and_bad_values(tmp_path):
         ConfigSpace.from_dict({"micro_batch_size": [1]})
     with pytest.raises(ConfigError, match="micro_batch_sizes=0"):
         ConfigSpace(micro_batch_sizes=[0])
+
+
+def test_integer_options_are_stored_sorted_without_repeats():
+    space = ConfigSpace(global_batch_sizes=[256, 64, 1024, 64], micro_batch_sizes=(4, 1, 2, 1),
+                        virtual_stages=(4, 2), tp_degrees=(8, 2, 2), pp_degrees=[4, 1])
+    assert space.global_batch_sizes == (64, 256, 1024)
+    assert space.micro_batch_sizes == (1, 2, 4)
+    assert space.virtual_stages == (2, 4)
+    assert space.tp_degrees == (2, 8) and space.pp_degrees == (1, 4)
+    assert space.replace(micro_batch_sizes=(8, 2)).micro_batch_sizes == (2, 8)
+    assert ConfigSpace(micro_batch_sizes=(2, 1)) == ConfigSpace(micro_batch_sizes=(1, 2))

@@ -131,3 +131,25 @@ def test_probes_put_every_layout_at_its_least_memory_knobs():
         elif cfg.pp > 1:
             assert cfg.schedule is Schedule.ONE_F_ONE_B
     assert len(probes) <= 2 * len(layouts)
+
+
+def test_unsorted_space_lists_keep_the_sampled_indices_ordinal():
+    model = get_model("llama3-8b")
+    space = SearchSpace.build(model, 16, "H100", space=ConfigSpace(
+        global_batch_sizes=(256, 64, 1024, 128), micro_batch_sizes=(4, 1, 2)))
+    base = {"tp_index": 1, "pp_index": 1, "micro_batch_size_index": 0, "recompute_index": 0,
+            "sharding_index": 0, "schedule": "1f1b"}
+    batches = [space.suggest(optuna.trial.FixedTrial({**base, "global_batch_size_index": i})
+                             )[0].global_batch_size for i in range(4)]
+    assert batches == [64, 128, 256, 1024]
+    # the work-keeping moves read the same micro-batch list as suggest: doubling tp or pp
+    # doubles the micro-batch, so dp * micro_batch_size stays
+    params = {**base, "global_batch_size_index": 0}
+    centre, _ = space.suggest(optuna.trial.FixedTrial(params))
+    assert centre.micro_batch_size == 1
+    moves = space._work_keeping_moves(params, space.param_choices())
+    assert moves
+    for move in moves:
+        cfg, reason = space.suggest(optuna.trial.FixedTrial({**params, **move}))
+        assert cfg is not None, reason
+        assert cfg.dp * cfg.micro_batch_size == centre.dp * centre.micro_batch_size
