@@ -86,7 +86,8 @@ class Plan:
 
     phases: list[dict[str, Any]]
     """One mapping per phase: start/end tokens of the reference run, ``B_noise`` range,
-    the config, its step time and the phase's predicted seconds."""
+    the config, its step time and tokens/s (as the tuner ranks configs: expected, or the
+    objective's risk quantile) and the phase's predicted seconds."""
     total_time_s: float
     """Predicted seconds to the target (the reference run's final loss), switches included."""
     num_switches: int
@@ -143,10 +144,12 @@ def plan_phases(predictor: Predictor, space: SearchSpace, trajectory: Trajectory
 
     Every feasible config of ``space`` (all its global batch sizes) is predicted once; the
     time of each config on each stretch follows from its step time and the stretch's
-    ``B_noise``. The plan starts with the fastest config of the first stretch and switches to
-    a stretch's fastest config only when that config's goodput there beats the current one's
-    by more than ``threshold`` and the time it saves, until the current one becomes better
-    again, exceeds the switch cost.
+    ``B_noise``. The step time is that of the throughput :func:`~paratune.tuner.tune` ranks
+    by: the expected throughput where the predictor gives one (a pipeline that may stall
+    counts at its likely speed), or the objective's ``risk_quantile``. The plan starts with
+    the fastest config of the first stretch and switches to a stretch's fastest config only
+    when that config's goodput there beats the current one's by more than ``threshold`` and
+    the time it saves, until the current one becomes better again, exceeds the switch cost.
 
     Args:
         predictor: Fitted predictor.
@@ -157,7 +160,8 @@ def plan_phases(predictor: Predictor, space: SearchSpace, trajectory: Trajectory
         batch_change_cost_s: Seconds lost to a change of the batch size alone.
         threshold: Smallest relative goodput gain worth a switch.
         max_segments: Resolution of the plan along training.
-        objective: Feasibility settings (memory limit, probability); its kind is ignored.
+        objective: Feasibility settings (memory limit, probability) and the
+            ``risk_quantile`` to time configs by; its kind is ignored.
 
     Returns:
         A :class:`Plan`.
@@ -167,17 +171,24 @@ def plan_phases(predictor: Predictor, space: SearchSpace, trajectory: Trajectory
     if threshold < 0:
         raise ConfigError("threshold", threshold, "must be >= 0")
     base = objective or Objective()
-    scoring = Objective(kind="throughput", min_feasible_prob=base.min_feasible_prob,
+    scoring = Objective(kind="throughput", risk_quantile=base.risk_quantile,
+                        min_feasible_prob=base.min_feasible_prob,
                         memory_limit_gb=base.memory_limit_gb,
                         memory_fraction=base.memory_fraction)
     ranked = rank(evaluate(predictor, space, space.enumerate().valid, scoring))
-    ranked = ranked[ranked["feasible"]].reset_index(drop=True)
+    # time each config by the throughput the tuner ranks it by (the expected throughput
+    # where the predictor gives one, or the risk quantile), not by its fast regime: a
+    # pipeline likely to stall must not win a phase on its point prediction
+    throughput = ranked["ranked_tokens_per_s"].to_numpy(dtype=float)
+    runs = ranked["feasible"].to_numpy(dtype=bool) & np.isfinite(throughput) & (throughput > 0)
+    ranked = ranked[runs].reset_index(drop=True)
     if ranked.empty:
         raise ConfigError("space", space.model.name, "no config is predicted feasible")
     segments = progress_segments(trajectory, seq_len=space.model.seq_len,
                                  max_segments=max_segments)
     batch = ranked["global_batch_size"].to_numpy(dtype=float)
-    step = ranked["step_time_s"].to_numpy(dtype=float)
+    throughput = ranked["ranked_tokens_per_s"].to_numpy(dtype=float)
+    step = batch * space.model.seq_len / throughput
     e_min = np.array([s.e_min for s in segments])[:, None]
     b_noise = np.array([s.b_noise for s in segments])[:, None]
     times = e_min * (1.0 + batch[None, :] / b_noise) / batch[None, :] * step[None, :]
@@ -221,7 +232,7 @@ def plan_phases(predictor: Predictor, space: SearchSpace, trajectory: Trajectory
                        "end_tokens": segments[i].end_tokens,
                        "b_noise_min": segments[i].b_noise, "b_noise_max": segments[i].b_noise,
                        "config": configs[c].to_dict(), "step_time_s": float(step[c]),
-                       "tokens_per_s": float(ranked["tokens_per_s"].iloc[c]),
+                       "tokens_per_s": float(throughput[c]),
                        "time_s": float(times[i, c])})
     for phase in phases:
         phase.pop("_index")

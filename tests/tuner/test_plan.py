@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pandas as pd
 import pytest
 
 from paratune import ConfigError, get_model
@@ -74,3 +75,41 @@ def test_bad_plan_arguments(closed_form):
                        loss=np.array([np.nan]))
     with pytest.raises(ConfigError, match="trajectory"):
         plan_phases(closed_form, _space(), short)
+
+
+def test_plan_times_configs_by_the_throughput_the_tuner_ranks_by(closed_form):
+    space, trajectory = _space(), _trajectory()
+    plain = plan_phases(closed_form, space, trajectory, reconfig_cost_s=60, threshold=0.02)
+    chosen = {(p["config"]["dp"], p["config"]["tp"], p["config"]["pp"]) for p in plain.phases}
+
+    class StallRisk:
+        """The closed form, with the layouts of the plain plan likely to stall (expected
+        throughput a tenth of the point prediction)."""
+
+        def predict(self, frame):
+            out = closed_form.predict(frame)
+            layouts = zip(frame["dp"], frame["tp"], frame["pp"])
+            risky = np.array([layout in chosen for layout in layouts])
+            point = out["pred_tokens_per_sec_per_gpu"].to_numpy()
+            out["pred_tokens_per_sec_per_gpu_expected"] = np.where(risky, point / 10, point)
+            return out
+
+    plan = plan_phases(StallRisk(), space, trajectory, reconfig_cost_s=60, threshold=0.02)
+    picked = {(p["config"]["dp"], p["config"]["tp"], p["config"]["pp"]) for p in plan.phases}
+    assert not picked & chosen
+    scored = evaluate(StallRisk(), space, space.enumerate().valid, Objective())
+    for phase in plan.phases:
+        cfg = phase["config"]
+        row = scored[(scored[list(cfg)] == pd.Series(cfg)).all(axis=1)].iloc[0]
+        assert phase["tokens_per_s"] == pytest.approx(row["ranked_tokens_per_s"])
+        assert phase["step_time_s"] == pytest.approx(
+            cfg["global_batch_size"] * SEQ / row["ranked_tokens_per_s"])
+    # a risk quantile of the objective is what the plan times configs by, as in tune
+    cautious = plan_phases(closed_form, space, trajectory, objective=Objective(
+        risk_quantile="q10"))
+    q10 = evaluate(closed_form, space, space.enumerate().valid, Objective(risk_quantile="q10"))
+    for phase in cautious.phases:
+        cfg = phase["config"]
+        row = q10[(q10[list(cfg)] == pd.Series(cfg)).all(axis=1)].iloc[0]
+        assert phase["tokens_per_s"] == pytest.approx(
+            row["pred_tokens_per_sec_per_gpu_q10"] * row["world_size"])
