@@ -449,6 +449,8 @@ class PerformanceModel(_Base):
         fraction."""
         with np.errstate(divide="ignore", invalid="ignore"):
             fraction = np.log2(memory_gb / capacity)
+        # no catalogued memory (the CPU: 0 GB) is a missing value to the trees, as in X
+        fraction[~np.isfinite(fraction)] = np.nan
         return np.column_stack([X, fraction]).astype(np.float32)
 
     # ------------------------------------------------------------------ predict

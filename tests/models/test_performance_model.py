@@ -278,3 +278,14 @@ def test_quantile_columns_follow_the_quantiles(synthetic):
     assert (pred[high] >= pred["pred_tokens_per_sec_per_gpu"] * (1 - 1e-9)).all()
     with pytest.raises(ConfigError, match=r"quantiles=\(0.9, 0.1\).*lower < 0.5 < upper"):
         PerformanceModel(quantiles=(0.9, 0.1)).fit(synthetic)
+
+
+def test_fits_cpu_runs_together_with_failed_gpu_runs(synthetic):
+    # own CPU campaigns (no catalogued memory size) beside a GPU sweep with failed runs: the
+    # feasibility classifier's memory fraction is missing for the CPU rows, not infinite
+    cpu = synthetic[synthetic["status"] == "ok"].assign(hardware="cpu", source="paratune")
+    both = pd.concat([synthetic, cpu], ignore_index=True)
+    model = PerformanceModel(n_estimators=20, aux_estimators=10, n_jobs=1).fit(both)
+    assert model.feasibility_ is not None
+    pred = model.predict(both[list(CONFIG_COLUMNS)])
+    assert (pred["pred_error"] == "").all() and np.isfinite(pred["pred_step_time_s"]).all()
