@@ -144,7 +144,7 @@ def _check_layouts(configs: pd.DataFrame, errors: np.ndarray) -> None:
     if not len(readable):
         return
     part = configs.iloc[readable][columns]
-    keys = part.astype(str).agg("|".join, axis=1).to_numpy()
+    keys = np.asarray(["|".join(map(str, row)) for row in part.itertuples(index=False)])
     _, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
     reasons = []
     for i in first:

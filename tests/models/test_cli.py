@@ -97,6 +97,19 @@ def test_predict_own_config_format(model_dir, synthetic, tmp_path):
     assert np.all(result["pred_step_time_s"].iloc[good].astype(float) > 0)
 
 
+def test_predict_own_format_with_only_the_required_columns(model_dir, synthetic, tmp_path):
+    from paratune.models._predict_io import _OWN_REQUIRED
+
+    frame = synthetic[list(_OWN_REQUIRED)].head(3)
+    src = tmp_path / "configs.csv"
+    frame.to_csv(src, index=False)
+    out = tmp_path / "out.csv"
+    assert main(["predict", "--model", str(model_dir), str(src), "--out", str(out)]) == 0
+    result = pd.read_csv(out, keep_default_na=False)
+    assert (result["pred_error"] == "").all()
+    assert np.all(result["pred_step_time_s"].astype(float) > 0)
+
+
 @pytest.mark.parametrize(("column", "value", "message"), [
     ("tp", 1.5, "tp='1.5' must be a positive integer"),
     ("micro_batch_size", 2.5, "micro_batch_size='2.5' must be a positive integer"),
