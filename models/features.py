@@ -204,7 +204,8 @@ def hardware_columns(names: Any) -> dict[str, np.ndarray]:
             errors.append("")
         except ConfigError as exc:
             specs.append(None)
-            errors.append(str(exc))
+            # named after the config frame's column (the catalogue's own field is "gpu")
+            errors.append(str(ConfigError("hardware", name, exc.rule)))
     out: dict[str, np.ndarray] = {}
     # "peak_flops" here is the compute speed the estimate assumes: the vendor peak, or the
     # catalogue's nominal figure where there is none (the CPU).
