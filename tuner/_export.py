@@ -94,7 +94,22 @@ def torchrun_command(model: ModelSpec, config: ParallelConfig, hardware: Hardwar
 
 
 def torchtitan_toml(model: ModelSpec, config: ParallelConfig) -> str:
-    """``[parallelism]``, ``[training]`` and ``[activation_checkpoint]`` TOML sections."""
+    """``[parallelism]``, ``[training]`` and ``[activation_checkpoint]`` TOML sections.
+
+    torchtitan takes ``global_batch_size // (local_batch_size * dp)`` gradient-accumulation
+    steps of ``local_batch_size`` sequences per data-parallel rank, and a pipeline splits
+    each into ``local_batch_size // pipeline_parallel_microbatch_size`` micro-batches. So
+    without pipelining ``local_batch_size`` is the micro-batch and accumulation runs the
+    micro-batches; with pipelining ``local_batch_size`` is the rank's whole batch and the
+    schedule runs them (one accumulation step).
+
+    Args:
+        model: The model trained.
+        config: The parallel config.
+
+    Returns:
+        The TOML text.
+    """
     lines = ["[parallelism]"]
     notes = []
     if config.sharding is Sharding.NONE:
@@ -123,10 +138,19 @@ def torchtitan_toml(model: ModelSpec, config: ParallelConfig) -> str:
             lines.append("module_fqns_per_model_part = [")
             lines += [f"  {json.dumps(stage)}," for stage in _stage_fqns(counts)]
             lines.append("]")
-        elif config.schedule is Schedule.INTERLEAVED_1F1B:
-            lines.append(f"pipeline_parallel_layers_per_stage = {counts[0]}")
+        else:
+            # torchtitan's own split counts the embedding and the output as a layer each
+            # unless told otherwise; without them it splits as measured
+            lines.append("pipeline_parallel_first_stage_less_layers = 0")
+            lines.append("pipeline_parallel_last_stage_less_layers = 0")
+            if config.schedule is Schedule.INTERLEAVED_1F1B:
+                lines.append(f"pipeline_parallel_layers_per_stage = {counts[0]}")
+    # torchtitan runs global_batch_size // (local_batch_size * dp) gradient-accumulation
+    # steps of local_batch_size sequences; with pp > 1 the pipeline schedule splits each of
+    # them into micro-batches of pipeline_parallel_microbatch_size.
+    local_batch_size = config.micro_batch_size if config.pp == 1 else config.local_batch_size
     lines += ["", "[training]",
-              f"local_batch_size = {config.local_batch_size}",
+              f"local_batch_size = {local_batch_size}",
               f"global_batch_size = {config.global_batch_size}",
               f"seq_len = {model.seq_len}", "",
               "[activation_checkpoint]", f'mode = "{config.recompute.value}"']

@@ -34,6 +34,69 @@ def test_torchtitan_sections_carry_the_degrees():
     assert ddp["parallelism"]["data_parallel_replicate_degree"] == 16
 
 
+def _torchtitan_batches(doc: dict, config: ParallelConfig) -> tuple[int, int, int]:
+    """(sequences per forward, micro-batches per pipeline step, accumulation steps) as
+    torchtitan's trainer and pipeline builder derive them from the TOML."""
+    training, par = doc["training"], doc["parallelism"]
+    local = training["local_batch_size"]
+    assert training["global_batch_size"] % (local * config.dp) == 0
+    accumulation = training["global_batch_size"] // (local * config.dp)
+    if par["pipeline_parallel_degree"] == 1:
+        return local, 1, accumulation
+    microbatch = par.get("pipeline_parallel_microbatch_size", 1)
+    assert local % microbatch == 0
+    return microbatch, local // microbatch, accumulation
+
+
+@pytest.mark.parametrize("config", [
+    ParallelConfig(dp=32, micro_batch_size=1, global_batch_size=128),
+    ParallelConfig(dp=8, tp=4, micro_batch_size=2, global_batch_size=256, sharding="zero3"),
+    ParallelConfig(dp=4, tp=2, pp=4, micro_batch_size=2, global_batch_size=64),
+    ParallelConfig(dp=2, tp=4, pp=4, micro_batch_size=1, global_batch_size=32,
+                   schedule="interleaved_1f1b", virtual_stages=2),
+], ids=lambda c: c.key())
+def test_torchtitan_runs_the_micro_batch_and_accumulation_of_the_config(config):
+    doc = tomllib.loads(torchtitan_toml(MODEL, config))
+    forward, microbatches, accumulation = _torchtitan_batches(doc, config)
+    assert forward == config.micro_batch_size
+    assert microbatches * accumulation == config.num_microbatches
+    if config.pp == 1:  # dp32 gb128 mb1: micro-batch 1, 4 accumulation steps
+        assert doc["training"]["local_batch_size"] == config.micro_batch_size
+        assert accumulation == config.num_microbatches
+    else:  # the schedule runs every micro-batch of the step, no accumulation on top
+        assert doc["training"]["local_batch_size"] == config.global_batch_size // config.dp
+        assert accumulation == 1
+
+
+def _torchtitan_layers_per_stage(num_layers: int, num_stages: int, first_less: int,
+                                 last_less: int) -> list[int]:
+    """Transformer layers per stage of torchtitan's own split (the embedding and the output
+    weighing ``first_less`` and ``last_less`` layers)."""
+    effective = num_layers + first_less + last_less
+    base, extra = divmod(effective, num_stages)
+    counts = [base + (stage < extra) for stage in range(num_stages)]
+    counts[0] -= first_less
+    counts[-1] -= last_less
+    return counts
+
+
+@pytest.mark.parametrize("schedule,virtual", [("1f1b", 1), ("gpipe", 1),
+                                              ("interleaved_1f1b", 2)])
+def test_torchtitan_splits_an_even_pipeline_as_measured(schedule, virtual):
+    config = ParallelConfig(dp=2, tp=4, pp=4, micro_batch_size=1, global_batch_size=32,
+                            schedule=schedule, virtual_stages=virtual)
+    par = tomllib.loads(torchtitan_toml(MODEL, config))["parallelism"]
+    first = par.get("pipeline_parallel_first_stage_less_layers", 1)
+    last = par.get("pipeline_parallel_last_stage_less_layers", 1)
+    per_stage = par.get("pipeline_parallel_layers_per_stage")
+    num_stages = config.num_stages
+    if per_stage is not None:  # torchtitan derives the stage count from it
+        num_stages = -(-(MODEL.num_layers + first + last) // per_stage)
+    assert num_stages == config.num_stages
+    assert _torchtitan_layers_per_stage(MODEL.num_layers, num_stages, first, last) == \
+        [MODEL.num_layers // config.num_stages] * config.num_stages
+
+
 def test_megatron_arguments():
     cfg = ParallelConfig(dp=8, tp=4, pp=2, micro_batch_size=1, global_batch_size=256,
                          sharding="zero1", recompute="full")
