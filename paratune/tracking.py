@@ -2,8 +2,10 @@
 
 Every campaign, fit, tuning run and experiment is one MLflow run. The store is
 ``MLFLOW_TRACKING_URI`` when set, else a local SQLite file ``mlflow.db`` in the working
-directory (artifacts beside it in ``mlartifacts/``); ``mlflow ui --backend-store-uri
-sqlite:///mlflow.db`` shows it.
+directory; ``mlflow ui --backend-store-uri sqlite:///mlflow.db`` shows it. With a local
+SQLite store, the experiments paratune creates keep their artifacts beside the database, in
+``mlartifacts/<experiment>/<run id>/artifacts/`` (other stores choose their own location;
+an experiment keeps the location it was created with).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import json
 import logging
 import math
 import os
+import re
 import tempfile
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -21,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import pandas as pd
 
-__all__ = ["TrackedRun", "default_tracking_uri", "start_run", "ui_command"]
+__all__ = ["TrackedRun", "artifact_root", "default_tracking_uri", "start_run", "ui_command"]
 
 _MAX_PARAM_LEN = 6000
 
@@ -32,6 +35,45 @@ def default_tracking_uri() -> str:
     if uri:
         return uri
     return f"sqlite:///{Path.cwd() / 'mlflow.db'}"
+
+
+def artifact_root(uri: str | None = None) -> Path | None:
+    """Where experiments created in a local SQLite store keep their artifacts.
+
+    Args:
+        uri: Tracking URI; defaults to :func:`default_tracking_uri`.
+
+    Returns:
+        ``mlartifacts/`` beside the database file for ``sqlite:///PATH`` stores; ``None``
+        for any other store (MLflow's own default applies there).
+    """
+    uri = uri or default_tracking_uri()
+    prefix = "sqlite:///"
+    if not uri.startswith(prefix) or uri == prefix or ":memory:" in uri:
+        return None
+    database = Path(uri[len(prefix):].split("?", 1)[0])
+    return database.absolute().parent / "mlartifacts"
+
+
+def _experiment_dir_name(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("._") or "experiment"
+
+
+def _ensure_experiment(mlflow_module: Any, name: str, uri: str) -> None:
+    """Create ``name`` with its artifacts under :func:`artifact_root` when the store is a
+    local SQLite file and the experiment does not exist yet."""
+    root = artifact_root(uri)
+    if root is None:
+        return
+    client = mlflow_module.MlflowClient(tracking_uri=uri)
+    if client.get_experiment_by_name(name) is not None:
+        return
+    location = (root / _experiment_dir_name(name)).as_uri()
+    try:
+        client.create_experiment(name, artifact_location=location)
+    except mlflow_module.exceptions.MlflowException:
+        if client.get_experiment_by_name(name) is None:  # not a concurrent creation
+            raise
 
 
 def ui_command(uri: str | None = None) -> str:
@@ -133,8 +175,10 @@ def start_run(experiment: str, *, run_name: str | None = None,
 
     for name in ("mlflow", "alembic"):
         logging.getLogger(name).setLevel(logging.WARNING)
-    mlflow.set_tracking_uri(tracking_uri or default_tracking_uri())
+    uri = tracking_uri or default_tracking_uri()
+    mlflow.set_tracking_uri(uri)
     if run_id is None:
+        _ensure_experiment(mlflow, experiment, uri)
         mlflow.set_experiment(experiment)
     active = mlflow.start_run(run_name=run_name, run_id=run_id)
     tracked = TrackedRun(mlflow, active)
