@@ -34,11 +34,16 @@ class QuickstartResult:
     timings_s: dict[str, float] = field(default_factory=dict)
 
 
+def _say(line: str) -> None:
+    """Print a progress line at once (log records on stderr interleave with it in order)."""
+    print(line, flush=True)
+
+
 def quickstart(out: str | Path = "paratune-quickstart", *,
                world_sizes: tuple[int, ...] = (1, 2, 4), gpus: int = 4,
                warmup_steps: int = 2, measured_steps: int = 5, verify: int = 1,
                track: bool = True, progress: bool = True,
-               log: Any = print) -> QuickstartResult:
+               log: Any = _say) -> QuickstartResult:
     """Profile ``tiny`` on this CPU, fit, tune for ``gpus`` processes, verify the winner.
 
     Re-running with the same ``out`` resumes the campaign (nothing measured is redone).
@@ -61,7 +66,7 @@ def quickstart(out: str | Path = "paratune-quickstart", *,
     from paratune.models._workflows import fit_model
     from paratune.profiler.campaign import CampaignSpec, run_campaign
     from paratune.spec import get_model
-    from paratune.tuner import tune
+    from paratune.tuner import tune, verify_top_k
 
     if gpus not in world_sizes and verify:
         raise ConfigError("gpus", gpus, f"must be one of the profiled world sizes "
@@ -93,16 +98,23 @@ def quickstart(out: str | Path = "paratune-quickstart", *,
     # The profiled grid is the space searched: the model interpolates between measurements.
     tuning = tune(model, gpus, "cpu", model_dir, search="exhaustive", space=spec.space,
                   global_batch_sizes=list(spec.space.global_batch_sizes),
-                  output_dir=out / "recommendation", track=track,
-                  verify=verify, verify_options={"dataset": [campaign_dir],
-                                                 "warmup_steps": warmup_steps,
-                                                 "measured_steps": measured_steps})
+                  output_dir=out / "recommendation", track=track)
     timings["tune"] = time.monotonic() - started
     log(tuning.table(5))
-    if tuning.verification is not None:
+    if verify:
         from paratune._table import format_table
 
-        log("[4/4] the recommendation profiled again for real:")
+        log(f"[4/4] profiling the top {verify} recommended config(s) again for real")
+        started = time.monotonic()
+        tuning.verification = verify_top_k(tuning, verify, dataset=[campaign_dir],
+                                           warmup_steps=warmup_steps,
+                                           measured_steps=measured_steps)
+        timings["verify"] = time.monotonic() - started
+        if tuning.run_id is not None:
+            from paratune.tracking import start_run
+
+            with start_run("paratune-tune", run_id=tuning.run_id) as run:
+                run.log_table(tuning.verification, "verification.csv")
         log(format_table(tuning.verification.to_dict("records"), floatfmt=".4g"))
     return QuickstartResult(out=out, campaign=campaign, model_dir=model_dir, tuning=tuning,
                             verification=tuning.verification, timings_s=timings)

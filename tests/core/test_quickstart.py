@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 
@@ -16,8 +17,26 @@ def test_quickstart_runs_the_whole_loop_and_resumes(tmp_path, monkeypatch):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     out = tmp_path / "qs"
     lines: list[str] = []
-    result = quickstart(out, world_sizes=(1, 2), gpus=2, warmup_steps=1, measured_steps=2,
-                        verify=1, progress=False, log=lines.append)
+
+    class Recorder(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    verify_log = logging.getLogger("paratune.tuner._verify")
+    handler, level = Recorder(), verify_log.level
+    verify_log.addHandler(handler)
+    verify_log.setLevel(logging.INFO)
+    try:
+        result = quickstart(out, world_sizes=(1, 2), gpus=2, warmup_steps=1,
+                            measured_steps=2, verify=1, progress=False, log=lines.append)
+    finally:
+        verify_log.removeHandler(handler)
+        verify_log.setLevel(level)
+    # read top to bottom: the tuning table, then the verification stage and what it logs
+    step3 = next(i for i, line in enumerate(lines) if line.startswith("[3/4]"))
+    step4 = next(i for i, line in enumerate(lines) if line.startswith("[4/4]"))
+    verified = next(i for i, line in enumerate(lines) if line.startswith("verified 1 config"))
+    assert step3 + 1 < step4 < verified and "vs_best" in lines[step3 + 1]
     measured = result.campaign.dataset.frame
     assert (measured["status"] == "ok").all() and len(measured) >= 10
     assert (result.model_dir / "model.json").exists()
@@ -29,11 +48,17 @@ def test_quickstart_runs_the_whole_loop_and_resumes(tmp_path, monkeypatch):
     assert verified["measured_tokens_per_s"].iloc[0] > 0
     experiments = {e.name for e in mlflow.search_experiments()}
     assert {"paratune-profile", "paratune-fit"} <= experiments
+    artifacts = {a.path for a in mlflow.MlflowClient().list_artifacts(result.tuning.run_id)}
+    assert "verification.csv" in artifacts
 
     # A second run resumes: nothing is measured again.
     again = quickstart(out, world_sizes=(1, 2), gpus=2, warmup_steps=1, measured_steps=2,
                        verify=0, track=False, progress=False, log=lines.append)
     assert again.campaign.num_measured == 0
+    assert again.campaign.footer().startswith(
+        f"nothing new to measure: {len(measured)} configs already measured")
+    assert any("\nnothing new to measure: " in line for line in lines)  # the summary's footer
+    assert not any("nan s per config" in line for line in lines)
     assert len(again.campaign.dataset.frame) == len(measured)
 
 
