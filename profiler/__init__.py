@@ -45,6 +45,8 @@ _EXPORTS: dict[str, str] = {
     "reconfigure": "reconfigure",
     "save_checkpoint": "reconfigure",
     "load_checkpoint": "reconfigure",
+    "check_cpu_memory": "_memory",
+    "cpu_process_memory_gb": "_memory",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -210,6 +210,29 @@ def enumerate_campaign(spec: CampaignSpec) -> dict[int, SpaceEnumeration]:
 
 
 # ---------------------------------------------------------------------- preparation
+def _check_something_to_measure(spec: CampaignSpec,
+                                enumerations: dict[int, SpaceEnumeration]) -> None:
+    """Raise when no world size of ``spec`` has a single valid config."""
+    if any(e.valid for e in enumerations.values()):
+        return
+    assert spec.space is not None
+    reasons = list(dict.fromkeys(reason for e in enumerations.values()
+                                 for _, reason in e.skipped))
+    shown = "; ".join(reasons[:3]) + ("; ..." if len(reasons) > 3 else "")
+    sizes = ", ".join(str(w) for w in spec.world_sizes)
+    raise ConfigError(
+        "world_sizes", list(spec.world_sizes),
+        f"no (dp, tp, pp) layout of {sizes} devices is valid for {spec.model.name} with "
+        f"this grid (global_batch_sizes={list(spec.space.global_batch_sizes)}, "
+        f"tp_degrees={_listed(spec.space.tp_degrees)}, "
+        f"pp_degrees={_listed(spec.space.pp_degrees)}): nothing to profile"
+        + (f" ({shown})" if shown else ""))
+
+
+def _listed(values: tuple[int, ...] | None) -> object:
+    return "any" if values is None else list(values)
+
+
 def _campaign_fingerprint(device: str) -> dict[str, Any]:
     from paratune.profiler.fingerprint import fingerprint
 
@@ -225,11 +248,14 @@ def prepare_campaign(spec: CampaignSpec, out: str | Path, *, resume: bool = Fals
         The campaign's paths and its metadata (``campaign.json``'s content).
 
     Raises:
-        ConfigError: ``out`` already holds a campaign and ``resume`` is false; or
-            ``resume`` is true and there is none, or it profiles something else.
+        ConfigError: no world size has a valid config (nothing is written then); ``out``
+            already holds a campaign and ``resume`` is false; or ``resume`` is true and
+            there is none, or it profiles something else.
     """
     paths = CampaignPaths(Path(out))
     identity = spec.identity()
+    enumerations = enumerate_campaign(spec)
+    _check_something_to_measure(spec, enumerations)
     if resume:
         if not paths.campaign.exists():
             raise ConfigError("resume", str(out), "holds no campaign.json: nothing to resume")
@@ -254,7 +280,6 @@ def prepare_campaign(spec: CampaignSpec, out: str | Path, *, resume: bool = Fals
     paths.root.mkdir(parents=True, exist_ok=True)
     atomic_write_text(paths.campaign, json.dumps(meta, indent=1, default=str) + "\n")
 
-    enumerations = enumerate_campaign(spec)
     buffer = io.StringIO()
     writer = csv.writer(buffer)
     writer.writerow(["world_size", "config", "reason"])
@@ -552,6 +577,9 @@ def materialise(out: str | Path) -> Dataset:
 
     Returns:
         The dataset written.
+
+    Raises:
+        ConfigError: ``out`` is not a campaign directory, or no config of it has finished.
     """
     from paratune.datasets import DatasetCard, write_dataset
 
@@ -560,6 +588,9 @@ def materialise(out: str | Path) -> Dataset:
         raise ConfigError("out", str(out), "holds no campaign.json: not a campaign directory")
     meta = json.loads(paths.campaign.read_text())
     rows = [entry["row"] for journal in paths.journals() for entry in read_journal(journal)]
+    if not rows:
+        raise ConfigError("out", str(out), "no config of this campaign has finished yet: "
+                          "there is nothing to write as a dataset")
     counts: dict[str, dict[str, int]] = {}
     for row in rows:
         per = counts.setdefault(str(row["world_size"]), {s.value: 0 for s in Status})
@@ -582,8 +613,7 @@ def materialise(out: str | Path) -> Dataset:
                "valid_per_world_size": meta.get("num_valid", {})})
     import pandas as pd
 
-    frame = pd.DataFrame(rows) if rows else None
-    return write_dataset(paths.root, frame if frame is not None else [], card=card)
+    return write_dataset(paths.root, pd.DataFrame(rows), card=card)
 
 
 def _in_step_seconds(entry: dict[str, Any]) -> float:
@@ -660,11 +690,19 @@ class CampaignResult:
                              headers={"world_size": "world", "best_tokens_per_s": "best tok/s",
                                       "best_step_s": "step s"},
                              title=f"campaign {self.campaign_id} -> {self.out}")
-        footer = (f"{self.num_measured} configs in {self.wall_s:.1f} s this run "
-                  f"(workers used {self.worker_cpu_s:.0f} CPU s); "
-                  f"{self.overhead_per_config_s:.2f} s per config outside warm-up and "
-                  f"measured steps")
-        return f"{table}\n{footer}"
+        return f"{table}\n{self.footer()}"
+
+    def footer(self) -> str:
+        """One line on this run: configs measured and time spent, or that nothing was new."""
+        if not self.num_measured:
+            finished = sum(counts.get(s.value, 0) for counts in self.counts.values()
+                           for s in Status)
+            return (f"nothing new to measure: {finished} configs already measured "
+                    f"({self.wall_s:.1f} s this run)")
+        return (f"{self.num_measured} configs in {self.wall_s:.1f} s this run "
+                f"(workers used {self.worker_cpu_s:.0f} CPU s); "
+                f"{self.overhead_per_config_s:.2f} s per config outside warm-up and "
+                f"measured steps")
 
 
 def _counts(paths: CampaignPaths, meta: dict[str, Any], world_sizes: tuple[int, ...]
@@ -739,8 +777,9 @@ def run_campaign(spec: CampaignSpec, out: str | Path, *, resume: bool = False,
         The campaign's result, with the dataset materialised in ``out``.
 
     Raises:
-        ConfigError: bad spec, ``out`` already holds a campaign (without ``resume``), or
-            more CUDA devices are asked for than this machine has.
+        ConfigError: bad spec, ``out`` already holds a campaign (without ``resume``),
+            more CUDA devices are asked for than this machine has, or on the CPU a config's
+            processes cannot fit in this machine's memory (``model``; nothing is started).
         CampaignError: a worker group repeatedly fails to start.
     """
     import resource
@@ -749,6 +788,8 @@ def run_campaign(spec: CampaignSpec, out: str | Path, *, resume: bool = False,
     children_before = resource.getrusage(resource.RUSAGE_CHILDREN)
     if launcher not in ("local", "torchrun"):
         raise ConfigError("launcher", launcher, "must be local or torchrun")
+    if spec.device == "cpu":
+        _check_cpu_memory(spec)
     if spec.device == "cuda":
         import torch
 
@@ -780,7 +821,8 @@ def run_campaign(spec: CampaignSpec, out: str | Path, *, resume: bool = False,
                     _run_world_size(paths, world_size, state, fail_grace_s=fail_grace_s,
                                     startup_timeout_s=startup_timeout_s, extra_env=extra_env,
                                     on_entry_hook=hook)
-                materialise(paths.root)
+                if int(meta["num_valid"][str(world_size)]):  # else there may be no row yet
+                    materialise(paths.root)
         finally:
             if bar is not None:
                 bar.close()
@@ -813,6 +855,18 @@ def run_campaign(spec: CampaignSpec, out: str | Path, *, resume: bool = False,
             run.log_artifact(paths.root / dataset.card.data_file, "dataset")
             run.log_artifact(paths.skipped)
     return result
+
+
+def _check_cpu_memory(spec: CampaignSpec) -> None:
+    """Raise before anything starts when a config's ranks cannot fit in this machine's
+    memory (the config that needs the most, per world size, is named)."""
+    from paratune.profiler._memory import check_cpu_memory, cpu_process_memory_gb
+
+    for world_size, enumeration in enumerate_campaign(spec).items():
+        if enumeration.valid:
+            largest = max(enumeration.valid,
+                          key=lambda c: cpu_process_memory_gb(spec.model, c))
+            check_cpu_memory(spec.model, largest, processes=world_size)
 
 
 def _plan_keys(paths: CampaignPaths, world_size: int) -> set[str]:

@@ -601,6 +601,15 @@ def _truncate_rows(path: str, max_step: int) -> None:
     atomic_write_text(file, "\n".join(kept) + "\n")
 
 
+def _resolved_device(kind: str) -> str:
+    """``"cpu"`` or ``"cuda"`` for a job's ``device`` (``"auto"``: cuda when available)."""
+    if kind != "auto":
+        return kind
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def _device_for(kind: str, rank: int) -> Any:
     import torch
 
@@ -720,9 +729,14 @@ def run_gns(job: GNSJob) -> Path:
         The trajectory path.
 
     Raises:
-        ConfigError: the job is invalid (checked before any process starts).
+        ConfigError: the job is invalid, or on the CPU its processes cannot fit in this
+            machine's memory (checked before any process starts).
     """
     job.validate()
+    if _resolved_device(job.device) == "cpu":
+        from paratune.profiler._memory import check_cpu_memory
+
+        check_cpu_memory(job.model, job.config)
     spawn(_gns_worker, job.config.world_size, job)
     return Path(job.out)
 

@@ -28,8 +28,10 @@ from paratune.profiler._journal import (
 from paratune.profiler._worker import parse_faults
 from paratune.profiler.campaign import (
     CampaignError,
+    CampaignResult,
     CampaignSpec,
     enumerate_campaign,
+    materialise,
     prepare_campaign,
     run_campaign,
     torchrun_commands,
@@ -96,6 +98,62 @@ def test_prepare_writes_plans_and_refuses_to_mix_campaigns(tmp_path):
         prepare_campaign(spec, tmp_path / "empty", resume=True)
     _, again = prepare_campaign(spec, tmp_path / "c", resume=True)
     assert again["campaign_id"] == meta["campaign_id"]
+
+
+def test_a_grid_with_no_valid_config_is_refused_before_anything_is_written(tmp_path, capsys):
+    grid = tmp_path / "g2.yaml"
+    grid.write_text("tp_degrees: [3]\nglobal_batch_sizes: [8]\n")
+    out = tmp_path / "c"
+    assert main(["profile", "--model", "tiny", "--world-sizes", "4", "--grid", str(grid),
+                 "--out", str(out), "--device", "cpu", "--no-track", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("paratune profile: error: world_sizes=[4]: no (dp, tp, pp) layout "
+                          "of 4 devices is valid for tiny")
+    assert "tp_degrees=[3]" in err and "Traceback" not in err
+    assert not out.exists()
+    with pytest.raises(ConfigError, match="nothing to profile"):
+        run_campaign(_spec(world_sizes=(2, 4), space=ConfigSpace(tp_degrees=[3])), out,
+                     track=False, progress=False)
+    with pytest.raises(ConfigError, match="nothing to profile"):
+        torchrun_commands(_spec(world_sizes=(4,), space=ConfigSpace(tp_degrees=[3])), out)
+    assert not out.exists()
+
+
+def test_materialise_a_campaign_whose_records_all_lack_step_times(tmp_path):
+    paths, _ = prepare_campaign(_spec(), tmp_path / "c")
+    with pytest.raises(ConfigError, match="no config of this campaign has finished yet"):
+        materialise(paths.root)
+    plan = read_plan(paths.plan(2))
+    for config in plan["configs"]:
+        append_record(paths.journal(2), failure_record(
+            plan, ParallelConfig.from_dict(config), Status.OOM, "out of memory"))
+    dataset = materialise(paths.root)
+    assert dataset.frame["status"].tolist() == ["oom"] * len(KEYS_WS2)
+    assert dataset.frame["step_times_s"].map(list).tolist() == [[]] * len(KEYS_WS2)
+    assert read_dataset(paths.root).frame["step_times_s"].map(list).tolist() == \
+        [[]] * len(KEYS_WS2)
+
+
+def test_summary_of_a_run_that_measured_nothing_new(tmp_path):
+    paths, meta = prepare_campaign(_spec(), tmp_path / "c")
+    plan = read_plan(paths.plan(2))
+    for config in plan["configs"]:
+        append_record(paths.journal(2), failure_record(
+            plan, ParallelConfig.from_dict(config), Status.ERROR, "failed"))
+    dataset = materialise(paths.root)
+    counts = {2: {"valid": len(KEYS_WS2), "skipped": 0, "ok": 0, "oom": 0,
+                  "error": len(KEYS_WS2), "timeout": 0}}
+    resumed = CampaignResult(out=paths.root, campaign_id=meta["campaign_id"], dataset=dataset,
+                             counts=counts, wall_s=4.6, num_measured=0, in_step_s=0.0,
+                             worker_cpu_s=0.0)
+    assert resumed.footer() == "nothing new to measure: 5 configs already measured " \
+                               "(4.6 s this run)"
+    assert "nan" not in resumed.summary()
+    fresh = CampaignResult(out=paths.root, campaign_id=meta["campaign_id"], dataset=dataset,
+                           counts=counts, wall_s=10.0, num_measured=5, in_step_s=5.0,
+                           worker_cpu_s=12.0)
+    assert fresh.footer() == "5 configs in 10.0 s this run (workers used 12 CPU s); " \
+                             "1.00 s per config outside warm-up and measured steps"
 
 
 def test_spec_and_fault_validation():
@@ -299,6 +357,17 @@ def test_torchrun_launcher_runs_the_same_worker(tmp_path, capsys):
 
 
 @pytest.mark.slow
+def test_a_world_size_without_valid_configs_before_one_with_some(tmp_path):
+    # ws=4: dp4*mb8 cannot divide the global batch of 8; ws=1: one config.
+    space = ConfigSpace(micro_batch_sizes=[8], tp_degrees=[1], pp_degrees=[1],
+                        shardings=["none"], recomputes=["none"])
+    result = run_campaign(_spec(world_sizes=(4, 1), space=space), tmp_path / "c",
+                          track=False, progress=False)
+    assert result.counts[4]["valid"] == 0 and result.counts[4]["skipped"] > 0
+    assert result.dataset.frame["status"].tolist() == ["ok"]
+
+
+@pytest.mark.slow
 def test_campaign_on_real_text(tmp_path):
     one = ConfigSpace(micro_batch_sizes=[2], shardings=["none"], recomputes=["none"])
     losses = {}
@@ -313,3 +382,15 @@ def test_campaign_on_real_text(tmp_path):
     assert abs(losses["text"] - losses["synthetic"]) > 1e-3
     with pytest.raises(ConfigError, match="vocab_size >= 256"):
         _spec(model=TINY.replace(vocab_size=128), data="text")
+
+
+def test_a_cpu_campaign_that_cannot_fit_in_memory_is_refused_before_anything_starts(tmp_path):
+    llama = get_model("llama3-8b")
+    spec = CampaignSpec(model=llama, world_sizes=(8,),
+                        space=ConfigSpace(global_batch_sizes=[16], micro_batch_sizes=[1],
+                                          tp_degrees=[1], pp_degrees=[1], shardings=["none"],
+                                          recomputes=["none"]))
+    with pytest.raises(ConfigError, match=r"model='llama3-8b'.*dp8-tp1-pp1-mb1-gb16.*x 8 "
+                                          r"processes"):
+        run_campaign(spec, tmp_path / "c", track=False, progress=False)
+    assert not (tmp_path / "c").exists()

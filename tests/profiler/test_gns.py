@@ -289,3 +289,34 @@ def test_gns_job_rejects_bad_settings_before_starting():
         with pytest.raises(ConfigError) as info:
             GNSJob(**settings).validate()
         assert info.value.field == field, changes
+
+
+def test_a_cpu_run_that_cannot_fit_in_memory_is_refused_before_any_process_starts(
+        tmp_path, capsys):
+    from paratune import ParallelConfig, get_model
+    from paratune.cli import main
+    from paratune.profiler import check_cpu_memory, cpu_process_memory_gb
+    from paratune.profiler.gns import GNSJob, run_gns
+
+    llama = get_model("llama3-8b")
+    # 8e9 parameters x 16 bytes (float32 weights, gradients, Adam moments) per process
+    eight = ParallelConfig(dp=8, global_batch_size=16)
+    assert cpu_process_memory_gb(llama, eight) == pytest.approx(128.8, abs=0.5)
+    zero3 = eight.replace(sharding="zero3")
+    assert cpu_process_memory_gb(llama, zero3) == pytest.approx(128.5 / 8 + 0.3, abs=0.1)
+    with pytest.raises(ConfigError, match=r"x 8 processes = 1030\.\d GB, more than this "
+                                          r"machine's 64\.0 GB") as info:
+        check_cpu_memory(llama, eight, total_bytes=64 * 10**9)
+    assert info.value.field == "model" and info.value.value == "llama3-8b"
+    check_cpu_memory(get_model("tiny"), ParallelConfig(dp=4, global_batch_size=16))
+    check_cpu_memory(get_model("small"), ParallelConfig(dp=4, global_batch_size=16))
+
+    out = tmp_path / "gns.csv"
+    with pytest.raises(ConfigError, match="more than this machine's"):
+        run_gns(GNSJob(model=llama, config=eight, steps=2, out=str(out), device="cpu"))
+    assert main(["gns", "--model", "llama3-8b", "--config", "dp=8,gb=16", "--steps", "2",
+                 "--device", "cpu", "--out", str(out), "--no-track"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("paratune gns: error: model='llama3-8b': ")
+    assert "GB per process on the CPU" in err and "Traceback" not in err
+    assert not out.exists()
