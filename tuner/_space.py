@@ -34,6 +34,23 @@ __all__ = ["SearchSpace", "parse_batch_sizes"]
 _RANGE = re.compile(r"^\s*(\d+)\s*:\s*(\d+)\s*(?::\s*(x?)(\d+)\s*)?$")
 
 
+def check_gpus(gpus: object) -> int:
+    """``gpus`` as an ``int`` when it is a positive integer.
+
+    Raises:
+        ConfigError: ``gpus`` is not a positive integer (``0``, ``-8``, ``2.5``, ``True``).
+    """
+    if isinstance(gpus, bool) or not isinstance(gpus, (int, float, str)):
+        raise ConfigError("gpus", gpus, "must be a positive integer")
+    try:
+        number = float(gpus)
+    except ValueError:
+        raise ConfigError("gpus", gpus, "must be a positive integer") from None
+    if not number.is_integer() or number < 1:
+        raise ConfigError("gpus", gpus, "must be a positive integer")
+    return int(number)
+
+
 def parse_batch_sizes(text: str | int | Sequence[int]) -> tuple[int, ...]:
     """Global batch sizes from a list or a range expression.
 
@@ -134,12 +151,17 @@ class SearchSpace:
             global_batch_sizes: Batch sizes (list or range text, see
                 :func:`parse_batch_sizes`).
             devices_per_node: Node size; defaults to the catalogue's.
+
+        Raises:
+            ConfigError: ``world_size`` (``gpus``) is not a positive integer, or no layout
+                of it is valid.
         """
+        world_size = check_gpus(world_size)
         hw = get_hardware(hardware) if isinstance(hardware, str) else hardware
         space = space or ConfigSpace()
         if global_batch_sizes is not None:
             space = space.replace(global_batch_sizes=parse_batch_sizes(global_batch_sizes))
-        return cls(model=model, world_size=int(world_size), hardware=hw, space=space,
+        return cls(model=model, world_size=world_size, hardware=hw, space=space,
                    devices_per_node=int(devices_per_node or hw.devices_per_node))
 
     # ------------------------------------------------------------------ structure

@@ -21,7 +21,7 @@ from paratune.spec import ModelSpec, get_model
 from paratune.tuner._export import recommendation, write_recommendation
 from paratune.tuner._objective import Objective, ObjectiveKind
 from paratune.tuner._search import SearchResult, exhaustive, optuna_search
-from paratune.tuner._space import SearchSpace
+from paratune.tuner._space import SearchSpace, check_gpus
 
 if TYPE_CHECKING:
     import optuna
@@ -68,7 +68,12 @@ class TuneResult:
 def default_global_batch(model: ModelSpec, gpus: int) -> int:
     """A global batch for a job that does not name one: about 2**20 tokens (the order of
     published Llama-scale recipes), rounded to a power of two and at least one sequence per
-    device."""
+    device.
+
+    Raises:
+        ConfigError: ``gpus`` is not a positive integer.
+    """
+    gpus = check_gpus(gpus)
     sequences = max(1, 2**20 // model.seq_len)
     sequences = 1 << round(math.log2(sequences))
     return max(sequences, 1 << math.ceil(math.log2(gpus)))
@@ -157,18 +162,20 @@ def tune(model: ModelSpec | str, gpus: int, gpu: HardwareSpec | str,
         A :class:`TuneResult`.
 
     Raises:
-        ConfigError: a bad argument (the message names it and the rule).
+        ConfigError: a bad argument (the message names it and the rule), e.g. ``gpus``
+            that is not a positive integer.
     """
+    gpus = check_gpus(gpus)
     spec = get_model(model) if isinstance(model, str) else model
     hw = get_hardware(gpu) if isinstance(gpu, str) else gpu
     if global_batch_sizes is None and space is None:
-        global_batch_sizes = default_global_batch(spec, int(gpus))
+        global_batch_sizes = default_global_batch(spec, gpus)
     if isinstance(space, (str, Path)):
         space = ConfigSpace.from_file(space)
     space = space or ConfigSpace()
     if tp_within_node is not None:
         space = space.replace(tp_within_node=tp_within_node)
-    search_space = SearchSpace.build(spec, int(gpus), hw, space=space,
+    search_space = SearchSpace.build(spec, gpus, hw, space=space,
                                      global_batch_sizes=global_batch_sizes,
                                      devices_per_node=devices_per_node)
     if search not in SEARCH_MODES:

@@ -5,9 +5,9 @@ import json
 import pytest
 from mlflow.tracking import MlflowClient
 
-from paratune import ConfigError
+from paratune import ConfigError, get_model
 from paratune.space import ConfigSpace
-from paratune.tuner import tune
+from paratune.tuner import SearchSpace, tune
 
 
 def test_tune_end_to_end_writes_winner_and_tracks_the_run(closed_form, tmp_path):
@@ -59,3 +59,26 @@ def test_exhaustive_mode_and_bad_arguments(closed_form, tmp_path):
         tune("llama3-8b", 16, "H100", closed_form, objective="goodput", track=False)
     with pytest.raises(ConfigError, match="gpu"):
         tune("llama3-8b", 16, "TPU9", closed_form, track=False)
+
+
+@pytest.mark.parametrize("gpus", [0, -8, 2.5, True])
+def test_gpus_must_be_a_positive_integer(closed_form, gpus):
+    with pytest.raises(ConfigError, match=r"gpus=.*: must be a positive integer"):
+        tune("llama3-8b", gpus, "H100", closed_form, n_trials=5, track=False)
+    with pytest.raises(ConfigError, match=r"gpus=.*: must be a positive integer"):
+        SearchSpace.build(get_model("llama3-8b"), gpus, "H100")
+
+
+@pytest.mark.parametrize("command", ["tune", "plan"])
+@pytest.mark.parametrize("gpus", ["0", "-8"])
+def test_cli_names_gpus_when_it_is_not_positive(closed_form, tmp_path, capsys, command, gpus):
+    from paratune.cli import main
+
+    extra = (["--trials", "5"] if command == "tune"
+             else ["--trajectory", str(tmp_path / "gns.csv")])
+    code = main([command, "--model", "llama3-8b", "--gpus", gpus, "--gpu", "H100",
+                 "--predictor", str(tmp_path / "no-model"), "--output", str(tmp_path / "o"),
+                 "--no-track", *extra])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err == f"paratune {command}: error: gpus={int(gpus)}: must be a positive integer\n"
