@@ -28,9 +28,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "predict", help="predict step time, throughput, memory and feasibility for a CSV",
         description="Predict every row of INPUT (public measurement format or paratune config "
                     "columns); OUT gets the input columns plus pred_* columns and pred_error.")
-    predict.add_argument("input", metavar="INPUT.csv")
-    predict.add_argument("--model", required=True, metavar="MODEL_DIR")
-    predict.add_argument("--out", required=True, metavar="OUT.csv")
+    predict.add_argument("input", metavar="INPUT.csv",
+                         help="rows to predict (public measurement format or paratune config "
+                              "columns)")
+    predict.add_argument("--model", required=True, metavar="MODEL_DIR",
+                         help="saved performance model (the --out of paratune fit)")
+    predict.add_argument("--out", required=True, metavar="OUT.csv",
+                         help="CSV to write: the input columns plus pred_* and pred_error")
     predict.set_defaults(func=_predict)
 
     evaluate = subparsers.add_parser(
@@ -38,16 +42,24 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Grouped cross-validation: random configurations, the largest cluster "
                     "size held out, or each model held out. Prints MAPE, median APE, Spearman, "
                     "top-1 regret and feasibility accuracy; writes a predicted-vs-measured plot.")
-    evaluate.add_argument("data", nargs="+", metavar="DATA")
-    evaluate.add_argument("--split", choices=("random", "cluster", "model"), default="random")
+    evaluate.add_argument("data", nargs="+", metavar="DATA",
+                          help="paratune dataset directories or public measurement CSVs")
+    evaluate.add_argument("--split", choices=("random", "cluster", "model"), default="random",
+                          help="random: random configurations per fold; cluster: the largest "
+                               "cluster size held out; model: each model held out in turn "
+                               "(default: %(default)s)")
     evaluate.add_argument("--baselines", action="store_true",
                           help="also evaluate the analytical, raw-config XGBoost and "
                                "HistGradientBoosting baselines")
-    evaluate.add_argument("--n-estimators", type=int, default=None)
-    evaluate.add_argument("--plot", default="predicted_vs_measured.png", metavar="PNG")
+    evaluate.add_argument("--n-estimators", type=int, default=None,
+                          help="trees per booster of every learned estimator (default: each "
+                               "estimator's own)")
+    evaluate.add_argument("--plot", default="predicted_vs_measured.png", metavar="PNG",
+                          help="predicted-vs-measured plot to write (default: %(default)s)")
     evaluate.add_argument("--folds", type=int, default=5, help="folds of the random split")
-    evaluate.add_argument("--experiment", default="paratune-evaluate")
-    evaluate.add_argument("--no-mlflow", action="store_true")
+    evaluate.add_argument("--experiment", default="paratune-evaluate",
+                          help="MLflow experiment name (default: %(default)s)")
+    evaluate.add_argument("--no-mlflow", action="store_true", help="do not log to MLflow")
     evaluate.set_defaults(func=_evaluate)
 
 

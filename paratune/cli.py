@@ -9,8 +9,10 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import re
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from paratune import __version__
 from paratune.errors import ParatuneError
@@ -26,6 +28,46 @@ _COMMAND_MODULES = (
     "paratune.tuner._cli",
     "paratune.profiler._gns_cli",
 )
+
+
+_RST_ROLE = re.compile(r":[\w:.-]+:`~?([^`<]*?)\s*(?:<[^`>]*>)?`")
+_RST_LITERAL = re.compile(r"``(.+?)``")
+_RST_DEFAULT_ROLE = re.compile(r"(?<![`\w])`([^`]+)`(?![`\w])")
+
+
+def plain_text(text: str | None) -> str | None:
+    """``text`` without reStructuredText markup, as a terminal shows it.
+
+    ``:class:`~paratune.ModelSpec``` becomes ``ModelSpec``, a role with an explicit title
+    (``:func:`title <target>```) its title, and literals and default-role text lose their
+    backquotes.
+    """
+    if not text:
+        return text
+
+    def role(match: re.Match[str]) -> str:
+        inner = match.group(1)
+        whole = match.group(0)
+        if "~" in whole.split("`", 1)[1][:1]:  # :role:`~a.b.c` shows the last part
+            inner = inner.rsplit(".", 1)[-1]
+        return inner
+
+    text = _RST_ROLE.sub(role, text)
+    text = _RST_LITERAL.sub(r"\1", text)
+    return _RST_DEFAULT_ROLE.sub(r"\1", text)
+
+
+def _plain_help(parser: argparse.ArgumentParser) -> None:
+    """Strip reStructuredText markup from the help texts of ``parser`` and its subcommands."""
+    parser.description = plain_text(parser.description)
+    for action in parser._actions:
+        if isinstance(action.help, str):
+            action.help = plain_text(action.help)
+        if isinstance(action, argparse._SubParsersAction):
+            for choice in action._choices_actions:
+                choice.help = plain_text(choice.help)
+            for sub in dict.fromkeys(action.choices.values()):
+                _plain_help(sub)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,11 +86,40 @@ def build_parser() -> argparse.ArgumentParser:
                 raise
             continue
         module.register(subparsers)
+    _plain_help(parser)
     return parser
+
+
+def _is_utf8(path: Path) -> bool:
+    import codecs
+
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    try:
+        with open(path, "rb") as handle:
+            while chunk := handle.read(1 << 20):
+                decoder.decode(chunk)
+        decoder.decode(b"", final=True)
+    except (UnicodeDecodeError, OSError):
+        return False
+    return True
+
+
+def _not_utf8(exc: UnicodeDecodeError, argv: Sequence[str]) -> str:
+    """The message for a file that could not be decoded: the file named on the command line
+    that is not UTF-8 text, when there is one."""
+    for arg in argv:
+        candidate = Path(arg.split("=", 1)[1] if arg.startswith("--") and "=" in arg else arg)
+        try:
+            if candidate.is_file() and not _is_utf8(candidate):
+                return f"{candidate} is not UTF-8 text"
+        except OSError:
+            continue
+    return f"an input file is not UTF-8 text ({exc.reason} at byte {exc.start})"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(levelname)s %(name)s: %(message)s")
@@ -57,7 +128,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         result = args.func(args)
-    except (ParatuneError, ValueError, FileNotFoundError) as exc:
+    except FileNotFoundError as exc:
+        message = f"{exc.filename}: no such file" if exc.filename else str(exc)
+        print(f"paratune {args.command}: error: {message}", file=sys.stderr)
+        return 2
+    except UnicodeDecodeError as exc:
+        print(f"paratune {args.command}: error: {_not_utf8(exc, argv)}", file=sys.stderr)
+        return 2
+    except (ParatuneError, ValueError) as exc:
         print(f"paratune {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -87,7 +87,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="save model/optimizer state every STEPS steps (default never)")
     parser.add_argument("--resume", action="store_true",
                         help="continue from the checkpoint next to --out")
-    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                        help="device to train on (auto: cuda when available)")
     parser.add_argument("--no-track", action="store_true", help="do not log to MLflow")
     parser.set_defaults(func=_gns)
 

@@ -20,7 +20,8 @@ def _add_job(parser: argparse.ArgumentParser) -> None:
                              "256:4096 (powers of two), 256:4096:x2, 256:1024:256")
     parser.add_argument("--space", type=Path, default=None,
                         help="YAML/TOML/JSON file of the options to search (ConfigSpace fields)")
-    parser.add_argument("--devices-per-node", type=int, default=None)
+    parser.add_argument("--devices-per-node", type=int, default=None,
+                        help="devices per node (default: the device kind's catalogue value)")
     parser.add_argument("--tp-across-nodes", action="store_true",
                         help="allow tensor parallelism across nodes (off by default)")
     parser.add_argument("--min-feasible-prob", type=float, default=0.5,
@@ -38,7 +39,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "settings. Several processes given the same --storage and --study-name "
                     "share one study; rerunning a killed command resumes it.")
     _add_job(tune)
-    tune.add_argument("--objective", choices=("throughput", "goodput"), default="throughput")
+    tune.add_argument("--objective", choices=("throughput", "goodput"), default="throughput",
+                      help="throughput: tokens/s at one global batch; goodput: tokens/s times "
+                           "statistical efficiency (needs --gns) (default: %(default)s)")
     tune.add_argument("--gns", default=None,
                       help="gradient noise scale B_noise in sequences, or a trajectory file "
                            "(CSV/JSON with step, tokens, b_simple)")
@@ -46,11 +49,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                       help="reference batch of the Pollux efficiency (default: smallest batch)")
     tune.add_argument("--risk", default=None, metavar="QUANTILE",
                       help="rank by a lower quantile of predicted throughput, e.g. q10")
-    tune.add_argument("--search", choices=("optuna", "exhaustive"), default="optuna")
+    tune.add_argument("--search", choices=("optuna", "exhaustive"), default="optuna",
+                      help="optuna: sample --trials configs; exhaustive: predict every valid "
+                           "config (default: %(default)s)")
     tune.add_argument("--trials", type=int, default=200,
                       help="finished trials the study should hold (all workers together)")
     tune.add_argument("--sampler", default="tpe", help="tpe (default), random, gp, qmc, nsga2")
-    tune.add_argument("--seed", type=int, default=0)
+    tune.add_argument("--seed", type=int, default=0,
+                      help="sampler seed (default: %(default)s)")
     tune.add_argument("--storage", default=None,
                       help="Optuna storage: a journal file path, or an RDB URL such as "
                            "sqlite:///study.db or postgresql://user@host/db "
@@ -59,7 +65,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                       help="study to create or join (default: derived from the problem)")
     tune.add_argument("--batch-size", type=int, default=8,
                       help="trials asked and predicted together")
-    tune.add_argument("--top-k", type=int, default=10)
+    tune.add_argument("--top-k", type=int, default=10,
+                      help="configs shown and kept in the recommendation (default: %(default)s)")
     tune.add_argument("--output", type=Path, default=None,
                       help="output directory (default: tune-MODEL-GPUSxGPU)")
     tune.add_argument("--verify", type=int, default=0, metavar="K",
@@ -160,10 +167,11 @@ def _plan(args: argparse.Namespace) -> int:
     from paratune.spec import get_model
     from paratune.tuner._objective import Objective
     from paratune.tuner._plan import plan_phases
-    from paratune.tuner._space import SearchSpace
+    from paratune.tuner._space import SearchSpace, check_gpus
     from paratune.tuner._tune import load_predictor
     from paratune.tuner.gns_trajectory import load_trajectory
 
+    check_gpus(args.gpus)
     model = get_model(args.model)
     trajectory = load_trajectory(args.trajectory, smooth=args.smooth)
     options = _space(args)

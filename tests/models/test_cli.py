@@ -179,3 +179,17 @@ def test_evaluate_prints_figures_and_writes_plot(tmp_path, synthetic, capsys):
         assert header in out
     assert "xgb_raw_config" in out and "hist_gradient_boosting" in out
     assert plot.exists()
+
+
+def test_predict_names_a_missing_or_undecodable_input(model_dir, tmp_path, capsys,
+                                                      monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["predict", "--model", str(model_dir), "nosuch.csv", "--out", "o.csv"]) == 2
+    captured = capsys.readouterr()
+    assert captured.err == "paratune predict: error: nosuch.csv: no such file\n"
+    assert not (tmp_path / "o.csv").exists()
+    (tmp_path / "latin.csv").write_bytes(f"{PUBLIC_HEADER}\n".encode()
+                                         + PUBLIC_ROWS[0].replace("bf16", "caf\xe9")
+                                         .encode("latin-1") + b"\n")
+    assert main(["predict", "--model", str(model_dir), "latin.csv", "--out", "o.csv"]) == 2
+    assert capsys.readouterr().err == "paratune predict: error: latin.csv is not UTF-8 text\n"
