@@ -235,6 +235,14 @@ def recommendation(model: ModelSpec, config: ParallelConfig, hardware: HardwareS
     except ConfigError as exc:
         torchrun = None
         notes.append(f"no torchrun command: {exc}")
+    else:
+        per_node = devices_per_node or hardware.devices_per_node
+        launched = _launch_shape(config.world_size, per_node)[1]
+        if launched < per_node and launched % config.tp:
+            # the prediction placed ranks per_node to a node; this launch does not
+            notes.append(f"torchrun places {launched} ranks on each node, so some "
+                         f"tensor-parallel groups of {config.tp} span two nodes, which the "
+                         f"prediction (ranks {per_node} to a node) did not assume.")
     return {
         "model": model.to_dict(), "hardware": hardware.name, "world_size": config.world_size,
         "devices_per_node": devices_per_node or hardware.devices_per_node,

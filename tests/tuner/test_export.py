@@ -143,6 +143,18 @@ def test_torchrun_launches_exactly_the_world_size(tmp_path):
         assert f"--model {MODEL.name} " in cmd
 
 
+def test_a_launch_that_splits_tensor_parallel_groups_over_nodes_is_noted():
+    # 12 ranks on 8-GPU nodes launch as 2 nodes of 6: groups of tp=4 straddle the nodes
+    split = ParallelConfig(dp=3, tp=4, global_batch_size=12)
+    notes = recommendation(MODEL, split, H100, devices_per_node=8)["launch"]["notes"]
+    assert any("tensor-parallel groups of 4 span two nodes" in note for note in notes)
+    # tp=2 groups fit in 6 ranks per node; full nodes never split them
+    for cfg in (ParallelConfig(dp=6, tp=2, global_batch_size=12),
+                ParallelConfig(dp=4, tp=4, global_batch_size=16)):
+        notes = recommendation(MODEL, cfg, H100, devices_per_node=8)["launch"]["notes"]
+        assert not any("span two nodes" in note for note in notes)
+
+
 def test_uneven_pipeline_split_is_spelled_out_as_measured():
     pipeline = pytest.importorskip("paratune.profiler.pipeline")
     cfg = ParallelConfig(dp=1, pp=3, global_batch_size=12, schedule="interleaved_1f1b",
