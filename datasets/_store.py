@@ -80,6 +80,7 @@ def records_to_frame(records: Iterable[Measurement | Mapping[str, Any]]) -> pd.D
 def _normalise(frame: pd.DataFrame, where: str) -> pa.Table:
     """Check ``frame`` against the schema, fill optional columns, and type it."""
     import numpy as np
+    import pandas as pd
     import pyarrow as pa
 
     frame = frame.reset_index(drop=True).copy()
@@ -108,15 +109,17 @@ def _normalise(frame: pd.DataFrame, where: str) -> pa.Table:
         if name in derived:
             frame[name] = derived[name](frame)
         elif isinstance(default, list):
-            frame[name] = [[] for _ in range(n)]
+            frame[name] = pd.Series([[] for _ in range(n)], index=frame.index, dtype=object)
         else:
             frame[name] = [default] * n
     if "num_kv_heads" in frame.columns:  # a null means multi-head attention
         frame["num_kv_heads"] = frame["num_kv_heads"].fillna(frame["num_heads"])
     if frame["tokens_per_s_per_device"].isna().all():
         frame["tokens_per_s_per_device"] = frame["tokens_per_s"] / frame["world_size"]
-    frame["step_times_s"] = [[] if v is None or (isinstance(v, float) and math.isnan(v))
-                             else [float(t) for t in v] for v in frame["step_times_s"]]
+    # an object column even without rows (a list assigned to an empty frame is float64)
+    frame["step_times_s"] = pd.Series(
+        [[] if v is None or (isinstance(v, float) and math.isnan(v)) else [float(t) for t in v]
+         for v in frame["step_times_s"]], index=frame.index, dtype=object)
     for name, kind in column_types().items():  # "" for unknown numbers (as to_row writes it)
         if kind in ("int64", "float64") and frame[name].dtype == object:
             frame[name] = frame[name].replace("", None)

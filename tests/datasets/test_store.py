@@ -193,6 +193,15 @@ def test_minimal_frame_gets_defaults_and_derived_columns(tmp_path):
     assert m.config.world_size == 4 and m.fingerprint["device_count"] is None
 
 
+def test_a_dataset_without_rows_writes_and_reads_back(tmp_path):
+    from paratune.datasets.schema import column_types
+
+    ds = write_dataset(tmp_path / "ds", [], card={"source": "nothing measured yet"})
+    back = read_dataset(tmp_path / "ds")
+    assert len(back.frame) == 0 and ds.card.num_rows == 0
+    assert list(back.frame.columns) == list(column_types())
+
+
 def test_read_datasets_concatenates(tmp_path):
     write_dataset(tmp_path / "a", _records()[:2])
     write_dataset(tmp_path / "b", _records())
