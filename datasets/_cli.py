@@ -26,6 +26,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                                           "paratune dataset.")
     imp.add_argument("files", nargs="+", metavar="FILE", help="public-format CSV files")
     imp.add_argument("--out", required=True, metavar="DIR", help="dataset directory to write")
+    imp.add_argument("--force", action="store_true",
+                     help="replace the dataset already in --out (refused without it)")
     imp.set_defaults(func=_import)
 
 
@@ -38,9 +40,16 @@ def _show(args: argparse.Namespace) -> int:
 
 
 def _import(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     from paratune.datasets._store import read_dataset, summarise_dataset
     from paratune.datasets.importers import import_files
+    from paratune.datasets.schema import CARD_FILE
+    from paratune.errors import ConfigError
 
+    if (Path(args.out) / CARD_FILE).exists() and not args.force:
+        raise ConfigError("out", args.out, "already holds a dataset; pass --force to replace "
+                                           "it, or choose another directory")
     report = import_files(args.files, args.out)
     print(report)
     print()

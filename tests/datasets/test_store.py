@@ -243,3 +243,21 @@ def test_datasets_import_cli_writes_a_readable_dataset(tmp_path, capsys):
     assert len(dataset) > 0 and set(dataset.frame["hardware"]) == {"A100-80GB"}
     assert f"rows      {len(dataset)}" in out and "A100-80GB" in out
     assert all(m.config.world_size in (2, 4, 8) for m in dataset.measurements()[:50])
+
+
+def test_datasets_import_refuses_to_replace_a_dataset_without_force(tmp_path, capsys):
+    source = tmp_path / "vtrain.csv"
+    source.write_text(
+        "source,model,params_b,layers,hidden,heads,seq_len,gpu,num_gpus,tp,pp,dp,cp,"
+        "micro_batch,global_batch,zero_stage,recompute,tflops_per_gpu,mfu,tokens_per_sec,"
+        "step_time_s,tokens_per_sec_per_gpu,precision,notes\n"
+        "vtrain_ground_truth_single_node,GPT,,24,1024,16,1024,A100,2,1,2,1,1,8,16,,full,,,,"
+        "0.372,,,\n")
+    out = tmp_path / "pub"
+    assert main(["datasets", "import", str(source), "--out", str(out)]) == 0
+    card = (out / "card.json").read_text()
+    assert main(["datasets", "import", str(source), "--out", str(out)]) == 2
+    assert "already holds a dataset; pass --force" in capsys.readouterr().err
+    assert (out / "card.json").read_text() == card
+    assert main(["datasets", "import", str(source), "--out", str(out), "--force"]) == 0
+    assert len(read_dataset(out)) == 1
