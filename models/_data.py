@@ -59,7 +59,11 @@ def load_measurements(paths: Sequence[str | Path]) -> pd.DataFrame:
             raise DatasetError(f"{path}: not a dataset directory, public CSV or parquet file")
         missing = [c for c in ("status", "step_time_s", *CONFIG_COLUMNS) if c not in frame.columns]
         if missing:
-            raise DatasetError(f"{path}: measurement rows lack columns {', '.join(missing)}")
+            shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more"
+                                              if len(missing) > 5 else "")
+            raise DatasetError(f"{path}: neither the public measurement format (a header "
+                               f"with source, model, num_gpus, tp, pp, dp, ...) nor paratune "
+                               f"measurement rows (missing {shown})")
         frame["data_path"] = str(path)
         frames.append(frame)
     if not frames:

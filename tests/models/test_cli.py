@@ -193,3 +193,12 @@ def test_predict_names_a_missing_or_undecodable_input(model_dir, tmp_path, capsy
                                          .encode("latin-1") + b"\n")
     assert main(["predict", "--model", str(model_dir), "latin.csv", "--out", "o.csv"]) == 2
     assert capsys.readouterr().err == "paratune predict: error: latin.csv is not UTF-8 text\n"
+
+
+def test_fit_names_both_formats_for_a_csv_in_neither(tmp_path, capsys):
+    src = tmp_path / "x.csv"
+    src.write_text("a,b\n1,2\n")
+    assert main(["fit", str(src), "--out", str(tmp_path / "m"), "--no-mlflow"]) == 2
+    err = capsys.readouterr().err
+    assert "neither the public measurement format" in err
+    assert "missing status, step_time_s, model_name, num_layers, hidden_size and" in err
