@@ -47,30 +47,59 @@ def atomic_write_text(path: str | Path, text: str) -> None:
 
 
 def append_jsonl(path: str | Path, record: dict[str, Any]) -> None:
-    """Append one JSON line and fsync it: once this returns, the record survives a kill -9."""
+    """Append one JSON line and fsync it: once this returns, the record survives a kill -9.
+
+    A file whose last write was torn by a kill (no final newline) gets the newline first, so
+    the torn fragment stays a line of its own (which :func:`read_jsonl` skips) instead of
+    swallowing this record. One writer per file.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     line = json.dumps(record, default=_default, allow_nan=True) + "\n"
-    with open(path, "a", encoding="utf-8") as handle:
-        handle.write(line)
+    with open(path, "ab") as handle:
+        if handle.tell() > 0:
+            with open(path, "rb") as reader:
+                reader.seek(-1, os.SEEK_END)
+                if reader.read(1) != b"\n":
+                    line = "\n" + line
+        handle.write(line.encode("utf-8"))
         handle.flush()
         os.fsync(handle.fileno())
 
 
 def read_jsonl(path: str | Path) -> Iterator[dict[str, Any]]:
-    """Records of a JSONL file; a torn last line (from a kill mid-write) is skipped."""
+    """Records of a JSONL file, in order. Lines torn by a kill mid-write (the last line, or
+    an earlier one that a later append closed) are skipped with a warning: they were never
+    acknowledged as written."""
     path = Path(path)
     if not path.exists():
         return
-    with open(path, encoding="utf-8") as handle:
+    with open(path, encoding="utf-8", errors="replace") as handle:
         lines = handle.readlines()
-    for i, line in enumerate(lines):
+    torn = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
         try:
-            yield json.loads(line)
+            record = json.loads(line)
         except json.JSONDecodeError:
-            if i == len(lines) - 1:
-                return  # torn final write
-            raise
+            torn.append(number)
+            continue
+        if isinstance(record, dict):
+            yield record
+        else:
+            torn.append(number)
+    key = (str(path.resolve()), tuple(torn))
+    if torn and key not in _WARNED:  # once per file and set of lines: readers poll journals
+        import logging
+
+        _WARNED.add(key)
+        logging.getLogger(__name__).warning(
+            "%s: skipped %d torn line(s) (line %s) left by a killed write", path, len(torn),
+            ", ".join(map(str, torn[:5])) + (" ..." if len(torn) > 5 else ""))
+
+
+_WARNED: set[tuple[str, tuple[int, ...]]] = set()
 
 
 def _default(value: Any) -> Any:
