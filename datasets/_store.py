@@ -77,6 +77,28 @@ def records_to_frame(records: Iterable[Measurement | Mapping[str, Any]]) -> pd.D
     return pd.DataFrame(rows)
 
 
+def _fill_optional(frame: pd.DataFrame) -> None:
+    """Add the optional columns ``frame`` lacks: derived from others where they can be (world
+    size, micro-batches, key-value heads), else their defaults. In place."""
+    import pandas as pd
+
+    n = len(frame)
+    derived = {
+        "num_kv_heads": lambda f: f["num_heads"],
+        "world_size": lambda f: f["dp"] * f["tp"] * f["pp"],
+        "num_microbatches": lambda f: f["global_batch_size"] // (f["dp"] * f["micro_batch_size"]),
+    }
+    for name, default in column_defaults().items():
+        if name in frame.columns:
+            continue
+        if name in derived:
+            frame[name] = derived[name](frame)
+        elif isinstance(default, list):
+            frame[name] = pd.Series([[] for _ in range(n)], index=frame.index, dtype=object)
+        else:
+            frame[name] = pd.Series([default] * n, index=frame.index, dtype=object)
+
+
 def _normalise(frame: pd.DataFrame, where: str) -> pa.Table:
     """Check ``frame`` against the schema, fill optional columns, and type it."""
     import numpy as np
@@ -97,21 +119,7 @@ def _normalise(frame: pd.DataFrame, where: str) -> pa.Table:
     if bad_status:
         raise DatasetError(f"{where}: status={bad_status[0]!r} must be one of "
                            f"{', '.join(s.value for s in Status)}")
-    n = len(frame)
-    derived = {
-        "num_kv_heads": lambda f: f["num_heads"],
-        "world_size": lambda f: f["dp"] * f["tp"] * f["pp"],
-        "num_microbatches": lambda f: f["global_batch_size"] // (f["dp"] * f["micro_batch_size"]),
-    }
-    for name, default in column_defaults().items():
-        if name in frame.columns:
-            continue
-        if name in derived:
-            frame[name] = derived[name](frame)
-        elif isinstance(default, list):
-            frame[name] = pd.Series([[] for _ in range(n)], index=frame.index, dtype=object)
-        else:
-            frame[name] = [default] * n
+    _fill_optional(frame)
     if "num_kv_heads" in frame.columns:  # a null means multi-head attention
         frame["num_kv_heads"] = frame["num_kv_heads"].fillna(frame["num_heads"])
     if frame["tokens_per_s_per_device"].isna().all():
@@ -121,8 +129,9 @@ def _normalise(frame: pd.DataFrame, where: str) -> pa.Table:
         [[] if v is None or (isinstance(v, float) and math.isnan(v)) else [float(t) for t in v]
          for v in frame["step_times_s"]], index=frame.index, dtype=object)
     for name, kind in column_types().items():  # "" for unknown numbers (as to_row writes it)
-        if kind in ("int64", "float64") and frame[name].dtype == object:
-            frame[name] = frame[name].replace("", None)
+        # object or (pandas 3) str columns: "" is a missing number
+        if kind in ("int64", "float64") and not pd.api.types.is_numeric_dtype(frame[name]):
+            frame[name] = frame[name].astype(object).replace("", None)
     standard = list(column_types())
     extra_names = [c for c in frame.columns if c not in column_types()]
     extra_types: dict[str, pa.DataType] = {}
@@ -211,6 +220,8 @@ def _to_pandas(table: pa.Table) -> pd.DataFrame:
     import pandas as pd
 
     frame = table.replace_schema_metadata(None).to_pandas()
+    # a file written before an optional column existed: derived or default values
+    _fill_optional(frame)
     frame["step_times_s"] = [v.tolist() if v is not None else [] for v in frame["step_times_s"]]
     # A nullable integer: plain ints and None rather than floats.
     frame["device_count"] = pd.Series(

@@ -261,3 +261,24 @@ def test_datasets_import_refuses_to_replace_a_dataset_without_force(tmp_path, ca
     assert (out / "card.json").read_text() == card
     assert main(["datasets", "import", str(source), "--out", str(out), "--force"]) == 0
     assert len(read_dataset(out)) == 1
+
+
+def test_a_measurement_without_fingerprint_writes(tmp_path):
+    # to_row writes "" for the unknown device count: a missing number, whatever the dtype
+    # pandas gives the column (object, or str under pandas 3)
+    record = Measurement(model=get_model("tiny"), config=ParallelConfig(), hardware="cpu",
+                         step_times_s=[1.0])
+    write_dataset(tmp_path / "ds", [record])
+    assert read_dataset(tmp_path / "ds").frame["device_count"].tolist() == [None]
+
+
+def test_a_file_without_an_optional_column_reads_with_its_default(tmp_path):
+    ds = write_dataset(tmp_path / "ds", _records())
+    table = pq.read_table(tmp_path / "ds" / ds.card.data_file)
+    older = table.drop_columns(["device_count", "world_size"]).replace_schema_metadata(
+        table.schema.metadata)
+    pq.write_table(older, tmp_path / "older.parquet")
+    back = read_dataset(tmp_path / "older.parquet")
+    assert back.frame["device_count"].tolist() == [None] * 3
+    assert back.frame["world_size"].tolist() == [2, 2, 2]
+    assert [m.config.world_size for m in back.measurements()] == [2, 2, 2]
