@@ -75,7 +75,7 @@ HARDWARE: dict[str, HardwareSpec] = {
         HardwareSpec(name="H200", peak_flops=989e12, memory_gb=141.0,
                      intra_node_bw=450 * _GB, inter_node_bw=50 * _GB, aliases=("H200-141GB",)),
         HardwareSpec(name="B200", peak_flops=2250e12, memory_gb=180.0,
-                     intra_node_bw=900 * _GB, inter_node_bw=100 * _GB, aliases=("B200-180GB",)),
+                     intra_node_bw=900 * _GB, inter_node_bw=50 * _GB, aliases=("B200-180GB",)),
     )
 }
 
