@@ -185,24 +185,39 @@ class ModelSpec:
             raise ConfigError(keys[0], None, f"missing from {path}")
 
         hidden = int(need("hidden_size", "n_embd", "d_model"))
+        layers = int(need("num_hidden_layers", "n_layer", "num_layers"))
+        heads = int(need("num_attention_heads", "n_head", "num_heads"))
+        experts = next((k for k in _MOE_KEYS if cfg.get(k)), None)
+        if experts is not None:
+            raise ConfigError(experts, cfg[experts], "mixture-of-experts models are not "
+                              "modelled (every layer is taken as dense)")
+        head_dim = cfg.get("head_dim")
+        if head_dim is not None and int(head_dim) * heads != hidden:
+            raise ConfigError("head_dim", head_dim, f"must be hidden_size / "
+                              f"num_attention_heads = {hidden}/{heads}: paratune's attention "
+                              f"projects the hidden size onto the heads")
         model_type = str(cfg.get("model_type", ""))
         gpt_like = model_type in {"gpt2", "gpt_neox", "gptj", "opt"} or "n_embd" in cfg
         ffn = cfg.get("intermediate_size") or cfg.get("n_inner") or cfg.get("ffn_dim")
         return cls(
             name=name or path.parent.name or "hf-model",
-            num_layers=int(need("num_hidden_layers", "n_layer", "num_layers")),
+            num_layers=layers,
             hidden_size=hidden,
-            num_heads=int(need("num_attention_heads", "n_head", "num_heads")),
+            num_heads=heads,
             num_kv_heads=cfg.get("num_key_value_heads"),
             ffn_hidden_size=int(ffn) if ffn else 4 * hidden,
             vocab_size=int(need("vocab_size")),
-            seq_len=int(seq_len or need("max_position_embeddings", "n_positions", "seq_length")),
+            seq_len=int(seq_len if seq_len is not None
+                        else need("max_position_embeddings", "n_positions", "seq_length")),
             tie_embeddings=bool(cfg.get("tie_word_embeddings", gpt_like)),
             mlp="gelu" if gpt_like else "swiglu",
             rope_theta=float(cfg.get("rope_theta", 500000.0)),
             norm_eps=float(cfg.get("rms_norm_eps", cfg.get("layer_norm_epsilon", 1e-5))),
             extra={"hf_config": str(path)},
         )
+
+
+_MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 
 
 def _llama(name: str, layers: int, hidden: int, heads: int, kv: int, ffn: int, vocab: int,
@@ -237,7 +252,7 @@ def get_model(name_or_path: str | Path, *, seq_len: int | None = None) -> ModelS
     key = str(name_or_path).lower()
     if key in MODEL_PRESETS:
         spec = MODEL_PRESETS[key]
-        return spec.replace(seq_len=seq_len) if seq_len else spec
+        return spec.replace(seq_len=seq_len) if seq_len is not None else spec
     path = Path(name_or_path)
     if path.exists():
         return ModelSpec.from_hf_config(path, seq_len=seq_len)

@@ -68,6 +68,30 @@ def test_from_hf_config_missing_key_is_named(tmp_path):
         ModelSpec.from_hf_config(tmp_path / "config.json")
 
 
+@pytest.mark.parametrize(("extra", "field", "rule"), [
+    ({"head_dim": 128}, "head_dim", "must be hidden_size / num_attention_heads = 4096/64"),
+    ({"num_local_experts": 8}, "num_local_experts", "mixture-of-experts models are not"),
+])
+def test_from_hf_config_refuses_shapes_it_would_misread(tmp_path, extra, field, rule):
+    cfg = {"model_type": "mistral", "hidden_size": 4096, "num_hidden_layers": 40,
+           "num_attention_heads": 64, "num_key_value_heads": 8, "intermediate_size": 14336,
+           "vocab_size": 131072, "max_position_embeddings": 8192, **extra}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match=rule) as info:
+        ModelSpec.from_hf_config(tmp_path)
+    assert info.value.field == field
+    # a head_dim that is hidden / heads is the same model
+    cfg.pop(field)
+    cfg["head_dim"] = 64
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert ModelSpec.from_hf_config(tmp_path).hidden_size == 4096
+
+
+def test_a_zero_sequence_length_is_refused_not_ignored():
+    with pytest.raises(ConfigError, match="seq_len=0"):
+        get_model("tiny", seq_len=0)
+
+
 def test_unknown_preset_lists_presets():
     with pytest.raises(ConfigError, match="tiny"):
         get_model("gpt-9")
