@@ -79,7 +79,11 @@ class Measurement:
     timestamp: float = field(default_factory=time.time)
 
     def __post_init__(self) -> None:
-        self.status = Status(self.status)
+        try:
+            self.status = Status(self.status)
+        except ValueError:
+            raise ConfigError("status", self.status, "must be one of "
+                              + ", ".join(s.value for s in Status)) from None
         if self.step_times_s and math.isnan(self.step_time_s):
             self._summarise()
 

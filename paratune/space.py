@@ -54,6 +54,13 @@ def _as_tuple(value: Any, cast: Any, name: str) -> tuple:
         value = [value]
     if len(value) == 0:
         raise ConfigError(name, list(value), "must list at least one value")
+    if cast is int:
+        # an integer option takes integers (and integral numbers such as 8.0 from YAML), not
+        # bools or fractions that int() would quietly truncate
+        bad = [v for v in value if isinstance(v, bool) or not isinstance(v, int | float | str)
+               or (isinstance(v, float) and not v.is_integer())]
+        if bad:
+            raise ConfigError(name, list(value), "values must be integers")
     try:
         return tuple(cast(v) for v in value)
     except (TypeError, ValueError):

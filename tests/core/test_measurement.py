@@ -42,3 +42,9 @@ def test_hardware_catalogue_aliases_and_errors():
     assert get_hardware("H100").num_nodes(64) == 8
     with pytest.raises(ConfigError, match="gpu='TPU'"):
         get_hardware("TPU")
+
+
+def test_unknown_status_names_the_field():
+    with pytest.raises(ConfigError, match=r"status='finished': must be one of ok, "):
+        Measurement(model=get_model("tiny"), config=ParallelConfig(), hardware="cpu",
+                    status="finished")

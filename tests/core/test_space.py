@@ -69,3 +69,9 @@ def test_integer_options_are_stored_sorted_without_repeats():
     assert space.tp_degrees == (2, 8) and space.pp_degrees == (1, 4)
     assert space.replace(micro_batch_sizes=(8, 2)).micro_batch_sizes == (2, 8)
     assert ConfigSpace(micro_batch_sizes=(2, 1)) == ConfigSpace(micro_batch_sizes=(1, 2))
+
+
+@pytest.mark.parametrize("values", [[8.7], [True], [8, "16.5"]])
+def test_integer_options_refuse_fractions_and_bools(values):
+    with pytest.raises(ConfigError, match=r"global_batch_sizes=.*values must be integers"):
+        ConfigSpace(global_batch_sizes=values)
