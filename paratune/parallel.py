@@ -197,6 +197,24 @@ class ParallelConfig:
                               f"pp*virtual_stages = {self.num_stages} pipeline stages need at "
                               f"least as many layers (num_layers={model.num_layers})")
 
+    def check_trainer(self, model: ModelSpec) -> None:
+        """Raise for layouts valid in general that paratune's own trainer cannot run (other
+        frameworks, e.g. Megatron-LM's distributed optimizer, can).
+
+        Raises:
+            ConfigError: ``zero1`` with ``tp > 1`` (``ZeroRedundancyOptimizer`` cannot
+                partition tensor-parallel parameters); tied embeddings with ``pp > 1`` (one
+                matrix on the first and the last stage).
+        """
+        if self.sharding is Sharding.ZERO1 and self.tp_enabled:
+            raise ConfigError("sharding", "zero1", f"needs tp=1 (tp={self.tp}) in paratune's "
+                              "trainer: ZeroRedundancyOptimizer cannot partition "
+                              "tensor-parallel parameters")
+        if model.tie_embeddings and self.pp_enabled:
+            raise ConfigError("pp", self.pp, "pipeline parallelism in paratune's trainer needs "
+                              "untied embeddings (tie_embeddings=True puts one matrix on the "
+                              "first and last stage)")
+
     def is_valid(self, model: ModelSpec | None = None, world_size: int | None = None) -> bool:
         try:
             self.validate(model, world_size)

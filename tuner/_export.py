@@ -217,7 +217,9 @@ def recommendation(model: ModelSpec, config: ParallelConfig, hardware: HardwareS
     """Everything about the winner as one JSON-able mapping.
 
     Where the job cannot be launched by one ``torchrun`` command (see
-    :func:`torchrun_command`), ``launch.torchrun`` is ``None`` and a note says why.
+    :func:`torchrun_command`) or paratune's trainer cannot run the layout (see
+    :meth:`paratune.ParallelConfig.check_trainer`; Megatron-LM and torchtitan can),
+    ``launch.torchrun`` is ``None`` and a note says why.
     """
     megatron = megatron_args(model, config)
     notes = []
@@ -230,6 +232,7 @@ def recommendation(model: ModelSpec, config: ParallelConfig, hardware: HardwareS
                      f"layers as measured (torchtitan module_fqns_per_model_part, Megatron-LM "
                      f"--pipeline-model-parallel-layout).")
     try:
+        config.check_trainer(model)  # the torchrun command launches paratune's trainer
         torchrun: str | None = torchrun_command(model, config, hardware,
                                                 devices_per_node=devices_per_node)
     except ConfigError as exc:

@@ -21,9 +21,10 @@ from paratune.space import ConfigSpace
 if TYPE_CHECKING:
     import pandas as pd
 
+    from paratune.spec import ModelSpec
     from paratune.tuner._tune import TuneResult
 
-__all__ = ["pinned_space", "verify_top_k"]
+__all__ = ["pinned_space", "trainer_runnable", "verify_top_k"]
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +48,23 @@ def _local_hardware() -> tuple[str, str]:
     return device, detect_hardware(device)
 
 
+def trainer_runnable(configs: Sequence[ParallelConfig], model: ModelSpec, k: int
+                     ) -> list[ParallelConfig]:
+    """The first ``k`` of ``configs`` that paratune's trainer can run (it measures them);
+    the ones it skips are logged with the reason."""
+    out = []
+    for cfg in configs:
+        if len(out) == k:
+            break
+        try:
+            cfg.check_trainer(model)
+        except ConfigError as exc:
+            logger.info("not verified: %s (%s)", cfg.key(), exc)
+            continue
+        out.append(cfg)
+    return out
+
+
 def verify_top_k(result: TuneResult, k: int, *,
                  dataset: str | Path | Sequence[str | Path] | None = None,
                  out_dir: str | Path | None = None, refit_dir: str | Path | None = None,
@@ -56,7 +74,8 @@ def verify_top_k(result: TuneResult, k: int, *,
 
     Args:
         result: A tuning result whose hardware is this machine's.
-        k: Configs to profile (from the top of the ranking).
+        k: Configs to profile: the top ``k`` of the ranking that paratune's trainer can run
+            (see :meth:`paratune.ParallelConfig.check_trainer`).
         dataset: Measurements the predictor was fitted on (dataset directories, public CSVs
             or parquet files); the new measurements are added to them for the refit. Without
             it the refit uses the new measurements alone.
@@ -95,7 +114,7 @@ def verify_top_k(result: TuneResult, k: int, *,
         import tempfile
 
         base = Path(tempfile.mkdtemp(prefix="paratune-verify-"))
-    configs = result.search.configs(k)
+    configs = trainer_runnable(result.search.configs(), space.model, k)
     frames = []
     for cfg in configs:
         spec = CampaignSpec(model=space.model, world_sizes=(cfg.world_size,),

@@ -60,3 +60,13 @@ def test_roundtrip_and_key():
     again = ParallelConfig.from_dict(cfg.to_dict())
     assert again == cfg and again.key() == cfg.key() == "dp2-tp1-pp2-mb1-gb8-gpipe-v1-zero3-none"
     assert Sharding.from_stage(2) is Sharding.ZERO2 and Sharding.ZERO3.stage == 3
+
+
+def test_check_trainer_names_what_only_other_frameworks_run():
+    untied, tied = get_model("llama3-8b"), get_model("llama3.2-1b")
+    ParallelConfig(dp=2, tp=2, global_batch_size=4).check_trainer(untied)
+    with pytest.raises(ConfigError, match="sharding='zero1': needs tp=1"):
+        ParallelConfig(dp=2, tp=2, global_batch_size=4, sharding="zero1").check_trainer(untied)
+    with pytest.raises(ConfigError, match=r"pp=2: pipeline parallelism .* untied embeddings"):
+        ParallelConfig(pp=2, global_batch_size=4).check_trainer(tied)
+    ParallelConfig(pp=2, global_batch_size=4).check_trainer(untied)

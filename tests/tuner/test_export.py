@@ -186,3 +186,11 @@ def test_uneven_pipeline_split_is_spelled_out_as_measured():
         "parallelism"]
     assert any(a.startswith("--pipeline-model-parallel-layout") for a in megatron_args(
         MODEL, plain))
+
+
+def test_no_torchrun_command_for_a_layout_the_trainer_cannot_run():
+    cfg = ParallelConfig(dp=2, tp=4, global_batch_size=8, sharding="zero1")
+    rec = recommendation(MODEL, cfg, H100, devices_per_node=8)
+    assert rec["launch"]["torchrun"] is None
+    assert any("no torchrun command: sharding='zero1'" in n for n in rec["launch"]["notes"])
+    assert "--use-distributed-optimizer" in rec["launch"]["megatron_args"]
