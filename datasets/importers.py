@@ -76,13 +76,19 @@ MODEL_FAMILIES: dict[str, _Family] = {
                       (80, 8192): 28672},
         ffn_default_ratio=None, default_recompute=Recompute.NONE,
         note="Llama-style (SwiGLU, MHA), vocab 131072, untied; MLP width from nanotron's "
-             "scaling_benchmarks model_configs, else solved from params_b"),
+             "scaling_benchmarks model_configs, else solved from params_b; not stated by the "
+             "source and taken as: recompute none where the recompute cell is empty, sharding "
+             "none where zero_stage is empty, 1F1B for pipelines, gpu_mem_gb as the peak "
+             "reserved memory"),
     # Megatron GPT: GeLU MLP of 4x hidden, GPT-2 vocabulary padded to 51200 (divisible by
     # 128 * tp for every tp up to 8), tied input/output embeddings.
     "gpt": _Family(
         mlp="gelu", vocab_size=51200, tie_embeddings=True, ffn_by_shape={},
         ffn_default_ratio=4.0, default_recompute=Recompute.FULL,
-        note="Megatron GPT (GeLU, ffn 4x hidden), vocab 50257 padded to 51200, tied embeddings"),
+        note="Megatron GPT (GeLU, ffn 4x hidden), vocab 50257 padded to 51200, tied "
+             "embeddings; not stated by the source and taken as: full recompute where the "
+             "recompute cell is empty, sharding none where zero_stage is empty (Megatron-"
+             "DeepSpeed without ZeRO), 1F1B for pipelines, an A100 of 80 GB"),
 }
 
 
@@ -414,8 +420,11 @@ def _row_to_measurement(raw: dict[str, str]) -> Measurement:
             raise _Unmappable(f"status={raw['status']!r} is not one of "
                               f"{', '.join(sorted(_STATUS_WORDS))}")
         status = _STATUS_WORDS[status_text]
+    elif step:
+        status = Status.OK
     else:
-        status = Status.OK if step else Status.ERROR
+        raise _Unmappable("no status and no step_time_s or tokens_per_sec: neither a "
+                          "measurement nor a stated failure")
     if status is Status.OK and not step:
         raise _Unmappable("status ok but neither step_time_s nor tokens_per_sec is stated")
     error = ""

@@ -56,6 +56,8 @@ def test_good_row_maps_config_hardware_and_metrics(tmp_path):
     ({"notes": "nodes=1;FLAG=source_dims_inconsistent"}, "FLAG=source_dims_inconsistent"),
     ({"tokens_per_sec": "100000"}, "contradicts tokens_per_sec_per_gpu"),
     ({"cp": "2"}, "context parallelism"),
+    ({"mfu": "", "tokens_per_sec": "", "tokens_per_sec_per_gpu": "", "status": ""},
+     "no status and no step_time_s or tokens_per_sec"),
 ])
 def test_unmappable_rows_are_reported_with_line_and_reason(tmp_path, change, reason):
     cells = dict(zip(HEADER.split(","), GOOD.split(",")))
