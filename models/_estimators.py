@@ -119,7 +119,7 @@ class _Base(BaseEstimator):
     """Shared prediction assembly: subclasses return arrays, this builds the frame."""
 
     def _check_fitted(self) -> None:
-        if not hasattr(self, "n_train_rows_"):
+        if not hasattr(self, "num_train_rows_"):
             raise ModelFormatError(f"{type(self).__name__} is not fitted: call fit() or load()")
 
     def _predict_arrays(self, frame: pd.DataFrame, c: F.Columns, X: np.ndarray,
@@ -334,7 +334,7 @@ class PerformanceModel(_Base):
             self.stall_ = self._fit_stall(X, pipeline, stalled, per_micro)
             self.stall_transfer_ = self._fit_stall(X[:, transfer], pipeline, stalled, per_micro)
             has_time = has_time & ~stalled
-        self.n_stall_rows_ = int(stalled.sum()) if self.stall_ is not None else 0
+        self.num_stall_rows_ = int(stalled.sum()) if self.stall_ is not None else 0
         self.throughput_, self.refine_, self.quantile_ = self._fit_time(X[has_time],
                                                                         y[has_time])
         self.transfer_ = self._fit_time(X[has_time][:, transfer], y[has_time])
@@ -374,10 +374,10 @@ class PerformanceModel(_Base):
             self.feasibility_ = xgb.XGBClassifier(
                 tree_method="hist", objective="binary:logistic",
                 **self._booster_params(aux=True)).fit(Xf, labels)
-        self.n_train_rows_ = len(frame)
-        self.n_time_rows_ = int(has_time.sum()) + self.n_stall_rows_
-        self.n_memory_rows_ = int(has_mem.sum())
-        self.n_feasibility_rows_ = len(table)
+        self.num_train_rows_ = len(frame)
+        self.num_time_rows_ = int(has_time.sum()) + self.num_stall_rows_
+        self.num_memory_rows_ = int(has_mem.sum())
+        self.num_feasibility_rows_ = len(table)
         self.fingerprint_ = training_fingerprint(frame)
         sources = frame["source"].astype(str) if "source" in frame.columns else None
         self.sources_ = sorted(sources.unique().tolist()) if sources is not None else []
@@ -598,10 +598,10 @@ class PerformanceModel(_Base):
             "families": sorted(self.families_),
             "hardware_family": self.hardware_family_,
             "training": {"fingerprint_sha256": self.fingerprint_,
-                         "num_rows": self.n_train_rows_, "num_time_rows": self.n_time_rows_,
-                         "num_memory_rows": self.n_memory_rows_,
-                         "num_stall_rows": self.n_stall_rows_,
-                         "num_feasibility_configs": self.n_feasibility_rows_,
+                         "num_rows": self.num_train_rows_, "num_time_rows": self.num_time_rows_,
+                         "num_memory_rows": self.num_memory_rows_,
+                         "num_stall_rows": self.num_stall_rows_,
+                         "num_feasibility_configs": self.num_feasibility_rows_,
                          "sources": self.sources_},
         }
         atomic_write_text(path / _MANIFEST, json.dumps(manifest, indent=2, sort_keys=True))
@@ -697,11 +697,11 @@ class PerformanceModel(_Base):
         model.hardware_family_ = dict(manifest.get("hardware_family", {}))
         training = manifest["training"]
         model.fingerprint_ = training["fingerprint_sha256"]
-        model.n_train_rows_ = training["num_rows"]
-        model.n_time_rows_ = training["num_time_rows"]
-        model.n_memory_rows_ = training["num_memory_rows"]
-        model.n_stall_rows_ = training["num_stall_rows"]
-        model.n_feasibility_rows_ = training["num_feasibility_configs"]
+        model.num_train_rows_ = training["num_rows"]
+        model.num_time_rows_ = training["num_time_rows"]
+        model.num_memory_rows_ = training["num_memory_rows"]
+        model.num_stall_rows_ = training["num_stall_rows"]
+        model.num_feasibility_rows_ = training["num_feasibility_configs"]
         model.sources_ = training["sources"]
         return model
 
@@ -724,7 +724,7 @@ class AnalyticalBaseline(_Base):
         if not len(ratio):
             raise DatasetError("no successful measurement with a step time on known hardware")
         self.scale_ = float(np.median(ratio))
-        self.n_train_rows_ = len(frame)
+        self.num_train_rows_ = len(frame)
         return self
 
     def _predict_arrays(self, frame: pd.DataFrame, c: F.Columns, X: np.ndarray,
@@ -795,7 +795,7 @@ class RawConfigBaseline(_Base):
         if table["feasible"].nunique() == 2:
             self.feasibility_ = xgb.XGBClassifier(tree_method="hist", **self._params()).fit(
                 _raw_matrix(table), table["feasible"].to_numpy())
-        self.n_train_rows_ = len(frame)
+        self.num_train_rows_ = len(frame)
         return self
 
     def _predict_arrays(self, frame: pd.DataFrame, c: F.Columns, X: np.ndarray,
@@ -850,7 +850,7 @@ class HistGradientBoostingBaseline(_Base):
             Xf, _ = F.compute_features(table)
             self.feasibility_ = HistGradientBoostingClassifier(**kw).fit(
                 Xf, table["feasible"].to_numpy())
-        self.n_train_rows_ = len(frame)
+        self.num_train_rows_ = len(frame)
         return self
 
     def _predict_arrays(self, frame: pd.DataFrame, c: F.Columns, X: np.ndarray,

@@ -38,15 +38,15 @@ def fit_model(data: Sequence[str | Path], out: str | Path, *, n_estimators: int 
     ape = np.abs(step[ok] / pred["pred_step_time_s"].to_numpy(float)[ok] - 1)
     fit_metrics = {"train_mdape": float(np.median(ape)) if ok.any() else np.nan,
                    "train_mape": float(ape.mean()) if ok.any() else np.nan,
-                   "num_rows": float(len(frame)), "num_time_rows": float(model.n_time_rows_),
-                   "num_memory_rows": float(model.n_memory_rows_),
-                   "num_stall_rows": float(model.n_stall_rows_),
-                   "num_feasibility_configs": float(model.n_feasibility_rows_)}
-    stalls = (f", {model.n_stall_rows_} of them stalled pipelines learned as their own regime"
-              if model.n_stall_rows_ else "")
-    summary = (f"fitted on {len(frame)} rows ({model.n_time_rows_} timed{stalls}, "
-               f"{model.n_memory_rows_} with memory, {model.n_feasibility_rows_} configurations "
-               f"for feasibility) -> {out}\n"
+                   "num_rows": float(len(frame)), "num_time_rows": float(model.num_time_rows_),
+                   "num_memory_rows": float(model.num_memory_rows_),
+                   "num_stall_rows": float(model.num_stall_rows_),
+                   "num_feasibility_configs": float(model.num_feasibility_rows_)}
+    stalls = (f", {model.num_stall_rows_} of them stalled pipelines learned as their own regime"
+              if model.num_stall_rows_ else "")
+    summary = (f"fitted on {len(frame)} rows ({model.num_time_rows_} timed{stalls}, "
+               f"{model.num_memory_rows_} with memory, {model.num_feasibility_rows_} "
+               f"configurations for feasibility) -> {out}\n"
                f"in-sample median APE {100 * fit_metrics['train_mdape']:.1f}% "
                f"(cross-validate with `paratune evaluate`)\n"
                f"training-data fingerprint {model.fingerprint_[:16]}")

@@ -155,7 +155,7 @@ def test_stalled_pipelines_are_learned_as_a_regime_of_their_own(make_synthetic, 
 
     train = make_synthetic(stalls=True)
     model = PerformanceModel(n_estimators=60, aux_estimators=30, n_jobs=1).fit(train)
-    assert model.n_stall_rows_ >= model.min_stall_rows
+    assert model.num_stall_rows_ >= model.min_stall_rows
     test = make_synthetic(seed=1, n_per_model=40, stalls=True)
     test = test[test["status"] == "ok"].reset_index(drop=True)
     stalled = F.stalled_pipeline(test, test["step_time_s"].to_numpy())
@@ -199,14 +199,14 @@ def test_stalled_pipelines_are_learned_as_a_regime_of_their_own(make_synthetic, 
     # too few stalled runs to learn the regime from: they train the step-time model like any
     few = PerformanceModel(n_estimators=20, aux_estimators=10, min_stall_rows=10_000,
                            n_jobs=1).fit(train)
-    assert few.stall_ is None and few.n_stall_rows_ == 0
+    assert few.stall_ is None and few.num_stall_rows_ == 0
     assert (few.predict(test)[PRED_STALL_PROB] == 0).all()
     # every pipeline run stalled: nothing to tell the regimes apart, so no stall classifier
     # (and no crash); the stalled runs train the step-time model
     all_stalled = train[(train["pp"] == 1) | F.stalled_pipeline(
         train, train["step_time_s"].to_numpy())].reset_index(drop=True)
     none_apart = PerformanceModel(n_estimators=20, aux_estimators=10, n_jobs=1).fit(all_stalled)
-    assert none_apart.stall_ is None and none_apart.n_time_rows_ == int(
+    assert none_apart.stall_ is None and none_apart.num_time_rows_ == int(
         all_stalled["step_time_s"].notna().sum())
 
 
@@ -246,7 +246,7 @@ def test_saving_over_another_model_never_loads_a_mixture(fitted, synthetic, tmp_
         load_model(tmp_path / "m")
     # a complete save over it loads as the new model
     fitted.save(tmp_path / "m")
-    assert load_model(tmp_path / "m").n_train_rows_ == fitted.n_train_rows_
+    assert load_model(tmp_path / "m").num_train_rows_ == fitted.num_train_rows_
 
 
 @pytest.mark.parametrize("damage", ["training", "params", "components"])
