@@ -3,9 +3,10 @@
 Four gloo processes train a model one step under a layout, then switch through a cycle of
 layouts with :func:`paratune.profiler.reconfigure.reconfigure` (DCP save, rebuild, DCP load
 with resharding), one step after each switch. Prints seconds per phase (save, rebuild, load)
-and checkpoint size per switch, and logs the table to MLflow.
+and checkpoint size per switch, writes the table to ``out/switch_cost/switch_cost.csv`` and
+logs it to MLflow (experiment ``switch-cost``) unless ``--no-mlflow``.
 
-Run: ``python experiments/switch_cost.py [--model tiny] [--repeats 2]``.
+Run: ``python experiments/switch_cost.py [--model tiny] [--repeats 2] [--no-mlflow]``.
 """
 
 from __future__ import annotations
@@ -70,7 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="tiny")
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--no-track", action="store_true")
+    parser.add_argument("--out", type=Path, default=Path("out/switch_cost"))
+    parser.add_argument("--no-mlflow", "--no-track", dest="no_mlflow", action="store_true",
+                        help="do not log an MLflow run (--no-track is an alias)")
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     model = get_model(args.model)
@@ -83,7 +86,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"mean {frame['total_s'].mean():.3g} s per switch (save {frame['save_s'].mean():.3g}"
           f", rebuild {frame['build_s'].mean():.3g}, load {frame['load_s'].mean():.3g}); "
           f"median {frame['total_s'].median():.3g} s")
-    if not args.no_track:
+    args.out.mkdir(parents=True, exist_ok=True)
+    frame.to_csv(args.out / "switch_cost.csv", index=False)
+    if not args.no_mlflow:
         from paratune.tracking import start_run
 
         with start_run("switch-cost", run_name=f"switch-cost-{model.name}",

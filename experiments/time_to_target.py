@@ -17,7 +17,8 @@ Arms are interleaved seed by seed so drifting machine load hits all of them alik
 
 Run: ``python experiments/time_to_target.py`` (``--help`` for options). Prints the table of
 time and steps to target per arm (mean and spread over seeds) and logs everything to MLflow:
-the table, every run's curve, the B_noise trajectories, the plan and the plots.
+the table, every run's curve, the B_noise trajectories, the plan and the plots (unless
+``--no-mlflow``); the tables and plots are also written under ``--out``.
 """
 
 from __future__ import annotations
@@ -270,7 +271,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval-every-tokens", type=int, default=4096)
     parser.add_argument("--max-tokens", type=int, default=3_000_000)
     parser.add_argument("--corpus-mb", type=float, default=4.0)
-    parser.add_argument("--no-track", action="store_true")
+    parser.add_argument("--no-mlflow", "--no-track", dest="no_mlflow", action="store_true",
+                        help="do not log an MLflow run (--no-track is an alias)")
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     seeds = [int(s) for s in args.seeds.split(",")]
@@ -319,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     summary.to_csv(out / "summary.csv", index=False)
     per_run.to_csv(out / "runs.csv", index=False)
     print(f"experiment wall time: {time.perf_counter() - started:.0f} s")
-    if not args.no_track:
+    if not args.no_mlflow:
         from paratune.tracking import start_run
 
         with start_run("time-to-target", run_name=f"time-to-target-{model.name}",
