@@ -5,7 +5,11 @@ import pytest
 
 from paratune import ConfigError
 from paratune.models import cross_validate
-from paratune.models._estimators import AnalyticalBaseline, PerformanceModel
+from paratune.models._estimators import (
+    AnalyticalBaseline,
+    PerformanceModel,
+    RawConfigBaseline,
+)
 from paratune.models._evaluate import metrics, plot_predictions
 
 
@@ -58,11 +62,18 @@ def test_cross_validation_splits(synthetic, split):
     assert "MdAPE%" in result.table()
 
 
-def test_random_split_beats_analytical_baseline(synthetic):
+def test_random_split_beats_the_raw_config_baseline(synthetic):
+    """The synthetic truth is the analytical estimate times 1.5, times 1.2 per doubling of
+    tensor parallelism beyond 2, with 2% log-normal noise (a median APE of about 1.3%). The
+    performance model learns a correction of the analytical features and gets near that
+    noise; XGBoost on the raw config columns (its full default size) has to learn the whole
+    cost model from about 110 successful rows per fold."""
     result = cross_validate(synthetic, split="random", n_splits=3,
-                            estimators={"pm": _small, "analytical": AnalyticalBaseline})
+                            estimators={"pm": _small,
+                                        "raw": lambda: RawConfigBaseline(n_jobs=1)})
     by = {r["estimator"]: r for r in result.summary}
-    assert by["pm"]["mdape"] < by["analytical"]["mdape"]
+    assert by["pm"]["mdape"] < 0.04
+    assert by["pm"]["mdape"] < 0.5 * by["raw"]["mdape"]
 
 
 def test_unknown_split_is_named(synthetic):

@@ -42,8 +42,11 @@ def test_verify_profiles_refits_and_reports(closed_form, tmp_path):
     assert row["status"] == "ok"
     assert row["measured_tokens_per_s"] > 0 and math.isfinite(row["error_pct"])
     assert math.isfinite(row["refit_tokens_per_s"])
-    # the refit learned from the measurement: it predicts it better than the closed form did
-    assert abs(row["refit_error_pct"]) < abs(row["error_pct"])
+    # the refit learned from the measurement: fitted on it alone (no dataset given), it
+    # predicts it back. (The closed form's own error says nothing here: it assumes 1e12
+    # FLOP/s on a CPU, so it is off by a large factor; the measured time itself varies with
+    # machine load, which this bound does not depend on.)
+    assert abs(row["refit_error_pct"]) < 5
     assert (tmp_path / "out" / "verify" / "refit").is_dir()
 
 

@@ -1,0 +1,56 @@
+"""``tune`` end to end with the learned model: fit on synthetic measurements, save, tune from
+the saved directory. Needs no public data."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from paratune import ParallelConfig, get_model
+from paratune.space import ConfigSpace
+from paratune.tuner import Objective, SearchSpace, exhaustive, tune
+from tests.models.conftest import synthetic_measurements
+
+
+@pytest.fixture(scope="module")
+def saved_model(tmp_path_factory):
+    from paratune.models import PerformanceModel
+
+    model = PerformanceModel(n_estimators=40, aux_estimators=10, n_jobs=1, random_state=0)
+    return model.fit(synthetic_measurements()).save(tmp_path_factory.mktemp("pm") / "model")
+
+
+def test_tune_with_a_fitted_performance_model(saved_model, tmp_path):
+    from paratune.models import load_model
+
+    spec = get_model("llama3-8b", seq_len=4096)  # the shape the synthetic rows were made for
+    options = ConfigSpace(micro_batch_sizes=(1, 2, 4), recomputes=("none", "full"))
+    out = tmp_path / "out"
+    result = tune(spec, 16, "H100", saved_model, objective="throughput",
+                  global_batch_sizes=[64], space=options, n_trials=40, seed=0,
+                  output_dir=out, top_k=5, track=False)
+
+    # the whole space, predicted by the same model: the search found (near) its best
+    space = SearchSpace.build(spec, 16, "H100", space=options, global_batch_sizes=[64])
+    full = exhaustive(load_model(saved_model), space, Objective(kind="throughput"))
+    assert full.best_feasible and result.search.best_feasible
+    best = float(full.ranked["objective"].iloc[0])
+    assert float(result.ranked["objective"].iloc[0]) >= 0.95 * best
+    winner = full.ranked[full.ranked["feasible"]].reset_index(drop=True)
+    position = [config.key() for config in full.configs(len(winner))].index(result.best.key())
+    assert position < max(3, len(winner) // 10), (position, len(winner))
+
+    # the recommendation is a valid, predicted-feasible layout of this job
+    result.best.validate(spec, 16)
+    rec = json.loads((out / "recommendation.json").read_text())
+    assert ParallelConfig.from_dict(rec["config"]) == result.best
+    assert rec["predicted"]["feasible"] is True
+    assert rec["predicted"]["feasible_prob"] >= 0.5
+    assert 0 < rec["predicted"]["peak_mem_gb"] <= 80
+    assert rec["predicted"]["tokens_per_s"] > 0
+    assert len(rec["top"]) == 5 and rec["top"][0]["vs_best"] == pytest.approx(1.0)
+    assert yaml.safe_load((out / "recommendation.yaml").read_text())["config"] == rec["config"]
+    for name in ("torchtitan.toml", "megatron_args.txt"):
+        assert (out / name).stat().st_size > 0
