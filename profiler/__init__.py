@@ -45,6 +45,7 @@ _EXPORTS: dict[str, str] = {
     "reconfigure": "reconfigure",
     "save_checkpoint": "reconfigure",
     "load_checkpoint": "reconfigure",
+    "find_checkpoint": "reconfigure",
     "check_cpu_memory": "_memory",
     "cpu_process_memory_gb": "_memory",
 }

@@ -601,6 +601,30 @@ def _truncate_rows(path: str, max_step: int) -> None:
     atomic_write_text(file, "\n".join(kept) + "\n")
 
 
+def _measured_rows(path: str) -> int:
+    """Complete data rows in a trajectory CSV (0 when it does not exist)."""
+    file = Path(path)
+    if not file.exists():
+        return 0
+    lines = file.read_text(encoding="utf-8").splitlines()[1:]
+    return sum(1 for line in lines if len(line.split(",")) == len(TRAJECTORY_COLUMNS))
+
+
+def _check_resumable(job: GNSJob) -> None:
+    """Refuse to resume over measured rows without a complete checkpoint to continue from:
+    restarting at step 0 would delete them (nothing is deleted; the message says what to
+    do)."""
+    if not job.resume:
+        return
+    from paratune.profiler.reconfigure import find_checkpoint
+
+    rows = _measured_rows(job.out)
+    if rows and (job.checkpoint_dir is None or find_checkpoint(job.checkpoint_dir) is None):
+        raise ConfigError("resume", True, f"{job.checkpoint_dir} holds no complete checkpoint "
+                          f"to continue the {rows} rows of {job.out} from; they are kept. "
+                          "Run without resume and another out to start a new trajectory")
+
+
 def _resolved_device(kind: str) -> str:
     """``"cpu"`` or ``"cuda"`` for a job's ``device`` (``"auto"``: cuda when available)."""
     if kind != "auto":
@@ -661,8 +685,8 @@ def _gns_worker(rank: int, world_size: int, port: int, job: GNSJob) -> None:
     from paratune.profiler.corpus import TextCorpus
     from paratune.profiler.mesh import closing_process_group
     from paratune.profiler.reconfigure import (
-        RUN_STATE_FILE,
         RunState,
+        find_checkpoint,
         load_checkpoint,
         save_checkpoint,
     )
@@ -678,13 +702,16 @@ def _gns_worker(rank: int, world_size: int, port: int, job: GNSJob) -> None:
                           lr=job.lr, weight_decay=job.weight_decay)
         state = RunState(config=job.config, extra={"elapsed_s": 0.0})
         ckpt = Path(job.checkpoint_dir) if job.checkpoint_dir else None
-        if job.resume and ckpt is not None and (ckpt / RUN_STATE_FILE).exists():
+        if job.resume and ckpt is not None and find_checkpoint(ckpt) is not None:
             state = load_checkpoint(ckpt, trainer)
             state.config = job.config
             meter.tracker.load_state_dict(state.gns)
             if rank == 0:
                 _truncate_rows(job.out, state.step)
         elif rank == 0:
+            # run_gns refused a resume without a checkpoint over measured rows; a fresh run
+            # (not resuming) starts a new trajectory.
+            _check_resumable(job)
             Path(job.out).parent.mkdir(parents=True, exist_ok=True)
             Path(job.out).unlink(missing_ok=True)
         dist.barrier()
@@ -720,7 +747,9 @@ def run_gns(job: GNSJob) -> Path:
     Starts ``job.config.world_size`` processes on this machine (gloo on CPU, NCCL on CUDA).
     Rank 0 appends one row per step to ``job.out`` (columns :data:`TRAJECTORY_COLUMNS`) and
     fsyncs it, so a killed run keeps every row measured; with ``checkpoint_dir`` and
-    ``resume`` a rerun continues from the last checkpoint (rows past it are re-measured).
+    ``resume`` a rerun continues from the last complete checkpoint (rows past it are
+    re-measured). Resuming where ``job.out`` has rows but no complete checkpoint exists is
+    refused, the rows kept; resuming with neither starts from step 0.
 
     Args:
         job: The run.
@@ -729,10 +758,12 @@ def run_gns(job: GNSJob) -> Path:
         The trajectory path.
 
     Raises:
-        ConfigError: the job is invalid, or on the CPU its processes cannot fit in this
-            machine's memory (checked before any process starts).
+        ConfigError: the job is invalid, it resumes measured rows without a checkpoint, or
+            on the CPU its processes cannot fit in this machine's memory (checked before any
+            process starts).
     """
     job.validate()
+    _check_resumable(job)
     if _resolved_device(job.device) == "cpu":
         from paratune.profiler._memory import check_cpu_memory
 

@@ -203,7 +203,9 @@ def build_optimizer(model: nn.Module, config: ParallelConfig, dp_mesh: DeviceMes
             single-process reference).
 
     Returns:
-        The optimizer.
+        The optimizer: ``ZeroRedundancyOptimizer`` for ZeRO-1 with ``dp > 1``, else AdamW
+        (with ``dp == 1`` there is nothing to partition: ZeRO-1 is plain AdamW, and its state
+        checkpoints like any other).
 
     Raises:
         ConfigError: ZeRO-1 over DTensor (tensor-parallel) parameters, which
@@ -211,7 +213,7 @@ def build_optimizer(model: nn.Module, config: ParallelConfig, dp_mesh: DeviceMes
     """
     params = [p for p in model.parameters() if p.requires_grad]
     kwargs = {"lr": lr, "weight_decay": weight_decay, "betas": (0.9, 0.95), "eps": 1e-8}
-    if config.sharding is Sharding.ZERO1:
+    if config.sharding is Sharding.ZERO1 and config.dp_enabled:
         if has_dtensor_params(model):
             raise ConfigError("sharding", "zero1", f"needs tp=1 (tp={config.tp}): "
                               "ZeroRedundancyOptimizer cannot partition DTensor parameters")

@@ -10,6 +10,12 @@ with its parameter between stages. What is not a tensor (step, data position, th
 averages, the config) goes into ``run_state.json``, written by rank 0 after DCP's own
 metadata, so a checkpoint directory holding ``run_state.json`` is complete.
 
+A save never touches the checkpoint already at its path until the new one is complete: it is
+written beside it (``<path>.saving``), then renamed into place, the old one moved aside to
+``<path>.previous`` for the instant between the two renames and deleted after. A run killed at
+any moment keeps a complete checkpoint, the old or the new; :func:`find_checkpoint` says
+which.
+
 The data position carries over because batches are addressed by sequences consumed (see
 :class:`~paratune.profiler.corpus.TextCorpus`), not by step.
 """
@@ -17,6 +23,8 @@ The data position carries over because batches are addressed by sequences consum
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -31,11 +39,13 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-__all__ = ["RUN_STATE_FILE", "RunState", "SwitchCost", "load_checkpoint", "reconfigure",
-           "save_checkpoint"]
+__all__ = ["RUN_STATE_FILE", "RunState", "SwitchCost", "find_checkpoint", "load_checkpoint",
+           "reconfigure", "save_checkpoint"]
 
 RUN_STATE_FILE = "run_state.json"
 _FORMAT_VERSION = 1
+_SAVING = ".saving"
+_PREVIOUS = ".previous"
 
 
 @dataclass
@@ -129,11 +139,73 @@ def _is_rank0() -> bool:
     return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
 
+def _sibling(path: Path, suffix: str) -> Path:
+    return path.with_name(path.name + suffix)
+
+
+def _is_complete(path: Path) -> bool:
+    return (path / RUN_STATE_FILE).is_file()
+
+
+def find_checkpoint(path: str | Path) -> Path | None:
+    """The complete checkpoint saved at ``path``, or ``None``.
+
+    That is ``path`` itself, or, when a save was killed between moving the old checkpoint
+    aside and renaming the new one into place, the old one (``<path>.previous``).
+    """
+    path = Path(path)
+    for candidate in (path, _sibling(path, _PREVIOUS)):
+        if _is_complete(candidate):
+            return candidate
+    return None
+
+
+def _removable(path: Path) -> bool:
+    """Whether ``path`` is absent or holds nothing but (parts of) a checkpoint."""
+    if not path.exists():
+        return True
+    if not path.is_dir():
+        return False
+    return all(entry.name == RUN_STATE_FILE or entry.name.startswith(".")
+               or entry.name.endswith(".distcp") for entry in path.iterdir())
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _commit(staging: Path, path: Path) -> None:
+    """Rename the complete checkpoint ``staging`` to ``path``; a complete checkpoint exists
+    at every instant (see :func:`find_checkpoint`)."""
+    previous = _sibling(path, _PREVIOUS)
+    if _is_complete(path):
+        shutil.rmtree(previous, ignore_errors=True)  # older than path: not needed
+        os.replace(path, previous)
+    elif path.exists():
+        shutil.rmtree(path)  # an incomplete leftover; a complete `previous` stays meanwhile
+    os.replace(staging, path)
+    _fsync_dir(path.parent)
+    shutil.rmtree(previous, ignore_errors=True)
+
+
 def save_checkpoint(path: str | Path, trainer: Any, state: RunState) -> float:
     """Save ``trainer``'s model and optimizer state and ``state`` (collective over all ranks).
 
+    The checkpoint is written to ``<path>.saving`` and renamed to ``path`` once complete, so
+    a kill at any moment leaves the previous checkpoint (or the new one) loadable.
+
     Args:
-        path: Checkpoint directory (created; a previous checkpoint there is overwritten).
+        path: Checkpoint directory (a previous checkpoint there is replaced once the new one
+            is complete).
         trainer: Has ``model_parts`` and ``optimizers`` (one optimizer per part).
         state: The run's non-tensor state.
 
@@ -141,19 +213,30 @@ def save_checkpoint(path: str | Path, trainer: Any, state: RunState) -> float:
         Seconds taken (after a closing barrier).
 
     Raises:
-        ConfigError: the layout's optimizer state cannot be checkpointed (``zero1``).
+        ConfigError: the layout's optimizer state cannot be checkpointed (``zero1`` with
+            ``dp > 1``), or ``path`` holds files that are not a checkpoint (checked on every
+            rank before anything is written).
     """
     import torch.distributed.checkpoint as dcp
 
     _check_supported(state.config)
     path = Path(path)
+    staging = _sibling(path, _SAVING)
+    for target in (path, staging):
+        if not _removable(target):
+            raise ConfigError("checkpoint_dir", str(path), f"{target} holds files that are "
+                              "not a checkpoint; choose an empty or checkpoint directory")
     start = time.perf_counter()
+    _barrier()  # every rank has checked before rank 0 changes anything
     if _is_rank0():
-        (path / RUN_STATE_FILE).unlink(missing_ok=True)
+        shutil.rmtree(staging, ignore_errors=True)  # what a killed save left
+        staging.mkdir(parents=True)
     _barrier()
-    dcp.save(_state_dicts(trainer.model_parts, trainer.optimizers), checkpoint_id=str(path))
+    dcp.save(_state_dicts(trainer.model_parts, trainer.optimizers),
+             checkpoint_id=str(staging))
     if _is_rank0():
-        atomic_write_text(path / RUN_STATE_FILE, json.dumps(state.to_dict(), indent=1))
+        atomic_write_text(staging / RUN_STATE_FILE, json.dumps(state.to_dict(), indent=1))
+        _commit(staging, path)
     _barrier()
     return time.perf_counter() - start
 
@@ -162,7 +245,8 @@ def load_checkpoint(path: str | Path, trainer: Any) -> RunState:
     """Load a checkpoint into ``trainer``, whatever layout it was saved under.
 
     Args:
-        path: A directory written by :func:`save_checkpoint`.
+        path: A directory written by :func:`save_checkpoint` (the complete checkpoint
+            :func:`find_checkpoint` finds there is read).
         trainer: A freshly built trainer (any layout of the same model).
 
     Returns:
@@ -178,10 +262,11 @@ def load_checkpoint(path: str | Path, trainer: Any) -> RunState:
         set_optimizer_state_dict,
     )
 
-    path = Path(path)
-    state_file = path / RUN_STATE_FILE
-    if not state_file.exists():
+    found = find_checkpoint(path)
+    if found is None:
         raise FileNotFoundError(f"{path}: no complete checkpoint ({RUN_STATE_FILE} missing)")
+    path = found
+    state_file = path / RUN_STATE_FILE
     run_state = RunState.from_dict(json.loads(state_file.read_text()))
     target = _state_dicts(trainer.model_parts, trainer.optimizers)
     dcp.load(target, checkpoint_id=str(path))
@@ -203,7 +288,9 @@ def reconfigure(trainer: Any, state: RunState, new_config: ParallelConfig, *,
     """Switch a run to ``new_config`` at the current step boundary.
 
     Args:
-        trainer: The running trainer (its state is saved, then it is dropped).
+        trainer: The running trainer: its state is saved, then it is closed (its model,
+            optimizer and schedule freed before the new trainer is built, so the two never
+            hold memory together); do not use it afterwards.
         state: The run's state; its ``config`` is the current layout.
         new_config: The layout (and global batch size) to continue with.
         checkpoint_dir: Where the hand-over checkpoint is written.
@@ -220,6 +307,9 @@ def reconfigure(trainer: Any, state: RunState, new_config: ParallelConfig, *,
         new_config.validate(world_size=dist.get_world_size())
     checkpoint_dir = Path(checkpoint_dir)
     save_s = save_checkpoint(checkpoint_dir, trainer, state)
+    close = getattr(trainer, "close", None)
+    if callable(close):
+        close()
     del trainer
     start = time.perf_counter()
     new_trainer = build_trainer(new_config)
@@ -230,5 +320,6 @@ def reconfigure(trainer: Any, state: RunState, new_config: ParallelConfig, *,
     load_s = time.perf_counter() - start
     loaded.config = new_config
     cost = SwitchCost(save_s=save_s, build_s=build_s, load_s=load_s,
-                      checkpoint_bytes=_dir_bytes(checkpoint_dir))
+                      checkpoint_bytes=_dir_bytes(find_checkpoint(checkpoint_dir)
+                                                  or checkpoint_dir))
     return new_trainer, loaded, cost

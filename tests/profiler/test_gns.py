@@ -320,3 +320,26 @@ def test_a_cpu_run_that_cannot_fit_in_memory_is_refused_before_any_process_start
     assert err.startswith("paratune gns: error: model='llama3-8b': ")
     assert "GB per process on the CPU" in err and "Traceback" not in err
     assert not out.exists()
+
+
+def test_resuming_measured_rows_without_a_checkpoint_is_refused_and_keeps_them(tmp_path):
+    """A resume that finds rows but no complete checkpoint (e.g. one left incomplete by a run
+    killed before the atomic save) would restart at step 0 and delete the measured rows: it
+    is refused before any process starts, and the file is untouched."""
+    from paratune import ParallelConfig, get_model
+    from paratune.profiler.gns import TRAJECTORY_COLUMNS, GNSJob, run_gns
+
+    out = tmp_path / "traj.csv"
+    rows = ",".join(TRAJECTORY_COLUMNS) + "\n" + "\n".join(
+        ",".join([str(step), str(step * 128)] + ["1.0"] * (len(TRAJECTORY_COLUMNS) - 2))
+        for step in (1, 2, 3)) + "\n"
+    out.write_text(rows)
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / ".metadata").write_bytes(b"")  # DCP files, but no run_state.json
+    job = GNSJob(model=get_model("tiny"), config=ParallelConfig(global_batch_size=4), steps=5,
+                 out=str(out), checkpoint_dir=str(ckpt), resume=True, device="cpu")
+    with pytest.raises(ConfigError, match=r"no complete checkpoint.*3 rows.*kept") as info:
+        run_gns(job)
+    assert info.value.field == "resume"
+    assert out.read_text() == rows

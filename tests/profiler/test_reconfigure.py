@@ -137,3 +137,123 @@ def test_run_state_rejects_unknown_format():
     data["format_version"] = 99
     with pytest.raises(ConfigError, match="format_version"):
         RunState.from_dict(data)
+
+
+# ---------------------------------------------------------------------- one process
+@pytest.fixture
+def world_one(tmp_path):
+    import torch.distributed as dist
+
+    from paratune.profiler.mesh import clear_mesh_cache
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        clear_mesh_cache()
+        dist.destroy_process_group()
+
+
+def _trainer(config=None):
+    from paratune.profiler.trainer import Trainer
+
+    return Trainer(_spec(), config or ParallelConfig(global_batch_size=2),
+                   device=torch.device("cpu"), seed=0, lr=LR)
+
+
+def _train_step(trainer, step):
+    from paratune.profiler.trainer import synthetic_batch
+
+    trainer.step(synthetic_batch(_spec(), trainer.config.global_batch_size, step=step))
+
+
+def test_a_save_killed_at_any_point_leaves_a_complete_checkpoint(world_one, tmp_path,
+                                                                  monkeypatch):
+    import torch.distributed.checkpoint as dcp
+
+    from paratune.profiler.reconfigure import find_checkpoint, save_checkpoint
+
+    ckpt = tmp_path / "ckpt"
+    trainer = _trainer()
+    _train_step(trainer, 0)
+    save_checkpoint(ckpt, trainer, RunState(config=trainer.config, step=1))
+    assert find_checkpoint(ckpt) == ckpt
+    saved = {n: p.detach().clone() for n, p in trainer.model_parts[0].named_parameters()}
+    _train_step(trainer, 1)
+
+    # Killed while DCP writes the next one: it had written part of its files.
+    real_save = dcp.save
+
+    def killed(state_dict, *, checkpoint_id):
+        (tmp_path / "ckpt.saving" / "__0_0.distcp").write_bytes(b"torn")
+        raise KeyboardInterrupt("killed")
+
+    monkeypatch.setattr(dcp, "save", killed)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(ckpt, trainer, RunState(config=trainer.config, step=2))
+    monkeypatch.setattr(dcp, "save", real_save)
+    fresh = _trainer()
+    assert load_checkpoint(ckpt, fresh).step == 1
+    for name, param in fresh.model_parts[0].named_parameters():
+        torch.testing.assert_close(param.detach(), saved[name], rtol=0, atol=0)
+
+    # Killed between moving the old checkpoint aside and renaming the new one into place.
+    save_checkpoint(ckpt, trainer, RunState(config=trainer.config, step=2))
+    assert not (tmp_path / "ckpt.saving").exists()
+    assert not (tmp_path / "ckpt.previous").exists()
+    (ckpt).rename(tmp_path / "ckpt.previous")
+    assert find_checkpoint(ckpt) == tmp_path / "ckpt.previous"
+    assert load_checkpoint(ckpt, _trainer()).step == 2
+    # The next save commits normally and cleans up.
+    save_checkpoint(ckpt, trainer, RunState(config=trainer.config, step=3))
+    assert find_checkpoint(ckpt) == ckpt and not (tmp_path / "ckpt.previous").exists()
+    assert load_checkpoint(ckpt, _trainer()).step == 3
+    # A directory of other files is never taken over.
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "todo.txt").write_text("mine")
+    with pytest.raises(ConfigError, match="not a checkpoint"):
+        save_checkpoint(tmp_path / "notes", trainer, RunState(config=trainer.config))
+    assert (tmp_path / "notes" / "todo.txt").read_text() == "mine"
+
+
+def test_reconfigure_frees_the_old_trainer_before_building_the_new(world_one, tmp_path):
+    import weakref
+
+    from paratune.profiler.reconfigure import reconfigure
+
+    config = ParallelConfig(global_batch_size=2)
+    trainer = _trainer(config)
+    _train_step(trainer, 0)
+    param = weakref.ref(trainer.model_parts[0].output.weight)
+    moment = weakref.ref(next(iter(trainer.optimizers[0].state.values()))["exp_avg"])
+    alive = []
+
+    def build(new_config):
+        alive.append((param() is not None, moment() is not None))
+        return _trainer(new_config)
+
+    new, state, _ = reconfigure(trainer, RunState(config=config),
+                                config.replace(global_batch_size=4),
+                                checkpoint_dir=tmp_path / "ckpt", build_trainer=build)
+    assert alive == [(False, False)]
+    assert state.config.global_batch_size == 4
+    _train_step(new, 1)
+
+
+def test_zero1_without_data_parallelism_checkpoints(world_one, tmp_path):
+    """ZeRO-1 over one replica is plain AdamW: nothing to partition, and its state saves."""
+    from paratune.profiler.reconfigure import save_checkpoint
+
+    config = ParallelConfig(global_batch_size=2, sharding="zero1")
+    trainer = _trainer(config)
+    assert type(trainer.optimizers[0]) is torch.optim.AdamW
+    _train_step(trainer, 0)
+    save_checkpoint(tmp_path / "ckpt", trainer, RunState(config=config, step=1))
+    fresh = _trainer(config)
+    assert load_checkpoint(tmp_path / "ckpt", fresh).step == 1
+    moments = [s["exp_avg"] for s in trainer.optimizers[0].state.values()]
+    loaded = [s["exp_avg"] for s in fresh.optimizers[0].state.values()]
+    assert len(moments) == len(loaded) > 0
+    for a, b in zip(moments, loaded):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
