@@ -40,8 +40,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="campaign directory (default runs/profile-<model>)")
     parser.add_argument("--warmup", type=int, default=None, help="warm-up steps (default 3)")
     parser.add_argument("--steps", type=int, default=None, help="measured steps (default 10)")
-    parser.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
-                        help="per-config timeout (default 300)")
+    parser.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
+                        help="per-config timeout (default 300; resuming: the campaign's)")
     parser.add_argument("--seed", type=int, default=None, help="seed (default 0)")
     parser.add_argument("--data", choices=("synthetic", "text"), default=None,
                         help="training tokens: random (default) or real text (Python's own "
@@ -83,6 +83,7 @@ def build_spec(args: argparse.Namespace):  # -> CampaignSpec (heavy import kept 
     from paratune.spec import ModelSpec, get_model
 
     stored: dict = {}
+    meta: dict = {}
     out = Path(args.out) if args.out else None
     if args.resume:
         if out is None:
@@ -90,7 +91,8 @@ def build_spec(args: argparse.Namespace):  # -> CampaignSpec (heavy import kept 
         campaign = out / "campaign.json"
         if not campaign.exists():
             raise ConfigError("resume", str(out), "holds no campaign.json: nothing to resume")
-        stored = json.loads(campaign.read_text()).get("identity", {})
+        meta = json.loads(campaign.read_text())
+        stored = meta.get("identity", {})
     if args.model is not None:
         model = get_model(args.model)
     elif stored:
@@ -116,7 +118,10 @@ def build_spec(args: argparse.Namespace):  # -> CampaignSpec (heavy import kept 
         world_sizes=tuple(pick(args.world_sizes, "world_sizes", (1, 2, 4))),
         warmup_steps=pick(args.warmup, "warmup_steps", 3),
         measured_steps=pick(args.steps, "measured_steps", 10),
-        timeout_s=args.timeout, seed=pick(args.seed, "seed", 0), device=device,
+        # The timeout is not part of the identity (it may be changed on resume) but is kept
+        # in campaign.json beside it.
+        timeout_s=args.timeout if args.timeout is not None else meta.get("timeout_s", 300.0),
+        seed=pick(args.seed, "seed", 0), device=device,
         hardware=hardware,
         devices_per_node=pick(args.devices_per_node or args.nproc_per_node, "devices_per_node",
                               None),

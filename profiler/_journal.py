@@ -31,7 +31,7 @@ from paratune.parallel import ParallelConfig
 from paratune.spec import ModelSpec
 
 __all__ = ["CampaignPaths", "EventLog", "Outcome", "failure_record", "journal_keys",
-           "read_journal", "resolve_unfinished"]
+           "plan_devices_per_node", "read_journal", "resolve_unfinished"]
 
 EXIT_RELAUNCH = 75
 """Worker exit code: ranks disagreed about a config's outcome; start a fresh group."""
@@ -116,11 +116,17 @@ def append_record(path: str | Path, measurement: Measurement, **timing: Any) -> 
                         "row": measurement.to_row(), **timing})
 
 
+def plan_devices_per_node(plan: dict[str, Any]) -> int:
+    """Devices per node recorded with every row of a world size's plan, ok or failed (the
+    campaign's ``devices_per_node``, else the world size: one node)."""
+    return int(plan.get("devices_per_node") or plan.get("world_size") or 1)
+
+
 def failure_record(plan: dict[str, Any], config: ParallelConfig, status: Status, error: str, *,
                    fingerprint: dict[str, Any] | None = None) -> Measurement:
     """The record of a config that produced no measurement."""
     return Measurement(model=plan_model(plan), config=config, hardware=plan["hardware"],
-                       devices_per_node=int(plan.get("devices_per_node") or 1),
+                       devices_per_node=plan_devices_per_node(plan),
                        status=status, error=error[:4000], warmup_steps=int(plan["warmup_steps"]),
                        fingerprint=dict(fingerprint or plan.get("fingerprint") or {}),
                        campaign_id=plan.get("campaign_id", ""))

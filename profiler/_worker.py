@@ -43,6 +43,7 @@ from paratune.profiler._journal import (
     failure_record,
     journal_keys,
     plan_configs,
+    plan_devices_per_node,
     plan_model,
     read_plan,
     resolve_unfinished,
@@ -237,7 +238,8 @@ def run_worker(plan_path: str | Path, *, attempt: str | None = None) -> int:
                 model, config, hardware=plan["hardware"], device=device,
                 warmup_steps=int(plan["warmup_steps"]),
                 measured_steps=int(plan["measured_steps"]), seed=int(plan.get("seed", 0)),
-                details=details, data=plan.get("data", "synthetic"))
+                details=details, data=plan.get("data", "synthetic"),
+                devices_per_node=plan_devices_per_node(plan))
         except Exception as exc:  # every failure becomes this config's status
             status = Status.OOM.value if is_oom(exc) else Status.ERROR.value
             error = _describe(exc, rank)

@@ -56,12 +56,7 @@ def check_supported(model: ModelSpec, config: ParallelConfig) -> None:
             DTensor parameters); tied embeddings with ``pp > 1``.
     """
     config.validate(model)
-    if config.sharding is Sharding.ZERO1 and config.tp_enabled:
-        raise ConfigError("sharding", "zero1", f"needs tp=1 (tp={config.tp}): "
-                          "ZeroRedundancyOptimizer cannot partition tensor-parallel parameters")
-    if model.tie_embeddings and config.pp_enabled:
-        raise ConfigError("pp", config.pp, "pipeline parallelism needs untied embeddings "
-                          "(tie_embeddings=True puts one matrix on the first and last stage)")
+    config.check_trainer(model)
 
 
 def synthetic_batch(model: ModelSpec, global_batch_size: int, *, step: int, seed: int = 0
@@ -89,8 +84,27 @@ class Trainer:
     tensor parallelism, activation checkpointing, ZeRO-2/3 (FSDP2), then materialised on
     ``device`` and initialised from ``seed`` (the same values as a single-process model),
     then plain data parallelism (DDP, or FSDP2 ``replicate`` for tensor-parallel models) and
-    AdamW (ZeRO-1: ``ZeroRedundancyOptimizer``). Models with tied embeddings are
+    AdamW (ZeRO-1 with ``dp > 1``: ``ZeroRedundancyOptimizer``). Models with tied embeddings are
     materialised before parallelisation (meta-device materialisation would untie them).
+
+    Data-parallel communication per step, the same with and without pipelining (the
+    accumulation loop drives DDP and FSDP2 as torch's pipeline stages do):
+
+    - ``none`` / ``zero1``: gradients accumulate locally over the micro-batches and are
+      all-reduced once, on the last one (DDP ``no_sync``, or FSDP2 ``replicate`` with
+      ``set_requires_gradient_sync`` when ``tp > 1``); ZeRO-1 then updates its optimizer
+      shard and broadcasts the parameters.
+    - ``zero2``: parameters are all-gathered once per FSDP unit and kept unsharded through
+      every forward and backward (no reshard after forward, nor after backward before the
+      last micro-batch); gradients accumulate unsharded and are reduce-scattered once.
+    - ``zero3``: parameters are resharded after every forward and all-gathered again for
+      backward (one more all-gather per unit and micro-batch than ``zero2``: the price of
+      not holding them between forward and backward), while gradients, as under ``zero2``,
+      accumulate unsharded and are reduce-scattered once per step. This is a deliberate
+      choice: torch's pipelining schedule can do nothing else for FSDP stages, and
+      ``pp == 1`` must measure the same algorithm as ``pp > 1``. DeepSpeed-style ZeRO-3,
+      which reduce-scatters on every micro-batch (``num_microbatches`` times the gradient
+      traffic for sharded gradient memory), is not what is measured.
 
     Args:
         model: The model shape.
@@ -230,7 +244,7 @@ class Trainer:
         total = torch.zeros((), device=self.device, dtype=torch.float64)
         for i, (x, y) in enumerate(zip(inputs.chunk(n), targets.chunk(n))):
             last = i == n - 1
-            with self._no_sync(runner, skip=not (sync_grads and last)):
+            with self._grad_sync(runner, sync=sync_grads and last, last=last):
                 loss = cross_entropy_loss(runner(x), y) / n
                 loss.backward()
             total += loss.detach().to(torch.float64)
@@ -238,10 +252,36 @@ class Trainer:
 
     @staticmethod
     @contextlib.contextmanager
-    def _no_sync(runner: nn.Module, *, skip: bool) -> Iterator[None]:
-        if skip and isinstance(runner, nn.parallel.DistributedDataParallel):
-            with runner.no_sync():
+    def _grad_sync(runner: nn.Module, *, sync: bool, last: bool) -> Iterator[None]:
+        """Reduce gradients over data parallelism only when ``sync`` (the last micro-batch).
+
+        DDP: ``no_sync`` on the other micro-batches. FSDP2 (ZeRO-2/3 ``fully_shard`` and the
+        ``replicate`` of tensor-parallel models) the way torch's pipeline stages drive it
+        (``PipelineStage.backward_maybe_with_nosync`` / ``perform_reduce_grad``), so
+        ``pp == 1`` and ``pp > 1`` communicate alike: gradients accumulate unsharded
+        locally and are reduce-scattered (all-reduced under ``replicate``) once per step,
+        and parameters are not resharded after backward before the last micro-batch. The
+        flags are back at FSDP2's defaults after the last micro-batch, or if one raises.
+        """
+        from torch.distributed.fsdp import FSDPModule
+
+        if isinstance(runner, nn.parallel.DistributedDataParallel):
+            if sync:
                 yield
+            else:
+                with runner.no_sync():
+                    yield
+        elif isinstance(runner, FSDPModule):
+            runner.set_is_last_backward(last)
+            runner.set_requires_gradient_sync(sync)
+            runner.set_reshard_after_backward(last)
+            try:
+                yield
+            except BaseException:
+                runner.set_is_last_backward(True)
+                runner.set_requires_gradient_sync(True)
+                runner.set_reshard_after_backward(True)
+                raise
         else:
             yield
 
@@ -340,8 +380,52 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _release_free_memory() -> None:
+    """Hand memory the C allocator keeps after ``free`` back to the OS (glibc
+    ``malloc_trim``), so the RSS a config starts from is what is still in use."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to trim
+        pass
+
+
+def _reset_peak_rss() -> bool:
+    """Reset this process's resident-set high-water mark (``VmHWM``) to its current RSS.
+
+    Linux resets it when ``5`` is written to ``/proc/self/clear_refs``. Returns ``False``
+    where that is not possible; :func:`_peak_rss_gb` then reports the lifetime peak.
+    """
+    _release_free_memory()
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as handle:
+            handle.write("5")
+    except OSError:
+        return False
+    return _status_hwm_gb() is not None
+
+
+def _status_hwm_gb() -> float | None:
+    """``VmHWM`` from ``/proc/self/status`` in GB (``None`` where unavailable)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as handle:
+            for line in handle:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024 / _GB
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def _peak_rss_gb() -> float:
-    """Process-lifetime peak resident set size (``ru_maxrss`` is in KiB on Linux)."""
+    """Peak resident set size since the last :func:`_reset_peak_rss` (``VmHWM``), or the
+    process-lifetime peak (``ru_maxrss``, KiB on Linux) where ``/proc`` is unavailable."""
+    hwm = _status_hwm_gb()
+    if hwm is not None:
+        return hwm
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / _GB
 
 
@@ -386,8 +470,8 @@ def _batch_source(model: ModelSpec, data: str) -> Any:
 def measure_config(model: ModelSpec, config: ParallelConfig, *, hardware: str,
                    device: torch.device | str, warmup_steps: int = 3,
                    measured_steps: int = 10, seed: int = 0, mesh: DeviceMesh | None = None,
-                   details: dict[str, Any] | None = None, data: str = "synthetic"
-                   ) -> Measurement:
+                   details: dict[str, Any] | None = None, data: str = "synthetic",
+                   devices_per_node: int | None = None) -> Measurement:
     """Time training steps of ``model`` under ``config`` (collective over all ranks).
 
     Builds the mesh (unless given; meshes are cached per shape) and a :class:`Trainer`, runs
@@ -407,20 +491,28 @@ def measure_config(model: ModelSpec, config: ParallelConfig, *, hardware: str,
         mesh: A prebuilt (pp, dp, tp) mesh.
         data: ``"synthetic"`` (uniform random tokens, the default for timing) or ``"text"``
             (the byte-level corpus of Python's own sources, for a byte-level vocabulary).
+        devices_per_node: Recorded with the measurement; the campaign passes its plan's
+            value so that ok and failed rows agree. ``None``: ``LOCAL_WORLD_SIZE``, else
+            the visible GPUs, else the world size.
         details: If given, filled with ``build_s`` (including ``mesh_s``, the part spent
             getting the mesh: creating process groups the first time a shape is seen,
             about nothing once cached) and ``teardown_s`` (slowest rank),
             ``overhead_s`` (all wall time outside the warm-up and measured steps: build,
             barriers, teardown, fingerprint; slowest rank), ``rss_before_gb`` (largest
-            current RSS before building) and ``rss_peak_increase_gb`` (how far this config
-            raised the lifetime peak).
+            current RSS before building), ``rss_peak_increase_gb`` (how far this config's
+            RSS peak rose above the RSS it started from, largest over ranks) and
+            ``peak_rss_reset`` (1.0 when every rank could reset its high-water mark, so
+            ``peak_rss_gb`` is this config's own); on CUDA also
+            ``build_peak_mem_allocated_gb`` (allocator peak while building the trainer:
+            initialisation may materialise more than the steps hold).
 
     Returns:
-        An ``ok`` :class:`~paratune.Measurement`: step times, peak memory (CUDA allocator
-        peaks, or on CPU ``peak_rss_gb``: the largest process-lifetime RSS high-water mark
-        over ranks, which includes earlier configs run in the same processes), MFU where
-        the device's peak FLOP/s is known (model FLOPs: recomputation is not counted), the
-        last step's loss and the fingerprint.
+        An ``ok`` :class:`~paratune.Measurement`: step times, peak memory (on CUDA the
+        allocator peaks of the warm-up and measured steps, after the trainer is built; on
+        CPU ``peak_rss_gb``: the largest RSS high-water mark over ranks since this config
+        started, reset first where Linux allows it, else the process-lifetime peak), MFU
+        where the device's peak FLOP/s is known (model FLOPs: recomputation is not
+        counted), the last step's loss and the fingerprint.
 
     Raises:
         ConfigError: invalid or unsupported layout (before anything is built).
@@ -438,7 +530,9 @@ def measure_config(model: ModelSpec, config: ParallelConfig, *, hardware: str,
     world = dist.get_world_size()
     config.validate(model, world)
     check_supported(model, config)
-    rss_before, peak_before = _current_rss_gb(), _peak_rss_gb()
+    gc.collect()
+    rss_reset = _reset_peak_rss()
+    rss_before = _current_rss_gb()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 
@@ -451,6 +545,11 @@ def measure_config(model: ModelSpec, config: ParallelConfig, *, hardware: str,
     trainer = Trainer(model, config, device=device, mesh=mesh, seed=seed)
     _synchronize(device)
     build_s = time.perf_counter() - start
+    build_peak = 0.0
+    if device.type == "cuda":
+        # The steps' peak, not initialisation's (which may hold full unsharded parameters).
+        build_peak = torch.cuda.max_memory_allocated(device) / _GB
+        torch.cuda.reset_peak_memory_stats(device)
     times: list[float] = []
     loss = math.nan
     try:
@@ -473,24 +572,31 @@ def measure_config(model: ModelSpec, config: ParallelConfig, *, hardware: str,
     fingerprint_info = fingerprint(device, world_size=world)
 
     overhead_s = time.perf_counter() - start - in_steps
+    peak_rss = _peak_rss_gb()
     stats = torch.tensor(
-        times + [build_s, mesh_s, teardown_s, overhead_s, _peak_rss_gb(),
-                 _peak_rss_gb() - peak_before, rss_before,
+        times + [build_s, mesh_s, teardown_s, overhead_s, peak_rss,
+                 max(0.0, peak_rss - rss_before), rss_before, 0.0 if rss_reset else 1.0,
+                 build_peak,
                  torch.cuda.max_memory_allocated(device) / _GB if device.type == "cuda" else 0.0,
                  torch.cuda.max_memory_reserved(device) / _GB if device.type == "cuda" else 0.0],
         dtype=torch.float64, device=device if device.type == "cuda" else "cpu")
     dist.all_reduce(stats, op=dist.ReduceOp.MAX)
     values = stats.tolist()
     step_times = values[:measured_steps]
-    (build_s, mesh_s, teardown_s, overhead_s, peak_rss, rss_increase, rss_before_max, alloc,
-     reserved) = values[measured_steps:]
+    (build_s, mesh_s, teardown_s, overhead_s, peak_rss, rss_increase, rss_before_max,
+     rss_not_reset, build_peak, alloc, reserved) = values[measured_steps:]
     if details is not None:
         details.update(build_s=build_s, mesh_s=mesh_s, teardown_s=teardown_s,
                        overhead_s=overhead_s,
-                       rss_before_gb=rss_before_max, rss_peak_increase_gb=rss_increase)
+                       rss_before_gb=rss_before_max, rss_peak_increase_gb=rss_increase,
+                       peak_rss_reset=1.0 - rss_not_reset)
+        if device.type == "cuda":
+            details["build_peak_mem_allocated_gb"] = build_peak
+    if devices_per_node is None:
+        devices_per_node = _devices_per_node(device, world)
     measurement = Measurement(
         model=model, config=config, hardware=hw.name,
-        devices_per_node=_devices_per_node(device, world), step_times_s=step_times,
+        devices_per_node=int(devices_per_node), step_times_s=step_times,
         peak_rss_gb=peak_rss, loss=loss, warmup_steps=warmup_steps,
         fingerprint=fingerprint_info)
     if device.type == "cuda":

@@ -394,3 +394,45 @@ def test_a_cpu_campaign_that_cannot_fit_in_memory_is_refused_before_anything_sta
                                           r"processes"):
         run_campaign(spec, tmp_path / "c", track=False, progress=False)
     assert not (tmp_path / "c").exists()
+
+
+def test_resume_keeps_the_campaigns_timeout_unless_one_is_given(tmp_path):
+    """``profile --resume`` takes options not given from the campaign, the per-config
+    timeout included (it is not part of the identity, so it is read from campaign.json)."""
+    import argparse
+
+    from paratune.profiler._cli import build_spec, register
+
+    out = tmp_path / "c"
+    prepare_campaign(_spec(world_sizes=(1,), timeout_s=900.0), out)
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+
+    def resumed(*extra):
+        args = parser.parse_args(["profile", "--out", str(out), "--resume", "--device", "cpu",
+                                  *extra])
+        return build_spec(args)
+
+    spec = resumed()
+    assert spec.timeout_s == 900.0 and spec.warmup_steps == 1
+    prepare_campaign(spec, out, resume=True)
+    assert read_plan(CampaignPaths(out).plan(1))["timeout_s"] == 900.0
+    assert resumed("--timeout", "60").timeout_s == 60.0
+    fresh = parser.parse_args(["profile", "--out", str(tmp_path / "new"), "--device", "cpu"])
+    assert build_spec(fresh).timeout_s == 300.0
+
+
+@pytest.mark.slow
+def test_ok_and_failed_rows_record_the_campaigns_devices_per_node(tmp_path):
+    """Measured rows used to take LOCAL_WORLD_SIZE (the world size under the local launcher)
+    and failure rows the plan's value: one campaign, two node sizes."""
+    space = ConfigSpace(global_batch_sizes=[4], micro_batch_sizes=[2], shardings=["none"],
+                        recomputes=["none", "full"], tp_degrees=[1], pp_degrees=[1],
+                        tp_within_node=False)
+    failing = "dp2-tp1-pp1-mb2-gb4-1f1b-v1-none-full"
+    result = run_campaign(_spec(space=space, devices_per_node=1, timeout_s=120.0),
+                          tmp_path / "c", track=False, progress=False, fail_grace_s=1.0,
+                          extra_env={"PARATUNE_FAULT": f"raise:{failing}:1"})
+    frame = result.dataset.frame
+    assert sorted(frame["status"]) == ["error", "ok"]
+    assert list(frame["devices_per_node"]) == [1, 1]

@@ -29,6 +29,9 @@ LAYOUTS = [
     ParallelConfig(pp=2, tp=2, micro_batch_size=2, global_batch_size=_GB),
     ParallelConfig(pp=2, dp=2, micro_batch_size=1, global_batch_size=_GB),
     ParallelConfig(dp=4, micro_batch_size=1, global_batch_size=_GB, sharding="zero3"),
+    # ZeRO-2 without pipelining: parameters kept unsharded and gradients accumulated over the
+    # two micro-batches, reduce-scattered once.
+    ParallelConfig(dp=4, micro_batch_size=1, global_batch_size=_GB, sharding="zero2"),
     ParallelConfig(dp=2, tp=2, micro_batch_size=2, global_batch_size=_GB, sharding="zero2",
                    recompute="full"),
     ParallelConfig(dp=4, micro_batch_size=2, global_batch_size=_GB, sharding="zero1"),

@@ -53,3 +53,30 @@ def test_data_parallel_pipeline_stages_train_several_steps_like_one_process(shar
     assert parallel.returncode == 0, parallel.stderr[-2000:]
     assert len(_losses(parallel.stdout)) == 3
     assert _losses(parallel.stdout) == pytest.approx(_losses(single.stdout), abs=2e-4)
+
+
+@pytest.mark.parametrize("cuda", [False, True])
+def test_process_group_gets_the_device_set_first_and_nccl_its_device_id(monkeypatch, cuda):
+    """On CUDA the rank's device is current before NCCL starts and is passed as
+    ``device_id``; on CPU gloo gets neither (the CUDA path is simulated)."""
+    import torch
+    import torch.distributed as dist
+
+    from paratune.profiler import train
+
+    calls: list[tuple] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda index: calls.append(("set", index)))
+    monkeypatch.setattr(dist, "init_process_group",
+                        lambda backend, **kw: calls.append(("init", backend, kw)))
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    train._init_process_group()
+    if cuda:
+        assert calls[0] == ("set", 3)
+        (_, backend, kwargs), = calls[1:]
+        assert backend == "nccl" and kwargs["device_id"] == torch.device("cuda", 3)
+    else:
+        (_, backend, kwargs), = calls
+        assert backend == "gloo" and "device_id" not in kwargs

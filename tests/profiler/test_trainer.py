@@ -114,6 +114,43 @@ def test_measure_config_world_one(world_one):
         measure_config(SPEC, config, hardware="cpu", device=CPU, measured_steps=0)
 
 
+def _peak_rss_resettable() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as handle:
+            handle.write("5")
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _peak_rss_resettable(), reason="needs Linux /proc/self/clear_refs")
+def test_peak_rss_is_each_configs_own(world_one):
+    """A small config measured after a big one in the same process reports its own peak,
+    not the big one's (the process-lifetime high-water mark)."""
+    spec = get_model("tiny")
+    peaks, details = [], []
+    for batch in (128, 2):
+        info: dict[str, float] = {}
+        m = measure_config(spec, ParallelConfig(micro_batch_size=batch, global_batch_size=batch),
+                           hardware="cpu", device=CPU, warmup_steps=0, measured_steps=1,
+                           details=info)
+        peaks.append(m.peak_rss_gb)
+        details.append(info)
+    big, small = peaks
+    assert details[0]["peak_rss_reset"] == details[1]["peak_rss_reset"] == 1.0
+    assert details[0]["rss_peak_increase_gb"] > 0.3  # the big batch's activations
+    assert small < big - 0.3, peaks
+    assert small >= details[1]["rss_before_gb"] > 0
+
+
+def test_devices_per_node_is_the_one_given(world_one, monkeypatch):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")  # what the local launcher sets
+    config = ParallelConfig(global_batch_size=2)
+    common = dict(hardware="cpu", device=CPU, warmup_steps=0, measured_steps=1)
+    assert measure_config(SPEC, config, devices_per_node=3, **common).devices_per_node == 3
+    assert measure_config(SPEC, config, **common).devices_per_node == 8
+
+
 def test_mesh_is_cached_per_shape(world_one):
     config = ParallelConfig(global_batch_size=2)
     mesh = build_mesh(config, "cpu")
@@ -262,3 +299,90 @@ def test_measure_config_on_one_gpu(tmp_path):
     finally:
         clear_mesh_cache()
         dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------- collectives per step
+# Each layout runs with micro-batches of 1 and with as few micro-batches as it allows (one,
+# or pp under a pipeline schedule).
+_ACCUMULATION_LAYOUTS = [
+    ParallelConfig(dp=2, tp=2, global_batch_size=8),  # FSDP2 `replicate` (DTensor params)
+    ParallelConfig(dp=4, global_batch_size=8, sharding="zero2"),
+    ParallelConfig(dp=4, global_batch_size=8, sharding="zero3"),
+    ParallelConfig(pp=2, dp=2, global_batch_size=8, sharding="zero2"),
+    ParallelConfig(pp=2, dp=2, global_batch_size=8, sharding="zero3"),
+]
+
+
+def _count_dp_collectives(rank: int, world_size: int, port: int, out_dir: str) -> None:
+    """Per layout and micro-batch count: the data-parallel collectives FSDP2 issues in one
+    ``forward_backward`` (its Python-level calls, on the ``dp`` group only: tensor-parallel
+    all-reduces go through functional collectives and are not counted)."""
+    import collections
+
+    from paratune.profiler.gns import init_worker
+    from paratune.profiler.mesh import closing_process_group
+
+    init_worker(rank, world_size, port, "cpu")
+    counts: collections.Counter = collections.Counter()
+    recording: list[tuple[int, ...]] = []  # the dp group's ranks while recording
+
+    def wrap(name, fn):
+        def counted(*args, **kwargs):
+            group = kwargs.get("group")
+            if recording and group is not None and \
+                    tuple(dist.get_process_group_ranks(group)) == recording[0]:
+                counts[name] += 1
+            return fn(*args, **kwargs)
+        return counted
+
+    for name in ("all_reduce", "all_gather_single", "reduce_scatter_single"):
+        setattr(dist, name, wrap(name, getattr(dist, name)))
+    out = {}
+    try:
+        with closing_process_group():
+            for layout in _ACCUMULATION_LAYOUTS:
+                local = layout.global_batch_size // layout.dp
+                for micro in (1, local // layout.pp):
+                    config = layout.replace(micro_batch_size=micro)
+                    trainer = Trainer(SPEC, config, device=CPU)
+                    trainer.step(synthetic_batch(SPEC, 8, step=0))  # lazy initialisation
+                    group = trainer.mesh["dp"].get_group()
+                    recording.append(tuple(dist.get_process_group_ranks(group)))
+                    counts.clear()
+                    trainer.forward_backward(synthetic_batch(SPEC, 8, step=1))
+                    recording.clear()
+                    out[(layout.key(), config.num_microbatches)] = dict(counts)
+                    trainer.optimizer_step()
+                    trainer.close()
+    except Exception:
+        out = {"error": traceback.format_exc()}
+    torch.save(out, Path(out_dir) / f"{rank}.pt")
+
+
+@pytest.mark.slow
+def test_data_parallel_gradients_are_reduced_once_per_step_with_or_without_pipelining(
+        tmp_path):
+    """Gradient accumulation syncs data parallelism on the last micro-batch only, whatever
+    the wrapper (FSDP2 ``replicate`` under tp > 1, ZeRO-2/3 ``fully_shard``) and whether the
+    micro-batches are pipelined: the reductions of a step do not grow with their number."""
+    from paratune.profiler.gns import spawn
+
+    spawn(_count_dp_collectives, 4, str(tmp_path))
+    for rank in range(4):
+        out = torch.load(tmp_path / f"{rank}.pt", weights_only=False)
+        assert "error" not in out, out["error"]
+        for layout in _ACCUMULATION_LAYOUTS:
+            key = layout.key()
+            (many_n, many), (few_n, one) = [(n, c) for (k, n), c in out.items() if k == key]
+            assert many_n > few_n == layout.pp, (key, many_n, few_n)
+            if layout.sharding.value == "none":  # replicate: one all-reduce per step
+                assert many == one == {"all_reduce": 1}, (rank, key, many, one)
+                continue
+            units = one["reduce_scatter_single"]  # one reduce-scatter per FSDP unit and step
+            assert units >= 1 and many["reduce_scatter_single"] == units, (rank, key, many)
+            assert "all_reduce" not in many
+            if layout.sharding.value == "zero2":  # gathered once, kept through the step
+                assert many["all_gather_single"] == one["all_gather_single"] == units, \
+                    (rank, key, many, one)
+            else:  # zero3 regathers for every forward and backward
+                assert many["all_gather_single"] > one["all_gather_single"], (rank, key)
