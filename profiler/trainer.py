@@ -87,24 +87,21 @@ class Trainer:
     AdamW (ZeRO-1 with ``dp > 1``: ``ZeroRedundancyOptimizer``). Models with tied embeddings are
     materialised before parallelisation (meta-device materialisation would untie them).
 
-    Data-parallel communication per step, the same with and without pipelining (the
-    accumulation loop drives DDP and FSDP2 as torch's pipeline stages do):
+    Data-parallel communication per step:
 
     - ``none`` / ``zero1``: gradients accumulate locally over the micro-batches and are
       all-reduced once, on the last one (DDP ``no_sync``, or FSDP2 ``replicate`` with
-      ``set_requires_gradient_sync`` when ``tp > 1``); ZeRO-1 then updates its optimizer
-      shard and broadcasts the parameters.
-    - ``zero2``: parameters are all-gathered once per FSDP unit and kept unsharded through
-      every forward and backward (no reshard after forward, nor after backward before the
-      last micro-batch); gradients accumulate unsharded and are reduce-scattered once.
-    - ``zero3``: parameters are resharded after every forward and all-gathered again for
-      backward (one more all-gather per unit and micro-batch than ``zero2``: the price of
-      not holding them between forward and backward), while gradients, as under ``zero2``,
-      accumulate unsharded and are reduce-scattered once per step. This is a deliberate
-      choice: torch's pipelining schedule can do nothing else for FSDP stages, and
-      ``pp == 1`` must measure the same algorithm as ``pp > 1``. DeepSpeed-style ZeRO-3,
-      which reduce-scatters on every micro-batch (``num_microbatches`` times the gradient
-      traffic for sharded gradient memory), is not what is measured.
+      ``set_requires_gradient_sync`` when ``tp > 1``), with and without pipelining; ZeRO-1
+      then updates its optimizer shard and broadcasts the parameters.
+    - ``zero2`` / ``zero3`` without pipelining: FSDP2's own schedule, as torchtitan runs it:
+      each micro-batch's gradients are reduce-scattered into the rank's shard, so gradient
+      memory stays sharded (what ZeRO-2/3 are for, and what the analytical memory
+      estimate assumes); ``zero2`` keeps the gathered parameters from forward to backward,
+      ``zero3`` frees them after forward and gathers them again for backward.
+    - ``zero2`` / ``zero3`` with pipelining: torch's pipeline schedule accumulates the
+      gradients of a stage's micro-batches unsharded and reduce-scatters them once, on the
+      last (less traffic, more gradient memory); the measurements carry ``pp``, so the
+      performance model tells the two apart.
 
     Args:
         model: The model shape.
@@ -242,9 +239,15 @@ class Trainer:
         runner = self._runners[0]
         n = self.config.num_microbatches
         total = torch.zeros((), device=self.device, dtype=torch.float64)
+        # ZeRO-2/3 in training: FSDP2's default per-micro-batch reduce-scatter (sharded
+        # gradient memory); everything else reduces once, on the last micro-batch
+        sharded = (self.config.dp_enabled
+                   and self.config.sharding in (Sharding.ZERO2, Sharding.ZERO3))
         for i, (x, y) in enumerate(zip(inputs.chunk(n), targets.chunk(n))):
             last = i == n - 1
-            with self._grad_sync(runner, sync=sync_grads and last, last=last):
+            context = (contextlib.nullcontext() if sharded and sync_grads
+                       else self._grad_sync(runner, sync=sync_grads and last, last=last))
+            with context:
                 loss = cross_entropy_loss(runner(x), y) / n
                 loss.backward()
             total += loss.detach().to(torch.float64)
@@ -255,13 +258,13 @@ class Trainer:
     def _grad_sync(runner: nn.Module, *, sync: bool, last: bool) -> Iterator[None]:
         """Reduce gradients over data parallelism only when ``sync`` (the last micro-batch).
 
-        DDP: ``no_sync`` on the other micro-batches. FSDP2 (ZeRO-2/3 ``fully_shard`` and the
-        ``replicate`` of tensor-parallel models) the way torch's pipeline stages drive it
-        (``PipelineStage.backward_maybe_with_nosync`` / ``perform_reduce_grad``), so
-        ``pp == 1`` and ``pp > 1`` communicate alike: gradients accumulate unsharded
-        locally and are reduce-scattered (all-reduced under ``replicate``) once per step,
-        and parameters are not resharded after backward before the last micro-batch. The
-        flags are back at FSDP2's defaults after the last micro-batch, or if one raises.
+        DDP: ``no_sync`` on the other micro-batches. FSDP2 (the ``replicate`` of
+        tensor-parallel models, and ``fully_shard`` when gradients are kept local for the
+        noise scale) the way torch's pipeline stages drive it
+        (``PipelineStage.backward_maybe_with_nosync``): gradients accumulate unsharded
+        locally and are reduced once, and parameters are not resharded after backward
+        before the last micro-batch. The flags are back at FSDP2's defaults after the last
+        micro-batch, or if one raises.
         """
         from torch.distributed.fsdp import FSDPModule
 

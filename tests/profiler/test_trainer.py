@@ -360,11 +360,11 @@ def _count_dp_collectives(rank: int, world_size: int, port: int, out_dir: str) -
 
 
 @pytest.mark.slow
-def test_data_parallel_gradients_are_reduced_once_per_step_with_or_without_pipelining(
+def test_data_parallel_gradient_reductions_per_step(
         tmp_path):
-    """Gradient accumulation syncs data parallelism on the last micro-batch only, whatever
-    the wrapper (FSDP2 ``replicate`` under tp > 1, ZeRO-2/3 ``fully_shard``) and whether the
-    micro-batches are pipelined: the reductions of a step do not grow with their number."""
+    """Gradient accumulation reduces once, on the last micro-batch, under FSDP2 ``replicate``
+    (tp > 1) and for pipelined ZeRO-2/3 stages; ZeRO-2/3 without pipelining reduce-scatter
+    every micro-batch into the shard (sharded gradient memory, FSDP2's own schedule)."""
     from paratune.profiler.gns import spawn
 
     spawn(_count_dp_collectives, 4, str(tmp_path))
@@ -378,9 +378,14 @@ def test_data_parallel_gradients_are_reduced_once_per_step_with_or_without_pipel
             if layout.sharding.value == "none":  # replicate: one all-reduce per step
                 assert many == one == {"all_reduce": 1}, (rank, key, many, one)
                 continue
+            assert "all_reduce" not in many
+            if layout.pp == 1:  # one reduce-scatter per FSDP unit and micro-batch
+                units = one["reduce_scatter_single"]
+                assert units >= 1, (rank, key, one)
+                assert many["reduce_scatter_single"] == many_n * units, (rank, key, many)
+                continue
             units = one["reduce_scatter_single"]  # one reduce-scatter per FSDP unit and step
             assert units >= 1 and many["reduce_scatter_single"] == units, (rank, key, many)
-            assert "all_reduce" not in many
             if layout.sharding.value == "zero2":  # gathered once, kept through the step
                 assert many["all_gather_single"] == one["all_gather_single"] == units, \
                     (rank, key, many, one)
