@@ -49,11 +49,11 @@ def _local_hardware() -> tuple[str, str]:
 
 
 def trainer_runnable(configs: Sequence[ParallelConfig], model: ModelSpec, k: int
-                     ) -> list[ParallelConfig]:
-    """The first ``k`` of ``configs`` that paratune's trainer can run (it measures them);
-    the ones it skips are logged with the reason."""
+                     ) -> list[int]:
+    """Positions of the first ``k`` of ``configs`` that paratune's trainer can run (it
+    measures them); the ones it skips are logged with the reason."""
     out = []
-    for cfg in configs:
+    for position, cfg in enumerate(configs):
         if len(out) == k:
             break
         try:
@@ -61,7 +61,7 @@ def trainer_runnable(configs: Sequence[ParallelConfig], model: ModelSpec, k: int
         except ConfigError as exc:
             logger.info("not verified: %s (%s)", cfg.key(), exc)
             continue
-        out.append(cfg)
+        out.append(position)
     return out
 
 
@@ -114,7 +114,13 @@ def verify_top_k(result: TuneResult, k: int, *,
         import tempfile
 
         base = Path(tempfile.mkdtemp(prefix="paratune-verify-"))
-    configs = trainer_runnable(result.search.configs(), space.model, k)
+    ranked_configs = result.search.configs()
+    picked = trainer_runnable(ranked_configs, space.model, k)
+    if not picked:
+        raise ConfigError("verify", k, "none of the ranked configs can run in paratune's "
+                          "trainer (see ParallelConfig.check_trainer): nothing to measure")
+    configs = [ranked_configs[i] for i in picked]
+    ranked = result.search.ranked.iloc[picked]  # each verified config's own prediction
     frames = []
     for cfg in configs:
         spec = CampaignSpec(model=space.model, world_sizes=(cfg.world_size,),
@@ -127,7 +133,6 @@ def verify_top_k(result: TuneResult, k: int, *,
         campaign = run_campaign(spec, target, resume=resume, track=False, progress=False)
         frames.append(campaign.dataset.frame)
     measured = pd.concat(frames, ignore_index=True)
-    ranked = result.search.ranked.head(k)
 
     from paratune.models import load_measurements
 
