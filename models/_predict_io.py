@@ -150,17 +150,17 @@ def _check_layouts(configs: pd.DataFrame, errors: np.ndarray) -> None:
     for i in first:
         cells = part.iloc[i]
         try:
-            shape = {k: cells[k] for k in model_fields}
-            shape = {k: (None if k == "num_kv_heads" and _missing(v) else
-                         int(v) if k in _INTEGER else v) for k, v in shape.items()}
-            shape["tie_embeddings"] = bool(shape["tie_embeddings"])
-            shape["rope_theta"] = float(shape["rope_theta"])
-            shape["norm_eps"] = float(shape["norm_eps"])
-            layout = ParallelConfig(**{k: (int(cells[k]) if k in _INTEGER else str(cells[k]))
+            # the shape the layout rules read (integers, checked above); the rest of the
+            # model (rope, norm epsilon) plays no part in them
+            shape = {k: (None if k == "num_kv_heads" and _missing(cells[k]) else int(cells[k]))
+                     for k in model_fields if k in _INTEGER}
+            shape["mlp"] = str(cells["mlp"]).strip().lower()
+            layout = ParallelConfig(**{k: (int(cells[k]) if k in _INTEGER
+                                           else str(cells[k]).strip().lower())
                                        for k in PARALLEL_COLUMNS})
             layout.validate(ModelSpec(**shape), runnable=False)
             reasons.append("")
-        except ConfigError as exc:
+        except (ConfigError, ValueError, TypeError) as exc:
             reasons.append(str(exc))
     errors[readable] = np.asarray(reasons, dtype=object)[inverse]
 

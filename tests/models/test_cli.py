@@ -202,3 +202,18 @@ def test_fit_names_both_formats_for_a_csv_in_neither(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "neither the public measurement format" in err
     assert "missing status, step_time_s, model_name, num_layers, hidden_size and" in err
+
+
+def test_predict_own_format_takes_empty_optional_cells_and_any_case(model_dir, synthetic,
+                                                                   tmp_path):
+    frame = synthetic[list(CONFIG_COLUMNS)].head(3).astype(object)
+    frame.loc[frame.index[0], "rope_theta"] = ""
+    frame.loc[frame.index[1], "schedule"] = "1F1B"
+    frame.loc[frame.index[2], "sharding"] = "ZERO1"
+    src = tmp_path / "configs.csv"
+    frame.to_csv(src, index=False)
+    out = tmp_path / "out.csv"
+    assert main(["predict", "--model", str(model_dir), str(src), "--out", str(out)]) == 0
+    result = pd.read_csv(out, keep_default_na=False)
+    assert (result["pred_error"] == "").all()
+    assert np.all(result["pred_step_time_s"].astype(float) > 0)
