@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import numbers
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from enum import Enum
@@ -57,10 +58,11 @@ def _as_tuple(value: Any, cast: Any, name: str) -> tuple:
     if cast is int:
         # an integer option takes integers (and integral numbers such as 8.0 from YAML), not
         # bools or fractions that int() would quietly truncate
-        bad = [v for v in value if isinstance(v, bool) or not isinstance(v, int | float | str)
-               or (isinstance(v, float) and not v.is_integer())]
+        bad = [v for v in value if isinstance(v, bool) or type(v).__name__ == "bool_"
+               or not isinstance(v, numbers.Real | str)
+               or (isinstance(v, numbers.Real) and not float(v).is_integer())]
         if bad:
-            raise ConfigError(name, list(value), "values must be integers")
+            raise ConfigError(name, bad[0], "must be an integer")
     try:
         return tuple(cast(v) for v in value)
     except (TypeError, ValueError):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import numbers
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -40,7 +41,8 @@ def check_gpus(gpus: object) -> int:
     Raises:
         ConfigError: ``gpus`` is not a positive integer (``0``, ``-8``, ``2.5``, ``True``).
     """
-    if isinstance(gpus, bool) or not isinstance(gpus, (int, float, str)):
+    if (isinstance(gpus, bool) or type(gpus).__name__ == "bool_"
+            or not isinstance(gpus, numbers.Real | str)):
         raise ConfigError("gpus", gpus, "must be a positive integer")
     try:
         number = float(gpus)

@@ -71,7 +71,16 @@ def test_integer_options_are_stored_sorted_without_repeats():
     assert ConfigSpace(micro_batch_sizes=(2, 1)) == ConfigSpace(micro_batch_sizes=(1, 2))
 
 
-@pytest.mark.parametrize("values", [[8.7], [True], [8, "16.5"]])
-def test_integer_options_refuse_fractions_and_bools(values):
-    with pytest.raises(ConfigError, match=r"global_batch_sizes=.*values must be integers"):
+@pytest.mark.parametrize(("values", "bad"), [([8.7], "8.7"), ([True], "True"),
+                                             ([8, "16.5"], "'16.5'")])
+def test_integer_options_refuse_fractions_and_bools(values, bad):
+    with pytest.raises(ConfigError, match=rf"global_batch_sizes={bad}: must be an integer|"
+                                          r"global_batch_sizes=.*values must be integers"):
         ConfigSpace(global_batch_sizes=values)
+
+
+def test_integer_options_take_numpy_integers():
+    import numpy as np
+
+    space = ConfigSpace(global_batch_sizes=[np.int64(64), 8.0], micro_batch_sizes=[np.int32(2)])
+    assert space.global_batch_sizes == (8, 64) and space.micro_batch_sizes == (2,)

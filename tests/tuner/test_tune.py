@@ -69,6 +69,12 @@ def test_gpus_must_be_a_positive_integer(closed_form, gpus):
         SearchSpace.build(get_model("llama3-8b"), gpus, "H100")
 
 
+def test_gpus_may_be_a_numpy_integer():
+    import numpy as np
+
+    assert SearchSpace.build(get_model("llama3-8b"), np.int64(16), "H100").world_size == 16
+
+
 @pytest.mark.parametrize("command", ["tune", "plan"])
 @pytest.mark.parametrize("gpus", ["0", "-8"])
 def test_cli_names_gpus_when_it_is_not_positive(closed_form, tmp_path, capsys, command, gpus):
