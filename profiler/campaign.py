@@ -260,7 +260,11 @@ def prepare_campaign(spec: CampaignSpec, out: str | Path, *, resume: bool = Fals
         if not paths.campaign.exists():
             raise ConfigError("resume", str(out), "holds no campaign.json: nothing to resume")
         meta = json.loads(paths.campaign.read_text())
-        stored = meta.get("identity", {})
+        stored = dict(meta.get("identity", {}))
+        if isinstance(stored.get("grid"), dict):
+            # a grid stored before options were kept sorted: compare it as the space it is
+            with contextlib.suppress(ConfigError):  # else compared as stored, and refused
+                stored["grid"] = ConfigSpace.from_dict(stored["grid"]).to_dict()
         for name, value in identity.items():
             if name == "world_sizes" and set(value) <= set(stored.get(name, [])):
                 continue  # a part of the campaign's world sizes

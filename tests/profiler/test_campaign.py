@@ -79,6 +79,17 @@ def test_enumeration_reports_skipped_configs_with_reasons():
             config.validate(TINY, world_size)
 
 
+def test_a_campaign_whose_stored_grid_is_unsorted_resumes(tmp_path):
+    # campaigns written before the space kept its options sorted stored them as given
+    spec = _spec(world_sizes=(1, 2), space=ConfigSpace(micro_batch_sizes=[1, 2, 4]))
+    paths, meta = prepare_campaign(spec, tmp_path / "c")
+    stored = json.loads(paths.campaign.read_text())
+    stored["identity"]["grid"]["micro_batch_sizes"] = [4, 2, 1]
+    paths.campaign.write_text(json.dumps(stored))
+    _, again = prepare_campaign(spec, tmp_path / "c", resume=True)
+    assert again["campaign_id"] == meta["campaign_id"]
+
+
 def test_prepare_writes_plans_and_refuses_to_mix_campaigns(tmp_path):
     spec = _spec(world_sizes=(1, 4), space=ConfigSpace(micro_batch_sizes=[4]))
     paths, meta = prepare_campaign(spec, tmp_path / "c")
