@@ -220,8 +220,18 @@ def _to_pandas(table: pa.Table) -> pd.DataFrame:
     import pandas as pd
 
     frame = table.replace_schema_metadata(None).to_pandas()
-    # a file written before an optional column existed: derived or default values
+    # a file written before an optional column existed: derived or default values, typed
+    # as a file that has the column reads
+    missing = [c for c in column_types() if c not in frame.columns]
     _fill_optional(frame)
+    for name in missing:
+        kind = column_types()[name]
+        if kind == "float64":
+            frame[name] = pd.to_numeric(frame[name], errors="coerce").astype("float64")
+        elif kind == "int64" and frame[name].notna().all():
+            frame[name] = frame[name].astype("int64")
+        elif kind == "bool":
+            frame[name] = frame[name].astype(bool)
     frame["step_times_s"] = [v.tolist() if v is not None else [] for v in frame["step_times_s"]]
     # A nullable integer: plain ints and None rather than floats.
     frame["device_count"] = pd.Series(

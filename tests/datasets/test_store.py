@@ -282,3 +282,11 @@ def test_a_file_without_an_optional_column_reads_with_its_default(tmp_path):
     assert back.frame["device_count"].tolist() == [None] * 3
     assert back.frame["world_size"].tolist() == [2, 2, 2]
     assert [m.config.world_size for m in back.measurements()] == [2, 2, 2]
+    # filled columns have the types a file with them reads back with
+    fresh = read_dataset(tmp_path / "ds").frame
+    dropped = table.drop_columns(["mfu", "peak_rss_gb", "virtual_stages"])
+    pq.write_table(dropped.replace_schema_metadata(table.schema.metadata),
+                   tmp_path / "older2.parquet")
+    filled = read_dataset(tmp_path / "older2.parquet").frame
+    for column in ("mfu", "peak_rss_gb", "virtual_stages"):
+        assert filled[column].dtype == fresh[column].dtype, column
