@@ -280,8 +280,8 @@ def write_recommendation(rec: dict[str, Any], directory: str | Path) -> dict[str
                                                     sort_keys=False))
     if launch["torchrun"] is not None:
         atomic_write_text(paths["torchrun"], "#!/bin/sh\n" + launch["torchrun"] + "\n")
-    else:
-        del paths["torchrun"]
+    else:  # and none left from an earlier winner written to the same directory
+        paths.pop("torchrun").unlink(missing_ok=True)
     atomic_write_text(paths["torchtitan"], launch["torchtitan_toml"])
     atomic_write_text(paths["megatron"], " \\\n  ".join(launch["megatron_args"]) + "\n")
     return paths

@@ -188,9 +188,14 @@ def test_uneven_pipeline_split_is_spelled_out_as_measured():
         MODEL, plain))
 
 
-def test_no_torchrun_command_for_a_layout_the_trainer_cannot_run():
+def test_no_torchrun_command_for_a_layout_the_trainer_cannot_run(tmp_path):
+    runnable = recommendation(MODEL, ParallelConfig(dp=8, global_batch_size=8), H100)
+    assert "torchrun" in write_recommendation(runnable, tmp_path)
     cfg = ParallelConfig(dp=2, tp=4, global_batch_size=8, sharding="zero1")
     rec = recommendation(MODEL, cfg, H100, devices_per_node=8)
+    # written over the earlier winner: no torchrun.sh of that one is left behind
+    assert "torchrun" not in write_recommendation(rec, tmp_path)
+    assert not (tmp_path / "torchrun.sh").exists()
     assert rec["launch"]["torchrun"] is None
     assert any("no torchrun command: sharding='zero1'" in n for n in rec["launch"]["notes"])
     assert "--use-distributed-optimizer" in rec["launch"]["megatron_args"]
