@@ -188,8 +188,11 @@ def enumerate_campaign(spec: CampaignSpec) -> dict[int, SpaceEnumeration]:
     """Valid and skipped configs per world size.
 
     Configs that :meth:`ParallelConfig.validate` accepts but the profiler cannot run (see
-    :func:`paratune.profiler.trainer.check_supported`) are skipped with that reason too.
+    :func:`paratune.profiler.trainer.check_supported`) are skipped with that reason too, and
+    so, on the CPU, are configs whose ranks on one machine cannot fit in its memory (see
+    :func:`paratune.profiler._memory.check_cpu_memory`).
     """
+    from paratune.profiler._memory import check_cpu_memory
     from paratune.profiler.trainer import check_supported
 
     assert spec.space is not None
@@ -198,9 +201,14 @@ def enumerate_campaign(spec: CampaignSpec) -> dict[int, SpaceEnumeration]:
         node = spec.devices_per_node or world_size
         enumeration = spec.space.enumerate(spec.model, world_size, devices_per_node=node)
         valid = []
+        # on the CPU every rank of a machine shares its memory: a config whose ranks cannot
+        # fit is skipped with the reason, before any process starts
+        per_machine = min(world_size, spec.devices_per_node or world_size)
         for config in enumeration.valid:
             try:
                 check_supported(spec.model, config)
+                if spec.device == "cpu":
+                    check_cpu_memory(spec.model, config, processes=per_machine)
             except ConfigError as exc:
                 enumeration.skipped.append((config, str(exc)))
                 continue
@@ -216,13 +224,15 @@ def _check_something_to_measure(spec: CampaignSpec,
     if any(e.valid for e in enumerations.values()):
         return
     assert spec.space is not None
+    # the checks of this profiler and machine (trainer support, memory) come last in each
+    # enumeration and say most about a layout that is otherwise valid: shown first
     reasons = list(dict.fromkeys(reason for e in enumerations.values()
-                                 for _, reason in e.skipped))
+                                 for _, reason in reversed(e.skipped)))
     shown = "; ".join(reasons[:3]) + ("; ..." if len(reasons) > 3 else "")
     sizes = ", ".join(str(w) for w in spec.world_sizes)
     raise ConfigError(
         "world_sizes", list(spec.world_sizes),
-        f"no (dp, tp, pp) layout of {sizes} devices is valid for {spec.model.name} with "
+        f"no config of {sizes} devices can be profiled for {spec.model.name} with "
         f"this grid (global_batch_sizes={list(spec.space.global_batch_sizes)}, "
         f"tp_degrees={_listed(spec.space.tp_degrees)}, "
         f"pp_degrees={_listed(spec.space.pp_degrees)}): nothing to profile"
@@ -792,8 +802,6 @@ def run_campaign(spec: CampaignSpec, out: str | Path, *, resume: bool = False,
     children_before = resource.getrusage(resource.RUSAGE_CHILDREN)
     if launcher not in ("local", "torchrun"):
         raise ConfigError("launcher", launcher, "must be local or torchrun")
-    if spec.device == "cpu":
-        _check_cpu_memory(spec)
     if spec.device == "cuda":
         import torch
 
@@ -859,18 +867,6 @@ def run_campaign(spec: CampaignSpec, out: str | Path, *, resume: bool = False,
             run.log_artifact(paths.root / dataset.card.data_file, "dataset")
             run.log_artifact(paths.skipped)
     return result
-
-
-def _check_cpu_memory(spec: CampaignSpec) -> None:
-    """Raise before anything starts when a config's ranks cannot fit in this machine's
-    memory (the config that needs the most, per world size, is named)."""
-    from paratune.profiler._memory import check_cpu_memory, cpu_process_memory_gb
-
-    for world_size, enumeration in enumerate_campaign(spec).items():
-        if enumeration.valid:
-            largest = max(enumeration.valid,
-                          key=lambda c: cpu_process_memory_gb(spec.model, c))
-            check_cpu_memory(spec.model, largest, processes=world_size)
 
 
 def _plan_keys(paths: CampaignPaths, world_size: int) -> set[str]:

@@ -118,8 +118,8 @@ def test_a_grid_with_no_valid_config_is_refused_before_anything_is_written(tmp_p
     assert main(["profile", "--model", "tiny", "--world-sizes", "4", "--grid", str(grid),
                  "--out", str(out), "--device", "cpu", "--no-track", "--no-progress"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("paratune profile: error: world_sizes=[4]: no (dp, tp, pp) layout "
-                          "of 4 devices is valid for tiny")
+    assert err.startswith("paratune profile: error: world_sizes=[4]: no config of 4 devices "
+                          "can be profiled for tiny")
     assert "tp_degrees=[3]" in err and "Traceback" not in err
     assert not out.exists()
     with pytest.raises(ConfigError, match="nothing to profile"):
@@ -401,10 +401,32 @@ def test_a_cpu_campaign_that_cannot_fit_in_memory_is_refused_before_anything_sta
                         space=ConfigSpace(global_batch_sizes=[16], micro_batch_sizes=[1],
                                           tp_degrees=[1], pp_degrees=[1], shardings=["none"],
                                           recomputes=["none"]))
-    with pytest.raises(ConfigError, match=r"model='llama3-8b'.*dp8-tp1-pp1-mb1-gb16.*x 8 "
-                                          r"processes"):
+    with pytest.raises(ConfigError, match=r"nothing to profile.*model='llama3-8b'.*"
+                                          r"dp8-tp1-pp1-mb1-gb16.*x 8 processes"):
         run_campaign(spec, tmp_path / "c", track=False, progress=False)
     assert not (tmp_path / "c").exists()
+
+
+def test_cpu_configs_that_cannot_fit_are_skipped_and_the_rest_kept():
+    # llama3.2-1b on 2 ranks: without sharding each rank holds ~20 GB of state, ZeRO-3
+    # shards it; on a 24 GB machine only the sharded config fits
+    from paratune.profiler._memory import cpu_process_memory_gb, physical_memory_bytes
+
+    model = get_model("llama3.2-1b")
+    space = ConfigSpace(global_batch_sizes=[2], micro_batch_sizes=[1], tp_degrees=[1],
+                        pp_degrees=[1], shardings=["none", "zero3"], recomputes=["none"])
+    spec = CampaignSpec(model=model, world_sizes=(2,), space=space)
+    total_gb = physical_memory_bytes() / 1e9
+    need = {s: 2 * cpu_process_memory_gb(model, ParallelConfig(dp=2, global_batch_size=2,
+                                                               sharding=s))
+            for s in ("none", "zero3")}
+    if not need["zero3"] < total_gb < need["none"]:
+        pytest.skip(f"needs a machine with between {need['zero3']:.0f} and "
+                    f"{need['none']:.0f} GB of memory")
+    enumeration = enumerate_campaign(spec)[2]
+    assert [c.sharding.value for c in enumeration.valid] == ["zero3"]
+    assert any("model='llama3.2-1b'" in reason and "x 2 processes" in reason
+               for _, reason in enumeration.skipped)
 
 
 def test_resume_keeps_the_campaigns_timeout_unless_one_is_given(tmp_path):
