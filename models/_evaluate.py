@@ -18,6 +18,7 @@ at least once is feasible).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -147,9 +148,10 @@ def metrics(frame: pd.DataFrame, predictions: pd.DataFrame) -> dict[str, float]:
     if PRED_TOKENS_EXPECTED in predictions.columns:
         ranked = np.asarray(predictions[PRED_TOKENS_EXPECTED], dtype=float)[ok]
         p_ok = np.where(np.isfinite(ranked), ranked, p_ok)
-    q10 = "pred_tokens_per_sec_per_gpu_q10"
-    cautious = (np.asarray(predictions[q10], dtype=float)[ok] if q10 in predictions.columns
-                else None)
+    # the lower throughput quantile, whatever the model's quantiles (q10 by default)
+    lower = sorted(c for c in predictions.columns
+                   if re.fullmatch(r"pred_tokens_per_sec_per_gpu_q\d\d", str(c)))
+    cautious = (np.asarray(predictions[lower[0]], dtype=float)[ok] if lower else None)
     cautious_regrets = []
     for key in np.unique(keys):
         sel = keys == key

@@ -551,7 +551,8 @@ def compute_features(frame: pd.DataFrame | Columns) -> tuple[np.ndarray, dict[st
     Returns:
         ``(X, analytical)``: an ``(n, len(FEATURE_NAMES))`` float32 matrix, and a dict with
         the parts of :func:`analytical_step_time`, ``memory_gb`` (analytical peak memory)
-        and ``error`` (message per row: unknown hardware or option value; empty elsewhere).
+        ``error`` (message per row: unknown hardware or option value; empty elsewhere) and
+        ``hardware_error`` (its unknown-hardware part).
     """
     c = _cols(frame)
     times = analytical_step_time(c)
@@ -596,4 +597,5 @@ def compute_features(frame: pd.DataFrame | Columns) -> tuple[np.ndarray, dict[st
     analytical = dict(times)
     analytical["memory_gb"] = mem_gb
     analytical["error"] = c.error
+    analytical["hardware_error"] = c.hardware_error  # the unknown-hardware part alone
     return matrix, analytical
