@@ -499,9 +499,13 @@ class NoiseScaleMeter:
 # ---------------------------------------------------------------------- the measured run
 TRAJECTORY_COLUMNS = ("step", "tokens", "loss", "b_simple", "g2", "trace", "g2_ema",
                       "trace_ema", "small_sqnorm", "big_sqnorm", "b_small", "b_big",
-                      "elapsed_s")
+                      "elapsed_s", "seq_len")
 """Columns of the trajectory CSV: ``step, tokens, loss, b_simple`` (what the tuner reads;
-``b_simple`` in sequences) followed by the estimator's parts."""
+``b_simple`` in sequences) followed by the estimator's parts and ``seq_len``, the measuring
+run's tokens per sequence (the same on every row)."""
+
+_LEGACY_TRAJECTORY_COLUMNS = TRAJECTORY_COLUMNS[:-1]
+"""Columns of trajectories written before ``seq_len`` was recorded; a resume upgrades them."""
 
 
 @dataclass(frozen=True)
@@ -535,7 +539,8 @@ class GNSJob:
     corpus_bytes: int | None = 8 << 20
     """Bytes of the standard library to read."""
     checkpoint_dir: str | None = None
-    """Where to save state every ``checkpoint_every`` steps (and resume from)."""
+    """Where to save state every ``checkpoint_every`` steps (and resume from). A run that
+    does not resume removes a checkpoint left there by an earlier run before it starts."""
     checkpoint_every: int = 0
     """Steps between checkpoints (0: never)."""
     resume: bool = False
@@ -561,6 +566,10 @@ class GNSJob:
                               "is required with checkpoint_every or resume")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError("device", self.device, "must be auto, cpu or cuda")
+        if self.checkpoint_every:
+            from paratune.profiler.reconfigure import _check_supported
+
+            _check_supported(self.config)  # zero1 with dp > 1 cannot be checkpointed
         from paratune.profiler.trainer import check_supported
 
         check_supported(self.model, self.config)
@@ -582,47 +591,167 @@ def _append_row(path: str, row: dict[str, Any]) -> None:
         os.fsync(handle.fileno())
 
 
-def _truncate_rows(path: str, max_step: int) -> None:
-    """Keep the header and the rows with ``step <= max_step`` (a torn last line goes too)."""
-    from paratune._io import atomic_write_text
+def _read_trajectory(path: str | Path) -> tuple[tuple[str, ...], list[list[str]]]:
+    """Header and complete data rows of a trajectory CSV (``((), [])`` when it is absent).
 
+    A row is complete when it has as many fields as the header and an integer step; a line
+    torn by a kill mid-write is left out. Works for the current columns and for trajectories
+    written before ``seq_len`` was added.
+    """
     file = Path(path)
     if not file.exists():
-        return
+        return (), []
     lines = file.read_text(encoding="utf-8").splitlines()
     if not lines:
+        return (), []
+    header = tuple(lines[0].split(","))
+    rows = [fields for fields in (line.split(",") for line in lines[1:])
+            if len(fields) == len(header) and fields[0].isdigit()]
+    return header, rows
+
+
+def _truncate_rows(path: str, max_step: int, *, seq_len: int) -> None:
+    """Keep the header and the rows with ``step <= max_step`` (a torn last line goes too).
+
+    A trajectory written before ``seq_len`` was a column gets it, ``seq_len`` on every kept
+    row (:func:`_check_resumable` has checked that its tokens agree), so the rows the resumed
+    run appends match the header.
+    """
+    from paratune._io import atomic_write_text
+
+    header, rows = _read_trajectory(path)
+    if not header:
         return
-    kept = [lines[0]]
-    for line in lines[1:]:
-        fields = line.split(",")
-        if len(fields) == len(TRAJECTORY_COLUMNS) and fields[0].isdigit() \
-                and int(fields[0]) <= max_step:
-            kept.append(line)
-    atomic_write_text(file, "\n".join(kept) + "\n")
+    kept = [fields for fields in rows if int(fields[0]) <= max_step]
+    if header == _LEGACY_TRAJECTORY_COLUMNS:
+        header = TRAJECTORY_COLUMNS
+        kept = [[*fields, str(seq_len)] for fields in kept]
+    lines = [",".join(header)] + [",".join(fields) for fields in kept]
+    atomic_write_text(path, "\n".join(lines) + "\n")
 
 
 def _measured_rows(path: str) -> int:
     """Complete data rows in a trajectory CSV (0 when it does not exist)."""
-    file = Path(path)
-    if not file.exists():
-        return 0
-    lines = file.read_text(encoding="utf-8").splitlines()[1:]
-    return sum(1 for line in lines if len(line.split(",")) == len(TRAJECTORY_COLUMNS))
+    return len(_read_trajectory(path)[1])
+
+
+def _job_fingerprint(job: GNSJob) -> dict[str, Any]:
+    """What must be the same for a checkpoint to continue ``job``'s trajectory, flat
+    (``model.seq_len``, ``config.dp``, ``lr``, ...) and JSON-normalised. The small-batch
+    mode and count are the resolved ones (``auto`` and ``dp`` on a dp layout agree)."""
+    import json
+
+    meter = NoiseScaleMeter(job.config, mode=job.mode, num_small_batches=job.num_small_batches,
+                            precondition=job.precondition, beta=job.beta)
+    fingerprint: dict[str, Any] = {f"model.{k}": v for k, v in job.model.to_dict().items()}
+    fingerprint.update({f"config.{k}": v for k, v in job.config.to_dict().items()})
+    fingerprint.update(seed=job.seed, data_seed=job.data_seed, lr=job.lr,
+                       weight_decay=job.weight_decay, mode=meter.mode,
+                       num_small_batches=meter.num_small_batches,
+                       precondition=job.precondition, beta=job.beta,
+                       corpus_bytes=job.corpus_bytes)
+    return json.loads(json.dumps(fingerprint, default=str))
+
+
+def _check_fingerprint(job: GNSJob, saved: dict[str, Any], found: Path) -> None:
+    """Refuse a checkpoint saved by a run with other settings, naming the first field that
+    differs and both values.
+
+    A checkpoint written before fingerprints were saved is checked on what it holds (its
+    layout and the moving-average decay) and accepted with a warning.
+    """
+    import warnings
+
+    mine = _job_fingerprint(job)
+    fingerprint = saved.get("extra", {}).get("job")
+    if fingerprint is None:
+        fingerprint = {f"config.{k}": v for k, v in saved["config"].items()}
+        if "beta" in saved.get("gns", {}):
+            fingerprint["beta"] = saved["gns"]["beta"]
+        warnings.warn(f"{found} predates job fingerprints: only its parallel config and beta "
+                      "can be checked against this run", stacklevel=3)
+    for name in [*mine, *(n for n in fingerprint if n not in mine)]:
+        if mine.get(name) != fingerprint.get(name, mine.get(name)):
+            raise ConfigError(name, mine.get(name), f"differs from {fingerprint.get(name)!r}, "
+                              f"the value of the run that saved the checkpoint {found}: it "
+                              "cannot continue this trajectory. Resume with the same settings, "
+                              "or run without resume to start a new trajectory")
+
+
+def _check_rows_match(job: GNSJob, step: int, tokens: int, found: Path) -> None:
+    """Refuse a checkpoint at ``step`` whose trajectory rows up to it are not exactly steps
+    ``1..step`` of this run (missing, gapped or spliced rows, another sequence length)."""
+    header, rows = _read_trajectory(job.out)
+    if header and header not in (TRAJECTORY_COLUMNS, _LEGACY_TRAJECTORY_COLUMNS):
+        raise ConfigError("out", job.out, f"has columns {','.join(header)}, not a trajectory's")
+    kept = [fields for fields in rows if int(fields[0]) <= step]
+    steps = [int(fields[0]) for fields in kept]
+    if steps != list(range(1, step + 1)):
+        last = steps[-1] if steps else None
+        raise ConfigError("resume", True, f"the checkpoint {found} is at step {step} but "
+                          f"{job.out} holds {len(steps)} rows up to it (last step {last}), not "
+                          f"steps 1..{step}: they are not the same run. Nothing was changed; "
+                          "run without resume to start a new trajectory")
+    if steps:
+        where = dict(zip(header, kept[-1]))
+        if int(where["tokens"]) != tokens:
+            raise ConfigError("resume", True, f"{job.out} has {where['tokens']} tokens at step "
+                              f"{step}, the checkpoint {found} {tokens}: not the same run")
+        seq_lens = {int(float(fields[-1])) for fields in kept} if "seq_len" in header else set()
+        if seq_lens - {job.model.seq_len}:
+            raise ConfigError("model.seq_len", job.model.seq_len, f"differs from seq_len "
+                              f"{sorted(seq_lens)} of the rows of {job.out}")
 
 
 def _check_resumable(job: GNSJob) -> None:
-    """Refuse to resume over measured rows without a complete checkpoint to continue from:
-    restarting at step 0 would delete them (nothing is deleted; the message says what to
-    do)."""
+    """Check a resume before any process starts: nothing is changed when it is refused.
+
+    Refused: measured rows without a complete checkpoint to continue from (restarting at
+    step 0 would delete them); a checkpoint saved by a run with other settings (see
+    :func:`_check_fingerprint`); rows up to the checkpoint's step that are not its run's.
+    """
+    import json
+
     if not job.resume:
         return
-    from paratune.profiler.reconfigure import find_checkpoint
+    from paratune.profiler.reconfigure import RUN_STATE_FILE, find_checkpoint
 
-    rows = _measured_rows(job.out)
-    if rows and (job.checkpoint_dir is None or find_checkpoint(job.checkpoint_dir) is None):
-        raise ConfigError("resume", True, f"{job.checkpoint_dir} holds no complete checkpoint "
-                          f"to continue the {rows} rows of {job.out} from; they are kept. "
-                          "Run without resume and another out to start a new trajectory")
+    found = None if job.checkpoint_dir is None else find_checkpoint(job.checkpoint_dir)
+    if found is None:
+        rows = _measured_rows(job.out)
+        if rows:
+            raise ConfigError("resume", True, f"{job.checkpoint_dir} holds no complete "
+                              f"checkpoint to continue the {rows} rows of {job.out} from; "
+                              "they are kept. Run without resume and another out to start a "
+                              "new trajectory")
+        return
+    saved = json.loads((found / RUN_STATE_FILE).read_text(encoding="utf-8"))
+    _check_fingerprint(job, saved, found)
+    _check_rows_match(job, int(saved["step"]), int(saved["tokens_seen"]), found)
+
+
+def _start_fresh(job: GNSJob) -> None:
+    """Before a run that starts at step 0: delete ``job.out`` and any checkpoint an earlier
+    run left in ``job.checkpoint_dir`` (a later resume would otherwise continue from its
+    weights). A checkpoint directory holding other files is refused, nothing deleted."""
+    import shutil
+
+    from paratune.profiler.reconfigure import _PREVIOUS, _SAVING, _removable
+
+    targets = []
+    if job.checkpoint_dir is not None:
+        ckpt = Path(job.checkpoint_dir)
+        targets = [ckpt, ckpt.with_name(ckpt.name + _PREVIOUS),
+                   ckpt.with_name(ckpt.name + _SAVING)]
+        for target in targets:
+            if not _removable(target):
+                raise ConfigError("checkpoint_dir", job.checkpoint_dir,
+                                  f"{target} holds files that are not a checkpoint; choose "
+                                  "an empty or checkpoint directory")
+    Path(job.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(job.out).unlink(missing_ok=True)
+    for target in targets:
+        shutil.rmtree(target, ignore_errors=True)
 
 
 def _resolved_device(kind: str) -> str:
@@ -700,20 +829,17 @@ def _gns_worker(rank: int, world_size: int, port: int, job: GNSJob) -> None:
                                 precondition=job.precondition, beta=job.beta)
         trainer = Trainer(job.model, meter.trainer_config, device=device, seed=job.seed,
                           lr=job.lr, weight_decay=job.weight_decay)
-        state = RunState(config=job.config, extra={"elapsed_s": 0.0})
+        fingerprint = _job_fingerprint(job)
+        state = RunState(config=job.config, extra={"elapsed_s": 0.0, "job": fingerprint})
         ckpt = Path(job.checkpoint_dir) if job.checkpoint_dir else None
+        # run_gns has checked a resume's checkpoint against this job (or started afresh:
+        # deleted the trajectory and any earlier run's checkpoint) before starting us.
         if job.resume and ckpt is not None and find_checkpoint(ckpt) is not None:
             state = load_checkpoint(ckpt, trainer)
-            state.config = job.config
+            state.config = job.config  # checked equal (run_gns: _check_fingerprint)
             meter.tracker.load_state_dict(state.gns)
             if rank == 0:
-                _truncate_rows(job.out, state.step)
-        elif rank == 0:
-            # run_gns refused a resume without a checkpoint over measured rows; a fresh run
-            # (not resuming) starts a new trajectory.
-            _check_resumable(job)
-            Path(job.out).parent.mkdir(parents=True, exist_ok=True)
-            Path(job.out).unlink(missing_ok=True)
+                _truncate_rows(job.out, state.step, seq_len=job.model.seq_len)
         dist.barrier()
         gb, seq_len = job.config.global_batch_size, job.model.seq_len
         elapsed = float(state.extra.get("elapsed_s", 0.0))
@@ -732,11 +858,13 @@ def _gns_worker(rank: int, world_size: int, port: int, job: GNSJob) -> None:
                     "b_simple": est.b_simple, "g2": est.g2, "trace": est.trace,
                     "g2_ema": est.g2_ema, "trace_ema": est.trace_ema,
                     "small_sqnorm": result.small_sqnorm, "big_sqnorm": result.big_sqnorm,
-                    "b_small": result.b_small, "b_big": result.b_big, "elapsed_s": elapsed})
+                    "b_small": result.b_small, "b_big": result.b_big, "elapsed_s": elapsed,
+                    "seq_len": seq_len})
             if ckpt is not None and job.checkpoint_every and (
                     state.step % job.checkpoint_every == 0 or state.step == job.steps):
                 state.gns = meter.tracker.state_dict()
                 state.extra["elapsed_s"] = elapsed
+                state.extra["job"] = fingerprint
                 save_checkpoint(ckpt, trainer, state)
         trainer.close()
 
@@ -748,8 +876,13 @@ def run_gns(job: GNSJob) -> Path:
     Rank 0 appends one row per step to ``job.out`` (columns :data:`TRAJECTORY_COLUMNS`) and
     fsyncs it, so a killed run keeps every row measured; with ``checkpoint_dir`` and
     ``resume`` a rerun continues from the last complete checkpoint (rows past it are
-    re-measured). Resuming where ``job.out`` has rows but no complete checkpoint exists is
-    refused, the rows kept; resuming with neither starts from step 0.
+    re-measured). Each checkpoint holds the job's fingerprint (model, config, seeds, lr,
+    weight decay, small batches, preconditioner, beta, corpus size); a resume whose settings
+    differ, or whose rows up to the checkpoint's step are not steps ``1..step`` of that run,
+    is refused before any process starts, as is resuming where ``job.out`` has rows but no
+    complete checkpoint exists (the rows are kept); resuming with neither starts from step 0.
+    A run starting from step 0 deletes ``job.out`` and any checkpoint left in
+    ``checkpoint_dir``, so a later resume cannot continue another run's weights.
 
     Args:
         job: The run.
@@ -758,9 +891,10 @@ def run_gns(job: GNSJob) -> Path:
         The trajectory path.
 
     Raises:
-        ConfigError: the job is invalid, it resumes measured rows without a checkpoint, or
-            on the CPU its processes cannot fit in this machine's memory (checked before any
-            process starts).
+        ConfigError: the job is invalid, it resumes measured rows without a checkpoint or
+            from a checkpoint of another run (the differing field named), or on the CPU its
+            processes cannot fit in this machine's memory (checked before any process
+            starts).
     """
     job.validate()
     _check_resumable(job)
@@ -768,6 +902,11 @@ def run_gns(job: GNSJob) -> Path:
         from paratune.profiler._memory import check_cpu_memory
 
         check_cpu_memory(job.model, job.config)
+    from paratune.profiler.reconfigure import find_checkpoint
+
+    if not (job.resume and job.checkpoint_dir is not None
+            and find_checkpoint(job.checkpoint_dir) is not None):
+        _start_fresh(job)
     spawn(_gns_worker, job.config.world_size, job)
     return Path(job.out)
 

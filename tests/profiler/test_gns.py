@@ -244,20 +244,25 @@ def test_gns_command_writes_a_trajectory_and_resumes_after_a_kill(tmp_path):
     assert list(frame["step"]) == [1, 2, 3, 4]
     assert list(frame["tokens"]) == [256, 512, 768, 1024]
     assert (frame["b_small"] == 4).all() and (frame["b_big"] == 8).all()
+    assert (frame["seq_len"] == 32).all()
+    # Checkpointed by default (every 50 steps and at the end), so --resume alone can continue.
+    from paratune.profiler.reconfigure import find_checkpoint
+
+    assert find_checkpoint(tmp_path / "straight-checkpoint") is not None
     assert frame["loss"].iloc[-1] < frame["loss"].iloc[0]
     assert np_isfinite_all(frame["b_simple"])
     tune_reader = pytest.importorskip("paratune.tuner.gns_trajectory")
     assert len(tune_reader.load_trajectory(straight)) >= 1
 
-    # Killed after a checkpoint at step 2 with a torn row 3 half written: the resumed run
-    # re-measures step 3 and ends where the uninterrupted run ends.
+    # Killed after a checkpoint at step 2 (the default saves at the end) with a torn row 3
+    # half written: the resumed run (--resume, nothing else) re-measures step 3 and ends
+    # where the uninterrupted run ends.
     killed = tmp_path / "killed.csv"
-    assert main([*common, "--config", "dp=2,gb=8", "--steps", "2", "--out", str(killed),
-                 "--checkpoint-every", "2"]) == 0
+    assert main([*common, "--config", "dp=2,gb=8", "--steps", "2", "--out", str(killed)]) == 0
     with open(killed, "a") as handle:
         handle.write("3,768,5.1")
     assert main([*common, "--config", "dp=2,gb=8", "--steps", "4", "--out", str(killed),
-                 "--resume", "--checkpoint-every", "2"]) == 0
+                 "--resume"]) == 0
     resumed = _rows(killed)
     assert list(resumed["step"]) == [1, 2, 3, 4]
     for column in ("loss", "small_sqnorm", "big_sqnorm", "b_simple"):
@@ -281,6 +286,9 @@ def test_gns_job_rejects_bad_settings_before_starting():
         (dict(config=ParallelConfig(global_batch_size=3)), "global_batch_size"),
         (dict(resume=True), "checkpoint_dir"),
         (dict(precondition="sgd"), "precondition"),
+        # zero1 with dp > 1 cannot be checkpointed: refused up front, not at the first save.
+        (dict(config=ParallelConfig(dp=2, global_batch_size=4, sharding="zero1"),
+              checkpoint_every=2, checkpoint_dir="ckpt"), "sharding"),
     ]
     for changes, field in cases:
         settings = dict(model=tiny, config=ParallelConfig(global_batch_size=4), steps=3,

@@ -1,0 +1,168 @@
+"""Resuming a `paratune gns` run continues that run, and only that run."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pandas as pd
+import pytest
+
+from paratune.errors import ConfigError
+
+
+def _job(tmp_path, **changes):
+    from paratune import ParallelConfig, get_model
+    from paratune.profiler.gns import GNSJob
+
+    settings = dict(model=get_model("tiny", seq_len=32),
+                    config=ParallelConfig(micro_batch_size=2, global_batch_size=4), steps=3,
+                    out=str(tmp_path / "traj.csv"), checkpoint_dir=str(tmp_path / "ckpt"),
+                    checkpoint_every=3, corpus_bytes=1 << 18, device="cpu", lr=1e-3)
+    settings.update(changes)
+    return GNSJob(**settings)
+
+
+def _steps(path):
+    return list(pd.read_csv(path)["step"])
+
+
+@pytest.mark.slow
+def test_resume_never_continues_another_runs_checkpoint(tmp_path):
+    """The review's splice: run A checkpoints, run B starts afresh in the same place and is
+    killed before its first checkpoint; resuming B must not continue from A's weights."""
+    from paratune.profiler.gns import TRAJECTORY_COLUMNS, run_gns
+    from paratune.profiler.reconfigure import find_checkpoint
+
+    out, ckpt = tmp_path / "traj.csv", tmp_path / "ckpt"
+    run_gns(_job(tmp_path))  # run A: steps 1-3, checkpoint at 3
+    assert find_checkpoint(ckpt) is not None
+    frame = pd.read_csv(out)
+    assert tuple(frame.columns) == TRAJECTORY_COLUMNS
+    assert (frame["seq_len"] == 32).all()
+    rows_a = out.read_text()
+    state_a = (ckpt / "run_state.json").read_text()
+
+    # A resume with other settings is refused before any process starts, naming the field
+    # and both values; neither the rows nor the checkpoint change.
+    cases = [(dict(lr=3e-2), "lr", "0.03", "0.001"),
+             (dict(beta=0.9), "beta", "0.9", "0.95"),
+             (dict(seed=7), "seed", "7", "0"),
+             (dict(data_seed=1), "data_seed", "1", "0"),
+             (dict(weight_decay=0.0), "weight_decay", "0.0", "0.1"),
+             (dict(precondition="adam"), "precondition", "adam", "none"),
+             (dict(corpus_bytes=1 << 19), "corpus_bytes", str(1 << 19), str(1 << 18))]
+    from paratune import ParallelConfig, get_model
+
+    cases += [(dict(model=get_model("tiny", seq_len=16)), "model.seq_len", "16", "32"),
+              (dict(config=ParallelConfig(micro_batch_size=1, global_batch_size=4)),
+               "config.micro_batch_size", "1", "2")]
+    for changes, field, mine, theirs in cases:
+        with pytest.raises(ConfigError) as info:
+            run_gns(_job(tmp_path, steps=5, resume=True, **changes))
+        assert info.value.field == field, changes
+        assert mine in str(info.value) and theirs in str(info.value), str(info.value)
+        assert str(ckpt) in str(info.value)
+    assert out.read_text() == rows_a
+    assert (ckpt / "run_state.json").read_text() == state_a
+
+    # Rows that are not steps 1..3 of the checkpoint's run (here step 3 lost) are refused.
+    lines = rows_a.splitlines()
+    out.write_text("\n".join(lines[:3]) + "\n")
+    with pytest.raises(ConfigError, match=r"at step 3 .* 2 rows .*last step 2") as info:
+        run_gns(_job(tmp_path, steps=5, resume=True))
+    assert info.value.field == "resume"
+    out.write_text(rows_a)
+
+    # Run B: a new trajectory (no resume), other lr and seed, "killed" after 2 steps, before
+    # any checkpoint of its own. Starting afresh removed A's checkpoint.
+    run_gns(_job(tmp_path, steps=2, checkpoint_every=0, lr=3e-2, seed=7))
+    assert find_checkpoint(ckpt) is None
+    rows_b = out.read_text()
+    assert _steps(out) == [1, 2]
+    # Resuming B finds its rows but no checkpoint of B: refused, rows kept (before the fix
+    # it loaded A's step-3 weights and appended steps 4-5 after B's steps 1-2).
+    with pytest.raises(ConfigError, match="no complete checkpoint"):
+        run_gns(_job(tmp_path, steps=5, checkpoint_every=3, lr=3e-2, seed=7, resume=True))
+    assert out.read_text() == rows_b
+
+
+@pytest.mark.slow
+def test_resume_of_a_trajectory_written_before_seq_len_was_a_column(tmp_path):
+    """Rows and a checkpoint left by the previous version (no seq_len column, no
+    fingerprint): the resume checks what the checkpoint holds, adds seq_len to the kept rows
+    and continues, every row with the same columns."""
+    from paratune.profiler.gns import TRAJECTORY_COLUMNS, run_gns
+
+    out, ckpt = tmp_path / "traj.csv", tmp_path / "ckpt"
+    run_gns(_job(tmp_path, steps=2, checkpoint_every=2))
+    straight = pd.read_csv(out)
+    straight.drop(columns="seq_len").to_csv(out, index=False)
+    with open(out, "a") as handle:
+        handle.write("3,384,5.1")  # torn row past the checkpoint
+    state = json.loads((ckpt / "run_state.json").read_text())
+    del state["extra"]["job"]
+    (ckpt / "run_state.json").write_text(json.dumps(state))
+
+    # The checkpoint's own layout and beta are still checked.
+    with pytest.raises(ConfigError) as info, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        run_gns(_job(tmp_path, steps=4, checkpoint_every=2, resume=True, beta=0.5))
+    assert info.value.field == "beta"
+
+    with pytest.warns(UserWarning, match="predates job fingerprints"):
+        run_gns(_job(tmp_path, steps=4, checkpoint_every=2, resume=True))
+    resumed = pd.read_csv(out)
+    assert tuple(resumed.columns) == TRAJECTORY_COLUMNS
+    assert list(resumed["step"]) == [1, 2, 3, 4]
+    assert (resumed["seq_len"] == 32).all()
+    assert list(resumed["loss"][:2]) == pytest.approx(list(straight["loss"]), rel=1e-12)
+    assert list(resumed["tokens"]) == [128, 256, 384, 512]
+
+
+def test_legacy_rows_count_and_are_upgraded_when_truncated(tmp_path):
+    from paratune.profiler.gns import (
+        _LEGACY_TRAJECTORY_COLUMNS,
+        TRAJECTORY_COLUMNS,
+        _measured_rows,
+        _truncate_rows,
+    )
+
+    out = tmp_path / "old.csv"
+    row = ["1.0"] * (len(_LEGACY_TRAJECTORY_COLUMNS) - 2)
+    out.write_text(",".join(_LEGACY_TRAJECTORY_COLUMNS) + "\n" + "\n".join(
+        ",".join([str(s), str(s * 128), *row]) for s in (1, 2, 3)) + "\n4,512,1.0")
+    # Old rows still count: a resume without a checkpoint is refused over them.
+    assert _measured_rows(str(out)) == 3
+    _truncate_rows(str(out), 2, seq_len=32)
+    frame = pd.read_csv(out)
+    assert tuple(frame.columns) == TRAJECTORY_COLUMNS
+    assert list(frame["step"]) == [1, 2] and list(frame["seq_len"]) == [32, 32]
+
+
+def test_gns_command_checkpoints_by_default_so_resume_can_continue(tmp_path, monkeypatch,
+                                                                    capsys):
+    """`--resume` alone used to find nothing: no checkpoint was saved unless
+    --checkpoint-every was given."""
+    from paratune.cli import main
+    from paratune.profiler import _gns_cli, gns
+
+    jobs = []
+
+    def fake_run(job):
+        jobs.append(job)
+        pd.DataFrame([{c: 1 for c in gns.TRAJECTORY_COLUMNS}]).to_csv(job.out, index=False)
+        return tmp_path / "t.csv"
+
+    monkeypatch.setattr(gns, "run_gns", fake_run)
+    out = tmp_path / "t.csv"
+    base = ["gns", "--model", "tiny", "--steps", "3", "--out", str(out), "--no-track"]
+    assert main([*base, "--config", "dp=1,gb=4"]) == 0
+    assert jobs[-1].checkpoint_every == _gns_cli.DEFAULT_CHECKPOINT_EVERY == 50
+    assert jobs[-1].checkpoint_dir == str(tmp_path / "t-checkpoint")
+    assert main([*base, "--config", "dp=1,gb=4", "--checkpoint-every", "0"]) == 0
+    assert jobs[-1].checkpoint_every == 0 and jobs[-1].checkpoint_dir is not None
+    # A layout that cannot be checkpointed runs without, and says so.
+    assert main([*base, "--config", "dp=2,gb=4,sharding=zero1"]) == 0
+    assert jobs[-1].checkpoint_every == 0
+    assert "cannot be checkpointed" in capsys.readouterr().err
