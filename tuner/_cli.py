@@ -31,6 +31,14 @@ def _add_job(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-track", action="store_true", help="do not record an MLflow run")
 
 
+def _add_trajectory_seq_len(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--trajectory-seq-len", dest="trajectory_seq_len", type=int,
+                        default=None, metavar="TOKENS",
+                        help="tokens per sequence of the run that measured the trajectory, "
+                             "for files without a seq_len column (b_simple is in that run's "
+                             "sequences and is converted to MODEL's)")
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     tune = subparsers.add_parser(
         "tune", help="search global batch size and parallelism against a fitted model",
@@ -43,8 +51,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                       help="throughput: tokens/s at one global batch; goodput: tokens/s times "
                            "statistical efficiency (needs --gns) (default: %(default)s)")
     tune.add_argument("--gns", default=None,
-                      help="gradient noise scale B_noise in sequences, or a trajectory file "
-                           "(CSV/JSON with step, tokens, b_simple)")
+                      help="gradient noise scale B_noise in sequences of MODEL, or a "
+                           "trajectory file (CSV/JSON with step, tokens, b_simple in the "
+                           "measuring run's sequences, seq_len)")
+    _add_trajectory_seq_len(tune)
     tune.add_argument("--b0", type=float, default=None,
                       help="reference batch of the Pollux efficiency (default: smallest batch)")
     tune.add_argument("--risk", default=None, metavar="QUANTILE",
@@ -79,19 +89,24 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     plan = subparsers.add_parser(
         "plan", help="schedule training phases (batch, parallelism) from a B_noise trajectory",
         description="Split training into phases whose global batch and parallelism follow the "
-                    "gradient noise scale, switching only where the predicted gain beats the "
-                    "threshold after the reconfiguration cost; compare with a fixed batch and "
-                    "with a batch that follows B_noise under one fixed parallelism.")
+                    "gradient noise scale: the schedule with the least predicted time to "
+                    "target, switch costs included, among those whose switches each gain "
+                    "more than the threshold; compare with a fixed batch and with a batch "
+                    "that follows B_noise under one fixed parallelism.")
     _add_job(plan)
     plan.add_argument("--trajectory", type=Path, required=True,
-                      help="B_noise trajectory (CSV/JSON with step, tokens, b_simple)")
+                      help="B_noise trajectory (CSV/JSON with step, tokens, b_simple in the "
+                           "measuring run's sequences, seq_len)")
+    _add_trajectory_seq_len(plan)
     plan.add_argument("--reconfig-cost-s", type=float, default=600.0,
                       help="seconds lost to a change of parallelism")
     plan.add_argument("--batch-change-cost-s", type=float, default=0.0,
                       help="seconds lost to a change of the batch size alone")
     plan.add_argument("--threshold", type=float, default=0.05,
-                      help="smallest relative goodput gain worth a switch")
-    plan.add_argument("--segments", type=int, default=32, help="resolution along training")
+                      help="smallest relative goodput gain, where a switch happens, that "
+                           "allows it (default: %(default)s)")
+    plan.add_argument("--segments", type=int, default=32,
+                      help="resolution along training: stretches of equal tokens (>= 1)")
     plan.add_argument("--smooth", type=int, default=1,
                       help="running-median window over the trajectory's b_simple")
     plan.add_argument("--output", type=Path, default=None, help="write plan.json here")
@@ -132,7 +147,8 @@ def _tune(args: argparse.Namespace) -> int:
                   batch_size=args.batch_size, risk_quantile=args.risk,
                   min_feasible_prob=args.min_feasible_prob,
                   memory_limit_gb=args.memory_limit_gb, top_k=args.top_k, output_dir=output,
-                  track=not args.no_track, verify=args.verify, verify_options=verify_options)
+                  track=not args.no_track, verify=args.verify, verify_options=verify_options,
+                  trajectory_seq_len=args.trajectory_seq_len)
     print(result.table(args.top_k))
     search = result.search
     if search.study_name:
@@ -173,13 +189,14 @@ def _plan(args: argparse.Namespace) -> int:
 
     check_gpus(args.gpus)
     model = get_model(args.model)
-    trajectory = load_trajectory(args.trajectory, smooth=args.smooth)
+    trajectory = load_trajectory(args.trajectory, smooth=args.smooth,
+                                 seq_len=args.trajectory_seq_len)
     options = _space(args)
     if args.tp_across_nodes:
         options = (options or ConfigSpace()).replace(tp_within_node=False)
     space = SearchSpace.build(model, args.gpus, args.gpu, space=options,
                               global_batch_sizes=args.global_batch or _default_plan_batches(
-                                  trajectory, args.gpus),
+                                  trajectory, args.gpus, seq_len=model.seq_len),
                               devices_per_node=args.devices_per_node)
     objective = Objective(min_feasible_prob=args.min_feasible_prob,
                           memory_limit_gb=args.memory_limit_gb)
@@ -197,7 +214,9 @@ def _plan(args: argparse.Namespace) -> int:
         with start_run("paratune-plan", run_name=f"plan-{model.name}-{args.gpus}x{args.gpu}",
                        params={"model": model.name, "gpus": args.gpus, "gpu": args.gpu,
                                "trajectory": str(args.trajectory),
+                               "trajectory_seq_len": trajectory.seq_len,
                                "reconfig_cost_s": args.reconfig_cost_s,
+                               "batch_change_cost_s": args.batch_change_cost_s,
                                "threshold": args.threshold,
                                "global_batch_sizes": list(space.global_batch_sizes)}) as run:
             run.log_metrics({"total_time_s": plan.total_time_s,
@@ -208,11 +227,13 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _default_plan_batches(trajectory, gpus: int) -> str:
-    """Powers of two spanning the trajectory's B_noise (and at least the device count)."""
+def _default_plan_batches(trajectory, gpus: int, *, seq_len: int) -> str:
+    """Powers of two spanning the trajectory's B_noise in sequences of ``seq_len`` tokens
+    (and at least the device count)."""
     import math
 
-    lo = max(1, 1 << math.floor(math.log2(max(1.0, float(trajectory.b_noise.min()) / 2))))
+    b_noise = trajectory.b_noise_in(seq_len)
+    lo = max(1, 1 << math.floor(math.log2(max(1.0, float(b_noise.min()) / 2))))
     lo = max(lo, 1 << math.ceil(math.log2(gpus)) if gpus > 1 else 1)
-    hi = max(lo, 1 << math.ceil(math.log2(float(trajectory.b_noise.max()) * 2)))
+    hi = max(lo, 1 << math.ceil(math.log2(max(1.0, float(b_noise.max()) * 2))))
     return f"{lo}:{hi}"

@@ -10,12 +10,18 @@ Progress is counted in McCandlish et al.'s "minimal examples" ``E_min``: a stret
 reference run that processed ``dE_ref`` sequences at batch ``B_ref`` with noise scale
 ``B_noise`` holds ``dE_min = dE_ref / (1 + B_ref / B_noise)``; covering it at batch ``B``
 takes ``dE_min (1 + B / B_noise) / B`` steps (McCandlish et al. 2018, eq. 2.11-2.12).
+
+Units: the trajectory's ``b_simple`` is in sequences of the run that measured it. The noise
+scale is assumed to be a number of tokens (an example is a token), so the reference run's
+batch, progress and ``B_noise`` are first taken in tokens (with the measuring run's
+``seq_len``) and then expressed in sequences of the planned model's ``seq_len``.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from itertools import pairwise
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -41,8 +47,17 @@ class Segment:
     start_tokens: float
     end_tokens: float
     b_noise: float
+    """``B_noise`` in sequences of the planned model (``seq_len`` given to
+    :func:`progress_segments`)."""
     e_min: float
-    """Minimal-batch sequences this stretch is worth."""
+    """Minimal-batch sequences (of the planned model) this stretch is worth."""
+
+
+def _check_max_segments(max_segments: Any) -> int:
+    if (isinstance(max_segments, bool) or not isinstance(max_segments, (int, np.integer))
+            or max_segments < 1):
+        raise ConfigError("max_segments", max_segments, "must be an integer >= 1")
+    return int(max_segments)
 
 
 def progress_segments(trajectory: Trajectory, *, seq_len: int,
@@ -52,15 +67,40 @@ def progress_segments(trajectory: Trajectory, *, seq_len: int,
     Each interval between trajectory points takes the mean ``B_noise`` of its ends; a
     stretch aggregates its intervals with the ``E_min``-weighted harmonic mean (the value
     that leaves the time of any fixed config unchanged).
+
+    The trajectory's ``B_noise`` is in sequences of the measuring run; the noise scale is
+    assumed to be a number of tokens, so it, the reference batch (the measuring run's tokens
+    per step) and the progress are taken in tokens and returned in sequences of ``seq_len``
+    tokens: ``B_noise = b_simple * seq_len_measured / seq_len``.
+
+    Args:
+        trajectory: ``B_noise`` along the reference run, with its ``seq_len`` known.
+        seq_len: Tokens per sequence of the planned model.
+        max_segments: Most stretches returned (>= 1).
+
+    Returns:
+        The stretches, in order, in sequences of ``seq_len`` tokens.
+
+    Raises:
+        ConfigError: ``max_segments`` or ``seq_len`` is not a positive integer, the
+            trajectory has fewer than two points, or its ``seq_len`` is unknown or does not
+            divide its tokens per step.
     """
+    max_segments = _check_max_segments(max_segments)
+    if isinstance(seq_len, bool) or not isinstance(seq_len, (int, np.integer)) or seq_len < 1:
+        raise ConfigError("seq_len", seq_len, "must be a positive integer")
     if len(trajectory) < 2:
         raise ConfigError("trajectory", trajectory.source, "needs at least two points")
-    b_ref = trajectory.reference_batch_tokens() / seq_len
+    # in tokens, with the measuring run's own seq_len
+    b_ref = trajectory.reference_batch() * trajectory.measured_seq_len()
+    b_tok = trajectory.b_noise_tokens()
     tokens = trajectory.tokens
-    b_mid = 0.5 * (trajectory.b_noise[1:] + trajectory.b_noise[:-1])
-    d_ref = np.diff(tokens) / seq_len
-    d_min = d_ref / (1.0 + b_ref / b_mid)
-    edges = np.linspace(tokens[0], tokens[-1], min(max_segments, len(d_ref)) + 1)
+    b_mid_tok = 0.5 * (b_tok[1:] + b_tok[:-1])
+    d_min_tok = np.diff(tokens) / (1.0 + b_ref / b_mid_tok)
+    # in sequences of the planned model
+    b_mid = b_mid_tok / seq_len
+    d_min = d_min_tok / seq_len
+    edges = np.linspace(tokens[0], tokens[-1], min(max_segments, len(d_min)) + 1)
     which = np.clip(np.searchsorted(edges, 0.5 * (tokens[1:] + tokens[:-1])) - 1, 0,
                     len(edges) - 2)
     segments = []
@@ -75,7 +115,16 @@ def progress_segments(trajectory: Trajectory, *, seq_len: int,
 
 
 def effective_b_noise(trajectory: Trajectory, *, seq_len: int) -> float:
-    """The single ``B_noise`` that ranks fixed configs as the whole trajectory does."""
+    """The single ``B_noise`` that ranks fixed configs as the whole trajectory does.
+
+    Args:
+        trajectory: ``B_noise`` along the reference run, with its ``seq_len`` known.
+        seq_len: Tokens per sequence of the planned model.
+
+    Returns:
+        ``B_noise`` in sequences of ``seq_len`` tokens (the noise scale is assumed to be a
+        number of tokens; see :func:`progress_segments`).
+    """
     segs = progress_segments(trajectory, seq_len=seq_len, max_segments=10**9)
     return sum(s.e_min for s in segs) / sum(s.e_min / s.b_noise for s in segs)
 
@@ -85,18 +134,27 @@ class Plan:
     """Phases of training and their predicted time, against two baselines."""
 
     phases: list[dict[str, Any]]
-    """One mapping per phase: start/end tokens of the reference run, ``B_noise`` range,
-    the config, its step time and tokens/s (as the tuner ranks configs: expected, or the
-    objective's risk quantile) and the phase's predicted seconds."""
+    """One mapping per phase: start/end tokens of the reference run, ``B_noise`` range (in
+    sequences of the planned model), the config, its step time and tokens/s (as the tuner
+    ranks configs: expected, or the objective's risk quantile) and the phase's predicted
+    seconds."""
     total_time_s: float
     """Predicted seconds to the target (the reference run's final loss), switches included."""
     num_switches: int
     baselines: dict[str, dict[str, Any]]
     """``fixed``: one batch with its best parallelism for the whole run; ``follow_critical``:
-    the batch tracks ``B_noise`` (nearest candidate) with one fixed parallelism."""
+    the batch tracks ``B_noise`` (nearest candidate) with one fixed parallelism, each batch
+    change charged ``batch_change_cost_s``. Each has ``time_s`` (switches included),
+    ``num_switches`` and ``switch_time_s``."""
     segments: list[Segment] = field(default_factory=list)
     reconfig_cost_s: float = 0.0
     threshold: float = 0.0
+    batch_change_cost_s: float = 0.0
+    switches: list[dict[str, Any]] = field(default_factory=list)
+    """One mapping per switch of the plan: ``at_tokens`` (reference-run tokens where it
+    happens), ``from`` and ``to`` (config keys), ``kind`` (``"layout"``: the parallelism
+    changes, charged ``reconfig_cost_s``; ``"batch"``: the global batch alone changes,
+    charged ``batch_change_cost_s``) and ``cost_s``."""
 
     def speedup(self, baseline: str) -> float:
         other = self.baselines[baseline]["time_s"]
@@ -116,7 +174,7 @@ class Plan:
                          "step_s": phase["step_time_s"], "hours": phase["time_s"] / 3600})
         lines = [format_table(rows, title="Training phases", floatfmt=".4g"), ""]
         lines.append(f"plan: {self.total_time_s / 3600:.4g} h to target, "
-                     f"{self.num_switches} switch(es) at {self.reconfig_cost_s:.0f} s each")
+                     f"{_describe_switches(self.switches, self.num_switches)}")
         for name, base in self.baselines.items():
             lines.append(f"{name}: {base['time_s'] / 3600:.4g} h ({base['describe']}); plan "
                          f"is {self.speedup(name):.3f}x faster")
@@ -124,16 +182,127 @@ class Plan:
 
     def to_dict(self) -> dict[str, Any]:
         return {"phases": self.phases, "total_time_s": self.total_time_s,
-                "num_switches": self.num_switches, "baselines": self.baselines,
-                "reconfig_cost_s": self.reconfig_cost_s, "threshold": self.threshold,
+                "num_switches": self.num_switches, "switches": self.switches,
+                "baselines": self.baselines, "reconfig_cost_s": self.reconfig_cost_s,
+                "batch_change_cost_s": self.batch_change_cost_s, "threshold": self.threshold,
                 "speedup_vs_fixed": self.speedup("fixed"),
                 "speedup_vs_follow_critical": self.speedup("follow_critical")}
+
+
+def _describe_switches(switches: list[dict[str, Any]], num_switches: int) -> str:
+    """``"3 switch(es): 1 layout change at 600 s, 2 batch-only changes at 60 s (720 s)"``."""
+    if not num_switches:
+        return "no switch"
+    parts = []
+    for kind, words in (("layout", "layout change"), ("batch", "batch-only change")):
+        costs = [sw["cost_s"] for sw in switches if sw["kind"] == kind]
+        if costs:
+            each = f"{costs[0]:.0f} s" if len(set(costs)) == 1 else "varying cost"
+            parts.append(f"{len(costs)} {words}{'s' if len(costs) > 1 else ''} at {each}")
+    total = sum(sw["cost_s"] for sw in switches)
+    return f"{num_switches} switch(es): {', '.join(parts)} ({total:.0f} s in all)"
 
 
 def _layout_key(cfg: ParallelConfig) -> tuple:
     d = cfg.to_dict()
     d.pop("global_batch_size")
     return tuple(sorted(d.items()))
+
+
+def _check_cost(name: str, value: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)) \
+            or not (math.isfinite(value) and value >= 0):
+        raise ConfigError(name, value, "must be a finite number of seconds >= 0")
+    return float(value)
+
+
+def _schedule(times: np.ndarray, layouts: np.ndarray, *, reconfig_cost_s: float,
+              batch_change_cost_s: float, threshold: float) -> tuple[list[int], float]:
+    """The config per stretch that minimises time plus switch costs (exact DP).
+
+    Switching from config ``a`` to ``b`` costs nothing if ``a == b``,
+    ``batch_change_cost_s`` if they share a layout and ``reconfig_cost_s`` otherwise. A
+    switch into ``b`` at stretch ``i`` is allowed only where ``b`` is faster than ``a`` on
+    that stretch by more than ``threshold`` (``times[i, a] > (1 + threshold) times[i, b]``):
+    the plan is the fastest among plans whose every switch clears the threshold. Staying
+    is always allowed, so the result is never slower than the best fixed config. With
+    ``threshold = 0`` and ``batch_change_cost_s <= 2 reconfig_cost_s`` the filter loses
+    nothing: a switch to a config that is not faster where it happens can be postponed at no
+    cost.
+
+    Runs in ``O(n K log K)`` for ``n`` stretches and ``K`` configs: the best predecessor of
+    ``b`` is itself, the best allowed one of its layout, or the best allowed one of another
+    layout, found from suffix minima over the configs sorted by their time on the stretch.
+
+    Args:
+        times: ``[n, K]`` seconds of each config on each stretch.
+        layouts: ``[K]`` integer layout id of each config.
+        reconfig_cost_s: Cost of a layout change.
+        batch_change_cost_s: Cost of a batch-only change.
+        threshold: Smallest relative gain that allows a switch.
+
+    Returns:
+        The config index per stretch and the total seconds (switches included).
+    """
+    n, k = times.shape
+    best = times[0].astype(float).copy()
+    parent = np.zeros((n, k), dtype=np.int64)
+    parent[0] = np.arange(k)
+    members = {int(lay): np.flatnonzero(layouts == lay) for lay in np.unique(layouts)}
+    for i in range(1, n):
+        t = times[i]
+        bar = (1.0 + threshold) * t
+        new = best.copy()  # stay
+        src = np.arange(k)
+        # another layout: suffix minima, over configs sorted by time, of the best and of
+        # the best with a different layout from it
+        order = np.argsort(t, kind="stable")
+        t_sorted = t[order]
+        rows = []  # (v1, i1, l1, v2, i2) of each suffix, from the shortest one
+        a1, b1, c1, a2, b2 = math.inf, -1, -1, math.inf, -1
+        for p, v, lay in zip(order[::-1].tolist(), best[order][::-1].tolist(),
+                             layouts[order][::-1].tolist()):
+            if v < a1:
+                if lay != c1:
+                    a2, b2 = a1, b1
+                a1, b1, c1 = v, p, lay
+            elif lay != c1 and v < a2:
+                a2, b2 = v, p
+            rows.append((a1, b1, c1, a2, b2))
+        rows = rows[::-1] + [(math.inf, -1, -1, math.inf, -1)]  # index = sorted position
+        v1, i1, l1, v2, i2 = (np.array(col) for col in zip(*rows))
+        start = np.searchsorted(t_sorted, bar, side="right")
+        other_v = np.where(l1[start] != layouts, v1[start], v2[start]) + reconfig_cost_s
+        other_i = np.where(l1[start] != layouts, i1[start], i2[start])
+        take = other_v < new
+        new[take], src[take] = other_v[take], other_i[take]
+        # same layout, another batch
+        for idx in members.values():
+            if len(idx) < 2:
+                continue
+            sub = idx[np.argsort(t[idx], kind="stable")]
+            f_sub = best[sub]
+            suffix = np.minimum.accumulate(f_sub[::-1])[::-1]
+            arg = np.empty(len(sub), dtype=np.int64)
+            run = len(sub) - 1
+            for p in range(len(sub) - 1, -1, -1):
+                if f_sub[p] <= f_sub[run]:
+                    run = p
+                arg[p] = sub[run]
+            at = np.searchsorted(t[sub], bar[idx], side="right")
+            inside = at < len(sub)
+            cand = np.full(len(idx), math.inf)
+            cand[inside] = suffix[at[inside]] + batch_change_cost_s
+            better = cand < new[idx]
+            new[idx[better]] = cand[better]
+            src[idx[better]] = arg[at[better]]
+        best = new + t
+        parent[i] = src
+    last = int(np.argmin(best))
+    choice = [last]
+    for i in range(n - 1, 0, -1):
+        choice.append(int(parent[i, choice[-1]]))
+    return choice[::-1], float(best[last])
 
 
 def plan_phases(predictor: Predictor, space: SearchSpace, trajectory: Trajectory, *,
@@ -144,32 +313,46 @@ def plan_phases(predictor: Predictor, space: SearchSpace, trajectory: Trajectory
 
     Every feasible config of ``space`` (all its global batch sizes) is predicted once; the
     time of each config on each stretch follows from its step time and the stretch's
-    ``B_noise``. The step time is that of the throughput :func:`~paratune.tuner.tune` ranks
-    by: the expected throughput where the predictor gives one (a pipeline that may stall
-    counts at its likely speed), or the objective's ``risk_quantile``. The plan starts with
-    the fastest config of the first stretch and switches to a stretch's fastest config only
-    when that config's goodput there beats the current one's by more than ``threshold`` and
-    the time it saves, until the current one becomes better again, exceeds the switch cost.
+    ``B_noise`` (converted from the measuring run's sequences to ``space.model.seq_len``;
+    see :func:`progress_segments`). The step time is that of the throughput
+    :func:`~paratune.tuner.tune` ranks by: the expected throughput where the predictor
+    gives one (a pipeline that may stall counts at its likely speed), or the objective's
+    ``risk_quantile``. The schedule is the exact optimum, by dynamic programming over
+    (stretch, config), of the time to target plus the switch costs (nothing to keep a
+    config, ``batch_change_cost_s`` to change only the batch, ``reconfig_cost_s`` to
+    change the layout), among schedules whose every switch gains more than ``threshold``
+    on the stretch where it happens. Keeping one config throughout is always allowed, so
+    the plan is never slower than the ``fixed`` baseline.
 
     Args:
         predictor: Fitted predictor.
         space: Space with several global batch sizes.
-        trajectory: ``B_noise`` along a reference run.
+        trajectory: ``B_noise`` along a reference run, with the run's ``seq_len`` known.
         reconfig_cost_s: Seconds lost to a change of parallelism (checkpoint, reshard,
             restart).
         batch_change_cost_s: Seconds lost to a change of the batch size alone.
-        threshold: Smallest relative goodput gain worth a switch.
-        max_segments: Resolution of the plan along training.
+        threshold: Smallest relative goodput gain, on the stretch where it happens, that
+            allows a switch (``0``: any gain).
+        max_segments: Resolution of the plan along training (>= 1).
         objective: Feasibility settings (memory limit, probability) and the
             ``risk_quantile`` to time configs by; its kind is ignored.
 
     Returns:
         A :class:`Plan`.
+
+    Raises:
+        ConfigError: a cost is negative or not finite, ``threshold < 0``,
+            ``max_segments < 1``, no config is predicted feasible, or the trajectory is
+            too short or lacks its ``seq_len``.
     """
-    if reconfig_cost_s < 0 or batch_change_cost_s < 0:
-        raise ConfigError("reconfig_cost_s", reconfig_cost_s, "costs must be >= 0")
-    if threshold < 0:
-        raise ConfigError("threshold", threshold, "must be >= 0")
+    reconfig_cost_s = _check_cost("reconfig_cost_s", reconfig_cost_s)
+    batch_change_cost_s = _check_cost("batch_change_cost_s", batch_change_cost_s)
+    if not (threshold >= 0 and math.isfinite(threshold)):
+        raise ConfigError("threshold", threshold, "must be a finite number >= 0")
+    max_segments = _check_max_segments(max_segments)
+    # unit problems of the trajectory surface before the (slow) prediction
+    segments = progress_segments(trajectory, seq_len=space.model.seq_len,
+                                 max_segments=max_segments)
     base = objective or Objective()
     scoring = Objective(kind="throughput", risk_quantile=base.risk_quantile,
                         min_feasible_prob=base.min_feasible_prob,
@@ -184,8 +367,6 @@ def plan_phases(predictor: Predictor, space: SearchSpace, trajectory: Trajectory
     ranked = ranked[runs].reset_index(drop=True)
     if ranked.empty:
         raise ConfigError("space", space.model.name, "no config is predicted feasible")
-    segments = progress_segments(trajectory, seq_len=space.model.seq_len,
-                                 max_segments=max_segments)
     batch = ranked["global_batch_size"].to_numpy(dtype=float)
     throughput = ranked["ranked_tokens_per_s"].to_numpy(dtype=float)
     step = batch * space.model.seq_len / throughput
@@ -194,32 +375,13 @@ def plan_phases(predictor: Predictor, space: SearchSpace, trajectory: Trajectory
     times = e_min * (1.0 + batch[None, :] / b_noise) / batch[None, :] * step[None, :]
     configs = [config_from_row(row) for _, row in ranked.iterrows()]
     layouts = [_layout_key(c) for c in configs]
-
-    def cost(a: int, b: int) -> float:
-        if a == b:
-            return 0.0
-        return batch_change_cost_s if layouts[a] == layouts[b] else reconfig_cost_s
-
-    n = len(segments)
-    choice = [int(np.argmin(times[0]))]
-    total = float(times[0, choice[0]])
-    switches = 0
-    for i in range(1, n):
-        cur = choice[-1]
-        cand = int(np.argmin(times[i]))
-        if cand != cur and times[i, cur] / times[i, cand] - 1.0 > threshold:
-            j, saved = i, 0.0
-            while j < n and times[j, cand] < times[j, cur]:
-                saved += times[j, cur] - times[j, cand]
-                j += 1
-            if saved > cost(cur, cand):
-                total += cost(cur, cand)
-                switches += 1
-                cur = cand
-        choice.append(cur)
-        total += float(times[i, cur])
+    layout_ids = {lay: i for i, lay in enumerate(dict.fromkeys(layouts))}
+    choice, total = _schedule(times, np.array([layout_ids[lay] for lay in layouts]),
+                              reconfig_cost_s=reconfig_cost_s,
+                              batch_change_cost_s=batch_change_cost_s, threshold=threshold)
 
     phases: list[dict[str, Any]] = []
+    switches: list[dict[str, Any]] = []
     for i, c in enumerate(choice):
         if phases and phases[-1]["_index"] == c:
             phase = phases[-1]
@@ -228,6 +390,13 @@ def plan_phases(predictor: Predictor, space: SearchSpace, trajectory: Trajectory
             phase["b_noise_max"] = max(phase["b_noise_max"], segments[i].b_noise)
             phase["time_s"] += float(times[i, c])
             continue
+        if phases:
+            prev = phases[-1]["_index"]
+            kind = "batch" if layouts[prev] == layouts[c] else "layout"
+            switches.append({"at_tokens": segments[i].start_tokens,
+                             "from": configs[prev].key(), "to": configs[c].key(),
+                             "kind": kind, "cost_s": batch_change_cost_s if kind == "batch"
+                             else reconfig_cost_s})
         phases.append({"_index": c, "start_tokens": segments[i].start_tokens,
                        "end_tokens": segments[i].end_tokens,
                        "b_noise_min": segments[i].b_noise, "b_noise_max": segments[i].b_noise,
@@ -236,23 +405,35 @@ def plan_phases(predictor: Predictor, space: SearchSpace, trajectory: Trajectory
                        "time_s": float(times[i, c])})
     for phase in phases:
         phase.pop("_index")
+    assert math.isclose(total, sum(p["time_s"] for p in phases)
+                        + sum(sw["cost_s"] for sw in switches), rel_tol=1e-9)
 
     fixed_totals = times.sum(axis=0)
     best_fixed = int(np.argmin(fixed_totals))
     baselines = {"fixed": {"time_s": float(fixed_totals[best_fixed]),
-                           "config": configs[best_fixed].to_dict(),
+                           "config": configs[best_fixed].to_dict(), "num_switches": 0,
+                           "switch_time_s": 0.0,
                            "describe": f"fixed {configs[best_fixed].key()}"}}
-    baselines["follow_critical"] = _follow_critical(times, configs, layouts, segments, batch)
-    return Plan(phases=phases, total_time_s=total, num_switches=switches, baselines=baselines,
-                segments=segments, reconfig_cost_s=reconfig_cost_s, threshold=threshold)
+    baselines["follow_critical"] = _follow_critical(times, configs, layouts, segments, batch,
+                                                    batch_change_cost_s=batch_change_cost_s)
+    return Plan(phases=phases, total_time_s=total, num_switches=len(switches),
+                baselines=baselines, segments=segments, reconfig_cost_s=reconfig_cost_s,
+                threshold=threshold, batch_change_cost_s=batch_change_cost_s,
+                switches=switches)
 
 
 def _follow_critical(times: np.ndarray, configs: list[ParallelConfig], layouts: list[tuple],
-                     segments: list[Segment], batch: np.ndarray) -> dict[str, Any]:
-    """Batch = candidate nearest (in log) to ``B_noise`` per stretch; one fixed layout."""
+                     segments: list[Segment], batch: np.ndarray, *,
+                     batch_change_cost_s: float) -> dict[str, Any]:
+    """Batch = candidate nearest (in log) to ``B_noise`` per stretch; one fixed layout.
+
+    Each change of the batch is charged ``batch_change_cost_s``, as in the plan.
+    """
     candidates = np.unique(batch)
     wanted = [float(candidates[np.argmin(np.abs(np.log(candidates) - math.log(s.b_noise)))])
               for s in segments]
+    num_switches = sum(1 for a, b in pairwise(wanted) if a != b)
+    switch_time = num_switches * batch_change_cost_s
     index: dict[tuple, dict[float, int]] = {}
     for k, (lay, b) in enumerate(zip(layouts, batch)):
         index.setdefault(lay, {})[float(b)] = k
@@ -265,11 +446,14 @@ def _follow_critical(times: np.ndarray, configs: list[ParallelConfig], layouts: 
             best_time, best_layout = t, lay
     if best_layout is None:
         return {"time_s": math.nan, "config": None, "batches": wanted,
+                "num_switches": num_switches, "switch_time_s": switch_time,
                 "describe": "no single layout is valid and feasible at every critical batch"}
     first = configs[index[best_layout][wanted[0]]]
     layout = {k: v for k, v in first.to_dict().items() if k != "global_batch_size"}
-    return {"time_s": best_time, "config": layout, "batches": wanted,
+    return {"time_s": best_time + switch_time, "config": layout, "batches": wanted,
+            "num_switches": num_switches, "switch_time_s": switch_time,
             "describe": (f"batch {int(min(wanted))}->{int(max(wanted))} following B_noise, "
+                         f"{num_switches} batch change(s) at {batch_change_cost_s:.0f} s, "
                          f"layout dp{layout['dp']}-tp{layout['tp']}-pp{layout['pp']}-mb"
                          f"{layout['micro_batch_size']}-{layout['schedule']}-"
                          f"{layout['sharding']}-{layout['recompute']}")}

@@ -90,12 +90,29 @@ def load_predictor(predictor: Predictor | str | Path) -> Predictor:
     return predictor
 
 
-def resolve_gns(gns: float | str | Path | None, *, seq_len: int) -> float | None:
-    """``B_noise`` from a number or a trajectory file.
+def resolve_gns(gns: float | str | Path | None, *, seq_len: int,
+                trajectory_seq_len: int | None = None) -> float | None:
+    """``B_noise`` in sequences of the planned model, from a number or a trajectory file.
 
-    A trajectory is reduced to the single value that ranks fixed configs exactly as the
-    whole run would (the progress-weighted harmonic mean, see
+    A number is taken as already in sequences of ``seq_len`` tokens. A trajectory's
+    ``b_simple`` is in sequences of the run that measured it; the noise scale is assumed to
+    be a number of tokens, so it is converted as ``b_simple * seq_len_measured / seq_len``
+    and then reduced to the single value that ranks fixed configs exactly as the whole run
+    would (the progress-weighted harmonic mean, see
     :func:`paratune.tuner.effective_b_noise`).
+
+    Args:
+        gns: ``B_noise`` (number or numeric string), a trajectory file, or ``None``.
+        seq_len: Tokens per sequence of the planned model.
+        trajectory_seq_len: Tokens per sequence of the run that measured a trajectory file
+            without a ``seq_len`` column.
+
+    Returns:
+        ``B_noise`` in sequences of ``seq_len`` tokens, or ``None``.
+
+    Raises:
+        ConfigError: the trajectory is unreadable, or its measuring run's ``seq_len`` is
+            neither in the file nor given.
     """
     if gns is None:
         return None
@@ -108,7 +125,8 @@ def resolve_gns(gns: float | str | Path | None, *, seq_len: int) -> float | None
     from paratune.tuner._plan import effective_b_noise
     from paratune.tuner.gns_trajectory import load_trajectory
 
-    return effective_b_noise(load_trajectory(gns), seq_len=seq_len)
+    trajectory = load_trajectory(gns, seq_len=trajectory_seq_len)
+    return effective_b_noise(trajectory, seq_len=seq_len)
 
 
 def tune(model: ModelSpec | str, gpus: int, gpu: HardwareSpec | str,
@@ -123,7 +141,8 @@ def tune(model: ModelSpec | str, gpus: int, gpu: HardwareSpec | str,
          memory_limit_gb: float | None = None, top_k: int = 10,
          output_dir: str | Path | None = None, track: bool = True,
          tracking_uri: str | None = None, verify: int = 0,
-         verify_options: dict[str, Any] | None = None) -> TuneResult:
+         verify_options: dict[str, Any] | None = None,
+         trajectory_seq_len: int | None = None) -> TuneResult:
     """Find how to run ``model`` on ``gpus`` devices of kind ``gpu``.
 
     Args:
@@ -132,7 +151,9 @@ def tune(model: ModelSpec | str, gpus: int, gpu: HardwareSpec | str,
         gpu: Device kind (catalogue name or :class:`HardwareSpec`).
         predictor: A fitted predictor or the directory of a saved one.
         objective: ``"throughput"`` (one global batch) or ``"goodput"`` (needs ``gns``).
-        gns: Gradient noise scale ``B_noise`` in sequences, or a trajectory file.
+        gns: Gradient noise scale ``B_noise`` in sequences of the model, or a trajectory
+            file (its ``b_simple`` converted from the measuring run's sequences, see
+            :func:`resolve_gns`).
         b0: Reference batch of the Pollux efficiency (default: smallest batch searched).
         global_batch_sizes: Batch list or range (``"256:2048"``); overrides the space's.
         space: A :class:`ConfigSpace` or a YAML/TOML/JSON file of one. Without a space
@@ -157,6 +178,8 @@ def tune(model: ModelSpec | str, gpus: int, gpu: HardwareSpec | str,
         verify: Profile this many of the top configs for real and refit (see
             :func:`paratune.tuner.verify_top_k`); ``0`` skips.
         verify_options: Keyword arguments for :func:`paratune.tuner.verify_top_k`.
+        trajectory_seq_len: Tokens per sequence of the run that measured a ``gns``
+            trajectory file without a ``seq_len`` column.
 
     Returns:
         A :class:`TuneResult`.
@@ -180,7 +203,7 @@ def tune(model: ModelSpec | str, gpus: int, gpu: HardwareSpec | str,
                                      devices_per_node=devices_per_node)
     if search not in SEARCH_MODES:
         raise ConfigError("search", search, f"must be one of {', '.join(SEARCH_MODES)}")
-    b_noise = resolve_gns(gns, seq_len=spec.seq_len)
+    b_noise = resolve_gns(gns, seq_len=spec.seq_len, trajectory_seq_len=trajectory_seq_len)
     obj = Objective(kind=ObjectiveKind(objective) if objective in ("throughput", "goodput")
                     else objective, b_noise=b_noise, b0=b0, risk_quantile=risk_quantile,
                     min_feasible_prob=min_feasible_prob, memory_limit_gb=memory_limit_gb)

@@ -1,15 +1,26 @@
 """Reading a gradient-noise-scale trajectory: ``B_noise`` over training progress.
 
 The measurement (``paratune gns``) writes one row per measurement point with the columns
-``step, tokens, loss, b_simple``: the optimizer step and tokens seen so far in the reference
-run, the training loss there, and the simple noise scale ``B_simple = tr(Sigma) / |G|^2``
-(McCandlish et al. 2018, eq. 2.8) in sequences. CSV, JSON (a list of records, a mapping of
-column -> list, or ``{"rows": [...]}``), JSON lines and parquet are accepted.
+``step, tokens, loss, b_simple`` (then the estimator's parts and, from the current format on,
+``seq_len``): the optimizer step and tokens seen so far in the reference run, the training
+loss there, and the simple noise scale ``B_simple = tr(Sigma) / |G|^2`` (McCandlish et al.
+2018, eq. 2.8) in sequences *of the run that measured it*, whose tokens per sequence the
+``seq_len`` column records. CSV, JSON (a list of records, a mapping of column -> list, or
+``{"rows": [...]}``), JSON lines and parquet are accepted.
+
+Units: the noise scale is taken to be a number of tokens (an "example" is a token, so
+``B_noise`` in tokens does not depend on how the tokens are cut into sequences). A value
+measured in sequences of ``seq_len_measured`` tokens is therefore worth
+``b_simple * seq_len_measured / seq_len_target`` sequences of a model trained with
+``seq_len_target`` tokens per sequence (:meth:`Trajectory.b_noise_in`). A file without a
+``seq_len`` column cannot be converted until the measuring run's ``seq_len`` is given.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,8 +31,15 @@ from paratune.errors import ConfigError
 
 __all__ = ["REQUIRED_COLUMNS", "Trajectory", "load_trajectory"]
 
+logger = logging.getLogger(__name__)
+
 REQUIRED_COLUMNS = ("step", "tokens", "b_simple")
-"""Columns every trajectory must have; ``loss`` is optional."""
+"""Columns every trajectory must have; ``loss``, ``seq_len`` and the estimator's parts
+``g2_ema, trace_ema`` are optional."""
+
+_NEEDS_SEQ_LEN = ("needs a seq_len column or --trajectory-seq-len (load_trajectory(..., "
+                  "seq_len=N)): the tokens per sequence of the run that measured it, to convert "
+                  "its b_simple (in that run's sequences) to the planned model's sequences")
 
 
 @dataclass(frozen=True)
@@ -33,14 +51,41 @@ class Trajectory:
     tokens: np.ndarray
     """Tokens seen by the reference run at each point."""
     b_noise: np.ndarray
-    """Gradient noise scale (``b_simple``) at each point, in sequences."""
+    """Gradient noise scale (``b_simple``) at each point, in sequences of the reference run
+    (``seq_len`` tokens each); :meth:`b_noise_in` converts."""
     loss: np.ndarray
     """Training loss at each point (NaN where not recorded)."""
     source: str = ""
     """Where it was read from."""
+    seq_len: int | None = None
+    """Tokens per sequence of the reference run (``None``: unknown, and then nothing that
+    needs sequences of another length can be derived)."""
+    num_clamped: int = 0
+    """Rows whose ``b_simple`` was not a positive number and took a clamped value (see
+    :func:`load_trajectory`)."""
 
     def __len__(self) -> int:
         return len(self.tokens)
+
+    def measured_seq_len(self) -> int:
+        """The reference run's tokens per sequence.
+
+        Raises:
+            ConfigError: the trajectory does not record it.
+        """
+        if self.seq_len is None:
+            raise ConfigError("trajectory", self.source, _NEEDS_SEQ_LEN)
+        return int(self.seq_len)
+
+    def b_noise_tokens(self) -> np.ndarray:
+        """``B_noise`` at each point in tokens (the unit in which it is assumed to transfer
+        between sequence lengths)."""
+        return self.b_noise * self.measured_seq_len()
+
+    def b_noise_in(self, seq_len: int) -> np.ndarray:
+        """``B_noise`` at each point in sequences of ``seq_len`` tokens:
+        ``b_simple * seq_len_measured / seq_len``."""
+        return self.b_noise_tokens() / seq_len
 
     def reference_batch_tokens(self) -> float:
         """Tokens per optimizer step of the reference run (median over intervals)."""
@@ -52,8 +97,27 @@ class Trajectory:
                               "needs at least two points with increasing step")
         return float(np.median(d_tok[ok] / d_step[ok]))
 
+    def reference_batch(self) -> float:
+        """Sequences per optimizer step of the reference run, in its own sequences.
+
+        Raises:
+            ConfigError: ``seq_len`` is unknown, or the tokens per step are not a whole
+                number of its sequences (the recorded ``seq_len`` cannot be the run's).
+        """
+        seq_len = self.measured_seq_len()
+        per_step = self.reference_batch_tokens()
+        batch = per_step / seq_len
+        if batch < 1 - 1e-6 or abs(batch - round(batch)) > 1e-3 * max(1.0, batch):
+            raise ConfigError("seq_len", seq_len,
+                              f"must divide the {per_step:g} tokens per step of trajectory "
+                              f"{self.source!r} into whole sequences (is it the measuring "
+                              "run's tokens per sequence?)")
+        return batch
+
     def to_rows(self) -> list[dict[str, float]]:
-        return [{"step": int(s), "tokens": float(t), "loss": float(x), "b_simple": float(b)}
+        extra = {} if self.seq_len is None else {"seq_len": int(self.seq_len)}
+        return [{"step": int(s), "tokens": float(t), "loss": float(x), "b_simple": float(b),
+                 **extra}
                 for s, t, x, b in zip(self.step, self.tokens, self.loss, self.b_noise)]
 
 
@@ -76,24 +140,113 @@ def _read_records(path: Path) -> Any:
     return data
 
 
-def load_trajectory(path: str | Path, *, smooth: int = 1) -> Trajectory:
+def _check_seq_len(seq_len: Any) -> int | None:
+    if seq_len is None:
+        return None
+    if isinstance(seq_len, bool) or not isinstance(seq_len, (int, np.integer)) or seq_len < 1:
+        raise ConfigError("seq_len", seq_len,
+                          "must be a positive integer (tokens per sequence of the run that "
+                          "measured the trajectory)")
+    return int(seq_len)
+
+
+def _file_seq_len(frame: Any, path: Path) -> int:
+    values = frame["seq_len"].to_numpy(dtype=float)
+    first = values[0] if len(values) else math.nan
+    if (not np.all(np.isfinite(values)) or not np.all(values == first) or first < 1
+            or first != round(first)):
+        shown = ", ".join(f"{v:g}" for v in np.unique(values)[:5])
+        raise ConfigError("trajectory", str(path),
+                          f"seq_len column must hold one positive integer on every row "
+                          f"(found {shown})")
+    return int(first)
+
+
+def _clamp(frame: Any, path: Path) -> tuple[np.ndarray, np.ndarray, int]:
+    """``b_simple`` with non-positive or NaN values replaced; rows to keep; rows replaced.
+
+    A row whose ``b_simple`` is NaN, infinite or ``<= 0`` is an estimate where one of the
+    smoothed parts was not positive, not an absent measurement. Where the parts
+    ``g2_ema, trace_ema`` are recorded they say which: ``|G|^2 <= 0`` means the noise
+    dominates (adaptdl floors ``|G|^2``, making ``B_noise`` large), ``tr(Sigma) <= 0`` with a
+    positive ``|G|^2`` means the signal does (``B_noise`` small), and two positive parts
+    rebuild the ratio. The large case takes the largest positive value of the file (measured
+    or rebuilt) and the small case the smallest: finite bounds within what the run resolved,
+    the large one still a lower bound where the noise dominates. Without the
+    parts a bad value is read as noise-dominated (``paratune gns`` writes NaN exactly when
+    ``g2_ema <= 0``). A row with parts recorded but NaN is incomplete and dropped.
+    """
+    b = frame["b_simple"].to_numpy(dtype=float)
+    out = b.copy()
+    bad = ~(np.isfinite(b) & (b > 0))
+    keep = np.ones(len(b), dtype=bool)
+    if not bad.any():
+        return out, keep, 0
+    parts = "g2_ema" in frame.columns and "trace_ema" in frame.columns
+    if parts:
+        g2 = frame["g2_ema"].to_numpy(dtype=float)
+        tr = frame["trace_ema"].to_numpy(dtype=float)
+        known = np.isfinite(g2) & np.isfinite(tr)
+        ratio = bad & known & (g2 > 0) & (tr > 0)
+        out[ratio] = tr[ratio] / g2[ratio]
+        noisy = bad & known & (g2 <= 0)
+        quiet = bad & known & (g2 > 0) & (tr <= 0)
+        keep &= ~(bad & ~known)
+    else:
+        ratio = np.zeros(len(b), dtype=bool)
+        noisy, quiet = bad, ratio
+    good = ~bad | ratio
+    if not good.any():
+        raise ConfigError("trajectory", str(path), "has no row with a positive b_simple")
+    high, low = float(out[good].max()), float(out[good].min())
+    out[noisy] = high
+    out[quiet] = low
+    num_high, num_low, num_rebuilt = int(noisy.sum()), int(quiet.sum()), int(ratio.sum())
+    dropped = int((~keep).sum())
+    clamped = num_high + num_low + num_rebuilt
+    if clamped or dropped:
+        logger.warning("trajectory %s: %d of %d rows had a b_simple that is not a positive "
+                       "number: %d noise-dominated clamped up to %g, %d signal-dominated "
+                       "clamped down to %g, %d rebuilt from g2_ema/trace_ema, %d incomplete "
+                       "dropped", path, int(bad.sum()), len(b), num_high, high, num_low, low,
+                       num_rebuilt, dropped)
+    return out, keep, clamped
+
+
+def load_trajectory(path: str | Path, *, smooth: int = 1,
+                    seq_len: int | None = None) -> Trajectory:
     """Read a ``B_noise`` trajectory file.
+
+    ``b_simple`` is in sequences of the run that measured it; the noise scale is assumed to
+    be a number of tokens, so it converts to another sequence length as
+    ``b_simple * seq_len_measured / seq_len_target`` (:meth:`Trajectory.b_noise_in`). The
+    measuring run's ``seq_len`` comes from the file's ``seq_len`` column or, for files
+    written before that column existed, from ``seq_len``; without either the trajectory
+    still loads, but converting it (planning, goodput) raises.
 
     Args:
         path: CSV, JSON, JSONL or parquet file with columns ``step, tokens, b_simple``
-            (and optionally ``loss``).
+            (and optionally ``loss``, ``seq_len``, ``g2_ema``, ``trace_ema``).
         smooth: Window (in points) of a centred running median applied to ``b_simple``;
             the per-step estimate is noisy. ``1`` keeps the raw values.
+        seq_len: Tokens per sequence of the measuring run, for a file without a ``seq_len``
+            column (with one, it must agree).
 
     Returns:
-        The trajectory, sorted by ``tokens``, rows with a non-finite or non-positive
-        ``b_simple`` dropped (an estimate can be negative when the noise dominates).
+        The trajectory, sorted by ``tokens``. Rows whose ``b_simple`` is NaN, infinite or
+        ``<= 0`` (one of the smoothed parts was not positive) are kept with a clamped value
+        rather than dropped, which would bias ``B_noise`` low where the noise dominates;
+        :attr:`Trajectory.num_clamped` counts them and a warning is logged. Rows with no
+        finite ``step`` or ``tokens`` are dropped.
 
     Raises:
-        ConfigError: the file is missing, unreadable, lacks a column or has no usable row.
+        ConfigError: the file is missing, unreadable, lacks a column, has no usable row, has
+            an inconsistent ``seq_len`` column, or ``seq_len`` is not a positive integer or
+            disagrees with the file's.
     """
     import pandas as pd
 
+    seq_len = _check_seq_len(seq_len)
     path = Path(path)
     if not path.exists():
         raise ConfigError("trajectory", str(path), "no such file")
@@ -105,12 +258,27 @@ def load_trajectory(path: str | Path, *, smooth: int = 1) -> Trajectory:
     if missing:
         raise ConfigError("trajectory", str(path),
                           f"missing column(s) {', '.join(missing)} (needs "
-                          f"{', '.join(REQUIRED_COLUMNS)}; optional loss)")
+                          f"{', '.join(REQUIRED_COLUMNS)}; optional loss, seq_len)")
     if "loss" not in frame.columns:
         frame["loss"] = np.nan
-    frame = frame[list(REQUIRED_COLUMNS) + ["loss"]].apply(pd.to_numeric, errors="coerce")
-    frame = frame[np.isfinite(frame["b_simple"]) & (frame["b_simple"] > 0)
-                  & np.isfinite(frame["tokens"]) & np.isfinite(frame["step"])]
+    columns = list(REQUIRED_COLUMNS) + ["loss"] + [
+        c for c in ("seq_len", "g2_ema", "trace_ema") if c in frame.columns]
+    frame = frame[columns].apply(pd.to_numeric, errors="coerce")
+    complete = np.isfinite(frame["tokens"]) & np.isfinite(frame["step"])
+    if "seq_len" in frame.columns and np.isfinite(frame["seq_len"]).any():
+        # the last column: NaN there is a row cut short while being written
+        complete &= np.isfinite(frame["seq_len"])
+    frame = frame[complete].reset_index(drop=True)
+    if frame.empty:
+        raise ConfigError("trajectory", str(path), "has no row with a positive b_simple")
+    if "seq_len" in frame.columns:
+        in_file = _file_seq_len(frame, path)
+        if seq_len is not None and seq_len != in_file:
+            raise ConfigError("seq_len", seq_len,
+                              f"disagrees with the seq_len column of {path} ({in_file})")
+        seq_len = in_file
+    b, keep, clamped = _clamp(frame, path)
+    frame = frame.assign(b_simple=b)[keep]
     if frame.empty:
         raise ConfigError("trajectory", str(path), "has no row with a positive b_simple")
     frame = frame.sort_values("tokens", kind="stable").reset_index(drop=True)
@@ -119,4 +287,5 @@ def load_trajectory(path: str | Path, *, smooth: int = 1) -> Trajectory:
         b = frame["b_simple"].rolling(smooth, center=True, min_periods=1).median().to_numpy()
     return Trajectory(step=frame["step"].to_numpy(dtype=float),
                       tokens=frame["tokens"].to_numpy(dtype=float), b_noise=b,
-                      loss=frame["loss"].to_numpy(dtype=float), source=str(path))
+                      loss=frame["loss"].to_numpy(dtype=float), source=str(path),
+                      seq_len=seq_len, num_clamped=clamped)

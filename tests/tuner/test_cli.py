@@ -41,12 +41,20 @@ def test_tune_command_prints_ranking_and_writes_launch_files(model_dir, tmp_path
     assert (out / "torchtitan.toml").exists() and (out / "megatron_args.txt").exists()
 
 
-def test_plan_command(model_dir, tmp_path, capsys):
+def _write_trajectory(path, *, seq_len=None, seqs_per_step=256, measured_seq_len=8192):
+    """B_noise from 100 to ~2700 sequences of ``measured_seq_len`` tokens; a ``seq_len``
+    column (the current format) when ``seq_len`` is given."""
     steps = np.arange(0, 2000, 50)
-    traj = tmp_path / "gns.csv"
-    rows = ["step,tokens,loss,b_simple"] + [
-        f"{s},{s * 256 * 8192},{4.0 - s / 1000},{100 * np.exp(s / 600):.3f}" for s in steps]
-    traj.write_text("\n".join(rows) + "\n")
+    head = "step,tokens,loss,b_simple" + (",seq_len" if seq_len else "")
+    rows = [head] + [
+        f"{s},{s * seqs_per_step * measured_seq_len},{4.0 - s / 1000},"
+        f"{100 * np.exp(s / 600):.3f}" + (f",{seq_len}" if seq_len else "") for s in steps]
+    path.write_text("\n".join(rows) + "\n")
+    return path
+
+
+def test_plan_command(model_dir, tmp_path, capsys):
+    traj = _write_trajectory(tmp_path / "gns.csv", seq_len=8192)
     code = main(["plan", "--model", "llama3-8b", "--gpus", "64", "--gpu", "H100",
                  "--predictor", str(model_dir), "--trajectory", str(traj),
                  "--global-batch", "64:2048", "--output", str(tmp_path), "--no-track"])
@@ -54,6 +62,43 @@ def test_plan_command(model_dir, tmp_path, capsys):
     assert code == 0 and "Training phases" in text and "follow_critical" in text
     plan = json.loads((tmp_path / "plan.json").read_text())
     assert plan["total_time_s"] > 0 and plan["phases"]
+    assert plan["total_time_s"] <= plan["baselines"]["fixed"]["time_s"] * (1 + 1e-12)
+
+
+def test_plan_command_converts_a_trajectory_measured_at_another_seq_len(model_dir, tmp_path,
+                                                                         capsys):
+    """A run of 1024-token sequences (8x the sequences per step, B_noise 8x in its
+    sequences) plans as the 8192-token run with the same tokens."""
+    plans = []
+    for name, seq_len, per_step, scale in (("long", 8192, 256, 1), ("short", 1024, 2048, 8)):
+        traj = tmp_path / f"{name}.csv"
+        _write_trajectory(traj, seq_len=seq_len, seqs_per_step=per_step, measured_seq_len=seq_len)
+        frame = traj.read_text().splitlines()
+        body = [line.split(",") for line in frame[1:]]
+        for fields in body:
+            fields[3] = f"{float(fields[3]) * scale:.6g}"
+        traj.write_text("\n".join([frame[0]] + [",".join(f) for f in body]) + "\n")
+        out = tmp_path / f"{name}.json"
+        assert main(["plan", "--model", "llama3-8b", "--gpus", "64", "--gpu", "H100",
+                     "--predictor", str(model_dir), "--trajectory", str(traj),
+                     "--output", str(out), "--no-track"]) == 0
+        plans.append(json.loads(out.read_text()))
+    capsys.readouterr()
+    assert plans[0]["total_time_s"] == pytest.approx(plans[1]["total_time_s"], rel=1e-4)
+    assert [p["config"] for p in plans[0]["phases"]] == [p["config"] for p in plans[1]["phases"]]
+
+
+def test_plan_command_needs_the_seq_len_of_an_old_trajectory(model_dir, tmp_path, capsys):
+    old = _write_trajectory(tmp_path / "old.csv")
+    args = ["plan", "--model", "llama3-8b", "--gpus", "64", "--gpu", "H100",
+            "--predictor", str(model_dir), "--trajectory", str(old), "--no-track"]
+    assert main([*args, "--global-batch", "64:2048"]) == 2
+    assert "--trajectory-seq-len" in capsys.readouterr().err
+    assert main(args) == 2  # the default batch range needs it too
+    assert "--trajectory-seq-len" in capsys.readouterr().err
+    out = tmp_path / "plan.json"
+    assert main([*args, "--trajectory-seq-len", "8192", "--output", str(out)]) == 0
+    assert json.loads(out.read_text())["phases"]
 
 
 def test_bad_input_is_a_named_error(model_dir, capsys):

@@ -1,12 +1,15 @@
 from __future__ import annotations
 
 import json
+import logging
 
 import numpy as np
+import pandas as pd
 import pytest
 
 from paratune import ConfigError
-from paratune.tuner import load_trajectory
+from paratune.tuner import effective_b_noise, load_trajectory
+from paratune.tuner._tune import resolve_gns
 
 
 def _rows():
@@ -16,7 +19,7 @@ def _rows():
 
 def test_csv_and_json_forms_read_the_same(tmp_path):
     rows = _rows()
-    rows[3]["b_simple"] = -2.0  # a noisy negative estimate is dropped
+    rows[3]["b_simple"] = -2.0  # a negative estimate is clamped, not dropped
     csv = tmp_path / "gns.csv"
     csv.write_text("step,tokens,loss,b_simple\n" + "\n".join(
         f"{r['step']},{r['tokens']},{r['loss']},{r['b_simple']}" for r in rows) + "\n")
@@ -28,7 +31,7 @@ def test_csv_and_json_forms_read_the_same(tmp_path):
     wrapped.write_text(json.dumps({"rows": rows}))
     reads = [load_trajectory(p) for p in (csv, records, columns, wrapped)]
     for traj in reads:
-        assert len(traj) == 9
+        assert len(traj) == 10 and traj.num_clamped == 1
         assert np.all(traj.b_noise > 0)
         np.testing.assert_allclose(traj.b_noise, reads[0].b_noise)
     assert reads[0].reference_batch_tokens() == pytest.approx(4096)
@@ -41,3 +44,106 @@ def test_missing_column_and_missing_file_are_named(tmp_path):
         load_trajectory(bad)
     with pytest.raises(ConfigError, match="no such file"):
         load_trajectory(tmp_path / "absent.csv")
+
+
+def _write_csv(path, rows):
+    pd.DataFrame(rows).to_csv(path, index=False)
+    return path
+
+
+def _gns_rows(seq_len=None, *, seqs_per_step=16, n=20):
+    """Rows as ``paratune gns`` writes them (the current format ends with ``seq_len``)."""
+    rows = []
+    for s in range(1, n + 1):
+        g2, trace = 1.0 / s, 20.0
+        row = {"step": s, "tokens": s * seqs_per_step * (seq_len or 128), "loss": 5 - s / 10,
+               "b_simple": trace / g2, "g2_ema": g2, "trace_ema": trace}
+        if seq_len is not None:
+            row["seq_len"] = seq_len
+        rows.append(row)
+    return rows
+
+
+def test_seq_len_column_converts_b_simple_to_the_planned_models_sequences(tmp_path):
+    traj = load_trajectory(_write_csv(tmp_path / "gns.csv", _gns_rows(128)))
+    assert traj.seq_len == 128 and traj.reference_batch() == 16
+    np.testing.assert_allclose(traj.b_noise_in(8192), traj.b_noise * 128 / 8192)
+    np.testing.assert_allclose(traj.b_noise_tokens(), traj.b_noise * 128)
+    # the measured B_noise, in tokens, is what the tuner uses whatever the target seq_len
+    assert resolve_gns(str(tmp_path / "gns.csv"), seq_len=8192) * 8192 == pytest.approx(
+        effective_b_noise(traj, seq_len=128) * 128)
+    assert traj.to_rows()[0]["seq_len"] == 128
+
+
+def test_old_file_needs_the_measuring_seq_len(tmp_path):
+    path = _write_csv(tmp_path / "old.csv", _gns_rows(None))
+    old = load_trajectory(path)  # still readable ...
+    assert old.seq_len is None
+    with pytest.raises(ConfigError, match=r"trajectory=.*old.csv.*needs a seq_len column or "
+                                          r"--trajectory-seq-len"):
+        effective_b_noise(old, seq_len=8192)  # ... but not convertible by a guess
+    with pytest.raises(ConfigError, match="--trajectory-seq-len"):
+        resolve_gns(str(path), seq_len=2048)
+    given = load_trajectory(path, seq_len=128)
+    assert given.seq_len == 128
+    assert resolve_gns(str(path), seq_len=8192, trajectory_seq_len=128) == pytest.approx(
+        effective_b_noise(given, seq_len=8192))
+
+
+def test_bad_seq_len_is_a_named_error(tmp_path):
+    path = _write_csv(tmp_path / "gns.csv", _gns_rows(128))
+    with pytest.raises(ConfigError, match=r"seq_len=256: disagrees with the seq_len column"):
+        load_trajectory(path, seq_len=256)
+    assert load_trajectory(path, seq_len=128).seq_len == 128
+    for bad in (0, -4, 2.5, True):
+        with pytest.raises(ConfigError, match=r"seq_len=.*: must be a positive integer"):
+            load_trajectory(path, seq_len=bad)
+    rows = _gns_rows(128)
+    rows[4]["seq_len"] = 256
+    with pytest.raises(ConfigError, match=r"seq_len column must hold one positive integer"):
+        load_trajectory(_write_csv(tmp_path / "mixed.csv", rows))
+
+
+def test_non_positive_estimates_are_clamped_and_counted(tmp_path, caplog):
+    rows = _gns_rows(128)
+    valid = [r["b_simple"] for r in rows]
+    # noise dominates: the smoothed |G|^2 is not positive, b_simple is NaN
+    for i in (12, 13, 14):
+        rows[i]["g2_ema"], rows[i]["b_simple"] = -0.01, float("nan")
+    # signal dominates: the smoothed trace is not positive
+    rows[2]["trace_ema"], rows[2]["b_simple"] = -1.0, -1.0 / rows[2]["g2_ema"]
+    # a b_simple lost while both parts are positive is rebuilt from them
+    rows[5]["b_simple"] = float("nan")
+    high = max(v for i, v in enumerate(valid) if i not in (2, 5, 12, 13, 14))
+    low = min(v for i, v in enumerate(valid) if i not in (2, 5, 12, 13, 14))
+    with caplog.at_level(logging.WARNING, logger="paratune.tuner.gns_trajectory"):
+        traj = load_trajectory(_write_csv(tmp_path / "gns.csv", rows))
+    assert len(traj) == 20 and traj.num_clamped == 5
+    np.testing.assert_allclose(traj.b_noise[[12, 13, 14]], high)
+    assert traj.b_noise[2] == pytest.approx(low)
+    assert traj.b_noise[5] == pytest.approx(valid[5])
+    assert "5 of 20 rows" in caplog.text and "3 noise-dominated" in caplog.text
+    # dropping the noise-dominated rows would have biased B_noise low
+    dropped = load_trajectory(_write_csv(tmp_path / "dropped.csv",
+                                         [r for i, r in enumerate(rows)
+                                          if i not in (12, 13, 14)]))
+    assert effective_b_noise(traj, seq_len=128) > effective_b_noise(dropped, seq_len=128)
+
+
+def test_without_parts_a_bad_estimate_is_read_as_noise_dominated(tmp_path):
+    rows = [{k: r[k] for k in ("step", "tokens", "loss", "b_simple", "seq_len")}
+            for r in _gns_rows(128)]
+    rows[7]["b_simple"] = float("nan")
+    rows[8]["b_simple"] = 0.0
+    traj = load_trajectory(_write_csv(tmp_path / "gns.csv", rows))
+    assert len(traj) == 20 and traj.num_clamped == 2
+    np.testing.assert_allclose(traj.b_noise[[7, 8]], max(r["b_simple"] for r in rows
+                                                         if r["b_simple"] > 0))
+
+
+def test_a_row_cut_short_while_written_is_dropped(tmp_path):
+    path = _write_csv(tmp_path / "gns.csv", _gns_rows(128))
+    text = path.read_text().rstrip("\n")
+    path.write_text(text + "\n21,43008,2.9\n")  # torn: no b_simple, parts or seq_len
+    traj = load_trajectory(path)
+    assert len(traj) == 20 and traj.num_clamped == 0

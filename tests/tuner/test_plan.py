@@ -1,5 +1,8 @@
 from __future__ import annotations
 
+import itertools
+import math
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -8,8 +11,8 @@ from paratune import ConfigError, get_model
 from paratune.space import ConfigSpace
 from paratune.tuner import SearchSpace, Trajectory, effective_b_noise, plan_phases, time_to_target
 from paratune.tuner._objective import Objective
-from paratune.tuner._plan import progress_segments
-from paratune.tuner._search import evaluate
+from paratune.tuner._plan import _layout_key, _schedule, progress_segments
+from paratune.tuner._search import config_from_row, evaluate, rank
 
 SEQ = get_model("llama3-8b").seq_len
 
@@ -18,7 +21,8 @@ def _trajectory(lo: float = 40.0, hi: float = 4000.0, points: int = 200) -> Traj
     step = np.arange(points, dtype=float) * 100
     tokens = step * 256 * SEQ  # reference run at 256 sequences per step
     b = np.geomspace(lo, hi, points)
-    return Trajectory(step=step, tokens=tokens, b_noise=b, loss=np.full(points, np.nan))
+    return Trajectory(step=step, tokens=tokens, b_noise=b, loss=np.full(points, np.nan),
+                      seq_len=SEQ)
 
 
 def _space():
@@ -72,7 +76,7 @@ def test_bad_plan_arguments(closed_form):
     with pytest.raises(ConfigError, match="threshold"):
         plan_phases(closed_form, _space(), _trajectory(), threshold=-1)
     short = Trajectory(step=np.array([0.0]), tokens=np.array([0.0]), b_noise=np.array([5.0]),
-                       loss=np.array([np.nan]))
+                       loss=np.array([np.nan]), seq_len=SEQ)
     with pytest.raises(ConfigError, match="trajectory"):
         plan_phases(closed_form, _space(), short)
 
@@ -113,3 +117,220 @@ def test_plan_times_configs_by_the_throughput_the_tuner_ranks_by(closed_form):
         row = q10[(q10[list(cfg)] == pd.Series(cfg)).all(axis=1)].iloc[0]
         assert phase["tokens_per_s"] == pytest.approx(
             row["pred_tokens_per_sec_per_gpu_q10"] * row["world_size"])
+
+
+# ----------------------------------------------------------------------------- units
+
+
+def _measured(seq_len: int, seqs_per_step: int, b_tokens: np.ndarray) -> Trajectory:
+    """A run of ``seqs_per_step`` sequences of ``seq_len`` tokens whose noise scale is
+    ``b_tokens`` tokens (so ``b_simple = b_tokens / seq_len`` of its sequences)."""
+    step = np.arange(1, len(b_tokens) + 1, dtype=float)
+    return Trajectory(step=step, tokens=step * seqs_per_step * seq_len,
+                      b_noise=b_tokens / seq_len, loss=np.full(len(step), np.nan),
+                      seq_len=seq_len)
+
+
+def test_noise_scale_and_reference_batch_convert_through_tokens():
+    # `paratune gns --model tiny` style: 16 sequences of 128 tokens per step
+    b_tokens = np.geomspace(8, 64, 200) * 128
+    tiny = _measured(128, 16, b_tokens)
+    assert tiny.reference_batch() == 16
+    at_own = effective_b_noise(tiny, seq_len=128)
+    for target in (128, 512, 8192):
+        # the noise scale (and the progress) in tokens does not depend on the seq_len planned
+        assert effective_b_noise(tiny, seq_len=target) * target == pytest.approx(at_own * 128)
+        segs = progress_segments(tiny, seq_len=target, max_segments=4)
+        assert sum(s.e_min for s in segs) * target == pytest.approx(
+            sum(s.e_min for s in progress_segments(tiny, seq_len=128, max_segments=4)) * 128)
+    # E_min with the reference batch of the measuring run (16 sequences, not 2048/8192)
+    b_mid = 0.5 * (b_tokens[1:] + b_tokens[:-1])
+    e_min_tokens = np.sum(16 * 128 / (1 + 16 * 128 / b_mid))
+    segs = progress_segments(tiny, seq_len=8192, max_segments=1)
+    assert segs[0].e_min * 8192 == pytest.approx(e_min_tokens)
+    # the same run recorded in sequences of another length plans identically
+    same = _measured(2048, 1, b_tokens)
+    np.testing.assert_allclose(same.b_noise_in(8192), tiny.b_noise_in(8192))
+    assert effective_b_noise(same, seq_len=8192) == pytest.approx(
+        effective_b_noise(tiny, seq_len=8192))
+
+
+def test_plan_is_the_same_whatever_seq_len_the_trajectory_was_measured_at(closed_form):
+    b_tokens = np.geomspace(40, 4000, 200) * SEQ
+    at_target = _measured(SEQ, 256, b_tokens)
+    at_short = _measured(1024, 256 * SEQ // 1024, b_tokens)
+    plans = [plan_phases(closed_form, _space(), t, reconfig_cost_s=60, threshold=0.02)
+             for t in (at_target, at_short)]
+    assert plans[0].total_time_s == pytest.approx(plans[1].total_time_s)
+    assert [p["config"] for p in plans[0].phases] == [p["config"] for p in plans[1].phases]
+    assert plans[0].phases[0]["b_noise_min"] == pytest.approx(plans[1].phases[0]["b_noise_min"])
+
+
+def test_trajectory_without_seq_len_is_refused_not_guessed(closed_form):
+    # 2 sequences of 4096 tokens per step: a whole number of 8192-token sequences would
+    # let a guess pass silently
+    unknown = Trajectory(step=np.arange(10.0), tokens=np.arange(10.0) * 8192,
+                         b_noise=np.full(10, 50.0), loss=np.full(10, np.nan), source="old.csv")
+    for call in (lambda: effective_b_noise(unknown, seq_len=SEQ),
+                 lambda: plan_phases(closed_form, _space(), unknown)):
+        with pytest.raises(ConfigError, match=r"trajectory='old.csv'.*seq_len column or "
+                                              r"--trajectory-seq-len"):
+            call()
+    wrong = Trajectory(step=np.arange(10.0), tokens=np.arange(10.0) * 8192,
+                       b_noise=np.full(10, 50.0), loss=np.full(10, np.nan), seq_len=3000)
+    with pytest.raises(ConfigError, match=r"seq_len=3000: must divide the 8192 tokens"):
+        effective_b_noise(wrong, seq_len=SEQ)
+
+
+# ----------------------------------------------------------------------------- the schedule
+
+
+def _path_cost(times, layouts, path, rc, bc):
+    total = times[0, path[0]]
+    for i in range(1, len(path)):
+        a, b = path[i - 1], path[i]
+        if a != b:
+            total += bc if layouts[a] == layouts[b] else rc
+        total += times[i, b]
+    return total
+
+
+def _brute_force(times, layouts, rc, bc, threshold=None):
+    n, k = times.shape
+    best = math.inf
+    for path in itertools.product(range(k), repeat=n):
+        if threshold is not None and any(
+                path[i] != path[i - 1]
+                and not times[i, path[i - 1]] > (1 + threshold) * times[i, path[i]]
+                for i in range(1, n)):
+            continue
+        best = min(best, _path_cost(times, layouts, path, rc, bc))
+    return best
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_schedule_is_the_brute_force_optimum(seed):
+    rng = np.random.default_rng(seed)
+    n, k = int(rng.integers(1, 6)), int(rng.integers(1, 6))
+    times = rng.uniform(1, 10, (n, k))
+    layouts = rng.integers(0, 3, k)
+    rc, bc = float(rng.uniform(0, 6)), float(rng.uniform(0, 3))
+    choice, total = _schedule(times, layouts, reconfig_cost_s=rc, batch_change_cost_s=bc,
+                              threshold=0.0)
+    assert total == pytest.approx(_path_cost(times, layouts, choice, rc, bc))
+    # threshold 0 with bc <= 2 rc: the unconstrained optimum
+    assert total == pytest.approx(_brute_force(times, layouts, rc, bc))
+    assert total <= times.sum(axis=0).min() + 1e-9
+    # a threshold filters switches: the optimum among plans whose switches all clear it
+    thr = float(rng.choice([0.1, 0.5]))
+    _, gated = _schedule(times, layouts, reconfig_cost_s=rc, batch_change_cost_s=bc,
+                         threshold=thr)
+    assert gated == pytest.approx(_brute_force(times, layouts, rc, bc, threshold=thr))
+    assert total - 1e-9 <= gated <= times.sum(axis=0).min() + 1e-9
+
+
+def _step_trajectory() -> Trajectory:
+    """B_noise jumps from 20 to 20000 early: a huge batch pays off for most of the run."""
+    points = 200
+    step = np.arange(points, dtype=float) * 100
+    b = np.where(np.arange(points) < 8, 20.0, 20000.0)
+    return Trajectory(step=step, tokens=step * 256 * SEQ, b_noise=b,
+                      loss=np.full(points, np.nan), seq_len=SEQ)
+
+
+def _dense_optimum(predictor, space, trajectory, rc, bc, max_segments):
+    """Unconstrained optimum by a dense DP over all config pairs."""
+    ranked = rank(evaluate(predictor, space, space.enumerate().valid, Objective()))
+    tput = ranked["ranked_tokens_per_s"].to_numpy(float)
+    ranked = ranked[ranked["feasible"].to_numpy(bool) & np.isfinite(tput)
+                    & (tput > 0)].reset_index(drop=True)
+    segs = progress_segments(trajectory, seq_len=SEQ, max_segments=max_segments)
+    b = ranked["global_batch_size"].to_numpy(float)
+    step = b * SEQ / ranked["ranked_tokens_per_s"].to_numpy(float)
+    e = np.array([s.e_min for s in segs])[:, None]
+    bn = np.array([s.b_noise for s in segs])[:, None]
+    times = e * (1 + b[None] / bn) / b[None] * step[None]
+    lays = [_layout_key(config_from_row(r)) for _, r in ranked.iterrows()]
+    cost = np.where(np.array([[x == y for y in lays] for x in lays]), bc, rc)
+    np.fill_diagonal(cost, 0)
+    best = times[0].copy()
+    for i in range(1, len(segs)):
+        best = (best[:, None] + cost).min(axis=0) + times[i]
+    return float(best.min())
+
+
+@pytest.mark.parametrize("cost", [1e12, 72000.0, 600.0])
+def test_plan_is_never_slower_than_the_fixed_baseline(closed_form, cost):
+    plan = plan_phases(closed_form, _space(), _step_trajectory(), reconfig_cost_s=cost,
+                       batch_change_cost_s=cost, threshold=0.05)
+    assert plan.total_time_s <= plan.baselines["fixed"]["time_s"] * (1 + 1e-12)
+    assert plan.speedup("fixed") >= 1 - 1e-12
+
+
+@pytest.mark.parametrize(("rc", "bc"), [(600.0, 0.0), (600.0, 300.0), (3000.0, 0.0),
+                                        (72000.0, 72000.0)])
+def test_plan_is_the_exact_optimum_at_zero_threshold(closed_form, rc, bc):
+    space = _space()
+    for trajectory in (_trajectory(100, 3000), _step_trajectory()):
+        plan = plan_phases(closed_form, space, trajectory, reconfig_cost_s=rc,
+                           batch_change_cost_s=bc, threshold=0.0, max_segments=12)
+        assert plan.total_time_s == pytest.approx(
+            _dense_optimum(closed_form, space, trajectory, rc, bc, 12), rel=1e-9)
+
+
+# ----------------------------------------------------------------------------- arguments
+
+
+@pytest.mark.parametrize(("kwargs", "field"), [
+    ({"batch_change_cost_s": -5}, "batch_change_cost_s"),
+    ({"reconfig_cost_s": -1}, "reconfig_cost_s"),
+    ({"reconfig_cost_s": math.nan}, "reconfig_cost_s"),
+    ({"max_segments": 0}, "max_segments"),
+    ({"max_segments": -3}, "max_segments"),
+])
+def test_each_bad_argument_names_its_own_field(closed_form, kwargs, field):
+    with pytest.raises(ConfigError) as info:
+        plan_phases(closed_form, _space(), _trajectory(), **kwargs)
+    assert info.value.field == field
+    assert info.value.value is next(iter(kwargs.values()))
+
+
+def test_progress_segments_needs_at_least_one_segment():
+    with pytest.raises(ConfigError, match=r"max_segments=0: must be an integer >= 1"):
+        progress_segments(_trajectory(), seq_len=SEQ, max_segments=0)
+
+
+# ----------------------------------------------------------------------------- switch costs
+
+
+def test_switches_record_their_kind_and_baselines_pay_batch_changes(closed_form):
+    space, trajectory = _space(), _trajectory()
+    free = plan_phases(closed_form, space, trajectory, reconfig_cost_s=600,
+                       batch_change_cost_s=0, threshold=0.0)
+    paid = plan_phases(closed_form, space, trajectory, reconfig_cost_s=600,
+                       batch_change_cost_s=100, threshold=0.0)
+    follow_free, follow_paid = free.baselines["follow_critical"], paid.baselines[
+        "follow_critical"]
+    assert follow_free["num_switches"] >= 2
+    assert follow_paid["switch_time_s"] == pytest.approx(100 * follow_free["num_switches"])
+    assert follow_paid["time_s"] == pytest.approx(
+        follow_free["time_s"] + 100 * follow_free["num_switches"])
+    for plan in (free, paid):
+        assert plan.num_switches == len(plan.switches) == len(plan.phases) - 1
+        for sw, before, after in zip(plan.switches, plan.phases, plan.phases[1:]):
+            same_layout = all(before["config"][k] == after["config"][k]
+                              for k in before["config"] if k != "global_batch_size")
+            assert sw["kind"] == ("batch" if same_layout else "layout")
+            assert sw["cost_s"] == (plan.batch_change_cost_s if same_layout
+                                    else plan.reconfig_cost_s)
+            assert sw["at_tokens"] == after["start_tokens"]
+        assert plan.total_time_s == pytest.approx(
+            sum(p["time_s"] for p in plan.phases) + sum(sw["cost_s"] for sw in plan.switches))
+        assert plan.to_dict()["switches"] == plan.switches
+    # a batch-only switch is reported at its own cost, not at the reconfiguration cost
+    batch_only = [sw for sw in paid.switches if sw["kind"] == "batch"]
+    assert batch_only, "the closed form should change only the batch at some point"
+    text = paid.table()
+    assert "batch-only change" in text and "at 100 s" in text
+    if not any(sw["kind"] == "layout" for sw in paid.switches):
+        assert "600 s" not in text.split("plan:")[1].splitlines()[0]

@@ -88,3 +88,21 @@ def test_cli_names_gpus_when_it_is_not_positive(closed_form, tmp_path, capsys, c
     err = capsys.readouterr().err
     assert code == 2
     assert err == f"paratune {command}: error: gpus={int(gpus)}: must be a positive integer\n"
+
+
+@pytest.mark.parametrize("command", ["tune", "plan"])
+def test_cli_names_the_missing_trajectory_seq_len(tmp_path, capsys, command):
+    from paratune.cli import main
+
+    traj = tmp_path / "old.csv"
+    traj.write_text("step,tokens,loss,b_simple\n" + "".join(
+        f"{s},{s * 2 * 4096},3.0,{50 + s}\n" for s in range(1, 30)))
+    extra = (["--objective", "goodput", "--gns", str(traj), "--trials", "5"]
+             if command == "tune" else ["--trajectory", str(traj)])
+    code = main([command, "--model", "llama3-8b", "--gpus", "8", "--gpu", "H100",
+                 "--predictor", str(tmp_path / "no-model"), "--output", str(tmp_path / "o"),
+                 "--no-track", *extra])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert f"paratune {command}: error: trajectory=" in err
+    assert "needs a seq_len column or --trajectory-seq-len" in err
