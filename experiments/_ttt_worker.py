@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from paratune._io import append_jsonl, read_jsonl
+from paratune._io import append_jsonl, atomic_write_text, read_jsonl
 from paratune.parallel import ParallelConfig
 from paratune.spec import ModelSpec
 
@@ -241,9 +241,12 @@ def train_to_target(job: Job, run: dict[str, Any], corpus: Any, evaluator: _Eval
             val_loss = evaluator(trainer)
             b_noise = meter.tracker.b_simple if meter else math.nan
             val_loss, b_noise = _broadcast([val_loss, b_noise])
+            # config/measure: what the steps since the previous point ran under (a switch
+            # happens after this point), the key modelled_time prices them by.
             curve.append({"tokens": tokens_seen, "step": state.step, "time_s": clock,
                           "val_loss": val_loss, "batch": config.global_batch_size,
-                          "layout": layout_of(config), "b_noise": b_noise})
+                          "layout": layout_of(config), "config": config.key(),
+                          "measure": meter is not None, "b_noise": b_noise})
             if val_loss <= job.target_loss:
                 reached = True
                 break
@@ -286,7 +289,8 @@ def train_to_target(job: Job, run: dict[str, Any], corpus: Any, evaluator: _Eval
             est = result.estimate
             gns_rows.append({"step": state.step, "tokens": state.samples_seen * seq,
                              "loss": loss, "b_simple": est.b_simple, "g2": est.g2,
-                             "trace": est.trace, "batch": gb, "time_s": clock})
+                             "trace": est.trace, "batch": gb, "time_s": clock,
+                             "seq_len": seq})
     trainer.close()
     last = curve[-1]
     return {"name": run["name"], "arm": run["arm"], "seed": seed, "reached": reached,
@@ -298,8 +302,45 @@ def train_to_target(job: Job, run: dict[str, Any], corpus: Any, evaluator: _Eval
 
 
 # ---------------------------------------------------------------------- profiling
+def _median(values: list[float]) -> float:
+    return float(sorted(values)[len(values) // 2])
+
+
+def time_measuring_steps(job: Job, config: ParallelConfig, device: torch.device, *,
+                         warmup_steps: int = 2) -> tuple[list[float], str]:
+    """Step times of a noise-measuring run under ``config`` (collective): what the pilot and
+    the batch and coadapt arms run, a :class:`NoiseScaleMeter` step (in ``accumulate`` mode
+    one reduction per chunk of half the batch), each the slowest rank's. Also the mode."""
+    from paratune.profiler.gns import NoiseScaleMeter
+    from paratune.profiler.trainer import Trainer, synthetic_batch
+
+    meter = NoiseScaleMeter(config, beta=job.gns_beta)
+    trainer = Trainer(job.model, meter.trainer_config, device=device, seed=0, lr=job.lr)
+    times: list[float] = []
+    try:
+        for step in range(warmup_steps + job.profile_steps):
+            tokens = synthetic_batch(job.model, config.global_batch_size, step=step)
+            dist.barrier()
+            begin = time.perf_counter()
+            meter.step(trainer, tokens)
+            if step >= warmup_steps:
+                times.append(time.perf_counter() - begin)
+    finally:
+        trainer.close()
+    slowest = torch.tensor(times, dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return slowest.tolist(), meter.mode
+
+
 def profile(job: Job, device: torch.device) -> dict[str, Any]:
-    """Step time of every (layout, batch), and the cost of a layout switch."""
+    """Step times of the configs the runs use, and the cost of a layout switch.
+
+    Two rows per (layout, batch) where they exist, keyed by the full config and ``measure``:
+    the plain config (``measure`` false; what the fixed and plan arms run, and the configs
+    the plan chooses from) and the noise-measuring config of :func:`measured_config_for`
+    timed with the meter's step (``measure`` true; what the pilot and the batch and coadapt
+    arms run, and what coadapt chooses layouts by).
+    """
     from paratune.profiler.reconfigure import RunState, reconfigure
     from paratune.profiler.trainer import Trainer, measure_config, synthetic_batch
 
@@ -307,13 +348,21 @@ def profile(job: Job, device: torch.device) -> dict[str, Any]:
     for layout in LAYOUTS:
         for batch in job.batches:
             config = config_for(layout, batch)
-            if not config.is_valid(job.model, dist.get_world_size()):
-                continue
-            m = measure_config(job.model, config, hardware="cpu", device=device,
-                               warmup_steps=2, measured_steps=job.profile_steps, seed=0)
-            table.append({"layout": layout, "batch": batch, "config": config.to_dict(),
-                          "step_time_s": float(sorted(m.step_times_s)[len(m.step_times_s) // 2]),
-                          "peak_rss_gb": m.peak_rss_gb})
+            if config.is_valid(job.model, dist.get_world_size()):
+                m = measure_config(job.model, config, hardware="cpu", device=device,
+                                   warmup_steps=2, measured_steps=job.profile_steps, seed=0)
+                table.append({"layout": layout, "batch": batch, "measure": False,
+                              "mode": "", "key": config.key(), "config": config.to_dict(),
+                              "step_time_s": _median(m.step_times_s),
+                              "peak_rss_gb": m.peak_rss_gb})
+            measuring = measured_config_for(job.model, layout, batch,
+                                            world_size=dist.get_world_size())
+            if measuring is not None:
+                times, mode = time_measuring_steps(job, measuring, device)
+                table.append({"layout": layout, "batch": batch, "measure": True,
+                              "mode": mode, "key": measuring.key(),
+                              "config": measuring.to_dict(), "step_time_s": _median(times),
+                              "peak_rss_gb": math.nan})
     costs = []
     first, second = config_for("dp4", 16), config_for("dp2-tp2", 32)
     trainer = Trainer(job.model, first, device=device, seed=0, lr=job.lr)
@@ -343,7 +392,7 @@ def worker(rank: int, world_size: int, port: int, job: Job) -> None:
         if job.profile:
             result = profile(job, device)
             if rank == 0:
-                (out / "profile.json").write_text(json.dumps(result, indent=1))
+                atomic_write_text(out / "profile.json", json.dumps(result, indent=1))
             dist.barrier()
         corpus = TextCorpus.from_stdlib(max_bytes=job.corpus_bytes)
         val = corpus.sequences(0, job.val_seqs, job.model.seq_len, seed=0, split="validation")

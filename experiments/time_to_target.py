@@ -10,10 +10,20 @@ level) with four gloo processes on this machine, to a fixed validation loss, in 
 4. ``plan``: the phases of :func:`paratune.tuner._plan.plan_phases` (what ``paratune plan``
    prints) computed from a pilot run's B_noise trajectory.
 
-Step times of every (layout, batch) are measured first on this machine, and the plan and the
-arms use them (a measured-table predictor instead of a fitted model). Switches go through
-``torch.distributed.checkpoint`` and their cost counts in the wall time; evaluation does not.
-Arms are interleaved seed by seed so drifting machine load hits all of them alike.
+Step times of the configs the runs use are measured first on this machine, keyed by the full
+config and by whether the run measures the noise scale: the plain config of every (layout,
+batch), which the fixed and plan arms run and the plan chooses from (a measured-table
+predictor instead of a fitted model), and the noise-measuring config of every (layout,
+batch), timed with the meter's step (in ``accumulate`` mode two chunks of half the batch,
+one reduction each), which the pilot and the batch and coadapt arms run and coadapt chooses
+its layouts by. Switches go through ``torch.distributed.checkpoint`` and their cost counts in
+the wall time; evaluation does not. Arms are interleaved seed by seed so drifting machine
+load hits all of them alike. The plan arm needs the pilot run: its wall time is reported
+with the plan arm (``pilot_s``, ``time_with_pilot_mean_s``).
+
+``--out`` is bound to the settings its runs were measured with (``settings.json``): a rerun
+into it with another ``--target``, ``--lr``, ``--batches``, ``--pilot-batch``, ... is refused,
+naming the setting, instead of reusing runs measured under the old one.
 
 Run: ``python experiments/time_to_target.py`` (``--help`` for options). Prints the table of
 time and steps to target per arm (mean and spread over seeds) and logs everything to MLflow:
@@ -38,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import numpy as np
 import pandas as pd
 
-from paratune._io import read_jsonl
+from paratune._io import atomic_write_text, read_jsonl
 from paratune._table import format_table
 from paratune.predictor import (
     PRED_FEASIBLE_PROB,
@@ -51,15 +61,27 @@ from paratune.spec import get_model
 ARMS = ("fixed", "batch", "coadapt", "plan")
 
 
+SETTINGS_VERSION = 2
+"""Version of ``settings.json`` and of the profile table (2: rows keyed by config and
+``measure``)."""
+
+
+def step_times(profile: dict[str, Any]) -> dict[tuple[str, bool], float]:
+    """Measured step time by (full config key, whether the run measures the noise scale)."""
+    from paratune.parallel import ParallelConfig
+
+    return {(ParallelConfig.from_dict(r["config"]).key(), bool(r["measure"])): r["step_time_s"]
+            for r in profile["table"]}
+
+
 class MeasuredPredictor:
-    """A predictor that answers from measured step times (the configs profiled here)."""
+    """A predictor that answers from measured step times of the plain (not noise-measuring)
+    configs profiled here: those the fixed and plan arms run."""
 
     def __init__(self, table: list[dict[str, Any]], seq_len: int) -> None:
-        from paratune.parallel import ParallelConfig
-
         self.seq_len = seq_len
-        self.times = {ParallelConfig.from_dict(r["config"]).key(): r["step_time_s"]
-                      for r in table}
+        self.times = {key: t for (key, measure), t in step_times({"table": table}).items()
+                      if not measure}
 
     def predict(self, frame: pd.DataFrame) -> pd.DataFrame:
         from paratune.parallel import ParallelConfig
@@ -94,7 +116,7 @@ def _pilot_loss_at(curve: list[dict[str, Any]], tokens: float) -> float:
 def make_plan(profile: dict[str, Any], pilot: dict[str, Any], model: Any, batches: list[int],
               out: Path) -> dict[str, Any]:
     """The arms' settings from the measured table and the pilot run."""
-    from _ttt_worker import LAYOUTS, measured_config_for
+    from _ttt_worker import LAYOUTS
 
     from paratune.space import ConfigSpace
     from paratune.tuner._objective import Objective
@@ -121,19 +143,14 @@ def make_plan(profile: dict[str, Any], pilot: dict[str, Any], model: Any, batche
     phases = [{**p, "start_loss": _pilot_loss_at(pilot["curve"], p["start_tokens"])}
               for p in plan.phases]
     phases[0]["start_loss"] = math.inf
-    times = {(r["layout"], r["batch"]): r["step_time_s"] for r in profile["table"]}
-    # Layouts a noise-measuring run can use at each batch.
-    usable = {(lay, b) for lay in LAYOUTS for b in batches
-              if (lay, b) in times and measured_config_for(model, lay, b) is not None}
-    best_layout = {b: min((lay for lay in LAYOUTS if (lay, b) in usable),
-                          key=lambda lay, b=b: times[(lay, b)]) for b in batches
-                   if any((lay, b) in usable for lay in LAYOUTS)}
+    times = measuring_times(profile, model, batches)
+    best_layout = best_layouts(times, batches)
 
     def follow_time(layout: str) -> float:
         total = 0.0
         for seg in plan.segments:
             b = min(batches, key=lambda x: abs(math.log(x) - math.log(seg.b_noise)))
-            if (layout, b) not in usable:
+            if (layout, b) not in times:
                 return math.inf
             total += seg.e_min * (1 + b / seg.b_noise) / b * times[(layout, b)]
         return total
@@ -144,8 +161,35 @@ def make_plan(profile: dict[str, Any], pilot: dict[str, Any], model: Any, batche
                 "follow_layout": follow_layout, "fixed_config": fixed,
                 "switch_cost_s": switch_s,
                 "predicted_follow_layout_s": {lay: follow_time(lay) for lay in LAYOUTS}}
-    (out / "plan.json").write_text(json.dumps(settings, indent=1, default=str))
+    atomic_write_text(out / "plan.json", json.dumps(settings, indent=1, default=str))
     return settings
+
+
+def measuring_times(profile: dict[str, Any], model: Any, batches: list[int]
+                    ) -> dict[tuple[str, int], float]:
+    """Step time of the noise-measuring run of each usable (layout, batch): the config
+    :func:`measured_config_for` gives (what the batch and coadapt arms run), timed with the
+    meter's step; (layout, batch) pairs a measuring run cannot use are absent."""
+    from _ttt_worker import LAYOUTS, measured_config_for
+
+    times = step_times(profile)
+    usable = {}
+    for layout in LAYOUTS:
+        for b in batches:
+            config = measured_config_for(model, layout, b)
+            if config is not None and (config.key(), True) in times:
+                usable[(layout, b)] = times[(config.key(), True)]
+    return usable
+
+
+def best_layouts(times: dict[tuple[str, int], float], batches: list[int]) -> dict[int, str]:
+    """The fastest layout at each batch by ``times`` ((layout, batch) -> step time)."""
+    best = {}
+    for b in batches:
+        candidates = {lay: t for (lay, batch), t in times.items() if batch == b}
+        if candidates:
+            best[b] = min(candidates, key=candidates.__getitem__)
+    return best
 
 
 def arm_runs(settings: dict[str, Any], batches: list[int], seeds: list[int]
@@ -166,21 +210,37 @@ def arm_runs(settings: dict[str, Any], batches: list[int], seeds: list[int]
     return runs
 
 
-def modelled_time(run: dict[str, Any], profile: dict[str, Any]) -> float:
+def modelled_time(run: dict[str, Any], profile: dict[str, Any], *,
+                  require_reached: bool = True) -> float:
     """Time to target with the load taken out: each stretch of steps priced at the profiled
-    step time of the (layout, batch) it ran under, plus the mean measured switch cost."""
-    if not run["reached"]:
+    step time of the config it ran under (full key, noise-measuring or not), plus the mean
+    measured switch cost. ``require_reached=False`` prices a run that stopped short (the
+    pilot's cost)."""
+    if require_reached and not run["reached"]:
         return math.nan
-    times = {(r["layout"], r["batch"]): r["step_time_s"] for r in profile["table"]}
+    times = step_times(profile)
     switch_s = float(np.mean([c["total_s"] for c in profile["switch_costs"]]))
     curve = run["curve"]
     total = run["num_switches"] * switch_s
     for prev, cur in itertools.pairwise(curve):
-        total += (cur["step"] - prev["step"]) * times.get((cur["layout"], cur["batch"]), math.nan)
+        total += (cur["step"] - prev["step"]) * times.get((cur["config"], bool(cur["measure"])),
+                                                          math.nan)
     return total
 
 
-def summarise(results: list[dict[str, Any]], profile: dict[str, Any]) -> pd.DataFrame:
+def pilot_cost(pilot: dict[str, Any], profile: dict[str, Any]) -> dict[str, float]:
+    """What the pilot run the plan is computed from cost: its wall time (evaluation
+    excluded, like the arms') and its modelled time, whether or not it reached the target."""
+    return {"pilot_s": float(pilot["curve"][-1]["time_s"]),
+            "pilot_modelled_s": modelled_time(pilot, profile, require_reached=False)}
+
+
+def summarise(results: list[dict[str, Any]], profile: dict[str, Any],
+              pilot: dict[str, Any]) -> pd.DataFrame:
+    """Per arm: time and steps to target. The plan arm needs the pilot run, so its row also
+    carries the pilot's cost (``pilot_s``) and the totals with it (``*_with_pilot_*``); the
+    other arms need no pilot (0)."""
+    cost = pilot_cost(pilot, profile)
     rows = []
     for arm in ARMS:
         mine = [r for r in results if r["arm"] == arm]
@@ -188,7 +248,14 @@ def summarise(results: list[dict[str, Any]], profile: dict[str, Any]) -> pd.Data
         m = np.array([modelled_time(r, profile) for r in mine], dtype=float)
         s = np.array([r["steps"] for r in mine], dtype=float)
         ok = np.isfinite(t)
+        pilot_s = cost["pilot_s"] if arm == "plan" else 0.0
+        pilot_m = cost["pilot_modelled_s"] if arm == "plan" else 0.0
         rows.append({"arm": arm, "runs": len(mine), "reached": int(ok.sum()),
+                     "pilot_s": pilot_s, "pilot_modelled_s": pilot_m,
+                     "time_with_pilot_mean_s": (float(np.mean(t[ok])) + pilot_s if ok.any()
+                                                else math.nan),
+                     "modelled_with_pilot_mean_s": (float(np.mean(m[ok])) + pilot_m
+                                                    if ok.any() else math.nan),
                      "time_mean_s": float(np.mean(t[ok])) if ok.any() else math.nan,
                      "time_std_s": float(np.std(t[ok], ddof=1)) if ok.sum() > 1 else math.nan,
                      "time_min_s": float(np.min(t[ok])) if ok.any() else math.nan,
@@ -204,7 +271,48 @@ def summarise(results: list[dict[str, Any]], profile: dict[str, Any]) -> pd.Data
     frame["gain_vs_best_baseline_pct"] = 100 * (1 - frame["time_mean_s"] / best_baseline)
     best_modelled = frame[frame["arm"].isin(["fixed", "batch"])]["modelled_mean_s"].min()
     frame["modelled_gain_pct"] = 100 * (1 - frame["modelled_mean_s"] / best_modelled)
+    frame["gain_with_pilot_pct"] = 100 * (1 - frame["time_with_pilot_mean_s"] / best_baseline)
+    frame["modelled_gain_with_pilot_pct"] = 100 * (1 - frame["modelled_with_pilot_mean_s"]
+                                                   / best_modelled)
     return frame
+
+
+def experiment_settings(args: argparse.Namespace, model: Any, batches: list[int],
+                        job_fields: dict[str, Any]) -> dict[str, Any]:
+    """What the runs journaled under ``--out`` depend on (seeds are not: more seeds add
+    runs). JSON-normalised."""
+    settings = {"version": SETTINGS_VERSION, "model": model.to_dict(), "target": args.target,
+                "lr": args.lr, "batches": batches, "pilot_batch": args.pilot_batch,
+                "eval_every_tokens": args.eval_every_tokens, "max_tokens": args.max_tokens,
+                "corpus_mb": args.corpus_mb, **job_fields}
+    return json.loads(json.dumps(settings))
+
+
+def check_settings(out: Path, settings: dict[str, Any]) -> None:
+    """Bind ``out`` to ``settings``: record them on first use; refuse to continue into a
+    directory whose runs were measured with other settings, naming the first that differs.
+
+    Raises:
+        ConfigError: a setting differs from the recorded one, or ``out`` holds runs or a
+            profile from before settings were recorded (nothing is changed either way).
+    """
+    from paratune.errors import ConfigError
+
+    path = out / "settings.json"
+    if not path.exists():
+        stale = [name for name in ("runs.jsonl", "profile.json") if (out / name).exists()]
+        if stale:
+            raise ConfigError("out", str(out), f"holds {' and '.join(stale)} measured before "
+                              "their settings were recorded (settings.json), so they cannot be "
+                              "matched to this run's; use another --out or empty this one")
+        atomic_write_text(path, json.dumps(settings, indent=1))
+        return
+    recorded = json.loads(path.read_text())
+    for name in [*settings, *(n for n in recorded if n not in settings)]:
+        if settings.get(name) != recorded.get(name):
+            raise ConfigError(name, settings.get(name), f"differs from {recorded.get(name)!r}, "
+                              f"the value the runs in {out} were measured with; use another "
+                              "--out (or empty this one) to measure with the new value")
 
 
 def plots(results: list[dict[str, Any]], pilot: dict[str, Any], out: Path, target: float
@@ -286,6 +394,15 @@ def main(argv: list[str] | None = None) -> int:
                 corpus_bytes=int(args.corpus_mb * (1 << 20)), val_seqs=64,
                 eval_every_tokens=args.eval_every_tokens, max_tokens=args.max_tokens,
                 batches=batches, gns_beta=0.9)
+    from paratune.errors import ConfigError
+
+    try:
+        check_settings(out, experiment_settings(
+            args, model, batches, {"val_seqs": base["val_seqs"],
+                                   "gns_beta": base["gns_beta"],
+                                   "profile_steps": Job.profile_steps}))
+    except ConfigError as error:
+        parser.error(str(error))
     started = time.perf_counter()
 
     # 1. Step times of every (layout, batch), switch cost, and the pilot's B_noise trajectory.
@@ -308,14 +425,19 @@ def main(argv: list[str] | None = None) -> int:
     _spawn(Job(**base, runs=runs))
     results = [r for r in read_jsonl(out / "runs.jsonl") if r["arm"] in ARMS
                and r["seed"] in seeds]
-    summary = summarise(results, profile)
+    summary = summarise(results, profile, pilot)
     print(format_table(summary.to_dict("records"),
                        title=f"Time and steps to validation loss {args.target} "
                              f"(mean, std over seeds {seeds})", floatfmt=".4g"))
+    cost = pilot_cost(pilot, profile)
     per_run = pd.DataFrame([{**{k: r[k] for k in ("name", "arm", "seed", "reached", "time_s",
                                                    "steps", "tokens", "num_switches",
                                                    "switch_s")},
-                             "modelled_s": modelled_time(r, profile)} for r in results])
+                             "modelled_s": modelled_time(r, profile),
+                             "pilot_s": cost["pilot_s"] if r["arm"] == "plan" else 0.0}
+                            for r in results])
+    print(f"pilot run (needed by the plan arm, charged to it in *_with_pilot_*): "
+          f"{cost['pilot_s']:.1f} s wall, {cost['pilot_modelled_s']:.1f} s modelled")
     print(format_table(per_run.to_dict("records"), title="Runs", floatfmt=".4g"))
     figures = plots(results, pilot, out, args.target)
     summary.to_csv(out / "summary.csv", index=False)
@@ -331,7 +453,9 @@ def main(argv: list[str] | None = None) -> int:
                                "fixed_config": settings["fixed_config"],
                                "follow_layout": settings["follow_layout"],
                                "best_layout": settings["best_layout"],
-                               "switch_cost_s": settings["switch_cost_s"]}) as run:
+                               "switch_cost_s": settings["switch_cost_s"],
+                               "pilot_batch": args.pilot_batch,
+                               "pilot_s": cost["pilot_s"]}) as run:
             for row in summary.to_dict("records"):
                 run.log_metrics({f"{row['arm']}_{k}": v for k, v in row.items()
                                  if k != "arm"})

@@ -1,0 +1,212 @@
+"""The time-to-target experiment (experiments/time_to_target.py): what it prices runs by,
+what it charges the plan arm, and which runs it reuses. Unit level: the experiment itself
+takes hours."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from paratune.errors import ConfigError
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "experiments"))
+ttt = pytest.importorskip("time_to_target")
+
+
+def _model():
+    from paratune import get_model
+
+    return get_model("tiny").replace(name="tiny-text", num_layers=2, hidden_size=64,
+                                     num_heads=4, num_kv_heads=2, ffn_hidden_size=176,
+                                     seq_len=64)
+
+
+def _profile(rows):
+    """rows: (layout, batch, measure, step_time_s)."""
+    from _ttt_worker import config_for, measured_config_for
+
+    table = []
+    for layout, batch, measure, seconds in rows:
+        config = (measured_config_for(_model(), layout, batch) if measure
+                  else config_for(layout, batch))
+        table.append({"layout": layout, "batch": batch, "measure": measure,
+                      "key": config.key(), "config": config.to_dict(),
+                      "step_time_s": seconds})
+    return {"table": table, "switch_costs": [{"total_s": 1.0}]}
+
+
+def test_measuring_configs_differ_from_the_plain_ones_where_they_accumulate():
+    from _ttt_worker import config_for, measured_config_for
+
+    # dp-mode measurement runs the plain config; accumulate mode halves the micro-batch.
+    assert measured_config_for(_model(), "dp4", 16) == config_for("dp4", 16)
+    plain, measuring = config_for("dp2-tp2", 16), measured_config_for(_model(), "dp2-tp2", 16)
+    assert measuring.micro_batch_size == plain.micro_batch_size // 2
+    assert measuring.key() != plain.key()
+
+
+def test_coadapt_chooses_layouts_by_the_timings_of_the_configs_it_runs():
+    # Plain steps favour dp2-tp2, noise-measuring steps (what coadapt runs) favour dp4.
+    profile = _profile([("dp4", 16, False, 0.20), ("dp2-tp2", 16, False, 0.10),
+                        ("dp4", 16, True, 0.15), ("dp2-tp2", 16, True, 0.30),
+                        ("dp4", 8, True, 0.10)])
+    times = ttt.measuring_times(profile, _model(), [8, 16])
+    assert times == {("dp4", 16): 0.15, ("dp2-tp2", 16): 0.30, ("dp4", 8): 0.10}
+    assert ttt.best_layouts(times, [8, 16]) == {8: "dp4", 16: "dp4"}
+
+
+def test_the_plan_predictor_answers_from_plain_steps_only():
+    """The plan and fixed arms run without measuring: a measuring row of the same (or only)
+    key must not price them."""
+    from paratune.predictor import PARALLEL_COLUMNS, PRED_FEASIBLE_PROB, PRED_STEP_TIME_S
+
+    profile = _profile([("dp4", 16, False, 0.20), ("dp4", 16, True, 0.35),
+                        ("dp2-tp2", 16, True, 0.30)])
+    predictor = ttt.MeasuredPredictor(profile["table"], 64)
+    frame = pd.DataFrame([{k: r["config"][k] for k in PARALLEL_COLUMNS}
+                          for r in profile["table"]])
+    got = predictor.predict(frame)
+    assert got[PRED_STEP_TIME_S].iloc[0] == 0.20
+    assert got[PRED_STEP_TIME_S].iloc[1] == 0.20  # same config, measured plainly
+    assert math.isnan(got[PRED_STEP_TIME_S].iloc[2])  # only measured while measuring
+    assert got[PRED_FEASIBLE_PROB].iloc[2] == 0.0
+
+
+def _run(arm, curve, *, switches=0, reached=True, seed=0):
+    return {"name": f"{arm}-{seed}", "arm": arm, "seed": seed, "reached": reached,
+            "time_s": curve[-1]["time_s"] if reached else math.nan,
+            "steps": curve[-1]["step"] if reached else math.nan, "tokens": 0,
+            "num_switches": switches, "switch_s": 0.0, "curve": curve, "gns": []}
+
+
+def _point(step, time_s, layout, batch, measure):
+    from _ttt_worker import config_for, measured_config_for
+
+    config = (measured_config_for(_model(), layout, batch) if measure
+              else config_for(layout, batch))
+    return {"step": step, "time_s": time_s, "val_loss": 1.0, "tokens": step,
+            "batch": batch, "layout": layout, "config": config.key(), "measure": measure}
+
+
+def test_modelled_time_prices_each_stretch_at_the_config_it_ran():
+    profile = _profile([("dp2-tp2", 16, False, 0.10), ("dp2-tp2", 16, True, 0.30),
+                        ("dp2-tp2", 32, True, 0.50)])
+    measuring = _run("coadapt", [_point(0, 0, "dp2-tp2", 16, True),
+                                 _point(10, 1, "dp2-tp2", 16, True),
+                                 _point(14, 2, "dp2-tp2", 32, True)], switches=1)
+    assert ttt.modelled_time(measuring, profile) == pytest.approx(10 * 0.30 + 4 * 0.50 + 1.0)
+    plain = _run("fixed", [_point(0, 0, "dp2-tp2", 16, False),
+                           _point(10, 1, "dp2-tp2", 16, False)])
+    assert ttt.modelled_time(plain, profile) == pytest.approx(10 * 0.10)
+
+
+def test_the_plan_arm_is_charged_the_pilot_it_needs():
+    profile = _profile([("dp4", 16, False, 0.20), ("dp4", 16, True, 0.25)])
+    fixed = [_point(0, 0, "dp4", 16, False), _point(10, 3.0, "dp4", 16, False)]
+    measured = [_point(0, 0, "dp4", 16, True), _point(10, 4.0, "dp4", 16, True)]
+    results = [_run("fixed", fixed), _run("batch", measured), _run("coadapt", measured),
+               _run("plan", [_point(0, 0, "dp4", 16, False), _point(5, 1.0, "dp4", 16, False)])]
+    pilot = _run("pilot", [_point(0, 0, "dp4", 16, True), _point(8, 2.5, "dp4", 16, True),
+                           _point(12, 3.5, "dp4", 16, True)], reached=False)
+    assert ttt.pilot_cost(pilot, profile) == {"pilot_s": 3.5,
+                                              "pilot_modelled_s": pytest.approx(12 * 0.25)}
+    summary = ttt.summarise(results, profile, pilot).set_index("arm")
+    assert summary.loc["plan", "pilot_s"] == 3.5
+    assert summary.loc["plan", "time_mean_s"] == 1.0
+    assert summary.loc["plan", "time_with_pilot_mean_s"] == pytest.approx(4.5)
+    assert summary.loc["plan", "modelled_with_pilot_mean_s"] == pytest.approx(5 * 0.2 + 3.0)
+    # The fastest baseline (fixed, 3.0 s) beats plan + pilot (4.5 s): reported as a loss.
+    assert summary.loc["plan", "gain_with_pilot_pct"] == pytest.approx(-50.0)
+    assert summary.loc["plan", "gain_vs_best_baseline_pct"] == pytest.approx(100 * (1 - 1 / 3))
+    assert summary.loc["fixed", "pilot_s"] == 0.0
+    assert summary.loc["fixed", "time_with_pilot_mean_s"] == 3.0
+
+
+def _settings(**changes):
+    import argparse
+
+    args = argparse.Namespace(target=2.0, lr=2e-3, pilot_batch=16, eval_every_tokens=4096,
+                              max_tokens=3_000_000, corpus_mb=4.0)
+    for name, value in changes.items():
+        setattr(args, name, value)
+    batches = changes.pop("batches", [4, 8, 16])
+    return ttt.experiment_settings(args, _model(), batches, {"gns_beta": 0.9})
+
+
+def test_runs_measured_with_other_settings_are_not_reused(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    ttt.check_settings(out, _settings())
+    assert json.loads((out / "settings.json").read_text())["target"] == 2.0
+    ttt.check_settings(out, _settings())  # same settings: continue
+    for changes, field, mine, theirs in [
+            (dict(target=1.5), "target", "1.5", "2.0"),
+            (dict(lr=1e-3), "lr", "0.001", "0.002"),
+            (dict(batches=[4, 8]), "batches", "[4, 8]", "[4, 8, 16]"),
+            (dict(pilot_batch=8), "pilot_batch", "8", "16")]:
+        with pytest.raises(ConfigError) as info:
+            ttt.check_settings(out, _settings(**changes))
+        assert info.value.field == field
+        assert mine in str(info.value) and theirs in str(info.value)
+    # A directory from before settings were recorded cannot be matched: refused.
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "runs.jsonl").write_text('{"name": "pilot"}\n')
+    with pytest.raises(ConfigError, match="before their settings were recorded") as info:
+        ttt.check_settings(old, _settings())
+    assert info.value.field == "out" and not (old / "settings.json").exists()
+
+
+def test_the_script_refuses_other_settings_before_starting_any_process(tmp_path, monkeypatch,
+                                                                        capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    ttt.check_settings(out, _settings())
+    (out / "runs.jsonl").write_text('{"name": "pilot"}\n')
+
+    def no_spawn(job):
+        raise AssertionError("started processes")
+
+    monkeypatch.setattr(ttt, "_spawn", no_spawn)
+    # Defaults but another target: refused, exit status 2, the setting named.
+    with pytest.raises(SystemExit) as info:
+        ttt.main(["--out", str(out), "--target", "1.5", "--batches", "4,8,16",
+                  "--corpus-mb", "4", "--no-mlflow"])
+    assert info.value.code == 2
+    assert "target=1.5" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_measuring_steps_are_timed_with_the_meter(tmp_path):
+    """time_measuring_steps runs NoiseScaleMeter steps (accumulate mode under tp) in a real
+    gloo group and returns one slowest-rank time per profiled step."""
+    from paratune.profiler.gns import spawn
+
+    spawn(_measuring_worker, 2, str(tmp_path))
+    got = json.loads((tmp_path / "times.json").read_text())
+    assert got["mode"] == "accumulate"
+    assert len(got["times"]) == 3 and all(t > 0 for t in got["times"])
+
+
+def _measuring_worker(rank, world_size, port, out):
+    from _ttt_worker import Job, time_measuring_steps
+
+    from paratune import ParallelConfig
+    from paratune.profiler.gns import init_worker
+    from paratune.profiler.mesh import closing_process_group
+
+    device = init_worker(rank, world_size, port, "cpu")
+    with closing_process_group():
+        job = Job(model=_model(), out_dir=out, target_loss=1.0, lr=1e-3, corpus_bytes=0,
+                  val_seqs=1, eval_every_tokens=1, max_tokens=1, batches=[8], gns_beta=0.9,
+                  profile_steps=3)
+        times, mode = time_measuring_steps(
+            job, ParallelConfig(tp=2, micro_batch_size=2, global_batch_size=8), device,
+            warmup_steps=1)
+        if rank == 0:
+            Path(out, "times.json").write_text(json.dumps({"times": times, "mode": mode}))
