@@ -184,10 +184,17 @@ def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, *, pipeline: bool = False) 
     device_ids = None
     if device.type == "cuda":
         device_ids = [device.index if device.index is not None else torch.cuda.current_device()]
+    # buffers (the rotary tables) are computed alike on every rank: never synchronised;
+    # newer torch names the option forward_sync_buffers and deprecates broadcast_buffers
+    import inspect
+
+    no_buffer_sync = ({"forward_sync_buffers": False}
+                      if "forward_sync_buffers" in inspect.signature(
+                          DistributedDataParallel.__init__).parameters
+                      else {"broadcast_buffers": False})
     return DistributedDataParallel(model, device_ids=device_ids,
-                                   process_group=dp_mesh.get_group(),
-                                   broadcast_buffers=False, init_sync=False,
-                                   find_unused_parameters=pipeline)
+                                   process_group=dp_mesh.get_group(), init_sync=False,
+                                   find_unused_parameters=pipeline, **no_buffer_sync)
 
 
 def build_optimizer(model: nn.Module, config: ParallelConfig, dp_mesh: DeviceMesh | None, *,

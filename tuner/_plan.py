@@ -197,10 +197,10 @@ def _describe_switches(switches: list[dict[str, Any]], num_switches: int) -> str
     for kind, words in (("layout", "layout change"), ("batch", "batch-only change")):
         costs = [sw["cost_s"] for sw in switches if sw["kind"] == kind]
         if costs:
-            each = f"{costs[0]:.0f} s" if len(set(costs)) == 1 else "varying cost"
+            each = f"{costs[0]:.3g} s" if len(set(costs)) == 1 else "varying cost"
             parts.append(f"{len(costs)} {words}{'s' if len(costs) > 1 else ''} at {each}")
     total = sum(sw["cost_s"] for sw in switches)
-    return f"{num_switches} switch(es): {', '.join(parts)} ({total:.0f} s in all)"
+    return f"{num_switches} switch(es): {', '.join(parts)} ({total:.3g} s in all)"
 
 
 def _layout_key(cfg: ParallelConfig) -> tuple:
