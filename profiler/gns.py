@@ -556,6 +556,9 @@ class GNSJob:
         """
         if self.steps < 1:
             raise ConfigError("steps", self.steps, "must be >= 1")
+        if Path(self.out).is_dir():
+            raise ConfigError("out", str(self.out), "is a directory; give the trajectory's "
+                              "file path, such as gns.csv")
         if self.model.vocab_size < 256:
             raise ConfigError("model", self.model.name, "needs vocab_size >= 256 (byte-level "
                               f"text), got {self.model.vocab_size}")
@@ -720,10 +723,11 @@ def _check_resumable(job: GNSJob) -> None:
     if found is None:
         rows = _measured_rows(job.out)
         if rows:
-            raise ConfigError("resume", True, f"{job.checkpoint_dir} holds no complete "
-                              f"checkpoint to continue the {rows} rows of {job.out} from; "
-                              "they are kept. Run without resume and another out to start a "
-                              "new trajectory")
+            raise ConfigError("resume", True, f"no complete checkpoint was saved in "
+                              f"{job.checkpoint_dir} to continue the {rows} rows of "
+                              f"{job.out} from (the first comes after --checkpoint-every "
+                              "steps); they are kept. Rerun without --resume to start over "
+                              f"(this replaces {job.out}), or give another --out")
         return
     saved = json.loads((found / RUN_STATE_FILE).read_text(encoding="utf-8"))
     _check_fingerprint(job, saved, found)
@@ -746,8 +750,9 @@ def _start_fresh(job: GNSJob) -> None:
         for target in targets:
             if not _removable(target):
                 raise ConfigError("checkpoint_dir", job.checkpoint_dir,
-                                  f"{target} holds files that are not a checkpoint; choose "
-                                  "an empty or checkpoint directory")
+                                  f"{target} holds files that are not a checkpoint; move "
+                                  "them away, or give another --out (the checkpoint goes "
+                                  "beside it)")
     Path(job.out).parent.mkdir(parents=True, exist_ok=True)
     Path(job.out).unlink(missing_ok=True)
     for target in targets:
@@ -783,6 +788,7 @@ def init_worker(rank: int, world_size: int, port: int, device: str = "auto") -> 
     import torch
     import torch.distributed as dist
 
+    _die_with_parent()
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dev = _device_for(device, rank)
@@ -793,17 +799,52 @@ def init_worker(rank: int, world_size: int, port: int, device: str = "auto") -> 
     return dev
 
 
+def _die_with_parent() -> None:
+    """Have the kernel end this worker when the process that started it dies (Linux), so a
+    killed run leaves no workers writing its trajectory and checkpoint."""
+    import contextlib
+    import ctypes
+    import signal
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return
+    with contextlib.suppress(OSError, AttributeError):  # no libc prctl: nothing to set
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 def spawn(fn: Callable[..., Any], world_size: int, *args: Any) -> None:
-    """Run ``fn(rank, world_size, port, *args)`` in ``world_size`` fresh processes."""
+    """Run ``fn(rank, world_size, port, *args)`` in ``world_size`` fresh processes.
+
+    A SIGTERM to this process ends the workers before it exits (and a worker whose parent
+    dies is ended by the kernel, see :func:`init_worker`).
+    """
+    import signal
     import socket
+    import threading
 
     import torch.multiprocessing as mp
 
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         port = int(sock.getsockname()[1])
-    mp.start_processes(fn, args=(world_size, port, *args), nprocs=world_size, join=True,
-                       start_method="spawn")
+    context = mp.start_processes(fn, args=(world_size, port, *args), nprocs=world_size,
+                                 join=False, start_method="spawn")
+
+    def stop(signum: int, _frame: Any) -> None:
+        for process in context.processes:
+            if process.is_alive():
+                process.terminate()
+        raise SystemExit(128 + signum)
+
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, stop) if main_thread else None
+    try:
+        while not context.join():
+            pass
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def _gns_worker(rank: int, world_size: int, port: int, job: GNSJob) -> None:

@@ -166,3 +166,13 @@ def test_gns_command_checkpoints_by_default_so_resume_can_continue(tmp_path, mon
     assert main([*base, "--config", "dp=2,gb=4,sharding=zero1"]) == 0
     assert jobs[-1].checkpoint_every == 0
     assert "cannot be checkpointed" in capsys.readouterr().err
+
+
+def test_an_out_that_is_a_directory_is_refused(tmp_path):
+    from paratune import ParallelConfig, get_model
+    from paratune.profiler.gns import GNSJob
+
+    job = GNSJob(model=get_model("tiny"), config=ParallelConfig(global_batch_size=8),
+                 steps=2, out=tmp_path)
+    with pytest.raises(ConfigError, match=r"out=.*: is a directory; give the trajectory's"):
+        job.validate()
