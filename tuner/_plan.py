@@ -453,7 +453,7 @@ def _follow_critical(times: np.ndarray, configs: list[ParallelConfig], layouts: 
     return {"time_s": best_time + switch_time, "config": layout, "batches": wanted,
             "num_switches": num_switches, "switch_time_s": switch_time,
             "describe": (f"batch {int(min(wanted))}->{int(max(wanted))} following B_noise, "
-                         f"{num_switches} batch change(s) at {batch_change_cost_s:.0f} s, "
+                         f"{num_switches} batch change(s) at {batch_change_cost_s:.3g} s, "
                          f"layout dp{layout['dp']}-tp{layout['tp']}-pp{layout['pp']}-mb"
                          f"{layout['micro_batch_size']}-{layout['schedule']}-"
                          f"{layout['sharding']}-{layout['recompute']}")}

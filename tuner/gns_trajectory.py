@@ -173,8 +173,9 @@ def _clamp(frame: Any, path: Path) -> tuple[np.ndarray, np.ndarray, int]:
     rebuild the ratio. The large case takes the largest positive value of the file (measured
     or rebuilt) and the small case the smallest: finite bounds within what the run resolved,
     the large one still a lower bound where the noise dominates. Without the
-    parts a bad value is read as noise-dominated (``paratune gns`` writes NaN exactly when
-    ``g2_ema <= 0``). A row with parts recorded but NaN is incomplete and dropped.
+    parts a NaN or infinite value is read as noise-dominated (``paratune gns`` writes NaN
+    exactly when ``g2_ema <= 0``) and a finite value ``<= 0`` as signal-dominated (a negative
+    trace). A row with parts recorded but NaN is incomplete and dropped.
     """
     b = frame["b_simple"].to_numpy(dtype=float)
     out = b.copy()
@@ -193,8 +194,10 @@ def _clamp(frame: Any, path: Path) -> tuple[np.ndarray, np.ndarray, int]:
         quiet = bad & known & (g2 > 0) & (tr <= 0)
         keep &= ~(bad & ~known)
     else:
+        # gns writes NaN where |G|^2 <= 0 (noise-dominated); a finite value <= 0 comes from a
+        # negative trace with a positive |G|^2 (signal-dominated)
         ratio = np.zeros(len(b), dtype=bool)
-        noisy, quiet = bad, ratio
+        noisy, quiet = bad & ~np.isfinite(b), bad & np.isfinite(b)
     good = ~bad | ratio
     if not good.any():
         raise ConfigError("trajectory", str(path), "has no row with a positive b_simple")
