@@ -17,7 +17,9 @@ def _add_job(parser: argparse.ArgumentParser) -> None:
                         help="directory of a fitted performance model (paratune fit)")
     parser.add_argument("--global-batch", dest="global_batch", default=None,
                         help="global batch sizes in sequences: 512, 256,512,1024, or a range "
-                             "256:4096 (powers of two), 256:4096:x2, 256:1024:256")
+                             "256:4096 (powers of two), 256:4096:x2, 256:1024:256 (default: "
+                             "about 2**20 tokens; with --objective goodput and --gns, the "
+                             "powers of two around B_noise)")
     parser.add_argument("--space", type=Path, default=None,
                         help="YAML/TOML/JSON file of the options to search (ConfigSpace fields)")
     parser.add_argument("--devices-per-node", type=int, default=None,

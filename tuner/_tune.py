@@ -79,6 +79,25 @@ def default_global_batch(model: ModelSpec, gpus: int) -> int:
     return max(sequences, 1 << math.ceil(math.log2(gpus)))
 
 
+def goodput_global_batches(model: ModelSpec, gpus: int, b_noise: float) -> list[int]:
+    """Global batch sizes for a goodput search that names none: the powers of two from a
+    quarter of the smaller to four times the larger of :func:`default_global_batch` and
+    ``B_noise`` (where statistical efficiency trades against throughput), at most 12.
+
+    Raises:
+        ConfigError: ``gpus`` is not a positive integer, or ``b_noise`` is not positive.
+    """
+    if not (math.isfinite(b_noise) and b_noise > 0):
+        raise ConfigError("gns", b_noise, "must be a positive number of sequences")
+    center = default_global_batch(model, gpus)
+    low = max(1.0, min(center, b_noise) / 4)
+    high = max(center, b_noise) * 4
+    batches = [1 << k for k in range(math.ceil(math.log2(low)), math.floor(math.log2(high)) + 1)]
+    if len(batches) > 12:  # keep the 12 nearest B_noise (in log)
+        batches = sorted(sorted(batches, key=lambda b: abs(math.log2(b / b_noise)))[:12])
+    return batches
+
+
 def load_predictor(predictor: Predictor | str | Path) -> Predictor:
     """A predictor object, or one loaded from a saved model directory."""
     if isinstance(predictor, (str, Path)):
@@ -157,7 +176,8 @@ def tune(model: ModelSpec | str, gpus: int, gpu: HardwareSpec | str,
         b0: Reference batch of the Pollux efficiency (default: smallest batch searched).
         global_batch_sizes: Batch list or range (``"256:2048"``); overrides the space's.
         space: A :class:`ConfigSpace` or a YAML/TOML/JSON file of one. Without a space
-            and without ``global_batch_sizes`` the batch is :func:`default_global_batch`.
+            and without ``global_batch_sizes`` the batch is :func:`default_global_batch`, or
+            for ``goodput`` with a ``gns`` the range of :func:`goodput_global_batches`.
         devices_per_node: Node size (default: the catalogue's).
         tp_within_node: Override the space's ``tp_within_node``.
         search: ``"optuna"`` or ``"exhaustive"``.
@@ -191,8 +211,13 @@ def tune(model: ModelSpec | str, gpus: int, gpu: HardwareSpec | str,
     gpus = check_gpus(gpus)
     spec = get_model(model) if isinstance(model, str) else model
     hw = get_hardware(gpu) if isinstance(gpu, str) else gpu
+    b_noise = resolve_gns(gns, seq_len=spec.seq_len, trajectory_seq_len=trajectory_seq_len)
     if global_batch_sizes is None and space is None:
-        global_batch_sizes = default_global_batch(spec, gpus)
+        # goodput trades throughput against statistical efficiency over the batch: search a
+        # range around B_noise; otherwise one batch of about 2**20 tokens
+        global_batch_sizes = (goodput_global_batches(spec, gpus, b_noise)
+                              if objective == "goodput" and b_noise is not None
+                              else default_global_batch(spec, gpus))
     if isinstance(space, (str, Path)):
         space = ConfigSpace.from_file(space)
     space = space or ConfigSpace()
@@ -203,7 +228,6 @@ def tune(model: ModelSpec | str, gpus: int, gpu: HardwareSpec | str,
                                      devices_per_node=devices_per_node)
     if search not in SEARCH_MODES:
         raise ConfigError("search", search, f"must be one of {', '.join(SEARCH_MODES)}")
-    b_noise = resolve_gns(gns, seq_len=spec.seq_len, trajectory_seq_len=trajectory_seq_len)
     obj = Objective(kind=ObjectiveKind(objective) if objective in ("throughput", "goodput")
                     else objective, b_noise=b_noise, b0=b0, risk_quantile=risk_quantile,
                     min_feasible_prob=min_feasible_prob, memory_limit_gb=memory_limit_gb)

@@ -69,6 +69,25 @@ def test_gpus_must_be_a_positive_integer(closed_form, gpus):
         SearchSpace.build(get_model("llama3-8b"), gpus, "H100")
 
 
+def test_goodput_without_batches_searches_around_b_noise(closed_form):
+    from paratune.tuner._tune import default_global_batch, goodput_global_batches
+
+    model = get_model("llama3-8b")
+    assert default_global_batch(model, 64) == 128
+    assert goodput_global_batches(model, 64, 2000) == [32, 64, 128, 256, 512, 1024, 2048,
+                                                       4096]
+    result = tune(model, 64, "H100", closed_form, objective="goodput", gns=2000,
+                  search="exhaustive", track=False)
+    searched = result.search.space.global_batch_sizes
+    assert searched == (32, 64, 128, 256, 512, 1024, 2048, 4096)
+    assert result.best.global_batch_size in searched
+    # the throughput objective keeps one batch of about 2**20 tokens
+    plain = tune(model, 64, "H100", closed_form, gns=2000, search="exhaustive", track=False)
+    assert plain.search.space.global_batch_sizes == (128,)
+    with pytest.raises(ConfigError, match=r"gns=-1: must be a positive number"):
+        goodput_global_batches(model, 64, -1)
+
+
 def test_gpus_may_be_a_numpy_integer():
     import numpy as np
 
