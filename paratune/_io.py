@@ -9,10 +9,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["append_jsonl", "atomic_write_bytes", "atomic_write_text", "read_jsonl"]
+__all__ = ["append_jsonl", "atomic_write_bytes", "atomic_write_text", "fsync_dir", "read_jsonl"]
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """Make a rename or a new file in ``path`` durable (best effort where not supported)."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
@@ -39,7 +40,7 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 def atomic_write_text(path: str | Path, text: str) -> None:

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from paratune._io import atomic_write_text
+from paratune._io import atomic_write_text, fsync_dir
 from paratune.errors import ConfigError
 from paratune.parallel import ParallelConfig, Sharding
 
@@ -170,19 +170,6 @@ def _removable(path: Path) -> bool:
                or entry.name.endswith(".distcp") for entry in path.iterdir())
 
 
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def _commit(staging: Path, path: Path) -> None:
     """Rename the complete checkpoint ``staging`` to ``path``; a complete checkpoint exists
     at every instant (see :func:`find_checkpoint`)."""
@@ -193,7 +180,7 @@ def _commit(staging: Path, path: Path) -> None:
     elif path.exists():
         shutil.rmtree(path)  # an incomplete leftover; a complete `previous` stays meanwhile
     os.replace(staging, path)
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
     shutil.rmtree(previous, ignore_errors=True)
 
 
