@@ -82,14 +82,19 @@ def test_predict_public_csv_keeps_every_row_in_order(model_dir, tmp_path, capsys
         assert float(result["pred_peak_mem_gb"].iloc[i]) > 0
 
 
-def test_predict_own_config_format(model_dir, synthetic, tmp_path):
-    frame = synthetic[list(CONFIG_COLUMNS)].head(4).astype(object)
-    frame.loc[frame.index[2], "tp"] = "x"
+def _predict_frame(model_dir, frame: pd.DataFrame, tmp_path) -> pd.DataFrame:
+    """``paratune predict`` of ``frame`` written as an own-format CSV; the output, as text."""
     src = tmp_path / "configs.csv"
     frame.to_csv(src, index=False)
     out = tmp_path / "out.csv"
     assert main(["predict", "--model", str(model_dir), str(src), "--out", str(out)]) == 0
-    result = pd.read_csv(out, keep_default_na=False)
+    return pd.read_csv(out, keep_default_na=False)
+
+
+def test_predict_own_config_format(model_dir, synthetic, tmp_path):
+    frame = synthetic[list(CONFIG_COLUMNS)].head(4).astype(object)
+    frame.loc[frame.index[2], "tp"] = "x"
+    result = _predict_frame(model_dir, frame, tmp_path)
     assert len(result) == 4
     assert "tp='x'" in result["pred_error"].iloc[2]
     good = [0, 1, 3]
@@ -101,11 +106,7 @@ def test_predict_own_format_with_only_the_required_columns(model_dir, synthetic,
     from paratune.models._predict_io import _OWN_REQUIRED
 
     frame = synthetic[list(_OWN_REQUIRED)].head(3)
-    src = tmp_path / "configs.csv"
-    frame.to_csv(src, index=False)
-    out = tmp_path / "out.csv"
-    assert main(["predict", "--model", str(model_dir), str(src), "--out", str(out)]) == 0
-    result = pd.read_csv(out, keep_default_na=False)
+    result = _predict_frame(model_dir, frame, tmp_path)
     assert (result["pred_error"] == "").all()
     assert np.all(result["pred_step_time_s"].astype(float) > 0)
 
@@ -121,11 +122,7 @@ def test_predict_own_format_checks_each_layout(model_dir, synthetic, tmp_path, c
                                                message):
     frame = synthetic[list(CONFIG_COLUMNS)].head(3).astype(object)
     frame.loc[frame.index[1], column] = value
-    src = tmp_path / "configs.csv"
-    frame.to_csv(src, index=False)
-    out = tmp_path / "out.csv"
-    assert main(["predict", "--model", str(model_dir), str(src), "--out", str(out)]) == 0
-    result = pd.read_csv(out, keep_default_na=False)
+    result = _predict_frame(model_dir, frame, tmp_path)
     assert message in result["pred_error"].iloc[1]
     assert result["pred_step_time_s"].iloc[1] == ""
     assert (result["pred_error"].iloc[[0, 2]] == "").all()
@@ -142,11 +139,7 @@ def test_predict_own_format_checks_the_model_shape(model_dir, synthetic, tmp_pat
     frame.loc[row, "global_batch_size"] = frame.loc[row, "dp"] * frame.loc[
         row, "micro_batch_size"]
     frame.loc[row, "num_microbatches"] = 1
-    src = tmp_path / "configs.csv"
-    frame.to_csv(src, index=False)
-    out = tmp_path / "out.csv"
-    assert main(["predict", "--model", str(model_dir), str(src), "--out", str(out)]) == 0
-    result = pd.read_csv(out, keep_default_na=False)
+    result = _predict_frame(model_dir, frame, tmp_path)
     assert result["pred_error"].iloc[0] == "tp=16: must divide num_heads=8"
     assert result["pred_error"].iloc[1] == ""
 
@@ -210,10 +203,6 @@ def test_predict_own_format_takes_empty_optional_cells_and_any_case(model_dir, s
     frame.loc[frame.index[0], "rope_theta"] = ""
     frame.loc[frame.index[1], "schedule"] = "1F1B"
     frame.loc[frame.index[2], "sharding"] = "ZERO1"
-    src = tmp_path / "configs.csv"
-    frame.to_csv(src, index=False)
-    out = tmp_path / "out.csv"
-    assert main(["predict", "--model", str(model_dir), str(src), "--out", str(out)]) == 0
-    result = pd.read_csv(out, keep_default_na=False)
+    result = _predict_frame(model_dir, frame, tmp_path)
     assert (result["pred_error"] == "").all()
     assert np.all(result["pred_step_time_s"].astype(float) > 0)
