@@ -32,7 +32,12 @@ import torch
 from torch import nn
 
 from paratune._table import format_table
-from paratune.profiler.gns import GradientNoiseScale, adam_preconditioners, micro_batch_gradients
+from paratune.profiler.gns import (
+    GradientNoiseScale,
+    adam_preconditioners,
+    micro_batch_gradients,
+    single_process_reference,
+)
 
 
 def run(seed: int, *, dim: int, sigma: float, steps: int, adam: bool) -> dict[str, float]:
@@ -69,45 +74,6 @@ def run(seed: int, *, dim: int, sigma: float, steps: int, adam: bool) -> dict[st
             "rel_error": est.b_simple / truth - 1}
 
 
-def _single_process(spec, global_batch: int, steps: int, *, num_small: int,
-                    precondition: str = "none") -> list[dict[str, float]]:
-    """The same training in this process with plain PyTorch: one model, chunks one by one."""
-    from paratune.profiler.corpus import TextCorpus
-    from paratune.profiler.model import build_model
-    from paratune.profiler.pipeline import cross_entropy_loss
-
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    try:
-        corpus = TextCorpus.from_stdlib(max_bytes=1 << 19)
-        model = build_model(spec, seed=0)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1,
-                                betas=(0.9, 0.95), eps=1e-8, foreach=False)
-        gns = GradientNoiseScale()
-        params = list(model.parameters())
-        out = []
-        for step in range(steps):
-            tokens = corpus.batch(step, global_batch, spec.seq_len, seed=0)
-            losses: list[float] = []
-
-            def backward(chunk, losses=losses):
-                loss = cross_entropy_loss(model(chunk[:, :-1]), chunk[:, 1:])
-                losses.append(loss.item())
-                loss.backward()
-
-            weights = adam_preconditioners([opt]) if precondition == "adam" else None
-            fns = [lambda c=c: backward(c) for c in tokens.chunk(num_small)]
-            small, big = micro_batch_gradients(params, fns, preconditioners=weights)
-            est = gns.update(small, big, global_batch // num_small, global_batch)
-            opt.step()
-            opt.zero_grad()
-            out.append({"loss": sum(losses) / num_small, "small_sqnorm": small,
-                        "big_sqnorm": big, "b_simple": est.b_simple})
-        return out
-    finally:
-        torch.set_default_dtype(previous)
-
-
 def parallel_check(*, steps: int = 2) -> list[dict[str, float | str]]:
     """Largest relative difference, per layout, between four gloo processes and one process
     on the same batches (float64)."""
@@ -132,7 +98,7 @@ def parallel_check(*, steps: int = 2) -> list[dict[str, float | str]]:
     for (name, _, num_small, precondition), run in zip(layouts, got):
         key = (num_small, precondition)
         if key not in references:
-            references[key] = _single_process(spec, gb, steps, num_small=num_small,
+            references[key] = single_process_reference(spec, gb, steps, num_small=num_small,
                                               precondition=precondition)
         row: dict[str, float | str] = {"layout": name, "mode": run[0]["mode"]}
         for field in ("loss", "small_sqnorm", "big_sqnorm", "b_simple"):

@@ -43,11 +43,27 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-__all__ = ["GNS_MODES", "PRECONDITIONERS", "TRAJECTORY_COLUMNS", "GNSEstimate", "GNSJob",
-           "GNSStep", "GradientNoiseScale", "NoiseScaleMeter", "adam_preconditioners",
-           "estimate_dict", "init_worker", "measure_layouts", "micro_batch_gradients",
-           "resolve_mode", "run_gns",
-           "sharded_sqnorm", "spawn", "unbiased_norms"]
+__all__ = [
+    "GNS_MODES",
+    "PRECONDITIONERS",
+    "TRAJECTORY_COLUMNS",
+    "GNSEstimate",
+    "GNSJob",
+    "GNSStep",
+    "GradientNoiseScale",
+    "NoiseScaleMeter",
+    "adam_preconditioners",
+    "estimate_dict",
+    "init_worker",
+    "measure_layouts",
+    "micro_batch_gradients",
+    "resolve_mode",
+    "run_gns",
+    "sharded_sqnorm",
+    "single_process_reference",
+    "spawn",
+    "unbiased_norms",
+]
 
 PRECONDITIONERS = ("none", "adam")
 
@@ -1013,3 +1029,46 @@ def measure_layouts(model: Any, runs: list[dict[str, Any]], *, world_size: int, 
     with tempfile.TemporaryDirectory() as out_dir:
         spawn(_layouts_worker, world_size, model, runs, steps, seed, dtype, out_dir)
         return [json.loads(Path(out_dir, f"{i}.json").read_text()) for i in range(len(runs))]
+
+
+def single_process_reference(spec: Any, global_batch: int, steps: int, *, num_small: int,
+                             precondition: str = "none") -> list[dict[str, float]]:
+    """The noise-scale run of ``spec`` in this process with plain PyTorch, float64, one model
+    and the small batches one by one: what a run under 3D parallelism must reproduce
+    (per step ``loss``, ``small_sqnorm``, ``big_sqnorm`` and ``b_simple``)."""
+    import torch
+
+    from paratune.profiler.corpus import TextCorpus
+    from paratune.profiler.model import build_model
+    from paratune.profiler.pipeline import cross_entropy_loss
+
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        corpus = TextCorpus.from_stdlib(max_bytes=1 << 19)
+        model = build_model(spec, seed=0)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1,
+                                betas=(0.9, 0.95), eps=1e-8, foreach=False)
+        gns = GradientNoiseScale()
+        params = list(model.parameters())
+        out = []
+        for step in range(steps):
+            tokens = corpus.batch(step, global_batch, spec.seq_len, seed=0)
+            losses: list[float] = []
+
+            def backward(chunk, losses=losses):
+                loss = cross_entropy_loss(model(chunk[:, :-1]), chunk[:, 1:])
+                losses.append(loss.item())
+                loss.backward()
+
+            weights = adam_preconditioners([opt]) if precondition == "adam" else None
+            fns = [lambda c=c: backward(c) for c in tokens.chunk(num_small)]
+            small, big = micro_batch_gradients(params, fns, preconditioners=weights)
+            est = gns.update(small, big, global_batch // num_small, global_batch)
+            opt.step()
+            opt.zero_grad()
+            out.append({"loss": sum(losses) / num_small, "small_sqnorm": small,
+                        "big_sqnorm": big, "b_simple": est.b_simple})
+        return out
+    finally:
+        torch.set_default_dtype(previous)

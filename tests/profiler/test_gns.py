@@ -12,6 +12,7 @@ from paratune.profiler.gns import (
     adam_preconditioners,
     micro_batch_gradients,
     sharded_sqnorm,
+    single_process_reference,
     unbiased_norms,
 )
 
@@ -134,44 +135,6 @@ def _small_llama():
                                      ffn_hidden_size=176, seq_len=32)
 
 
-def _reference(spec, gb, steps, *, num_small, precondition="none"):
-    """The same training in this process with plain PyTorch: one model, chunks one by one."""
-    from paratune.profiler.corpus import TextCorpus
-    from paratune.profiler.model import build_model
-    from paratune.profiler.pipeline import cross_entropy_loss
-
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    try:
-        corpus = TextCorpus.from_stdlib(max_bytes=1 << 19)
-        model = build_model(spec, seed=0)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1,
-                                betas=(0.9, 0.95), eps=1e-8, foreach=False)
-        gns = GradientNoiseScale()
-        params = list(model.parameters())
-        out = []
-        for step in range(steps):
-            tokens = corpus.batch(step, gb, spec.seq_len, seed=0)
-            losses = []
-
-            def backward(chunk, losses=losses):
-                loss = cross_entropy_loss(model(chunk[:, :-1]), chunk[:, 1:])
-                losses.append(loss.item())
-                loss.backward()
-
-            weights = adam_preconditioners([opt]) if precondition == "adam" else None
-            fns = [lambda c=c: backward(c) for c in tokens.chunk(num_small)]
-            small, big = micro_batch_gradients(params, fns, preconditioners=weights)
-            est = gns.update(small, big, gb // num_small, gb)
-            opt.step()
-            opt.zero_grad()
-            out.append({"loss": sum(losses) / num_small, "small_sqnorm": small,
-                        "big_sqnorm": big, "b_simple": est.b_simple})
-        return out
-    finally:
-        torch.set_default_dtype(previous)
-
-
 @pytest.mark.slow
 def test_3d_parallel_estimate_equals_single_process_on_same_batches():
     from paratune import ParallelConfig
@@ -189,9 +152,9 @@ def test_3d_parallel_estimate_equals_single_process_on_same_batches():
         {"config": ParallelConfig(dp=2, tp=2, global_batch_size=gb), "precondition": "adam"},
     ]
     got = measure_layouts(spec, layouts, world_size=4, steps=steps)
-    reference = [_reference(spec, gb, steps, num_small=2),
-                 _reference(spec, gb, steps, num_small=4),
-                 _reference(spec, gb, steps, num_small=2, precondition="adam")]
+    reference = [single_process_reference(spec, gb, steps, num_small=2),
+                 single_process_reference(spec, gb, steps, num_small=4),
+                 single_process_reference(spec, gb, steps, num_small=2, precondition="adam")]
     assert [r[0]["mode"] for r in got] == ["accumulate", "accumulate", "dp", "accumulate"]
     assert got[2][0]["b_small"] == 2 and got[0][0]["b_small"] == 4
     for run, ref in zip(got, [reference[0], reference[0], reference[1], reference[2]]):
