@@ -162,6 +162,24 @@ def _file_seq_len(frame: Any, path: Path) -> int:
     return int(first)
 
 
+def _nearest_valid_max(values: np.ndarray, good: np.ndarray,
+                       tokens: np.ndarray) -> np.ndarray:
+    """Per row, the larger of ``values`` at the nearest ``good`` rows before and after it in
+    token order (the one that exists where the other does not; ``good`` must hold a row)."""
+    order = np.argsort(tokens, kind="stable")
+    n = len(order)
+    pos = np.arange(n)
+    valid = good[order]
+    before = np.maximum.accumulate(np.where(valid, pos, -1))
+    after = np.minimum.accumulate(np.where(valid, pos, n)[::-1])[::-1]
+    ranked = values[order]
+    bound = np.maximum(np.where(before >= 0, ranked[np.maximum(before, 0)], -np.inf),
+                       np.where(after < n, ranked[np.minimum(after, n - 1)], -np.inf))
+    out = np.empty(n)
+    out[order] = bound
+    return out
+
+
 def _clamp(frame: Any, path: Path) -> tuple[np.ndarray, np.ndarray, int]:
     """``b_simple`` with non-positive or NaN values replaced; rows to keep; rows replaced.
 
@@ -170,12 +188,15 @@ def _clamp(frame: Any, path: Path) -> tuple[np.ndarray, np.ndarray, int]:
     ``g2_ema, trace_ema`` are recorded they say which: ``|G|^2 <= 0`` means the noise
     dominates (adaptdl floors ``|G|^2``, making ``B_noise`` large), ``tr(Sigma) <= 0`` with a
     positive ``|G|^2`` means the signal does (``B_noise`` small), and two positive parts
-    rebuild the ratio. The large case takes the largest positive value of the file (measured
-    or rebuilt) and the small case the smallest: finite bounds within what the run resolved,
-    the large one still a lower bound where the noise dominates. Without the
-    parts a NaN or infinite value is read as noise-dominated (``paratune gns`` writes NaN
-    exactly when ``g2_ema <= 0``) and a finite value ``<= 0`` as signal-dominated (a negative
-    trace). A row with parts recorded but NaN is incomplete and dropped.
+    rebuild the ratio. The large case takes the larger value (measured or rebuilt) of the
+    nearest valid rows before and after it in token order, a lower bound where the noise
+    dominates: ``B_noise`` grows over a run by orders of magnitude, so the file's largest
+    value, usually from its end, would put an early row far above anything measured near
+    it. The small case takes the smallest value of the file, a finite bound within what the
+    run resolved that errs towards small batches. Without the parts a NaN or infinite value
+    is read as noise-dominated (``paratune gns`` writes NaN exactly when ``g2_ema <= 0``)
+    and a finite value ``<= 0`` as signal-dominated (a negative trace). A row with parts
+    recorded but NaN is incomplete and dropped.
     """
     b = frame["b_simple"].to_numpy(dtype=float)
     out = b.copy()
@@ -201,17 +222,21 @@ def _clamp(frame: Any, path: Path) -> tuple[np.ndarray, np.ndarray, int]:
     good = ~bad | ratio
     if not good.any():
         raise ConfigError("trajectory", str(path), "has no row with a positive b_simple")
-    high, low = float(out[good].max()), float(out[good].min())
-    out[noisy] = high
+    low = float(out[good].min())
+    if noisy.any():
+        out[noisy] = _nearest_valid_max(out, good, frame["tokens"].to_numpy(dtype=float))[noisy]
     out[quiet] = low
     num_high, num_low, num_rebuilt = int(noisy.sum()), int(quiet.sum()), int(ratio.sum())
     dropped = int((~keep).sum())
     clamped = num_high + num_low + num_rebuilt
     if clamped or dropped:
+        ends = [f"{out[noisy].min():g}", f"{out[noisy].max():g}"] if num_high else ["none"]
+        high = " to ".join(dict.fromkeys(ends))
         logger.warning("trajectory %s: %d of %d rows had a b_simple that is not a positive "
-                       "number: %d noise-dominated clamped up to %g, %d signal-dominated "
-                       "clamped down to %g, %d rebuilt from g2_ema/trace_ema, %d incomplete "
-                       "dropped", path, int(bad.sum()), len(b), num_high, high, num_low, low,
+                       "number: %d noise-dominated clamped up to the larger of the nearest "
+                       "valid rows before and after (%s), %d signal-dominated clamped down "
+                       "to %g, %d rebuilt from g2_ema/trace_ema, %d incomplete dropped",
+                       path, int(bad.sum()), len(b), num_high, high, num_low, low,
                        num_rebuilt, dropped)
     return out, keep, clamped
 

@@ -114,7 +114,8 @@ def test_non_positive_estimates_are_clamped_and_counted(tmp_path, caplog):
     rows[2]["trace_ema"], rows[2]["b_simple"] = -1.0, -1.0 / rows[2]["g2_ema"]
     # a b_simple lost while both parts are positive is rebuilt from them
     rows[5]["b_simple"] = float("nan")
-    high = max(v for i, v in enumerate(valid) if i not in (2, 5, 12, 13, 14))
+    # the larger of the nearest valid rows before (11) and after (15)
+    high = max(valid[11], valid[15])
     low = min(v for i, v in enumerate(valid) if i not in (2, 5, 12, 13, 14))
     with caplog.at_level(logging.WARNING, logger="paratune.tuner.gns_trajectory"):
         traj = load_trajectory(_write_csv(tmp_path / "gns.csv", rows))
@@ -123,6 +124,7 @@ def test_non_positive_estimates_are_clamped_and_counted(tmp_path, caplog):
     assert traj.b_noise[2] == pytest.approx(low)
     assert traj.b_noise[5] == pytest.approx(valid[5])
     assert "5 of 20 rows" in caplog.text and "3 noise-dominated" in caplog.text
+    assert f"before and after ({high:g})" in caplog.text
     # dropping the noise-dominated rows would have biased B_noise low
     dropped = load_trajectory(_write_csv(tmp_path / "dropped.csv",
                                          [r for i, r in enumerate(rows)
@@ -140,8 +142,30 @@ def test_without_parts_nan_is_noise_and_non_positive_is_signal_dominated(tmp_pat
     positive = [r["b_simple"] for r in rows if r["b_simple"] > 0]
     traj = load_trajectory(_write_csv(tmp_path / "gns.csv", rows))
     assert len(traj) == 20 and traj.num_clamped == 2
-    assert traj.b_noise[7] == pytest.approx(max(positive))
+    # the nearest valid rows are 6 and 9 (8 is signal-dominated)
+    assert traj.b_noise[7] == pytest.approx(max(rows[6]["b_simple"], rows[9]["b_simple"]))
     assert traj.b_noise[8] == pytest.approx(min(positive))
+
+
+def test_noise_dominated_rows_take_a_bound_from_their_neighbours_not_the_run(tmp_path):
+    # B_noise grows 100-fold over the run; the noise dominates at the start, early on and
+    # late, and the file is not in step order
+    rows = _gns_rows(128, n=40)
+    for i in (0, 5, 6, 30):
+        rows[i]["g2_ema"], rows[i]["b_simple"] = -0.01, float("nan")
+    valid = {i: r["b_simple"] for i, r in enumerate(rows) if i not in (0, 5, 6, 30)}
+    shuffled = [rows[i] for i in np.random.default_rng(0).permutation(len(rows))]
+    traj = load_trajectory(_write_csv(tmp_path / "gns.csv", shuffled))
+    assert traj.num_clamped == 4 and np.all(np.diff(traj.step) > 0)
+    assert traj.b_noise[0] == pytest.approx(valid[1])  # nothing valid before it
+    np.testing.assert_allclose(traj.b_noise[[5, 6]], max(valid[4], valid[7]))
+    assert traj.b_noise[30] == pytest.approx(max(valid[29], valid[31]))
+    # far below the run's largest value, which the early rows used to take
+    assert traj.b_noise[[0, 5, 6]].max() < max(valid.values()) / 4
+    # a row rebuilt from its parts is a valid neighbour
+    rows[7]["b_simple"] = float("nan")
+    rebuilt = load_trajectory(_write_csv(tmp_path / "rebuilt.csv", rows))
+    np.testing.assert_allclose(rebuilt.b_noise[[5, 6]], max(valid[4], valid[7]))
 
 
 def test_a_row_cut_short_while_written_is_dropped(tmp_path):
