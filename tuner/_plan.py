@@ -45,7 +45,10 @@ class Segment:
     """A stretch of training with one ``B_noise``."""
 
     start_tokens: float
+    """Reference-run tokens where the stretch starts: the trajectory point that opens its
+    first interval."""
     end_tokens: float
+    """Reference-run tokens where it ends: the point that closes its last interval."""
     b_noise: float
     """``B_noise`` in sequences of the planned model (``seq_len`` given to
     :func:`progress_segments`)."""
@@ -62,11 +65,15 @@ def _check_max_segments(max_segments: Any) -> int:
 
 def progress_segments(trajectory: Trajectory, *, seq_len: int,
                       max_segments: int = 32) -> list[Segment]:
-    """Cut the reference run into at most ``max_segments`` stretches of equal tokens.
+    """Cut the reference run into at most ``max_segments`` stretches of about equal tokens.
 
-    Each interval between trajectory points takes the mean ``B_noise`` of its ends; a
-    stretch aggregates its intervals with the ``E_min``-weighted harmonic mean (the value
-    that leaves the time of any fixed config unchanged).
+    Each interval between trajectory points takes the mean ``B_noise`` of its ends and goes
+    whole to the stretch, of ``max_segments`` equal cuts of the run's tokens, that holds its
+    midpoint; a stretch aggregates its intervals with the ``E_min``-weighted harmonic mean
+    (the value that leaves the time of any fixed config unchanged). A stretch's
+    ``start_tokens`` and ``end_tokens`` are the trajectory points that bound its intervals,
+    the tokens its ``E_min`` covers (with unevenly spaced points, not the cut's edges), so
+    the stretches follow one another without gap and cover the whole run.
 
     The trajectory's ``B_noise`` is in sequences of the measuring run; the noise scale is
     assumed to be a number of tokens, so it, the reference batch (the measuring run's tokens
@@ -105,12 +112,14 @@ def progress_segments(trajectory: Trajectory, *, seq_len: int,
                     len(edges) - 2)
     segments = []
     for k in range(len(edges) - 1):
-        mask = which == k
-        if not mask.any() or d_min[mask].sum() <= 0:
+        # the midpoints increase, so a stretch's intervals are consecutive
+        inside = np.flatnonzero(which == k)
+        if not len(inside) or d_min[inside].sum() <= 0:
             continue
-        e_min = float(d_min[mask].sum())
-        b_noise = e_min / float((d_min[mask] / b_mid[mask]).sum())
-        segments.append(Segment(float(edges[k]), float(edges[k + 1]), b_noise, e_min))
+        e_min = float(d_min[inside].sum())
+        b_noise = e_min / float((d_min[inside] / b_mid[inside]).sum())
+        segments.append(Segment(float(tokens[inside[0]]), float(tokens[inside[-1] + 1]),
+                                b_noise, e_min))
     return segments
 
 

@@ -182,6 +182,41 @@ def test_trajectory_without_seq_len_is_refused_not_guessed(closed_form):
         effective_b_noise(wrong, seq_len=SEQ)
 
 
+def _uneven_trajectory() -> Trajectory:
+    """Points crowded early and sparse late: most cuts of equal tokens hold no point."""
+    step = np.array([0.0, 1, 2, 3, 4, 40, 100, 200])
+    return Trajectory(step=step, tokens=step * 256 * SEQ,
+                      b_noise=np.array([40.0, 60, 80, 120, 160, 800, 2000, 4000]),
+                      loss=np.full(len(step), np.nan), seq_len=SEQ)
+
+
+def test_stretches_are_labelled_with_the_tokens_their_e_min_covers(closed_form):
+    traj = _uneven_trajectory()
+    segs = progress_segments(traj, seq_len=SEQ, max_segments=5)
+    # the labels are trajectory points, one stretch starts where the last one ended, and
+    # together they cover the run (cut edges would end the last stretch at 160 steps)
+    assert segs[0].start_tokens == traj.tokens[0] and segs[-1].end_tokens == traj.tokens[-1]
+    for before, after in itertools.pairwise(segs):
+        assert before.end_tokens == after.start_tokens
+    # each stretch's E_min and B_noise are those of the points between its labels
+    for seg in segs:
+        inside = (traj.tokens >= seg.start_tokens) & (traj.tokens <= seg.end_tokens)
+        part = Trajectory(step=traj.step[inside], tokens=traj.tokens[inside],
+                          b_noise=traj.b_noise[inside], loss=traj.loss[inside], seq_len=SEQ)
+        [alone] = progress_segments(part, seq_len=SEQ, max_segments=1)
+        assert seg.e_min == pytest.approx(alone.e_min)
+        assert seg.b_noise == pytest.approx(alone.b_noise)
+    # the plan's phases and switches carry the same labels
+    plan = plan_phases(closed_form, _space(), traj, reconfig_cost_s=0, threshold=0.0,
+                       max_segments=5)
+    assert plan.phases[0]["start_tokens"] == traj.tokens[0]
+    assert plan.phases[-1]["end_tokens"] == traj.tokens[-1]
+    for before, after in itertools.pairwise(plan.phases):
+        assert before["end_tokens"] == after["start_tokens"]
+    starts = {s.start_tokens for s in segs}
+    assert all(sw["at_tokens"] in starts for sw in plan.switches)
+
+
 # ----------------------------------------------------------------------------- the schedule
 
 
