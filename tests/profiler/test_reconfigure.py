@@ -140,21 +140,7 @@ def test_run_state_rejects_unknown_format():
 
 
 # ---------------------------------------------------------------------- one process
-@pytest.fixture
-def world_one(tmp_path):
-    import torch.distributed as dist
-
-    from paratune.profiler.mesh import clear_mesh_cache
-
-    store = dist.FileStore(str(tmp_path / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        clear_mesh_cache()
-        dist.destroy_process_group()
-
-
+# (the `world_one` fixture is in conftest.py)
 def _trainer(config=None):
     from paratune.profiler.trainer import Trainer
 

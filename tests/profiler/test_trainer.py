@@ -13,23 +13,12 @@ import torch.distributed as dist
 from paratune import ConfigError, Measurement, ParallelConfig, get_model
 from paratune.measurement import FINGERPRINT_FIELDS
 from paratune.profiler.equivalence import free_port, reference_step
-from paratune.profiler.mesh import build_mesh, clear_mesh_cache
+from paratune.profiler.mesh import build_mesh
 from paratune.profiler.trainer import Trainer, check_supported, measure_config, synthetic_batch
+from tests.profiler._dist import init_one_process_group, one_process_group
 
 SPEC = get_model("tiny").replace(seq_len=32)
 CPU = torch.device("cpu")
-
-
-@pytest.fixture
-def world_one(tmp_path):
-    """A real one-process gloo group (file store), destroyed afterwards."""
-    store = dist.FileStore(str(tmp_path / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        clear_mesh_cache()
-        dist.destroy_process_group()
 
 
 def test_synthetic_batch_is_reproducible():
@@ -162,8 +151,7 @@ def test_mesh_is_cached_per_shape(world_one):
 def test_closing_process_group_destroys_it_after_the_body(tmp_path, fails):
     from paratune.profiler import mesh as mesh_module
 
-    store = dist.FileStore(str(tmp_path / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    init_one_process_group(tmp_path)
     try:
         with mesh_module.closing_process_group():
             build_mesh(ParallelConfig(global_batch_size=2), "cpu")
@@ -279,9 +267,7 @@ def test_measure_config_on_one_gpu(tmp_path):
     """NCCL, bf16 autocast, CUDA synchronise and allocator peaks on a single GPU."""
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
-    store = dist.FileStore(str(tmp_path / "store"), 1)
-    dist.init_process_group("nccl", store=store, rank=0, world_size=1)
-    try:
+    with one_process_group(tmp_path, "nccl"):
         config = ParallelConfig(micro_batch_size=2, global_batch_size=4, recompute="full")
         m = measure_config(SPEC, config, hardware="H100", device=device, warmup_steps=1,
                            measured_steps=3)
@@ -296,9 +282,6 @@ def test_measure_config_on_one_gpu(tmp_path):
         losses = [trainer.step(tokens) for _ in range(5)]
         assert losses[-1] < losses[0]
         trainer.close()
-    finally:
-        clear_mesh_cache()
-        dist.destroy_process_group()
 
 
 # ---------------------------------------------------------------------- collectives per step
