@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from paratune.cli import at_least
+
 __all__ = ["register"]
 
 
@@ -16,7 +18,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     fit.add_argument("data", nargs="+", metavar="DATA",
                      help="paratune dataset directories or public measurement CSVs")
     fit.add_argument("--out", required=True, metavar="MODEL_DIR", help="directory to write")
-    fit.add_argument("--n-estimators", type=int, default=None,
+    fit.add_argument("--n-estimators", type=at_least(1), default=None,
                      help="trees of the step-time model, half median and half refinement; "
                           "its quantile, stall, memory and feasibility boosters get a quarter, "
                           "10 to 100 (default: the model's defaults, 500 and 100)")
@@ -51,12 +53,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     evaluate.add_argument("--baselines", action="store_true",
                           help="also evaluate the analytical, raw-config XGBoost and "
                                "HistGradientBoosting baselines")
-    evaluate.add_argument("--n-estimators", type=int, default=None,
+    evaluate.add_argument("--n-estimators", type=at_least(1), default=None,
                           help="trees per booster of every learned estimator (default: each "
                                "estimator's own)")
     evaluate.add_argument("--plot", default="predicted_vs_measured.png", metavar="PNG",
                           help="predicted-vs-measured plot to write (default: %(default)s)")
-    evaluate.add_argument("--folds", type=int, default=5, help="folds of the random split")
+    evaluate.add_argument("--folds", type=at_least(2), default=5,
+                          help="folds of the random split (at least 2)")
     evaluate.add_argument("--experiment", default="paratune-evaluate",
                           help="MLflow experiment name (default: %(default)s)")
     evaluate.add_argument("--no-mlflow", action="store_true", help="do not log to MLflow")

@@ -11,13 +11,13 @@ import importlib
 import logging
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from paratune import __version__
-from paratune.errors import ParatuneError
+from paratune.errors import ConfigError, ParatuneError
 
-__all__ = ["build_parser", "main"]
+__all__ = ["at_least", "build_parser", "flag_message", "main"]
 
 # Modules whose ``register(subparsers)`` adds subcommands, in the order --help lists them.
 _COMMAND_MODULES = (
@@ -90,6 +90,43 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def at_least(minimum: float, cast: Callable[[str], float] = int) -> Callable[[str], float]:
+    """An argparse ``type``: a number (an integer with ``cast=int``) no smaller than
+    ``minimum``, so that ``--top-k 0`` is refused as ``argument --top-k: must be an integer
+    >= 1, not '0'`` before any work starts."""
+    kind = "an integer" if cast is int else "a number"
+
+    def parse(text: str) -> float:
+        try:
+            value = cast(text)
+        except ValueError:
+            value = None
+        if value is None or not value >= minimum:  # not >=: NaN is refused too
+            raise argparse.ArgumentTypeError(f"must be {kind} >= {minimum:g}, not {text!r}")
+        return value
+
+    return parse
+
+
+def flag_message(exc: ConfigError, args: argparse.Namespace) -> str:
+    """The message of ``exc`` naming the flag the user typed where the library checked its
+    value under another name: ``max_segments=0: ...`` becomes ``--segments=0: ...``.
+
+    A subcommand lists those names with ``set_defaults(field_flags={field: flag})``. The
+    field is renamed only when that flag holds a value (given, or by default) or the error
+    is about a missing value: a value the command read elsewhere (a file, a stored campaign)
+    keeps the library's name.
+    """
+    flag = getattr(args, "field_flags", {}).get(exc.field)
+    if flag is None:
+        return str(exc)
+    if exc.value is None:
+        return f"{flag}: {exc.rule}"
+    if getattr(args, flag.lstrip("-").replace("-", "_"), None) is None:
+        return str(exc)
+    return f"{flag}={exc.value!r}: {exc.rule}"
+
+
 def _is_utf8(path: Path) -> bool:
     import codecs
 
@@ -134,6 +171,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except UnicodeDecodeError as exc:
         print(f"paratune {args.command}: error: {_not_utf8(exc, argv)}", file=sys.stderr)
+        return 2
+    except ConfigError as exc:
+        print(f"paratune {args.command}: error: {flag_message(exc, args)}", file=sys.stderr)
         return 2
     except (ParatuneError, ValueError) as exc:
         print(f"paratune {args.command}: error: {exc}", file=sys.stderr)

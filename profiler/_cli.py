@@ -6,17 +6,29 @@ import argparse
 import json
 from pathlib import Path
 
+from paratune.cli import at_least
+
 __all__ = ["register"]
+
+# The library's name -> the flag, for values the library checks under another name (see
+# paratune.cli.flag_message).
+_FIELD_FLAGS = {
+    "path": "--model",  # a config.json that cannot be read
+    "warmup_steps": "--warmup",
+    "measured_steps": "--steps",
+    "timeout_s": "--timeout",
+    "gpu": "--hardware",  # not in the hardware catalogue
+}
 
 
 def _world_sizes(text: str) -> tuple[int, ...]:
     try:
         sizes = tuple(int(part) for part in text.split(",") if part.strip())
     except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"world-sizes={text!r}: must be comma-separated integers, e.g. 1,2,4") from None
+        sizes = ()
     if not sizes or any(s < 1 for s in sizes):
-        raise argparse.ArgumentTypeError(f"world-sizes={text!r}: must be positive integers")
+        raise argparse.ArgumentTypeError(
+            f"must be comma-separated positive integers such as 1,2,4, not {text!r}")
     return sizes
 
 
@@ -53,7 +65,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="device (default: cuda when available)")
     parser.add_argument("--hardware", default=None, metavar="NAME",
                         help="hardware catalogue name (default: cpu, or the detected GPU)")
-    parser.add_argument("--devices-per-node", type=int, default=None,
+    parser.add_argument("--devices-per-node", type=at_least(1), default=None,
                         help="devices per node (keeps tp inside a node; default: "
                              "--nproc-per-node, else one node)")
     parser.add_argument("--launcher", choices=("local", "torchrun"), default="local",
@@ -62,8 +74,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--print-command", action="store_true",
                         help="prepare --out and print the command per world size instead of "
                              "running")
-    parser.add_argument("--nnodes", type=int, default=None, help="nodes (--print-command)")
-    parser.add_argument("--nproc-per-node", type=int, default=None,
+    parser.add_argument("--nnodes", type=at_least(1), default=None,
+                        help="nodes (--print-command)")
+    parser.add_argument("--nproc-per-node", type=at_least(1), default=None,
                         help="processes per node (--print-command)")
     parser.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
                         help="rendezvous endpoint (--print-command; default "
@@ -72,7 +85,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="print srun command lines for a SLURM allocation")
     parser.add_argument("--no-track", action="store_true", help="do not log to MLflow")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    parser.set_defaults(func=_profile)
+    parser.set_defaults(func=_profile, field_flags=_FIELD_FLAGS)
 
 
 def build_spec(args: argparse.Namespace):  # -> CampaignSpec (heavy import kept lazy)
@@ -90,7 +103,7 @@ def build_spec(args: argparse.Namespace):  # -> CampaignSpec (heavy import kept 
             raise ConfigError("out", None, "--resume needs --out DIR")
         campaign = out / "campaign.json"
         if not campaign.exists():
-            raise ConfigError("resume", str(out), "holds no campaign.json: nothing to resume")
+            raise ConfigError("out", str(out), "holds no campaign.json: nothing to resume")
         meta = json.loads(campaign.read_text())
         stored = meta.get("identity", {})
     if args.model is not None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from paratune.cli import at_least
+
 __all__ = ["DEFAULT_CHECKPOINT_EVERY", "register"]
 
 DEFAULT_CHECKPOINT_EVERY = 50
@@ -16,6 +18,18 @@ _CONFIG_KEYS = ("dp", "tp", "pp", "micro_batch_size", "global_batch_size", "sche
                 "virtual_stages", "sharding", "recompute")
 _ALIASES = {"mb": "micro_batch_size", "mbs": "micro_batch_size", "gb": "global_batch_size",
             "gbs": "global_batch_size", "v": "virtual_stages"}
+
+# The library's name -> the flag, for values the library checks under another name (see
+# paratune.cli.flag_message). The corpus size is checked in bytes (corpus_bytes), not in
+# the MiB of --corpus-mb, so its lower bound is checked here instead.
+_FIELD_FLAGS = {
+    "path": "--model",  # a config.json that cannot be read
+    "model.seq_len": "--seq-len",
+    "data_seed": "--seed",
+    "num_small_batches": "--small-batches",
+    "beta": "--ema",
+}
+_MIN_CORPUS_MB = 4096 / (1 << 20)  # TextCorpus.from_stdlib reads at least 4096 bytes
 
 
 def parse_config(text: str):  # -> ParallelConfig (import kept lazy)
@@ -76,7 +90,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="trajectory CSV (default runs/gns-<model>-<config>.csv)")
     parser.add_argument("--seq-len", type=int, default=None,
                         help="override the model's sequence length")
-    parser.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
+    parser.add_argument("--lr", type=at_least(0.0, float), default=1e-3,
+                        help="AdamW learning rate")
     parser.add_argument("--seed", type=int, default=0, help="initialisation and data seed")
     parser.add_argument("--mode", choices=("auto", "dp", "accumulate"), default="auto",
                         help="small batches: per data-parallel rank before the all-reduce "
@@ -89,7 +104,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                              "(default none: plain Euclidean norms)")
     parser.add_argument("--ema", type=float, default=0.95,
                         help="decay of the moving averages of |G|^2 and tr(Sigma)")
-    parser.add_argument("--corpus-mb", type=float, default=8.0,
+    parser.add_argument("--corpus-mb", type=at_least(_MIN_CORPUS_MB, float), default=8.0,
                         help="MiB of standard-library source to read (default 8)")
     parser.add_argument("--checkpoint-every", type=int, default=None, metavar="STEPS",
                         help=f"save model/optimizer state into OUT-checkpoint/ every STEPS "
@@ -104,7 +119,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                         help="device to train on (auto: cuda when available)")
     parser.add_argument("--no-track", action="store_true", help="do not log to MLflow")
-    parser.set_defaults(func=_gns)
+    parser.set_defaults(func=_gns, field_flags=_FIELD_FLAGS)
 
 
 def _gns(args: argparse.Namespace) -> int:

@@ -5,7 +5,18 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from paratune.cli import at_least
+
 __all__ = ["register"]
+
+# The library's name -> the flag, for values the library checks under another name (see
+# paratune.cli.flag_message).
+_JOB_FIELD_FLAGS = {
+    "path": "--model",  # a config.json that cannot be read
+    "global_batch_sizes": "--global-batch",
+    "grid": "--space",
+    "seq_len": "--trajectory-seq-len",
+}
 
 
 def _add_job(parser: argparse.ArgumentParser) -> None:
@@ -22,7 +33,7 @@ def _add_job(parser: argparse.ArgumentParser) -> None:
                              "powers of two around B_noise)")
     parser.add_argument("--space", type=Path, default=None,
                         help="YAML/TOML/JSON file of the options to search (ConfigSpace fields)")
-    parser.add_argument("--devices-per-node", type=int, default=None,
+    parser.add_argument("--devices-per-node", type=at_least(1), default=None,
                         help="devices per node (default: the device kind's catalogue value)")
     parser.add_argument("--tp-across-nodes", action="store_true",
                         help="allow tensor parallelism across nodes (off by default)")
@@ -77,7 +88,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                       help="study to create or join (default: derived from the problem)")
     tune.add_argument("--batch-size", type=int, default=8,
                       help="trials asked and predicted together")
-    tune.add_argument("--top-k", type=int, default=10,
+    tune.add_argument("--top-k", type=at_least(1), default=10,
                       help="configs shown and kept in the recommendation (default: %(default)s)")
     tune.add_argument("--output", type=Path, default=None,
                       help="output directory (default: tune-MODEL-GPUSxGPU)")
@@ -86,7 +97,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                            "the dataset, refit and report predicted vs measured")
     tune.add_argument("--dataset", type=Path, default=None,
                       help="dataset that --verify adds its measurements to")
-    tune.set_defaults(func=_tune)
+    tune.set_defaults(func=_tune, field_flags={**_JOB_FIELD_FLAGS, "risk_quantile": "--risk",
+                                               "n_trials": "--trials"})
 
     plan = subparsers.add_parser(
         "plan", help="schedule training phases (batch, parallelism) from a B_noise trajectory",
@@ -109,10 +121,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                            "allows it (default: %(default)s)")
     plan.add_argument("--segments", type=int, default=32,
                       help="resolution along training: stretches of equal tokens (>= 1)")
-    plan.add_argument("--smooth", type=int, default=1,
+    plan.add_argument("--smooth", type=at_least(1), default=1,
                       help="running-median window over the trajectory's b_simple")
     plan.add_argument("--output", type=Path, default=None, help="write plan.json here")
-    plan.set_defaults(func=_plan)
+    plan.set_defaults(func=_plan, field_flags={**_JOB_FIELD_FLAGS, "max_segments": "--segments"})
 
 
 def _space(args: argparse.Namespace):

@@ -3,6 +3,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from paratune.cli import main
 
 
@@ -58,8 +60,6 @@ def test_every_argument_has_help_without_markup():
 
 
 def test_quickstart_help_reads_as_plain_text(capsys):
-    import pytest
-
     with pytest.raises(SystemExit):
         main(["quickstart", "--help"])
     text = capsys.readouterr().out
@@ -86,3 +86,48 @@ def test_missing_and_undecodable_inputs_are_named_errors(tmp_path, capsys, monke
     assert main(["datasets", "import", "latin.csv", "--out", "D"]) == 2
     assert capsys.readouterr().err == "paratune datasets: error: latin.csv is not UTF-8 text\n"
     assert not (tmp_path / "D").exists()
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["profile", "--warmup", "-1"], "--warmup=-1: must be an integer >= 0"),
+    (["profile", "--steps", "0"], "--steps=0: must be an integer >= 1"),
+    (["profile", "--timeout", "0"], "--timeout=0.0: must be a positive number of seconds"),
+    (["profile", "--hardware", "TPU-v9"], "--hardware='TPU-v9': is not a known device"),
+    (["profile", "--resume"], "out='run': holds no campaign.json: nothing to resume"),
+    (["gns", "--ema", "1.5"], "--ema=1.5: must be in [0, 1)"),
+    (["gns", "--mode", "accumulate", "--small-batches", "1"], "--small-batches=1: must be >= 2"),
+    (["gns", "--model", "config.json"], "--model='config.json': is not valid JSON"),
+])
+def test_errors_name_the_flag_not_the_library_argument(tmp_path, capsys, monkeypatch, flags,
+                                                        message):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "config.json").write_text("{not json")
+    common = (["--device", "cpu", "--print-command", "--no-progress"] if flags[0] == "profile"
+              else ["--steps", "1", "--checkpoint-every", "0"])
+    assert main([*flags, *common, "--out", "run", "--no-track"]) == 2
+    command = flags[0]
+    assert capsys.readouterr().err.startswith(f"paratune {command}: error: {message}")
+    assert list(tmp_path.iterdir()) == [tmp_path / "config.json"]
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["profile", "--nproc-per-node", "0"], "argument --nproc-per-node: must be an integer >= 1, "
+                                           "not '0'"),
+    (["profile", "--devices-per-node", "0"], "argument --devices-per-node: must be an integer "
+                                             ">= 1, not '0'"),
+    (["profile", "--world-sizes", "1,x"], "argument --world-sizes: must be comma-separated "
+                                          "positive integers such as 1,2,4, not '1,x'"),
+    (["gns", "--lr", "-0.001"], "argument --lr: must be a number >= 0, not '-0.001'"),
+    (["gns", "--corpus-mb", "0.001"], "argument --corpus-mb: must be a number >= 0.00390625, "
+                                      "not '0.001'"),
+])
+def test_flags_out_of_range_are_refused_by_the_parser(tmp_path, capsys, monkeypatch, flags,
+                                                      message):
+    monkeypatch.chdir(tmp_path)
+    common = (["--device", "cpu", "--print-command", "--no-progress"] if flags[0] == "profile"
+              else ["--steps", "1", "--checkpoint-every", "0"])
+    with pytest.raises(SystemExit) as exit_info:
+        main([*flags, *common, "--out", "run", "--no-track"])
+    assert exit_info.value.code == 2
+    assert f"paratune {flags[0]}: error: {message}\n" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []

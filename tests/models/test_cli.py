@@ -206,3 +206,22 @@ def test_predict_own_format_takes_empty_optional_cells_and_any_case(model_dir, s
     result = _predict_frame(model_dir, frame, tmp_path)
     assert (result["pred_error"] == "").all()
     assert np.all(result["pred_step_time_s"].astype(float) > 0)
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["fit", "data.csv", "--out", "m", "--n-estimators", "0"],
+     "paratune fit: error: argument --n-estimators: must be an integer >= 1, not '0'"),
+    (["evaluate", "data.csv", "--n-estimators", "-5"],
+     "paratune evaluate: error: argument --n-estimators: must be an integer >= 1, not '-5'"),
+    (["evaluate", "data.csv", "--folds", "1"],
+     "paratune evaluate: error: argument --folds: must be an integer >= 2, not '1'"),
+])
+def test_flags_out_of_range_are_refused_by_the_parser(tmp_path, synthetic, capsys, monkeypatch,
+                                                      flags, message):
+    monkeypatch.chdir(tmp_path)
+    synthetic.to_csv("data.csv", index=False)
+    with pytest.raises(SystemExit) as exit_info:
+        main([*flags, "--no-mlflow"])
+    assert exit_info.value.code == 2
+    assert f"{message}\n" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data.csv"]

@@ -1,5 +1,6 @@
 """``paratune tune`` and ``paratune plan`` against a real PerformanceModel fitted on a slice of
-the public H100 measurements (skipped where the data is absent)."""
+the public H100 measurements (skipped where the data is absent); their error messages against
+the closed-form predictor."""
 
 from __future__ import annotations
 
@@ -123,3 +124,77 @@ def test_tp_across_nodes_does_not_change_the_batch_searched(model_dir, tmp_path,
         batches.append({c["global_batch_size"] for c in rec["top"]})
     capsys.readouterr()
     assert batches[0] == batches[1] == {default_global_batch(get_model("llama3-8b"), 16)}
+
+
+@pytest.fixture
+def job(closed_form, tmp_path, monkeypatch):
+    """The ``tune`` or ``plan`` command line of llama3-8b on 64 H100s against the closed-form
+    predictor, run in ``tmp_path`` (so that messages name relative paths); ``trajectory.csv``
+    is a B_noise trajectory with its seq_len."""
+    monkeypatch.setattr("paratune.tuner._tune.load_predictor", lambda predictor: closed_form)
+    monkeypatch.chdir(tmp_path)
+    _write_trajectory(tmp_path / "trajectory.csv", seq_len=8192)
+
+    def command(name, *flags):
+        extra = ["--trajectory", "trajectory.csv"] if name == "plan" else []
+        return [name, "--model", "llama3-8b", "--gpus", "64", "--gpu", "H100", "--predictor",
+                "model", "--output", "out", "--no-track", *extra, *flags]
+
+    return command
+
+
+@pytest.mark.parametrize(("command", "flags", "message"), [
+    ("plan", ["--segments", "0"], "--segments=0: must be an integer >= 1"),
+    ("plan", ["--trajectory-seq-len", "0"], "--trajectory-seq-len=0: must be a positive integer"),
+    ("tune", ["--objective", "goodput", "--gns", "trajectory.csv", "--trajectory-seq-len",
+              "4096"], "--trajectory-seq-len=4096: disagrees with the seq_len column"),
+    ("tune", ["--trials", "0"], "--trials=0: must be a positive integer"),
+    ("tune", ["--risk", "median"], "--risk='median': must name a predicted quantile"),
+    ("tune", ["--global-batch", "abc"], "--global-batch='abc': must be integers"),
+    ("plan", ["--global-batch", "0"], "--global-batch='0': batch sizes must be positive"),
+    ("tune", ["--space", "nosuch.yaml"], "--space='nosuch.yaml': no such file"),
+    ("plan", ["--model", "config.json"], "--model='config.json': is not valid JSON"),
+])
+def test_errors_name_the_flag_not_the_library_argument(job, tmp_path, capsys, command, flags,
+                                                        message):
+    (tmp_path / "config.json").write_text("{not json")
+    assert main(job(command, *flags)) == 2  # a second --model replaces the first
+    err = capsys.readouterr().err
+    assert err.startswith(f"paratune {command}: error: {message}")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_value_not_from_the_flag_keeps_the_library_name(job, closed_form, tmp_path, capsys):
+    from paratune.errors import ConfigError
+    from paratune.tuner import tune
+
+    rule = ": objective=throughput compares configs at one global batch size"
+    assert main(job("tune", "--global-batch", "256:1024")) == 2
+    assert capsys.readouterr().err == (
+        f"paratune tune: error: --global-batch=[256, 512, 1024]{rule}; use objective=goodput "
+        "(with --gns) to search the batch\n")
+    # the same batches from a space file: not a value of --global-batch
+    (tmp_path / "space.json").write_text(json.dumps({"global_batch_sizes": [256, 512, 1024]}))
+    assert main(job("tune", "--space", "space.json")) == 2
+    assert capsys.readouterr().err.startswith(
+        f"paratune tune: error: global_batch_sizes=[256, 512, 1024]{rule}")
+    # the library names its own argument
+    with pytest.raises(ConfigError, match=r"^global_batch_sizes=\[256, 512, 1024\]: "):
+        tune("llama3-8b", 64, "H100", closed_form, global_batch_sizes="256:1024", track=False)
+
+
+@pytest.mark.parametrize(("command", "flag", "value", "minimum"), [
+    ("tune", "--top-k", "0", 1),
+    ("tune", "--devices-per-node", "0", 1),
+    ("plan", "--devices-per-node", "-8", 1),
+    ("plan", "--smooth", "0", 1),
+])
+def test_flags_out_of_range_are_refused_by_the_parser(job, tmp_path, capsys, command, flag,
+                                                      value, minimum):
+    with pytest.raises(SystemExit) as exit_info:
+        main(job(command, "--search", "exhaustive", flag, value) if command == "tune"
+             else job(command, "--global-batch", "64:2048", flag, value))
+    assert exit_info.value.code == 2
+    assert (f"paratune {command}: error: argument {flag}: must be an integer >= {minimum}, "
+            f"not '{value}'") in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
