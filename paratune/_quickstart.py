@@ -123,9 +123,9 @@ def quickstart(out: str | Path = "paratune-quickstart", *,
 def _run(args: argparse.Namespace) -> int:
     from paratune.tracking import ui_command
 
-    sizes = tuple(int(s) for s in args.world_sizes.split(","))
-    result = quickstart(args.out, world_sizes=sizes, gpus=args.gpus, warmup_steps=args.warmup,
-                        measured_steps=args.steps, verify=args.verify, track=not args.no_track)
+    result = quickstart(args.out, world_sizes=args.world_sizes, gpus=args.gpus,
+                        warmup_steps=args.warmup, measured_steps=args.steps,
+                        verify=args.verify, track=not args.no_track)
     rec = result.tuning.recommendation
     print()
     print(f"Recommendation for {rec.get('model', {}).get('name', 'tiny')} on {args.gpus} "
@@ -140,14 +140,20 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _world_sizes(text: str) -> tuple[int, ...]:
+    from paratune.profiler._cli import _world_sizes as parse
+
+    return parse(text)
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "quickstart", help="profile, fit, tune and verify on this CPU (no GPU, no data)",
         description=__doc__)
     parser.add_argument("--out", default="paratune-quickstart",
                         help="output directory (re-run to resume; default: %(default)s)")
-    parser.add_argument("--world-sizes", default="1,2,4",
-                        help="process counts to profile (default: %(default)s)")
+    parser.add_argument("--world-sizes", type=_world_sizes, default=(1, 2, 4),
+                        metavar="N,N,...", help="process counts to profile (default: 1,2,4)")
     parser.add_argument("--gpus", type=int, default=4,
                         help="processes of the tuned job (default: %(default)s)")
     parser.add_argument("--warmup", type=int, default=2, help="warm-up steps per config")
@@ -155,4 +161,5 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--verify", type=int, default=1,
                         help="top configs to profile again after tuning (default: %(default)s)")
     parser.add_argument("--no-track", action="store_true", help="do not log to MLflow")
-    parser.set_defaults(func=_run)
+    parser.set_defaults(func=_run, field_flags={"warmup_steps": "--warmup",
+                                                "measured_steps": "--steps"})

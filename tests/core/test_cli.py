@@ -131,3 +131,23 @@ def test_flags_out_of_range_are_refused_by_the_parser(tmp_path, capsys, monkeypa
     assert exit_info.value.code == 2
     assert f"paratune {flags[0]}: error: {message}\n" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--warmup", "-1"], "--warmup=-1: must be an integer >= 0"),
+    (["--steps", "0"], "--steps=0: must be an integer >= 1"),
+])
+def test_quickstart_errors_name_its_flags(tmp_path, capsys, monkeypatch, flags, message):
+    monkeypatch.chdir(tmp_path)
+    assert main(["quickstart", *flags, "--out", "run", "--no-track"]) == 2
+    assert capsys.readouterr().err.startswith(f"paratune quickstart: error: {message}")
+
+
+def test_quickstart_world_sizes_are_parsed_like_profiles(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["quickstart", "--world-sizes", "1,x", "--out", "run", "--no-track"])
+    assert exit_info.value.code == 2
+    assert ("argument --world-sizes: must be comma-separated positive integers such as 1,2,4, "
+            "not '1,x'") in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
