@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
+from paratune.errors import ConfigError
 from paratune.models._data import load_measurements, measured_step_time
 from paratune.models._estimators import PerformanceModel, estimator_factories
 from paratune.models._evaluate import EvaluationResult, cross_validate, plot_predictions
@@ -28,6 +29,8 @@ def fit_model(data: Sequence[str | Path], out: str | Path, *, n_estimators: int 
     Returns:
         The fitted model and a short text summary.
     """
+    if Path(out).exists() and not Path(out).is_dir():
+        raise ConfigError("out", str(out), "is a file; the model is written as a directory")
     frame = load_measurements(data)
     model = estimator_factories(n_estimators=n_estimators)["performance_model"]()
     model.fit(frame)

@@ -231,7 +231,15 @@ def resolve_storage(storage: str | Path | None, default_dir: str | Path | None
         storage = Path(default_dir) / "study.journal"
     text = str(storage)
     if "://" in text:
-        return optuna.storages.RDBStorage(text), text
+        try:
+            return optuna.storages.RDBStorage(text), text
+        except ImportError as exc:  # a driver that is not installed (psycopg2, pymysql)
+            raise ConfigError("storage", text, f"needs a database driver: {exc}") from exc
+        except Exception as exc:  # SQLAlchemy: unknown dialect, unreachable server
+            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise ConfigError("storage", text, f"is not a usable database URL ({first}); "
+                              "give sqlite:///FILE.db, another SQLAlchemy URL, or a "
+                              "journal file path") from exc
     Path(text).parent.mkdir(parents=True, exist_ok=True)
     return JournalStorage(JournalFileBackend(text)), text
 

@@ -188,6 +188,16 @@ def test_predict_names_a_missing_or_undecodable_input(model_dir, tmp_path, capsy
     assert capsys.readouterr().err == "paratune predict: error: latin.csv is not UTF-8 text\n"
 
 
+def test_fit_refuses_an_out_that_is_a_file_before_fitting(tmp_path, synthetic, capsys):
+    data = tmp_path / "data.csv"
+    synthetic.to_csv(data, index=False)
+    (tmp_path / "m").write_text("notes")
+    assert main(["fit", str(data), "--out", str(tmp_path / "m"), "--no-mlflow"]) == 2
+    assert capsys.readouterr().err == (f"paratune fit: error: out='{tmp_path / 'm'}': is a "
+                                       "file; the model is written as a directory\n")
+    assert (tmp_path / "m").read_text() == "notes"
+
+
 def test_fit_names_both_formats_for_a_csv_in_neither(tmp_path, capsys):
     src = tmp_path / "x.csv"
     src.write_text("a,b\n1,2\n")

@@ -154,6 +154,8 @@ def job(closed_form, tmp_path, monkeypatch):
     ("plan", ["--global-batch", "0"], "--global-batch='0': batch sizes must be positive"),
     ("tune", ["--space", "nosuch.yaml"], "--space='nosuch.yaml': no such file"),
     ("plan", ["--model", "config.json"], "--model='config.json': is not valid JSON"),
+    ("tune", ["--storage", "nosuchdialect://x"],
+     "storage='nosuchdialect://x': is not a usable database URL"),
 ])
 def test_errors_name_the_flag_not_the_library_argument(job, tmp_path, capsys, command, flags,
                                                         message):
