@@ -95,12 +95,17 @@ def train(model_name: str, config_json: str, *, steps: int, data: str = "text", 
         _synchronize(device)
         dist.barrier()
         started = time.perf_counter()
-        loss = trainer.step(batch)
+        local_loss = trainer.train_step(batch)  # no loss reduction inside the timed step
         _synchronize(device)
-        elapsed = torch.tensor([time.perf_counter() - started], dtype=torch.float64)
+        # On the trainer's device: NCCL reduces CUDA tensors only.
+        elapsed = torch.tensor([time.perf_counter() - started], dtype=torch.float64,
+                               device=device)
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         times.append(float(elapsed))
-        if rank == 0 and log_every and (step + 1) % log_every == 0:
+        logged = bool(log_every) and (step + 1) % log_every == 0
+        if logged or step == steps - 1:  # the same on every rank: global_loss is collective
+            loss = trainer.global_loss(local_loss)
+        if rank == 0 and logged:
             print(f"step {step + 1:>6}  loss {loss:.4f}  step {times[-1]:.3f} s  "
                   f"{tokens_per_step / times[-1]:,.0f} tokens/s", file=stream, flush=True)
     timed = times[1:] or times  # the first step pays one-off costs

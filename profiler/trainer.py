@@ -184,6 +184,15 @@ class Trainer:
 
     # ------------------------------------------------------------------ steps
     def forward_backward(self, tokens: torch.Tensor, *, sync_grads: bool = True) -> float:
+        """:meth:`forward_backward_local`, then :meth:`global_loss` of its loss.
+
+        Returns:
+            The global mean token cross-entropy (the same on every rank).
+        """
+        return self.global_loss(self.forward_backward_local(tokens, sync_grads=sync_grads))
+
+    def forward_backward_local(self, tokens: torch.Tensor, *, sync_grads: bool = True
+                               ) -> torch.Tensor:
         """Forward and backward over the global batch; gradients land in ``param.grad``.
 
         Each rank takes its data-parallel slice of ``tokens`` and splits it into
@@ -204,7 +213,10 @@ class Trainer:
                 schedule reduces gradients itself. With ``dp == 1`` it changes nothing.
 
         Returns:
-            The global mean token cross-entropy (the same on every rank).
+            This rank's share of the loss, a float64 scalar on ``device``, left where it is
+            (no host synchronisation, no collective): the mean over this rank's slice on the
+            last pipeline stage, zero elsewhere. :meth:`global_loss` turns it into the
+            global mean.
 
         Raises:
             ConfigError: ``tokens`` has the wrong shape, or ``sync_grads=False`` is not
@@ -227,7 +239,7 @@ class Trainer:
                 local_loss = self._pipeline_step(inputs, targets)
             else:
                 local_loss = self._accumulate(inputs, targets, sync_grads=sync_grads)
-        return self._global_loss(local_loss)
+        return local_loss
 
     def _autocast_context(self) -> contextlib.AbstractContextManager[Any]:
         if not self._autocast:
@@ -297,8 +309,10 @@ class Trainer:
         self._schedule.step(*args, return_outputs=False)
         return torch.zeros((), device=self.device, dtype=torch.float64)
 
-    def _global_loss(self, local_loss: torch.Tensor) -> float:
-        """Mean over data-parallel ranks of the last stage's local loss, on every rank."""
+    def global_loss(self, local_loss: torch.Tensor) -> float:
+        """The global mean loss, on every rank, from each rank's
+        :meth:`forward_backward_local` loss (collective: an all-reduce over all ranks and a
+        host synchronisation)."""
         contributes = self._has_last and self.tp_rank == 0
         value = local_loss / self.config.dp if contributes else torch.zeros_like(local_loss)
         value = value.detach().clone()
@@ -324,15 +338,25 @@ class Trainer:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 
+    def train_step(self, tokens: torch.Tensor) -> torch.Tensor:
+        """One training step as a training loop runs it: :meth:`forward_backward_local` then
+        :meth:`optimizer_step`, with no host synchronisation and no collective for the loss.
+
+        Returns:
+            This rank's loss tensor (see :meth:`forward_backward_local`); pass it to
+            :meth:`global_loss` (on every rank) when the value is wanted.
+        """
+        local_loss = self.forward_backward_local(tokens)
+        self.optimizer_step()
+        return local_loss
+
     def step(self, tokens: torch.Tensor) -> float:
-        """One training step: :meth:`forward_backward` then :meth:`optimizer_step`.
+        """One training step: :meth:`train_step`, then :meth:`global_loss` of its loss.
 
         Returns:
             The global mean loss of this step's batch.
         """
-        loss = self.forward_backward(tokens)
-        self.optimizer_step()
-        return loss
+        return self.global_loss(self.train_step(tokens))
 
     def gather_full(self, *, grads: bool = False) -> dict[str, torch.Tensor]:
         """Full (unsharded) parameters, or their gradients, of the WHOLE model by FQN.
@@ -488,7 +512,7 @@ def measure_config(model: ModelSpec, config: ParallelConfig, *, hardware: str,
         config: The layout; ``config.world_size`` must equal the process group's size.
         hardware: :class:`~paratune.hardware.HardwareSpec` name (for MFU and the record).
         device: This rank's device.
-        warmup_steps: Steps run first and not timed.
+        warmup_steps: Steps run first and not timed (at least one on CUDA).
         measured_steps: Steps timed.
         seed: Initialisation and data seed.
         mesh: A prebuilt (pp, dp, tp) mesh.
@@ -525,10 +549,14 @@ def measure_config(model: ModelSpec, config: ParallelConfig, *, hardware: str,
 
     if measured_steps < 1:
         raise ConfigError("measured_steps", measured_steps, "must be >= 1")
+    device = torch.device(device)
     if warmup_steps < 0:
         raise ConfigError("warmup_steps", warmup_steps, "must be >= 0")
+    if warmup_steps < 1 and device.type == "cuda":
+        raise ConfigError("warmup_steps", warmup_steps, "must be >= 1 on CUDA: the first "
+                          "step pays one-off costs (kernel and library initialisation, "
+                          "communicators, allocator growth) that are not the step time")
     batches = _batch_source(model, data)
-    device = torch.device(device)
     hw = get_hardware(hardware)
     world = dist.get_world_size()
     config.validate(model, world)
@@ -550,23 +578,30 @@ def measure_config(model: ModelSpec, config: ParallelConfig, *, hardware: str,
     build_s = time.perf_counter() - start
     build_peak = 0.0
     if device.type == "cuda":
-        # The steps' peak, not initialisation's (which may hold full unsharded parameters).
+        # The steps' peak, not initialisation's (which may hold full unsharded parameters):
+        # what initialisation left in the caching allocator is released first, or the
+        # reserved peak would start from it.
         build_peak = torch.cuda.max_memory_allocated(device) / _GB
+        gc.collect()
+        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     times: list[float] = []
-    loss = math.nan
     try:
+        local_loss = None
         for step in range(warmup_steps + measured_steps):
             tokens = batches(config.global_batch_size, step, seed)
             _synchronize(device)
             dist.barrier()
             begin = time.perf_counter()
-            loss = trainer.step(tokens)
+            # As a training loop runs it: the loss stays on the device, unreduced.
+            local_loss = trainer.train_step(tokens)
             _synchronize(device)
             elapsed = time.perf_counter() - begin
             in_steps += elapsed
             if step >= warmup_steps:
                 times.append(elapsed)
+        assert local_loss is not None
+        loss = trainer.global_loss(local_loss)  # once, after the timed steps
     finally:
         teardown_start = time.perf_counter()
         trainer.close()

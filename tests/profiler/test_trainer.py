@@ -260,6 +260,81 @@ def test_measure_config_two_ranks(two_ranks):
         assert details["build_s"] > 0
 
 
+def _count_loss_reductions(rank: int, world_size: int, port: int, out_dir: str) -> None:
+    """Per layout: the all-reduces on the whole group (where the loss is reduced) made by
+    ``Trainer.train_step`` and by ``measure_config`` with few and with many steps, and the
+    loss ``measure_config`` reports beside the one ``Trainer.step`` returns for the same
+    step."""
+    from paratune.profiler.gns import init_worker
+    from paratune.profiler.mesh import closing_process_group
+
+    init_worker(rank, world_size, port, "cpu")
+    calls = [0]
+    real = dist.all_reduce
+
+    def counted(tensor, *args, **kwargs):
+        group = kwargs.get("group", args[1] if len(args) > 1 else None)
+        if group is None or group is dist.group.WORLD:
+            calls[0] += 1
+        return real(tensor, *args, **kwargs)
+
+    dist.all_reduce = counted
+    out = {}
+    try:
+        with closing_process_group():
+            for config in _LOSS_LAYOUTS:
+                common = dict(hardware="cpu", device=CPU, seed=0)
+                calls[0] = 0
+                measure_config(SPEC, config, warmup_steps=1, measured_steps=1, **common)
+                few = calls[0]
+                calls[0] = 0
+                m = measure_config(SPEC, config, warmup_steps=2, measured_steps=3, **common)
+                many = calls[0]
+                trainer = Trainer(SPEC, config, device=CPU, seed=0)
+                losses = [trainer.step(synthetic_batch(SPEC, 4, step=s)) for s in range(5)]
+                calls[0] = 0
+                local = trainer.train_step(synthetic_batch(SPEC, 4, step=5))
+                in_train_step = calls[0]
+                trainer.global_loss(local)
+                trainer.close()
+                out[config.key()] = dict(few=few, many=many, in_train_step=in_train_step,
+                                         measured_loss=m.loss, step_loss=losses[-1])
+    except Exception:
+        out = {"error": traceback.format_exc()}
+    torch.save(out, Path(out_dir) / f"{rank}.pt")
+
+
+_LOSS_LAYOUTS = [ParallelConfig(dp=2, micro_batch_size=2, global_batch_size=4),
+                 ParallelConfig(pp=2, micro_batch_size=1, global_batch_size=4)]
+
+
+@pytest.mark.slow
+def test_timed_steps_do_not_reduce_the_loss(tmp_path):
+    """The timed steps run as a training loop does: no all-reduce of the loss (and no host
+    synchronisation for it) inside a step; measure_config reduces the last step's loss once,
+    after them, and reports what Trainer.step returns for that step."""
+    from paratune.profiler.gns import spawn
+
+    spawn(_count_loss_reductions, 2, str(tmp_path))
+    for rank in range(2):
+        out = torch.load(tmp_path / f"{rank}.pt", weights_only=False)
+        assert "error" not in out, out["error"]
+        for config in _LOSS_LAYOUTS:
+            got = out[config.key()]
+            assert got["in_train_step"] == 0, (rank, config.key(), got)
+            # the loss and the step-time statistics, however many steps were timed
+            assert got["few"] == got["many"] == 2, (rank, config.key(), got)
+            assert got["measured_loss"] == pytest.approx(got["step_loss"], rel=1e-12)
+
+
+def test_warmup_is_required_on_cuda():
+    """On CUDA the first step pays one-off costs: it is never timed (checked before
+    anything is built, so this needs no GPU)."""
+    with pytest.raises(ConfigError, match=r"warmup_steps=0: must be >= 1 on CUDA"):
+        measure_config(SPEC, ParallelConfig(global_batch_size=2), hardware="H100",
+                       device="cuda", warmup_steps=0)
+
+
 # ---------------------------------------------------------------------- CUDA
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -282,6 +357,22 @@ def test_measure_config_on_one_gpu(tmp_path):
         losses = [trainer.step(tokens) for _ in range(5)]
         assert losses[-1] < losses[0]
         trainer.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_reserved_peak_leaves_out_memory_cached_before_the_steps(tmp_path):
+    """What the caching allocator holds before the steps (here a freed 2 GB block, as
+    initialisation's temporaries would leave) is released before the peaks are reset."""
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    with one_process_group(tmp_path, "nccl"):
+        block = torch.empty(2 * 10**9, dtype=torch.uint8, device=device)
+        del block
+        assert torch.cuda.memory_reserved(device) >= 2e9
+        m = measure_config(SPEC, ParallelConfig(global_batch_size=2), hardware="H100",
+                           device=device, warmup_steps=1, measured_steps=1)
+        assert 0 < m.peak_mem_reserved_gb < 1.0
 
 
 # ---------------------------------------------------------------------- collectives per step
