@@ -13,7 +13,11 @@ never be matched with a collective of the training step). Rank 0 appends the rec
 journal. After any failure the group exits with :data:`EXIT_RELAUNCH` so that the next
 config starts in fresh processes (ranks that failed at different points would otherwise
 leave collectives unmatched). A watchdog thread
-exits the process with :data:`EXIT_TIMEOUT` when a config runs past its timeout.
+exits the process with :data:`EXIT_TIMEOUT` when a config runs past its timeout. Under
+torchrun, a rank whose config failed waits at most :func:`fail_grace_s` for the others'
+outcomes (they may be stuck in a collective the failed rank left): then it exits with
+:data:`EXIT_RELAUNCH`, torchrun ends the group, and the next launch records the failure
+from the events (the local launcher's parent does the same for its groups).
 
 Fault injection, for tests only: ``PARATUNE_FAULT`` holds comma-separated
 ``kind:config-key[:rank]`` entries (kind ``hang``, ``raise``, ``oom`` or ``exit``; no rank
@@ -55,6 +59,15 @@ FAULT_ENV = "PARATUNE_FAULT"
 PARENT_ENV = "PARATUNE_PARENT_PID"
 ATTEMPT_ENV = "PARATUNE_ATTEMPT"
 _FAULT_KINDS = ("hang", "raise", "oom", "exit")
+FAIL_GRACE_S = 10.0
+"""Longest wait, under torchrun, for the other ranks' outcomes after a config failed on this
+rank (see :func:`fail_grace_s`)."""
+
+
+def fail_grace_s(timeout_s: float) -> float:
+    """Seconds a rank whose config failed waits for the other ranks' outcomes under torchrun:
+    :data:`FAIL_GRACE_S`, and at most half the per-config timeout."""
+    return min(FAIL_GRACE_S, timeout_s / 2)
 
 
 def parse_faults(text: str) -> list[tuple[str, str, int | None]]:
@@ -99,7 +112,8 @@ def is_oom(exc: BaseException) -> bool:
 
 
 class _Watchdog(threading.Thread):
-    """Ends the process when a config overruns its timeout or the launching parent dies."""
+    """Ends the process when a config overruns its timeout, the launching parent dies, or the
+    other ranks' outcomes do not arrive by the deadline :meth:`give_up_at` set."""
 
     def __init__(self, events: EventLog, timeout_s: float, parent_pid: int | None) -> None:
         super().__init__(daemon=True, name="paratune-watchdog")
@@ -107,12 +121,27 @@ class _Watchdog(threading.Thread):
         self.timeout_s = timeout_s
         self.parent_pid = parent_pid
         self.current: tuple[str, float] | None = None
+        self._lock = threading.Lock()
+        self._deadline: float | None = None
+
+    def give_up_at(self, deadline: float | None) -> None:
+        """Exit with :data:`EXIT_RELAUNCH` once ``time.monotonic()`` passes ``deadline``
+        (``None``: never). Once this returns with ``None`` the watchdog cannot fire on an
+        earlier deadline: the caller may go on writing the journal."""
+        with self._lock:
+            self._deadline = deadline
 
     def run(self) -> None:
         while True:
             time.sleep(0.5)
             if self.parent_pid is not None and os.getppid() != self.parent_pid:
                 os._exit(1)
+            with self._lock:
+                if self._deadline is not None and time.monotonic() > self._deadline:
+                    sys.stderr.write("the other ranks did not report their outcome in time "
+                                     "(stuck in a collective?); exiting for a fresh group\n")
+                    sys.stderr.flush()
+                    os._exit(EXIT_RELAUNCH)
             current = self.current
             if current and time.monotonic() - current[1] > self.timeout_s:
                 self.events.write("timeout", current[0], timeout_s=self.timeout_s)
@@ -249,9 +278,15 @@ def run_worker(plan_path: str | Path, *, attempt: str | None = None) -> int:
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+            if parent_pid is None:
+                # Under torchrun nobody else ends a group whose other ranks are stuck in a
+                # collective this rank left; the fail event is written, the next launch
+                # records it (resolve_unfinished).
+                watchdog.give_up_at(time.monotonic() + fail_grace_s(timeout_s))
         call_s = time.perf_counter() - began
         outcomes: list[Any] = [None] * world
         dist.all_gather_object(outcomes, (status, error), group=control)
+        watchdog.give_up_at(None)
         watchdog.current = None
         statuses = {s for s, _ in outcomes}
         if rank == 0:

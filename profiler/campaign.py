@@ -154,6 +154,10 @@ class CampaignSpec:
             self.space = default_space(self.model)
         if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
             raise ConfigError("warmup_steps", self.warmup_steps, "must be an integer >= 0")
+        if self.device == "cuda" and self.warmup_steps < 1:
+            raise ConfigError("warmup_steps", self.warmup_steps, "must be >= 1 on CUDA: the "
+                              "first step pays one-off costs (kernel and library "
+                              "initialisation, communicators, allocator growth)")
         if not isinstance(self.measured_steps, int) or self.measured_steps < 1:
             raise ConfigError("measured_steps", self.measured_steps, "must be an integer >= 1")
         if not (isinstance(self.timeout_s, (int, float)) and self.timeout_s > 0):
@@ -806,10 +810,16 @@ def run_campaign(spec: CampaignSpec, out: str | Path, *, resume: bool = False,
         import torch
 
         available = torch.cuda.device_count()
+        if available == 0:
+            raise ConfigError("device", spec.device, "no CUDA device is visible on this "
+                              "machine")
         too_big = [w for w in spec.world_sizes if w > available]
         if too_big:
             raise ConfigError("world_sizes", too_big[0], f"needs more GPUs than the "
-                              f"{available} on this machine (use --launcher torchrun)")
+                              f"{available} on this machine (with either launcher): "
+                              f"profile world sizes up to {available} here, and larger ones "
+                              "on a cluster, with the commands that 'paratune profile "
+                              "--print-command' prints")
     paths, meta = prepare_campaign(spec, out, resume=resume)
     before = {ws: journal_keys(paths.journal(ws)) for ws in spec.world_sizes}
     total = sum(int(meta["num_valid"][str(ws)]) - len(before[ws] & _plan_keys(paths, ws))

@@ -21,9 +21,22 @@ from typing import IO
 
 from paratune.profiler._worker import ATTEMPT_ENV, PARENT_ENV
 
-__all__ = ["LocalGroup", "free_port", "launch_local", "slurm_command", "torchrun_command"]
+__all__ = ["LocalGroup", "free_port", "launch_local", "restart_budget", "slurm_command",
+           "torchrun_command"]
 
 WORKER_MODULE = "paratune.profiler._worker"
+
+
+def restart_budget(num_configs: int) -> int:
+    """torchrun ``--max-restarts`` for a plan of ``num_configs`` configs.
+
+    Every failed config ends its group (the next config starts in fresh processes), and
+    torchrun counts each such end as a restart: a failure a rank reported (``oom``,
+    ``error``, ``timeout``) is recorded by the next launch, a group that dies without a
+    report after the second launch that dies on that config. Two restarts per config, and
+    three for launches that fail before measuring anything, cover the whole plan.
+    """
+    return 2 * max(0, int(num_configs)) + 3
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -90,15 +103,14 @@ def launch_local(plan_path: str | Path, world_size: int, *, attempt: str, log_di
         attempt: Identifier of this launch (tagged on every event).
         log_dir: Where each rank's output goes (``<attempt>-rank<R>.log``).
         device: ``"cpu"`` (gloo) or ``"cuda"`` (NCCL, rank R on GPU R).
-        extra_env: Variables added to the workers' environment.
+        extra_env: Variables added to the workers' environment (``OMP_NUM_THREADS``,
+            unless set: the cores shared among the ranks on CPU, ``1`` on CUDA as torchrun
+            sets it).
     """
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     port = free_port()
-    base = dict(os.environ)
-    base.update(extra_env or {})
-    if device == "cpu" and "OMP_NUM_THREADS" not in base:
-        base["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // world_size))
+    base = _worker_env(world_size, device, extra_env)
     base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world_size),
                 LOCAL_WORLD_SIZE=str(world_size), GROUP_RANK="0", PYTHONUNBUFFERED="1")
     base[PARENT_ENV] = str(os.getpid())
@@ -117,17 +129,37 @@ def launch_local(plan_path: str | Path, world_size: int, *, attempt: str, log_di
     return LocalGroup(processes=processes, attempt=attempt, logs=logs, _handles=handles)
 
 
+def _worker_env(world_size: int, device: str, extra_env: dict[str, str] | None
+                ) -> dict[str, str]:
+    """This process's environment with ``extra_env`` and a default ``OMP_NUM_THREADS``
+    (kept when set): on CPU the cores shared among the ranks (gloo computes on them); on
+    CUDA ``1`` with more than one rank, as torchrun sets it."""
+    env = dict(os.environ)
+    env.update(extra_env or {})
+    if "OMP_NUM_THREADS" not in env:
+        if device == "cpu":
+            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // world_size))
+        elif world_size > 1:
+            env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
 def torchrun_command(plan_path: str | Path, *, nproc_per_node: int | str,
                      nnodes: int | str = "$NNODES",
                      rdzv_endpoint: str = "$MASTER_ADDR:29500", rdzv_id: str = "paratune",
-                     max_restarts: int = 3) -> str:
+                     max_restarts: int | None = None) -> str:
     """The torchrun command that runs one world size's plan on a cluster.
 
     Every node runs the same command; torchrun's c10d rendezvous at ``rdzv_endpoint`` forms
     the group. The campaign directory must be on a filesystem every node sees. After a
-    failure torchrun restarts the group (up to ``max_restarts`` times) and the workers carry
-    on from the journal, recording the config that failed, hung or crashed.
+    failure torchrun restarts the group (up to ``max_restarts`` times; default
+    :func:`restart_budget` of the plan's configs, read from ``plan_path``) and the workers
+    carry on from the journal, recording the config that failed, hung or crashed.
     """
+    if max_restarts is None:
+        from paratune.profiler._journal import read_plan
+
+        max_restarts = restart_budget(len(read_plan(plan_path)["configs"]))
     parts = ["torchrun", f"--nnodes={nnodes}", f"--nproc-per-node={nproc_per_node}",
              "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}", f"--rdzv-id={rdzv_id}",
              f"--max-restarts={max_restarts}", "-m", WORKER_MODULE, "--plan",
@@ -136,7 +168,8 @@ def torchrun_command(plan_path: str | Path, *, nproc_per_node: int | str,
 
 
 def slurm_command(plan_path: str | Path, *, nnodes: int, nproc_per_node: int,
-                  rdzv_id: str = "paratune", port: int = 29500, max_restarts: int = 3) -> str:
+                  rdzv_id: str = "paratune", port: int = 29500,
+                  max_restarts: int | None = None) -> str:
     """The same inside a SLURM allocation: one torchrun per node via ``srun``, with the
     rendezvous on the allocation's first node (two shell lines)."""
     inner = torchrun_command(plan_path, nproc_per_node=nproc_per_node, nnodes=nnodes,

@@ -36,6 +36,7 @@ from paratune.profiler.campaign import (
     run_campaign,
     torchrun_commands,
 )
+from paratune.profiler.launcher import restart_budget
 from paratune.space import ConfigSpace
 
 TINY = get_model("tiny")
@@ -181,20 +182,78 @@ def test_spec_and_fault_validation():
         parse_faults("explode:k1")
 
 
+def test_cuda_campaigns_need_a_warmup_and_a_gpu_per_rank(tmp_path, monkeypatch):
+    """Checked before anything is written, for either launcher; the message points to what
+    helps (this needs no GPU: the count is what CUDA reports)."""
+    import torch
+
+    with pytest.raises(ConfigError, match=r"warmup_steps=0: must be >= 1 on CUDA"):
+        _spec(device="cuda", hardware="H100-80GB", warmup_steps=0)
+    assert _spec(warmup_steps=0).warmup_steps == 0  # on the CPU a warm-up is optional
+    spec = _spec(device="cuda", hardware="H100-80GB", world_sizes=(1, 2))
+    out = tmp_path / "c"
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    for launcher in ("local", "torchrun"):
+        with pytest.raises(ConfigError) as info:
+            run_campaign(spec, out, track=False, progress=False, launcher=launcher)
+        assert (info.value.field, info.value.value) == ("world_sizes", 2)
+        assert "up to 1 here" in str(info.value) and "--print-command" in str(info.value)
+        assert "use --launcher torchrun" not in str(info.value)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    with pytest.raises(ConfigError, match="no CUDA device is visible") as info:
+        run_campaign(spec, out, track=False, progress=False)
+    assert info.value.field == "device"
+    assert not out.exists()
+
+
+def test_worker_threads_default_like_torchrun(monkeypatch):
+    """Local workers get torchrun's OMP_NUM_THREADS=1 on CUDA (more than one rank), the
+    cores shared among the ranks on CPU, and a value already set is kept."""
+    from paratune.profiler.launcher import _worker_env
+
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    assert _worker_env(2, "cuda", None)["OMP_NUM_THREADS"] == "1"
+    assert "OMP_NUM_THREADS" not in _worker_env(1, "cuda", None)  # torchrun leaves it too
+    assert _worker_env(2, "cpu", None)["OMP_NUM_THREADS"] == str(max(1, os.cpu_count() // 2))
+    assert _worker_env(4, "cuda", {"OMP_NUM_THREADS": "6"})["OMP_NUM_THREADS"] == "6"
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert _worker_env(2, "cuda", None)["OMP_NUM_THREADS"] == "3"
+
+
+def _max_restarts(command: str) -> int:
+    (value,) = [part.split("=")[1] for part in command.split()
+                if part.startswith("--max-restarts=")]
+    return int(value)
+
+
 def test_torchrun_commands(tmp_path):
     commands = torchrun_commands(_spec(world_sizes=(2, 4)), tmp_path / "c",
                                  nproc_per_node=2, rdzv_endpoint="head:29500")
     plan4 = (tmp_path / "c" / "plan-ws4.json").resolve()
+    restarts = restart_budget(len(read_plan(plan4)["configs"]))
     assert commands[1] == (
         "torchrun --nnodes=2 --nproc-per-node=2 --rdzv-backend=c10d "
         f"--rdzv-endpoint=head:29500 --rdzv-id={read_plan(plan4)['campaign_id']}-ws4 "
-        f"--max-restarts=3 -m paratune.profiler._worker --plan {plan4}")
+        f"--max-restarts={restarts} -m paratune.profiler._worker --plan {plan4}")
     slurm = torchrun_commands(_spec(world_sizes=(4,)), tmp_path / "c", nproc_per_node=2,
                               slurm=True)[0]
     assert 'scontrol show hostnames "$SLURM_JOB_NODELIST"' in slurm
     assert "srun --nodes=2 --ntasks-per-node=1 torchrun --nnodes=2" in slurm
+    assert _max_restarts(slurm) == restarts
     with pytest.raises(ConfigError, match="nproc_per_node=3: must divide"):
         torchrun_commands(_spec(world_sizes=(4,)), tmp_path / "c", nproc_per_node=3)
+
+
+def test_torchrun_restarts_cover_every_config_of_the_plan(tmp_path):
+    """Each failed config ends its group, and torchrun counts every end as a restart (a
+    clean OOM included): the budget covers every config of the world size's plan failing,
+    each recorded after one restart, or two where the group died without a report."""
+    spec = _spec(world_sizes=(2, 4), space=ConfigSpace(micro_batch_sizes=[1, 2]))
+    commands = torchrun_commands(spec, tmp_path / "c")
+    for world_size, command in zip(spec.world_sizes, commands):
+        num_configs = len(read_plan(tmp_path / "c" / f"plan-ws{world_size}.json")["configs"])
+        assert num_configs > 3
+        assert _max_restarts(command) >= 2 * num_configs
 
 
 def test_restart_resolution_from_events(tmp_path):
@@ -258,6 +317,49 @@ def test_faults_are_isolated_and_recorded(tmp_path):
     assert dataset.frame["device_name"].all() and (dataset.frame["device_count"] == 2).all()
     launches = {p.name.split("-rank")[0] for p in (tmp_path / "c" / "logs").iterdir()}
     assert len(launches) == 4  # relaunched after the hang, the exception and the crash
+
+
+@pytest.mark.slow
+def test_under_torchrun_a_failed_rank_does_not_wait_for_a_stuck_peer(tmp_path):
+    """Rank 1's config fails; rank 0 never reaches the exchange of outcomes (it hangs, as a
+    rank stuck in a collective the failed rank left would). Under torchrun nothing but the
+    ranks ends such a group: rank 1 exits for a relaunch after a short grace, not at the
+    config's timeout, and the next launch records the failure from its event."""
+    from paratune.profiler._journal import EXIT_RELAUNCH
+    from paratune.profiler._worker import ATTEMPT_ENV, FAULT_ENV, PARENT_ENV, fail_grace_s
+    from paratune.profiler.launcher import free_port
+
+    spec = _spec(timeout_s=30.0)
+    assert fail_grace_s(spec.timeout_s) < spec.timeout_s
+    paths, _ = prepare_campaign(spec, tmp_path / "c")
+    key = KEYS_WS2[0]
+    env = {k: v for k, v in os.environ.items() if k not in (PARENT_ENV, ATTEMPT_ENV)}
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2",
+               LOCAL_WORLD_SIZE="2", OMP_NUM_THREADS="1",
+               **{FAULT_ENV: f"hang:{key}:0,raise:{key}:1"})
+    command = [sys.executable, "-m", "paratune.profiler._worker", "--plan",
+               str(paths.plan(2))]
+    logs = [tmp_path / f"rank{rank}.log" for rank in range(2)]
+    procs = []
+    try:
+        for rank, log in enumerate(logs):
+            with open(log, "wb") as handle:
+                procs.append(subprocess.Popen(
+                    command, env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)),
+                    stdout=handle, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
+        code = procs[1].wait(timeout=120)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert code == EXIT_RELAUNCH, logs[1].read_text()[-3000:]
+    events = [json.loads(line)["event"] for line in paths.events(2, 1).read_text().splitlines()]
+    assert events == ["start", "fail"]  # no timeout: it did not wait for one
+    records = resolve_unfinished(paths, read_plan(paths.plan(2)))
+    assert [r.config.key() for r in records] == [key]
+    assert records[0].status is Status.ERROR
+    assert "rank 1: RuntimeError: injected fault on rank 1" in records[0].error
 
 
 @pytest.mark.slow
