@@ -585,6 +585,8 @@ class GNSJob:
                               "is required with checkpoint_every or resume")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError("device", self.device, "must be auto, cpu or cuda")
+        if _resolved_device(self.device) == "cuda":
+            _check_gpus(self.device, self.config.world_size)
         if self.checkpoint_every:
             from paratune.profiler.reconfigure import _check_supported
 
@@ -669,7 +671,17 @@ def _job_fingerprint(job: GNSJob) -> dict[str, Any]:
                        num_small_batches=meter.num_small_batches,
                        precondition=job.precondition, beta=job.beta,
                        corpus_bytes=job.corpus_bytes)
+    # The numerics: the same checkpoint continued on another device would change them.
+    device = _resolved_device(job.device)
+    fingerprint.update(device=device, precision=_precision(device))
     return json.loads(json.dumps(fingerprint, default=str))
+
+
+def _precision(device: str) -> str:
+    """What the GNS workers' :class:`~paratune.profiler.trainer.Trainer` computes in on
+    ``device`` (its default ``mixed_precision``, in fresh processes whose default dtype is
+    float32)."""
+    return "bf16-mixed" if device == "cuda" else "float32"
 
 
 def _check_fingerprint(job: GNSJob, saved: dict[str, Any], found: Path) -> None:
@@ -784,15 +796,33 @@ def _resolved_device(kind: str) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _device_for(kind: str, rank: int) -> Any:
+def _check_gpus(device: str, world_size: int) -> None:
+    """One GPU per rank: NCCL cannot run two ranks of a group on one device.
+
+    Raises:
+        ConfigError: no GPU is visible (``device``), or fewer than ``world_size``
+            (``config.world_size``).
+    """
     import torch
 
-    if kind == "auto":
-        kind = "cuda" if torch.cuda.is_available() else "cpu"
+    available = torch.cuda.device_count()
+    if available == 0:
+        raise ConfigError("device", device, "runs on CUDA, but no CUDA device is visible on "
+                          "this machine (use device cpu)")
+    if world_size > available:
+        raise ConfigError("config.world_size", world_size, f"needs one GPU per rank, but "
+                          f"this machine has {available} (device {device!r} runs on CUDA): "
+                          f"use a layout of at most {available} devices, or device cpu")
+
+
+def _device_for(kind: str, rank: int, world_size: int) -> Any:
+    import torch
+
+    kind = _resolved_device(kind)
     if kind == "cuda":
-        index = rank % torch.cuda.device_count()
-        torch.cuda.set_device(index)
-        return torch.device("cuda", index)
+        _check_gpus(kind, world_size)
+        torch.cuda.set_device(rank)
+        return torch.device("cuda", rank)
     return torch.device("cpu")
 
 
@@ -807,7 +837,7 @@ def init_worker(rank: int, world_size: int, port: int, device: str = "auto") -> 
     _die_with_parent()
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dev = _device_for(device, rank)
+    dev = _device_for(device, rank, world_size)
     backend = "nccl" if dev.type == "cuda" else "gloo"
     dist.init_process_group(backend, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=300),
@@ -934,10 +964,11 @@ def run_gns(job: GNSJob) -> Path:
     fsyncs it, so a killed run keeps every row measured; with ``checkpoint_dir`` and
     ``resume`` a rerun continues from the last complete checkpoint (rows past it are
     re-measured). Each checkpoint holds the job's fingerprint (model, config, seeds, lr,
-    weight decay, small batches, preconditioner, beta, corpus size); a resume whose settings
-    differ, or whose rows up to the checkpoint's step are not steps ``1..step`` of that run,
-    is refused before any process starts, as is resuming where ``job.out`` has rows but no
-    complete checkpoint exists (the rows are kept); resuming with neither starts from step 0.
+    weight decay, small batches, preconditioner, beta, corpus size, device and precision);
+    a resume whose settings differ, or whose rows up to the checkpoint's step are not steps
+    ``1..step`` of that run, is refused before any process starts, as is resuming where
+    ``job.out`` has rows but no complete checkpoint exists (the rows are kept); resuming
+    with neither starts from step 0.
     A run starting from step 0 deletes ``job.out`` and any checkpoint left in
     ``checkpoint_dir``, so a later resume cannot continue another run's weights.
 
@@ -949,9 +980,9 @@ def run_gns(job: GNSJob) -> Path:
 
     Raises:
         ConfigError: the job is invalid, it resumes measured rows without a checkpoint or
-            from a checkpoint of another run (the differing field named), or on the CPU its
-            processes cannot fit in this machine's memory (checked before any process
-            starts).
+            from a checkpoint of another run (the differing field named), on CUDA this
+            machine has fewer GPUs than ranks, or on the CPU its processes cannot fit in
+            this machine's memory (checked before any process starts).
     """
     job.validate()
     _check_resumable(job)

@@ -176,3 +176,49 @@ def test_an_out_that_is_a_directory_is_refused(tmp_path):
                  steps=2, out=tmp_path)
     with pytest.raises(ConfigError, match=r"out=.*: is a directory; give the trajectory's"):
         job.validate()
+
+
+def test_a_resume_on_another_device_is_refused(tmp_path, monkeypatch):
+    """The device and the precision it computes in (bf16 on CUDA, float32 on the CPU) are
+    part of the fingerprint: a checkpoint saved on one is not continued on the other."""
+    from pathlib import Path
+
+    import torch
+
+    from paratune.profiler.gns import _check_fingerprint, _job_fingerprint
+
+    cpu = _job_fingerprint(_job(tmp_path, device="cpu"))
+    assert (cpu["device"], cpu["precision"]) == ("cpu", "float32")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert _job_fingerprint(_job(tmp_path, device="auto")) == cpu  # auto: what it ran on
+    gpu = _job(tmp_path, device="cuda")
+    assert _job_fingerprint(gpu)["precision"] == "bf16-mixed"
+    with pytest.raises(ConfigError) as info:
+        _check_fingerprint(gpu, {"extra": {"job": cpu}}, Path("ckpt"))
+    assert info.value.field == "device" and "'cpu'" in str(info.value)
+    older = {k: v for k, v in cpu.items() if k not in ("device", "precision")}
+    _check_fingerprint(_job(tmp_path, device="cpu"), {"extra": {"job": older}}, Path("ckpt"))
+
+
+def test_a_cuda_run_needs_a_gpu_per_rank(tmp_path, monkeypatch):
+    """Checked before any process starts (NCCL cannot put two ranks on one GPU); this needs
+    no GPU: the count is what CUDA reports."""
+    import torch
+
+    from paratune import ParallelConfig
+
+    two = ParallelConfig(dp=2, micro_batch_size=2, global_batch_size=4)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    _job(tmp_path, device="cuda").validate()  # one rank, one GPU
+    for device in ("cuda", "auto"):
+        with pytest.raises(ConfigError, match="needs one GPU per rank, but this machine has 1"
+                           ) as info:
+            _job(tmp_path, device=device, config=two).validate()
+        assert (info.value.field, info.value.value) == ("config.world_size", 2)
+    _job(tmp_path, device="cpu", config=two).validate()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    with pytest.raises(ConfigError, match="no CUDA device is visible") as info:
+        _job(tmp_path, device="cuda").validate()
+    assert info.value.field == "device"
