@@ -31,13 +31,14 @@ adaptive optimizers; before the optimizer's first step the weight is one.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from paratune.errors import ConfigError
+from paratune.errors import ConfigError, ParatuneError
 
 if TYPE_CHECKING:
     import torch
@@ -52,6 +53,7 @@ __all__ = [
     "GNSStep",
     "GradientNoiseScale",
     "NoiseScaleMeter",
+    "WorkerError",
     "adam_preconditioners",
     "estimate_dict",
     "init_worker",
@@ -64,6 +66,13 @@ __all__ = [
     "spawn",
     "unbiased_norms",
 ]
+
+logger = logging.getLogger(__name__)
+
+
+class WorkerError(ParatuneError, RuntimeError):
+    """A process started by :func:`spawn` raised or died; the message names the rank and
+    the worker's exception (its traceback is logged at debug level)."""
 
 PRECONDITIONERS = ("none", "adam")
 
@@ -888,6 +897,15 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any) -> None:
     try:
         while not context.join():
             pass
+    except mp.ProcessRaisedException as exc:
+        # the worker's traceback is text; its last line names the exception
+        lines = [line for line in str(exc).splitlines() if line.strip()]
+        logger.debug("worker %d failed:\n%s", exc.error_index, exc)
+        raise WorkerError(f"rank {exc.error_index} of {world_size} failed: "
+                          f"{lines[-1].strip() if lines else 'no message'} "
+                          "(-v for its traceback)") from None
+    except mp.ProcessExitedException as exc:
+        raise WorkerError(f"rank {exc.error_index} of {world_size} died: {exc}") from None
     finally:
         if main_thread:
             signal.signal(signal.SIGTERM, previous)

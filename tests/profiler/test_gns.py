@@ -314,3 +314,26 @@ def test_resuming_measured_rows_without_a_checkpoint_is_refused_and_keeps_them(t
         run_gns(job)
     assert info.value.field == "resume"
     assert out.read_text() == rows
+
+
+def _failing_worker(rank: int, world_size: int, port: int, how: str) -> None:
+    import os
+
+    from paratune.errors import ConfigError
+
+    if rank == 1:
+        if how == "raise":
+            raise ConfigError("lr", -1.0, "must be >= 0")
+        os._exit(3)
+
+
+@pytest.mark.parametrize(("how", "message"), [
+    ("raise", r"^rank 1 of 2 failed: paratune\.errors\.ConfigError: lr=-1\.0: must be >= 0 "
+              r"\(-v for its traceback\)$"),
+    ("exit", r"^rank 1 of 2 died: .*exit code 3"),
+])
+def test_spawn_names_the_failed_rank_and_its_error(how, message):
+    from paratune.profiler.gns import WorkerError, spawn
+
+    with pytest.raises(WorkerError, match=message):
+        spawn(_failing_worker, 2, how)
