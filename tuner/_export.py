@@ -1,20 +1,26 @@
 """Turning a recommended config into something a trainer runs.
 
 * a ``torchrun`` command for paratune's own workload,
-* a torchtitan TOML fragment (``[parallelism]``, ``[training]``, ``[activation_checkpoint]``),
+* a torchtitan TOML job config (``[parallelism]``, ``[training]``, ``[activation_checkpoint]``)
+  for torchtitan v0.2.x up to v0.2.2, the last releases that read TOML job files (later
+  torchtitan builds its config from registered Python dataclasses and takes settings as
+  command-line overrides such as ``--parallelism.tensor_parallel_degree 2``),
 * Megatron-LM arguments.
 
-Where a framework cannot express an option exactly, the closest setting is emitted with a
-comment saying so (torchtitan has no ZeRO-1; Megatron-LM has no GPipe schedule). Pipeline
-stages hold the layers as paratune's workload splits them (the split its predictions were
-measured on): an even split as a layer count per stage, an uneven one spelled out stage by
-stage.
+Where a framework cannot express an option exactly, the closest working setting is emitted
+with a note saying so: a comment in the TOML (torchtitan has no ZeRO-1, no DDP combined with
+tensor or pipeline parallelism, no attention-only recompute), an entry of
+``launch.notes`` for Megatron-LM (no GPipe schedule; its selective recompute leaves out the
+attention projections). Pipeline stages hold the layers as paratune's workload splits them
+(the split its predictions were measured on): an even split as a layer count per stage, an
+uneven one spelled out stage by stage.
 """
 
 from __future__ import annotations
 
 import json
 import shlex
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +35,19 @@ __all__ = ["megatron_args", "recommendation", "torchrun_command", "torchtitan_to
 
 PROFILER_MODULE = "paratune.profiler.train"
 """Module torchrun starts for paratune's own workload (one training job, one config)."""
+
+TORCHTITAN_TOML_HEADER = (
+    "torchtitan job config (TOML, read with --job.config_file) for torchtitan v0.2.x up to "
+    "v0.2.2. Later torchtitan (after its config refactor, pytorch/torchtitan#2386) reads no "
+    "TOML: pass these settings as command-line overrides of a registered config, e.g. "
+    "--parallelism.tensor_parallel_degree 2 for [parallelism] tensor_parallel_degree = 2 "
+    "(some names have changed since; check that version's config)."
+)
+"""First comment of the exported TOML: the torchtitan versions it is for."""
+
+MEGATRON_SELECTIVE_MODULES = ("core_attn", "layernorm")
+"""``--recompute-modules`` for paratune's selective recompute: the closest Megatron-LM choices
+(its choices: core_attn, moe_act, layernorm, mla_up_proj, mlp, moe, shared_experts)."""
 
 _TITAN_SCHEDULES = {Schedule.GPIPE: "GPipe", Schedule.ONE_F_ONE_B: "1F1B",
                     Schedule.INTERLEAVED_1F1B: "Interleaved1F1B"}
@@ -103,6 +122,12 @@ def torchtitan_toml(model: ModelSpec, config: ParallelConfig) -> str:
     micro-batches; with pipelining ``local_batch_size`` is the rank's whole batch and the
     schedule runs them (one accumulation step).
 
+    The text is a job config for torchtitan v0.2.x up to v0.2.2 (its first comment says so,
+    see :data:`TORCHTITAN_TOML_HEADER`). Comments after it name each setting that differs
+    from the layout measured: FSDP2 without resharding for ZeRO-1, and for plain data
+    parallelism combined with tensor or pipeline parallelism (torchtitan's DDP runs only on
+    its own); per-op selective recompute for paratune's attention-only one.
+
     Args:
         model: The model trained.
         config: The parallel config.
@@ -111,19 +136,31 @@ def torchtitan_toml(model: ModelSpec, config: ParallelConfig) -> str:
         The TOML text.
     """
     lines = ["[parallelism]"]
-    notes = []
-    if config.sharding is Sharding.NONE:
-        replicate, shard = config.dp, 1
-    else:
-        replicate, shard = 1, config.dp
+    notes = [TORCHTITAN_TOML_HEADER]
+    reshard = None  # FSDP2's reshard_after_forward; None: no sharding (DDP or no dp)
+    if config.dp_enabled:
+        if config.sharding is Sharding.ZERO3:
+            reshard = "always"
+        elif config.sharding is not Sharding.NONE:
+            reshard = "never"
+            if config.sharding is Sharding.ZERO1:
+                notes.append("torchtitan has no ZeRO-1; FSDP2 without resharding (ZeRO-2) is "
+                             "the closest")
+        elif config.tp_enabled or config.pp_enabled:
+            # torchtitan's llama3 parallelize raises "DDP has not supported > 1D parallelism"
+            # when data_parallel_replicate_degree is combined with tp or pp
+            reshard = "never"
+            notes.append(f"torchtitan's DDP (data_parallel_replicate_degree) cannot be combined "
+                         f"with tensor or pipeline parallelism (tp={config.tp}, pp={config.pp});"
+                         f" FSDP2 without resharding (ZeRO-2: gradients and optimizer state "
+                         f"sharded over dp={config.dp}) is the closest to the plain data "
+                         f"parallelism measured (less memory, a reduce-scatter and an "
+                         f"all-gather in place of the all-reduce)")
+    replicate, shard = (config.dp, 1) if reshard is None else (1, config.dp)
     lines.append(f"data_parallel_replicate_degree = {replicate}")
     lines.append(f"data_parallel_shard_degree = {shard}")
-    if config.sharding is not Sharding.NONE:
-        reshard = "always" if config.sharding is Sharding.ZERO3 else "never"
+    if reshard is not None:
         lines.append(f'fsdp_reshard_after_forward = "{reshard}"')
-        if config.sharding is Sharding.ZERO1:
-            notes.append("# torchtitan has no ZeRO-1; FSDP2 without resharding (ZeRO-2) is "
-                         "the closest")
     lines.append(f"tensor_parallel_degree = {config.tp}")
     lines.append(f"pipeline_parallel_degree = {config.pp}")
     if config.pp > 1:
@@ -133,7 +170,7 @@ def torchtitan_toml(model: ModelSpec, config: ParallelConfig) -> str:
         if len(set(counts)) > 1:
             # uneven: name each stage's modules (torchtitan's own split would weigh the
             # embedding and the output as layers and differ from the one measured)
-            notes.append(f"# {model.num_layers} layers over {config.num_stages} pipeline "
+            notes.append(f"{model.num_layers} layers over {config.num_stages} pipeline "
                          f"stages: the earlier stages take one layer more, as measured")
             lines.append("module_fqns_per_model_part = [")
             lines += [f"  {json.dumps(stage)}," for stage in _stage_fqns(counts)]
@@ -156,11 +193,32 @@ def torchtitan_toml(model: ModelSpec, config: ParallelConfig) -> str:
               "[activation_checkpoint]", f'mode = "{config.recompute.value}"']
     if config.recompute is Recompute.SELECTIVE:
         lines.append('selective_ac_option = "op"')
-    return "\n".join(notes + lines) + "\n"
+        notes.append("selective recompute: paratune recomputes the attention half of each "
+                     "block (norm, QKV, rotary, attention, output projection) and keeps the "
+                     "MLP's activations; torchtitan has no attention-only option. Its per-op "
+                     "selective AC (selective_ac_option = \"op\", the closest) saves the "
+                     "attention (SDPA) outputs and matmul results and recomputes the other ops, "
+                     "nearly the opposite: activation memory and step time will differ from "
+                     "what was measured and predicted")
+    comments = [line for note in notes for line in _toml_comment(note)]
+    return "\n".join(comments + lines) + "\n"
+
+
+def _toml_comment(text: str) -> list[str]:
+    """``text`` as TOML comment lines of at most 100 characters."""
+    return ["# " + line for line in textwrap.wrap(text, width=98, break_long_words=False,
+                                                  break_on_hyphens=False)]
 
 
 def megatron_args(model: ModelSpec, config: ParallelConfig) -> list[str]:
-    """Megatron-LM command-line arguments for ``config``."""
+    """Megatron-LM command-line arguments for ``config``.
+
+    ZeRO-1 is the distributed optimizer; ZeRO-2 and ZeRO-3 are Megatron-FSDP with the flags
+    it requires (``fsdp_dtensor`` checkpoints, no gradient-accumulation fusion). With one
+    data-parallel rank no sharding flag is given (there is nothing to shard). Selective
+    recompute names the closest ``--recompute-modules`` (:data:`MEGATRON_SELECTIVE_MODULES`);
+    :func:`recommendation` notes where these differ from the layout measured.
+    """
     args = [f"--tensor-model-parallel-size {config.tp}",
             f"--pipeline-model-parallel-size {config.pp}",
             f"--micro-batch-size {config.micro_batch_size}",
@@ -173,18 +231,50 @@ def megatron_args(model: ModelSpec, config: ParallelConfig) -> list[str]:
         args.append("--pipeline-model-parallel-layout " + shlex.quote(_megatron_layout(counts)))
     elif config.schedule is Schedule.INTERLEAVED_1F1B and counts:
         args.append(f"--num-layers-per-virtual-pipeline-stage {counts[0]}")
-    if config.sharding is Sharding.ZERO1:
-        args.append("--use-distributed-optimizer")
-    elif config.sharding is Sharding.ZERO2:
-        args += ["--use-megatron-fsdp", "--data-parallel-sharding-strategy optim_grads"]
-    elif config.sharding is Sharding.ZERO3:
-        args += ["--use-megatron-fsdp", "--data-parallel-sharding-strategy optim_grads_params"]
+    if config.dp_enabled:  # one data-parallel rank has nothing to shard
+        if config.sharding is Sharding.ZERO1:
+            args.append("--use-distributed-optimizer")
+        elif config.sharding in (Sharding.ZERO2, Sharding.ZERO3):
+            strategy = ("optim_grads" if config.sharding is Sharding.ZERO2
+                        else "optim_grads_params")
+            # Megatron-FSDP's required flags: validate_args asserts the fsdp_dtensor
+            # checkpoint format (the default, torch_dist, fails at launch)
+            args += ["--use-megatron-fsdp", f"--data-parallel-sharding-strategy {strategy}",
+                     "--no-gradient-accumulation-fusion", "--use-distributed-optimizer",
+                     "--ckpt-format fsdp_dtensor"]
     if config.recompute is Recompute.FULL:
         args += ["--recompute-granularity full", "--recompute-method uniform",
                  "--recompute-num-layers 1"]
     elif config.recompute is Recompute.SELECTIVE:
-        args.append("--recompute-granularity selective")
+        args += ["--recompute-granularity selective",
+                 "--recompute-modules " + " ".join(MEGATRON_SELECTIVE_MODULES)]
     return args
+
+
+def _megatron_notes(config: ParallelConfig) -> list[str]:
+    """Where the Megatron-LM arguments of ``config`` differ from the layout measured, or
+    need something outside the arguments."""
+    notes = []
+    if config.pp_enabled and config.schedule is Schedule.GPIPE:
+        notes.append("Megatron-LM has no GPipe schedule; it runs 1F1B (same bubble, less "
+                     "activation memory).")
+    if config.dp_enabled and config.sharding in (Sharding.ZERO2, Sharding.ZERO3):
+        notes.append("Megatron-FSDP (--use-megatron-fsdp) needs CUDA_DEVICE_MAX_CONNECTIONS "
+                     "unset or above 1, and saves and loads checkpoints only as fsdp_dtensor.")
+        if config.pp_enabled:
+            notes.append(f"Megatron-FSDP documents support for tensor, context and expert "
+                         f"parallelism, not pipeline parallelism (pp={config.pp}); should it "
+                         f"fail, its flags can be replaced by --use-distributed-optimizer "
+                         f"alone (ZeRO-1: more memory than measured).")
+    if config.recompute is Recompute.SELECTIVE:
+        notes.append("Megatron-LM's selective recompute (--recompute-modules "
+                     + " ".join(MEGATRON_SELECTIVE_MODULES) + ") recomputes the core attention "
+                     "and both layer norms (the MLP's too, which paratune keeps), but not the "
+                     "QKV and output "
+                     "projections or rotary embedding that paratune's selective recompute "
+                     "also recomputes: more activation memory, less recompute time than "
+                     "measured.")
+    return notes
 
 
 def _stage_fqns(counts: list[int]) -> list[list[str]]:
@@ -222,10 +312,7 @@ def recommendation(model: ModelSpec, config: ParallelConfig, hardware: HardwareS
     ``launch.torchrun`` is ``None`` and a note says why.
     """
     megatron = megatron_args(model, config)
-    notes = []
-    if config.pp > 1 and config.schedule is Schedule.GPIPE:
-        notes.append("Megatron-LM has no GPipe schedule; it runs 1F1B (same bubble, less "
-                     "activation memory).")
+    notes = _megatron_notes(config)
     if config.pp > 1 and model.num_layers % config.num_stages:
         notes.append(f"{model.num_layers} layers do not divide evenly over "
                      f"{config.num_stages} pipeline stages; the exports name each stage's "

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import tomllib
 
 import pytest
@@ -29,9 +30,79 @@ def test_torchtitan_sections_carry_the_degrees():
     assert doc["training"] == {"local_batch_size": 16, "global_batch_size": 64,
                                "seq_len": MODEL.seq_len}
     assert doc["activation_checkpoint"]["mode"] == "selective"
-    ddp = tomllib.loads(torchtitan_toml(MODEL, cfg.replace(sharding="none", pp=1, dp=16,
+    ddp = tomllib.loads(torchtitan_toml(MODEL, cfg.replace(sharding="none", pp=1, tp=1, dp=32,
                                                           schedule="1f1b", virtual_stages=1)))
-    assert ddp["parallelism"]["data_parallel_replicate_degree"] == 16
+    assert ddp["parallelism"]["data_parallel_replicate_degree"] == 32
+    assert ddp["parallelism"]["data_parallel_shard_degree"] == 1
+
+
+def _comments(text: str) -> str:
+    """The comment lines of a TOML text, joined into one string."""
+    return " ".join(line[2:] for line in text.splitlines() if line.startswith("# "))
+
+
+@pytest.mark.parametrize("config", [
+    ParallelConfig(dp=16, tp=2, global_batch_size=64),
+    ParallelConfig(dp=4, pp=4, global_batch_size=64),
+    ParallelConfig(dp=2, tp=4, pp=4, global_batch_size=32, schedule="interleaved_1f1b",
+                   virtual_stages=2),
+], ids=lambda c: c.key())
+def test_torchtitan_never_combines_ddp_with_tensor_or_pipeline_parallelism(config):
+    # torchtitan's llama3 parallelize raises "DDP has not supported > 1D parallelism" when
+    # data_parallel_replicate_degree runs alongside tp or pp: FSDP2 without resharding instead
+    text = torchtitan_toml(MODEL, config)
+    par = tomllib.loads(text)["parallelism"]
+    assert par["data_parallel_replicate_degree"] == 1
+    assert par["data_parallel_shard_degree"] == config.dp
+    assert par["fsdp_reshard_after_forward"] == "never"
+    assert "DDP (data_parallel_replicate_degree) cannot be combined" in _comments(text)
+
+
+def test_torchtitan_plain_ddp_stays_replicated():
+    for config in (ParallelConfig(dp=32, global_batch_size=128),
+                   ParallelConfig(dp=1, tp=8, global_batch_size=8)):
+        text = torchtitan_toml(MODEL, config)
+        par = tomllib.loads(text)["parallelism"]
+        assert (par["data_parallel_replicate_degree"], par["data_parallel_shard_degree"]) == (
+            config.dp, 1)
+        assert "fsdp_reshard_after_forward" not in par
+        assert "cannot be combined" not in _comments(text)
+
+
+def test_torchtitan_toml_names_the_versions_it_is_for():
+    from paratune.tuner import _export
+
+    text = torchtitan_toml(MODEL, ParallelConfig(dp=8, global_batch_size=8))
+    first = text.splitlines()[0]
+    assert first.startswith("# torchtitan job config") and "v0.2.2" in first
+    comments = _comments(text)
+    assert "v0.2.x up to v0.2.2" in comments and "--parallelism." in comments
+    assert "reads no TOML" in comments
+    assert all(len(line) <= 100 for line in text.splitlines())
+    assert "v0.2.2" in _export.__doc__ and "--parallelism." in _export.__doc__
+    assert tomllib.loads(text)["parallelism"]["data_parallel_replicate_degree"] == 8
+
+
+def test_torchtitan_selective_recompute_is_noted_as_different():
+    cfg = ParallelConfig(dp=8, global_batch_size=8, recompute="selective")
+    text = torchtitan_toml(MODEL, cfg)
+    ac = tomllib.loads(text)["activation_checkpoint"]
+    assert ac == {"mode": "selective", "selective_ac_option": "op"}
+    comments = _comments(text)
+    assert "no attention-only option" in comments and "will differ" in comments
+    for other in ("none", "full"):
+        assert "attention-only" not in torchtitan_toml(MODEL, cfg.replace(recompute=other))
+
+
+def test_one_data_parallel_rank_gets_no_sharding_flags():
+    for sharding in ("zero1", "zero2", "zero3"):
+        cfg = ParallelConfig(dp=1, tp=8, global_batch_size=8, sharding=sharding)
+        args = " ".join(megatron_args(MODEL, cfg))
+        assert "--use-megatron-fsdp" not in args and "--use-distributed-optimizer" not in args
+        assert "--data-parallel-sharding-strategy" not in args and "--ckpt-format" not in args
+        text = torchtitan_toml(MODEL, cfg)
+        assert "fsdp_reshard_after_forward" not in tomllib.loads(text)["parallelism"]
+        assert "ZeRO-1" not in text
 
 
 def _torchtitan_batches(doc: dict, config: ParallelConfig) -> tuple[int, int, int]:
@@ -107,6 +178,79 @@ def test_megatron_arguments():
                      f"--seq-length {MODEL.seq_len}"):
         assert expected in args
     assert "virtual" not in args
+
+
+# what Megatron-LM's validate_args and TransformerConfig check of the options exported
+# (megatron/training/arguments.py, megatron/core/transformer/transformer_config.py, 2025)
+_MEGATRON_RECOMPUTE_MODULES = {"core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe",
+                               "shared_experts"}
+
+
+def _megatron_options(args: list[str]) -> dict[str, list[str]]:
+    """``--flag value ...`` arguments as {flag: values}."""
+    options: dict[str, list[str]] = {}
+    for arg in args:
+        flag, *values = shlex.split(arg)
+        assert flag.startswith("--") and flag not in options, arg
+        options[flag] = values
+    return options
+
+
+def _megatron_validate(args: list[str]) -> None:
+    """Raise AssertionError where Megatron-LM would refuse ``args`` at launch."""
+    opts = _megatron_options(args)
+    ckpt_format = opts.get("--ckpt-format", ["torch_dist"])[0]
+    if "--use-megatron-fsdp" in opts:
+        assert ckpt_format == "fsdp_dtensor", "Megatron FSDP only supports fsdp_dtensor"
+        assert opts["--data-parallel-sharding-strategy"][0] in (
+            "no_shard", "optim", "optim_grads", "optim_grads_params")
+    if ckpt_format == "fsdp_dtensor":
+        assert "--use-megatron-fsdp" in opts
+    if opts.get("--recompute-granularity") == ["selective"]:
+        assert "--recompute-method" not in opts
+        assert set(opts.get("--recompute-modules", ["core_attn"])) <= _MEGATRON_RECOMPUTE_MODULES
+
+
+@pytest.mark.parametrize("sharding,strategy", [("zero2", "optim_grads"),
+                                               ("zero3", "optim_grads_params")])
+def test_megatron_fsdp_gets_its_required_flags(sharding, strategy):
+    cfg = ParallelConfig(dp=8, tp=2, global_batch_size=64, sharding=sharding)
+    args = megatron_args(MODEL, cfg)
+    _megatron_validate(args)
+    opts = _megatron_options(args)
+    assert opts["--data-parallel-sharding-strategy"] == [strategy]
+    for flag in ("--use-megatron-fsdp", "--no-gradient-accumulation-fusion",
+                 "--use-distributed-optimizer"):
+        assert opts[flag] == []
+    assert opts["--ckpt-format"] == ["fsdp_dtensor"]
+    notes = recommendation(MODEL, cfg, H100)["launch"]["notes"]
+    assert any("CUDA_DEVICE_MAX_CONNECTIONS" in n for n in notes)
+    assert not any("not pipeline parallelism" in n for n in notes)
+    # pipelining: kept, with a note naming the fallback
+    piped = cfg.replace(tp=1, pp=2)
+    notes = recommendation(MODEL, piped, H100)["launch"]["notes"]
+    assert any("not pipeline parallelism" in n and "--use-distributed-optimizer" in n
+               for n in notes)
+
+
+@pytest.mark.parametrize("config", [
+    ParallelConfig(dp=8, tp=4, pp=2, global_batch_size=256, sharding=s, recompute=r)
+    for s in ("none", "zero1", "zero2", "zero3") for r in ("none", "selective", "full")
+], ids=lambda c: c.key())
+def test_megatron_arguments_pass_its_launch_checks(config):
+    _megatron_validate(megatron_args(MODEL, config))
+
+
+def test_megatron_selective_recompute_names_the_closest_modules():
+    cfg = ParallelConfig(dp=8, global_batch_size=8, recompute="selective")
+    opts = _megatron_options(megatron_args(MODEL, cfg))
+    assert opts["--recompute-granularity"] == ["selective"]
+    assert opts["--recompute-modules"] == ["core_attn", "layernorm"]
+    notes = recommendation(MODEL, cfg, H100)["launch"]["notes"]
+    assert any("--recompute-modules core_attn layernorm" in n
+               and "QKV and output projections" in n for n in notes)
+    full = recommendation(MODEL, cfg.replace(recompute="full"), H100)["launch"]["notes"]
+    assert not any("recompute-modules" in n for n in full)
 
 
 def test_torchrun_nodes_and_recommendation_files(tmp_path):
