@@ -1,0 +1,118 @@
+"""How much does one hold-out split decide the Ultra-Scale top-1 regret?
+
+The performance-model targets are scored on one held-out part of the measurements. With
+about 18 (model, cluster) groups in the Ultra-Scale sweep, a single group whose chosen
+configuration stalls (several times its prediction) moves the mean top-1 regret by tens of
+points. This script repeats such a scoring over ``--seeds`` random hold-outs:
+``--test-size`` of the configurations (a configuration's repeated and failed runs together)
+held out, the estimators fitted on the rest of all public measurements (Ultra-Scale and
+vTrain), and the held-out Ultra-Scale rows scored with :func:`paratune.models._evaluate.metrics`:
+
+* ``mdape``: median absolute percentage error of tokens/s per GPU;
+* ``regret``: mean top-1 regret per (model, cluster) group, choosing by the expected
+  throughput over the normal and the stalled regime where the estimator gives one (as the
+  tuner chooses);
+* ``regret_point``: the same, choosing by the point prediction
+  (``pred_tokens_per_sec_per_gpu``, the likelier regime's throughput);
+* ``feasibility``: feasibility accuracy over the held-out configurations.
+
+It prints one row per split and estimator, then the mean, median, minimum and maximum over
+the splits, and logs both to MLflow.
+
+    python experiments/holdout_regret.py [--data DIR] [--seeds 10] [--test-size 0.3]
+        [--no-mlflow]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _public import public_data_dir
+
+FIGURES = ("mdape", "regret", "regret_point", "feasibility")
+
+
+def score(estimator, train, test):
+    """Fit on ``train`` and score the Ultra-Scale rows of ``test``."""
+    from paratune.models._evaluate import metrics
+    from paratune.predictor import PRED_TOKENS_EXPECTED
+
+    estimator.fit(train)
+    ultra = test["source"].astype(str).str.startswith("ultrascale").to_numpy()
+    rows = test[ultra].reset_index(drop=True)
+    pred = estimator.predict(test)[ultra].reset_index(drop=True)
+    chosen = metrics(rows, pred)
+    point = metrics(rows, pred.drop(columns=[PRED_TOKENS_EXPECTED], errors="ignore"))
+    return {"mdape": chosen["mdape"], "regret": chosen["regret_mean"],
+            "regret_point": point["regret_mean"],
+            "feasibility": chosen["feasibility_accuracy"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data", default=None, help="folder of the public CSVs")
+    parser.add_argument("--seeds", type=int, default=10, help="hold-out splits to score")
+    parser.add_argument("--test-size", type=float, default=0.3,
+                        help="share of the configurations held out per split")
+    parser.add_argument("--no-mlflow", action="store_true")
+    args = parser.parse_args()
+    if args.seeds < 1:
+        parser.error("--seeds must be at least 1")
+    if not 0 < args.test_size < 1:
+        parser.error("--test-size must be between 0 and 1")
+
+    import pandas as pd
+    from sklearn.model_selection import GroupShuffleSplit
+    from tqdm.auto import tqdm
+
+    from paratune._table import format_table
+    from paratune.models import load_measurements
+    from paratune.models._data import config_identity
+    from paratune.models._estimators import PerformanceModel, RawConfigBaseline
+
+    data = public_data_dir(args.data)
+    frame = load_measurements(sorted(data.glob("*.csv")))
+    identity = config_identity(frame).to_numpy()
+    rows = []
+    for seed in tqdm(range(args.seeds), desc="hold-out splits", unit="split"):
+        split = GroupShuffleSplit(n_splits=1, test_size=args.test_size, random_state=seed)
+        train_idx, test_idx = next(split.split(frame, groups=identity))
+        train = frame.iloc[train_idx].reset_index(drop=True)
+        test = frame.iloc[test_idx].reset_index(drop=True)
+        for name, estimator in (("performance_model", PerformanceModel(random_state=seed)),
+                                ("xgb_raw_config", RawConfigBaseline(random_state=seed))):
+            figures = score(estimator, train, test)
+            rows.append({"split": seed, "estimator": name,
+                         **{k: 100 * v for k, v in figures.items()}})
+    per_split = pd.DataFrame(rows)
+    table = format_table(rows, ["split", "estimator", *FIGURES], floatfmt=".1f",
+                         title=f"Ultra-Scale held-out figures (%), {args.test_size:.0%} of the "
+                               "configurations held out per split")
+    summary_rows = []
+    for name, part in per_split.groupby("estimator", sort=False):
+        for stat in ("mean", "median", "min", "max"):
+            summary_rows.append({"estimator": name, "over splits": stat,
+                                 **{k: float(getattr(part[k], stat)()) for k in FIGURES}})
+    summary = format_table(summary_rows, ["estimator", "over splits", *FIGURES], floatfmt=".1f",
+                           title=f"Over {args.seeds} splits (%)")
+    print(table)
+    print()
+    print(summary)
+
+    if not args.no_mlflow:
+        from paratune.tracking import start_run
+
+        with start_run("paratune-evaluate", run_name="holdout_regret") as run:
+            run.log_params({"data": str(data), "seeds": args.seeds,
+                            "test_size": args.test_size})
+            run.log_metrics({f"{r['estimator']}_{k}_{r['over splits']}_pct": r[k]
+                             for r in summary_rows for k in FIGURES})
+            run.log_text(table + "\n\n" + summary + "\n", "holdout_regret.txt")
+            run.log_text(per_split.to_csv(index=False), "holdout_regret.csv")
+
+
+if __name__ == "__main__":
+    main()
