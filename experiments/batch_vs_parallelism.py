@@ -30,7 +30,8 @@ def main() -> None:
     parser.add_argument("--min-margin", type=float, default=2.0,
                         help="percent by which a new winner must beat the old one to count")
     parser.add_argument("--out", type=Path, default=Path("out/batch_vs_parallelism"))
-    parser.add_argument("--no-mlflow", action="store_true")
+    parser.add_argument("--no-mlflow", "--no-track", dest="no_mlflow", action="store_true",
+                        help="do not log an MLflow run (--no-track is an alias)")
     args = parser.parse_args()
 
     import pandas as pd
@@ -102,11 +103,13 @@ def main() -> None:
     pd.DataFrame(rows).to_csv(args.out / "per_batch.csv", index=False)
     pd.DataFrame(summary).to_csv(args.out / "summary.csv", index=False)
     if not args.no_mlflow:
-        from paratune.tracking import start_run
+        from paratune.hardware import get_hardware
+        from paratune.tracking import start_script_run
 
-        with start_run("paratune-experiments", run_name="batch_vs_parallelism",
-                       params={"source": "vtrain_a100_single_node",
-                               "min_margin_pct": args.min_margin}) as run:
+        with start_script_run(__file__, params={
+                "data": [str((data / "vtrain_a100_single_node.csv").resolve())],
+                "hardware": get_hardware("A100").name,  # as paratune reads these rows
+                "min_margin_pct": args.min_margin}) as run:
             run.log_metrics({"groups": groups, "groups_changing": changing,
                              "changes": total_changes, "flips": flips,
                              "groups_flipping": flipping})

@@ -86,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=2,
                         help="passes over the layouts (the second shows cached meshes)")
     parser.add_argument("--out", type=Path, default=Path("out/config_overhead"))
-    parser.add_argument("--no-mlflow", action="store_true")
+    parser.add_argument("--no-mlflow", "--no-track", dest="no_mlflow", action="store_true",
+                        help="do not log an MLflow run (--no-track is an alias)")
     args = parser.parse_args(argv)
 
     import torch.multiprocessing as mp
@@ -118,10 +119,12 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     frame.to_csv(args.out / "config_overhead.csv", index=False)
     if not args.no_mlflow:
-        from paratune.tracking import start_run
+        from paratune.tracking import start_script_run
 
-        with start_run("config_overhead", run_name=f"tiny-world{args.world_size}",
-                       params=vars(args) | {"out": str(args.out)}) as run:
+        with start_script_run(__file__, params={
+                "model": "tiny", "world_sizes": [args.world_size], "hardware": "cpu",
+                "warmup_steps": args.warmup, "measured_steps": args.measured,
+                "repeats": args.repeats, "out": str(args.out.resolve())}) as run:
             run.log_table(frame, "config_overhead.csv")
             run.log_metrics({"overhead_median_s": statistics.median(overheads),
                              "overhead_max_s": max(overheads),

@@ -113,7 +113,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, default=Path("out/bench_predictor"))
-    parser.add_argument("--no-mlflow", action="store_true")
+    parser.add_argument("--no-mlflow", "--no-track", dest="no_mlflow", action="store_true",
+                        help="do not log an MLflow run (--no-track is an alias)")
     args = parser.parse_args()
 
     from paratune.models import PerformanceModel
@@ -149,11 +150,14 @@ def main() -> None:
     pd.DataFrame([{"training_rows": source, "threads": args.threads, **figures}]).to_csv(
         args.out / "bench.csv", index=False)
     if not args.no_mlflow:
-        from paratune.tracking import start_run
+        from paratune.tracking import start_script_run
 
-        with start_run("paratune-bench", run_name="bench_predictor") as run:
+        data_dir = _public_dir(args.data)
+        with start_script_run(__file__) as run:
             run.log_params({"threads": args.threads, "fit_rows": len(train),
-                            "training_rows": source,
+                            "data": ([str(f.resolve()) for f in sorted(data_dir.glob("*.csv"))]
+                                     if source != "synthetic" else []),
+                            "training_rows": source, "seed": 0,
                             "predict_rows": len(configs), **model.get_params()})
             run.log_metrics(figures)
 

@@ -15,8 +15,8 @@ the tensor's largest entry. The float64 run removes that noise floor.
     python experiments/equivalence_report.py [--dtype float64 float32] [--with-3d]
         [--out out/equivalence]
 
-Logs the table to MLflow (``MLFLOW_TRACKING_URI``, default ``./mlflow.db``) unless
-``--no-mlflow``.
+Logs the table to MLflow (``MLFLOW_TRACKING_URI``, default ``./mlflow.db``; experiment
+``paratune-experiments``, run ``equivalence_report``) unless ``--no-mlflow``.
 """
 
 from __future__ import annotations
@@ -78,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq-len", type=int, default=32)
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--out", type=Path, default=Path("out/equivalence"))
-    parser.add_argument("--no-mlflow", action="store_true")
+    parser.add_argument("--no-mlflow", "--no-track", dest="no_mlflow", action="store_true",
+                        help="do not log an MLflow run (--no-track is an alias)")
     parser.add_argument("--with-3d", action="store_true",
                         help="also run pp2 x dp2 x tp2 layouts in a group of 8 processes")
     args = parser.parse_args(argv)
@@ -120,11 +121,13 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     frame.to_csv(args.out / "equivalence.csv", index=False)
     if not args.no_mlflow:
-        from paratune.tracking import start_run
+        from paratune.tracking import start_script_run
 
-        with start_run("equivalence", run_name=f"{spec.name}-world4",
-                       params={"model": spec.name, "seq_len": spec.seq_len,
-                               "global_batch_size": GLOBAL_BATCH, "world_size": 4}) as run:
+        with start_script_run(__file__, params={
+                "model": spec.name, "seq_len": spec.seq_len, "seed": args.seed,
+                "global_batch_size": GLOBAL_BATCH, "hardware": "cpu",
+                "world_sizes": [4, 8] if args.with_3d else [4],
+                "dtypes": list(args.dtype)}) as run:
             run.log_table(frame, "equivalence.csv")
             for dtype_name in args.dtype:
                 mine = frame[frame["dtype"] == dtype_name]

@@ -18,7 +18,9 @@ targets table reports the mean over seeds and the range next to the first seed's
 The choice in each group is by the expected throughput (over the normal and the stalled
 regime), as the tuner makes it.
 
-Writes the tables and predicted-vs-measured plots under --out and logs them to MLflow.
+Writes the tables and predicted-vs-measured plots under --out and logs them to MLflow
+(experiment ``paratune-experiments``, run ``evaluate_predictor``; each figure a metric
+``<estimator>.<scenario>.<figure>_pct``, in percent).
 
     python experiments/evaluate_predictor.py [--data DIR] [--out DIR] [--baselines]
         [--fold-seeds 5]
@@ -59,7 +61,8 @@ def main() -> None:
     parser.add_argument("--n-estimators", type=int, default=None)
     parser.add_argument("--fold-seeds", type=int, default=5,
                         help="repeat the random split with this many fold seeds")
-    parser.add_argument("--no-mlflow", action="store_true")
+    parser.add_argument("--no-mlflow", "--no-track", dest="no_mlflow", action="store_true",
+                        help="do not log an MLflow run (--no-track is an alias)")
     args = parser.parse_args()
     if args.fold_seeds < 1:
         parser.error("--fold-seeds must be at least 1")
@@ -159,13 +162,14 @@ def main() -> None:
     pd.DataFrame(scenarios).to_csv(out / "targets.csv", index=False)
     (out / "targets.txt").write_text(table + "\n")
     if not args.no_mlflow:
-        from paratune.tracking import start_run
+        from paratune.tracking import start_script_run
 
-        with start_run("paratune-evaluate", run_name="evaluate_predictor") as run:
-            run.log_params({"data": [str(f) for f in files], "estimators": list(factories),
-                            "n_estimators": args.n_estimators})
+        with start_script_run(__file__) as run:
+            run.log_params({"data": [str(f.resolve()) for f in files],
+                            "estimators": list(factories), "n_estimators": args.n_estimators,
+                            "seeds": list(range(args.fold_seeds))})
             for s in scenarios:
-                key = f"{s['estimator']}.{s['scenario']}.{s['figure']}"
+                key = f"{s['estimator']}.{s['scenario']}.{s['figure']}_pct"
                 key = "".join(ch if ch.isalnum() or ch in "._-/" else "_" for ch in key)
                 run.log_metrics({key: s["value_pct"]})
             run.log_artifact(out)

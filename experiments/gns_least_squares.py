@@ -18,7 +18,7 @@ small- and big-batch gradient norms and B_simple from the same training in one p
 Run: ``python experiments/gns_least_squares.py [--seeds 10] [--steps 800] [--adam]
 [--parallel] [--out out/gns_least_squares] [--no-mlflow]``. Writes ``estimates.csv`` (and
 ``parallel.csv``) under ``--out`` and logs an MLflow run (experiment
-``paratune-experiments``) unless ``--no-mlflow``.
+``paratune-experiments``, run ``gns_least_squares``) unless ``--no-mlflow``.
 """
 
 from __future__ import annotations
@@ -121,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parallel", action="store_true",
                         help="also compare 3D-parallel layouts with one process (4 gloo ranks)")
     parser.add_argument("--out", type=Path, default=Path("out/gns_least_squares"))
-    parser.add_argument("--no-mlflow", action="store_true")
+    parser.add_argument("--no-mlflow", "--no-track", dest="no_mlflow", action="store_true",
+                        help="do not log an MLflow run (--no-track is an alias)")
     args = parser.parse_args(argv)
     rows = [run(s, dim=args.dim, sigma=args.sigma, steps=args.steps, adam=args.adam)
             for s in range(args.seeds)]
@@ -144,12 +145,11 @@ def main(argv: list[str] | None = None) -> int:
     if parallel:
         pd.DataFrame(parallel).to_csv(args.out / "parallel.csv", index=False)
     if not args.no_mlflow:
-        from paratune.tracking import start_run
+        from paratune.tracking import start_script_run
 
-        with start_run("paratune-experiments", run_name="gns_least_squares",
-                       params={"seeds": args.seeds, "steps": args.steps, "dim": args.dim,
-                               "sigma": args.sigma, "adam": args.adam,
-                               "parallel": args.parallel}) as tracked:
+        with start_script_run(__file__, params={
+                "seeds": list(range(args.seeds)), "steps": args.steps, "dim": args.dim,
+                "sigma": args.sigma, "adam": args.adam, "parallel": args.parallel}) as tracked:
             tracked.log_metrics({"max_abs_rel_error": max_error,
                                  "mean_abs_rel_error": mean_error})
             tracked.log_table(pd.DataFrame(rows), "estimates.csv")

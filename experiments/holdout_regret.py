@@ -17,7 +17,8 @@ vTrain), and the held-out Ultra-Scale rows scored with :func:`paratune.models._e
 * ``feasibility``: feasibility accuracy over the held-out configurations.
 
 It prints one row per split and estimator, then the mean, median, minimum and maximum over
-the splits, and logs both to MLflow.
+the splits, and logs both to MLflow (experiment ``paratune-experiments``, run
+``holdout_regret``).
 
     python experiments/holdout_regret.py [--data DIR] [--seeds 10] [--test-size 0.3]
         [--no-mlflow]
@@ -57,7 +58,8 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=10, help="hold-out splits to score")
     parser.add_argument("--test-size", type=float, default=0.3,
                         help="share of the configurations held out per split")
-    parser.add_argument("--no-mlflow", action="store_true")
+    parser.add_argument("--no-mlflow", "--no-track", dest="no_mlflow", action="store_true",
+                        help="do not log an MLflow run (--no-track is an alias)")
     args = parser.parse_args()
     if args.seeds < 1:
         parser.error("--seeds must be at least 1")
@@ -74,7 +76,8 @@ def main() -> None:
     from paratune.models._estimators import PerformanceModel, RawConfigBaseline
 
     data = public_data_dir(args.data)
-    frame = load_measurements(sorted(data.glob("*.csv")))
+    files = sorted(data.glob("*.csv"))
+    frame = load_measurements(files)
     identity = config_identity(frame).to_numpy()
     rows = []
     for seed in tqdm(range(args.seeds), desc="hold-out splits", unit="split"):
@@ -103,11 +106,11 @@ def main() -> None:
     print(summary)
 
     if not args.no_mlflow:
-        from paratune.tracking import start_run
+        from paratune.tracking import start_script_run
 
-        with start_run("paratune-evaluate", run_name="holdout_regret") as run:
-            run.log_params({"data": str(data), "seeds": args.seeds,
-                            "test_size": args.test_size})
+        with start_script_run(__file__) as run:
+            run.log_params({"data": [str(f.resolve()) for f in files],
+                            "seeds": list(range(args.seeds)), "test_size": args.test_size})
             run.log_metrics({f"{r['estimator']}_{k}_{r['over splits']}_pct": r[k]
                              for r in summary_rows for k in FIGURES})
             run.log_text(table + "\n\n" + summary + "\n", "holdout_regret.txt")

@@ -120,7 +120,8 @@ def error_budget_regret(frame, mdape: float, *, seeds: int = 5, draws: int = 10,
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", default=None, help="folder of the public CSVs")
-    parser.add_argument("--no-mlflow", action="store_true")
+    parser.add_argument("--no-mlflow", "--no-track", dest="no_mlflow", action="store_true",
+                        help="do not log an MLflow run (--no-track is an alias)")
     args = parser.parse_args()
 
     import pandas as pd
@@ -200,10 +201,11 @@ def main() -> None:
     print(f"\n{len(stalled)} of {len(pipeline)} successful pipeline runs are stalled.")
 
     if not args.no_mlflow:
-        from paratune.tracking import start_run
+        from paratune.tracking import start_script_run
 
-        with start_run("paratune-evaluate", run_name="noise_floor") as run:
-            run.log_params({"data": str(data)})
+        with start_script_run(__file__) as run:
+            run.log_params({"data": [str((data / "ultrascale_playbook_h100.csv").resolve())],
+                            "hardware": "H100-80GB"})
             run.log_metrics({"twin_oracle_mdape_pct": 100 * float(np.median(oracle)),
                              "twin_oracle_regret_mean_pct": 100 * float(regret.mean()),
                              "implied_run_noise_pct": noise_all,

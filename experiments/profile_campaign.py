@@ -11,8 +11,9 @@
 
 A campaign directory that already holds a finished campaign is reused (its figures are read
 from ``figures.json``), so rerunning the script only redoes what is missing. Logs the
-figures and tables to MLflow (``MLFLOW_TRACKING_URI``, default ``./mlflow.db``) unless
-``--no-mlflow``.
+figures and tables to MLflow (``MLFLOW_TRACKING_URI``, default ``./mlflow.db``; experiment
+``paratune-experiments``, run ``profile_campaign``; each campaign also has its own run in
+``paratune-profile``) unless ``--no-mlflow``.
 """
 
 from __future__ import annotations
@@ -106,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat-world-sizes", default="1,2,4",
                         help="world sizes of the repeat campaign")
     parser.add_argument("--out", type=Path, default=Path("out/profile_campaign"))
-    parser.add_argument("--no-mlflow", action="store_true")
+    parser.add_argument("--no-mlflow", "--no-track", dest="no_mlflow", action="store_true",
+                        help="do not log an MLflow run (--no-track is an alias)")
     args = parser.parse_args(argv)
     track = not args.no_mlflow
     model = get_model(args.model)
@@ -165,11 +167,11 @@ def main(argv: list[str] | None = None) -> int:
     if track:
         import pandas as pd
 
-        from paratune.tracking import start_run
+        from paratune.tracking import start_script_run
 
-        with start_run("paratune-experiments", run_name="profile_campaign",
-                       params={"model": args.model, "world_sizes": args.world_sizes,
-                               "repeat_world_sizes": args.repeat_world_sizes}) as run:
+        with start_script_run(__file__, params={
+                "model": model.name, "world_sizes": list(world_sizes),
+                "repeat_world_sizes": list(repeat_sizes), "hardware": "cpu"}) as run:
             run.log_metrics({f"full_{k}": v for k, v in full.items()
                              if isinstance(v, (int, float))})
             run.log_metrics({f"repeat_{k}": v for k, v in repeat.items()

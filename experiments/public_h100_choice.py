@@ -31,7 +31,8 @@ def main() -> None:
     parser.add_argument("--data", default=None)
     parser.add_argument("--n-estimators", type=int, default=300)
     parser.add_argument("--out", type=Path, default=Path("out/public_h100_choice"))
-    parser.add_argument("--no-mlflow", action="store_true")
+    parser.add_argument("--no-mlflow", "--no-track", dest="no_mlflow", action="store_true",
+                        help="do not log an MLflow run (--no-track is an alias)")
     args = parser.parse_args()
 
     import pandas as pd
@@ -41,7 +42,8 @@ def main() -> None:
     from paratune.tuner import Objective, SearchSpace, evaluate
     from paratune.tuner._search import config_from_row, rank
 
-    frame = ultrascale_frame(public_data_dir(args.data))
+    data = public_data_dir(args.data)
+    frame = ultrascale_frame(data)
     frame = frame.reset_index(drop=True)
     rows = []
     start = time.perf_counter()
@@ -95,11 +97,13 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     pd.DataFrame(rows).to_csv(args.out / "choice.csv", index=False)
     if not args.no_mlflow:
-        from paratune.tracking import start_run
+        from paratune.tracking import start_script_run
 
-        with start_run("paratune-experiments", run_name="public_h100_choice",
-                       params={"n_estimators": args.n_estimators,
-                               "protocol": "leave-one-(model, gpus)-group-out"}) as run:
+        with start_script_run(__file__, params={
+                "data": [str((data / name).resolve()) for name in (
+                    "ultrascale_playbook_h100.csv", "ultrascale_playbook_h100_failed.csv")],
+                "hardware": "H100-80GB", "n_estimators": args.n_estimators, "seed": 0,
+                "protocol": "leave-one-(model, gpus)-group-out"}) as run:
             run.log_metrics(summary)
             run.log_table(pd.DataFrame(rows), "choice.csv")
 

@@ -11,7 +11,8 @@ vectorised pass; TPE (and random search, for scale) runs 200 trials per seed. Re
     OMP_NUM_THREADS=1 python experiments/search_regret.py [--seeds 5] [--trials 200]
 
 Prints the per-seed table and a summary; writes ``out/search_regret/regret.csv`` and logs an
-MLflow run (experiment ``paratune-experiments``) unless ``--no-mlflow``.
+MLflow run (experiment ``paratune-experiments``, run ``search_regret``) unless
+``--no-mlflow``.
 """
 
 from __future__ import annotations
@@ -27,8 +28,35 @@ from paratune._table import format_table
 from paratune.space import ConfigSpace
 from paratune.spec import get_model
 
+MODEL = "llama3-70b"
+HARDWARE = "H100"
+GLOBAL_BATCH_SIZES = "256:2048"
 
-def main() -> None:
+
+def options() -> ConfigSpace:
+    """The options searched besides the global batch (which :data:`GLOBAL_BATCH_SIZES` sets)."""
+    return ConfigSpace(micro_batch_sizes=(1, 2, 4, 8), virtual_stages=(2, 4),
+                       recomputes=("none", "selective", "full"))
+
+
+def tracking_params(args: argparse.Namespace, data: Path) -> dict:
+    """The run's params: the searched space as searched (global batches included), the
+    model, hardware, samplers and the measurements the model is fitted on."""
+    from paratune.tuner import SearchSpace
+
+    world_sizes = [int(g) for g in args.gpus.split(",")]
+    space = SearchSpace.build(get_model(MODEL), world_sizes[0], HARDWARE, space=options(),
+                              global_batch_sizes=GLOBAL_BATCH_SIZES)
+    return {"model": MODEL, "hardware": space.hardware.name, "world_sizes": world_sizes,
+            "samplers": args.samplers.split(","), "seeds": list(range(args.seeds)),
+            "trials": args.trials, "gns": args.gns, "objective": "goodput",
+            "global_batch_sizes": list(space.global_batch_sizes),
+            "space": space.space.to_dict(),
+            "data": [str((data / name).resolve()) for name in (
+                "ultrascale_playbook_h100.csv", "ultrascale_playbook_h100_failed.csv")]}
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", default=None, help="public measurements directory")
     parser.add_argument("--seeds", type=int, default=5)
@@ -37,8 +65,13 @@ def main() -> None:
     parser.add_argument("--gns", type=float, default=1000.0)
     parser.add_argument("--samplers", default="tpe,random")
     parser.add_argument("--out", type=Path, default=Path("out/search_regret"))
-    parser.add_argument("--no-mlflow", action="store_true")
-    args = parser.parse_args()
+    parser.add_argument("--no-mlflow", "--no-track", dest="no_mlflow", action="store_true",
+                        help="do not log an MLflow run (--no-track is an alias)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
 
     from paratune.models import PerformanceModel
     from paratune.tuner import Objective, SearchSpace, exhaustive, optuna_search
@@ -47,13 +80,11 @@ def main() -> None:
     start = time.perf_counter()
     model = PerformanceModel(n_jobs=1).fit(ultrascale_frame(data))
     fit_s = time.perf_counter() - start
-    options = ConfigSpace(micro_batch_sizes=(1, 2, 4, 8), virtual_stages=(2, 4),
-                          recomputes=("none", "selective", "full"))
     objective = Objective(kind="goodput", b_noise=args.gns)
     rows = []
     for gpus in (int(g) for g in args.gpus.split(",")):
-        space = SearchSpace.build(get_model("llama3-70b"), gpus, "H100", space=options,
-                                  global_batch_sizes="256:2048")
+        space = SearchSpace.build(get_model(MODEL), gpus, HARDWARE, space=options(),
+                                  global_batch_sizes=GLOBAL_BATCH_SIZES)
         full = exhaustive(model, space, objective)
         best = float(full.ranked["objective"].iloc[0])
         print(f"{gpus} GPUs: {full.num_trials} valid configs ({len(full.skipped)} skipped), "
@@ -100,11 +131,9 @@ def main() -> None:
     pd.DataFrame(rows).to_csv(args.out / "regret.csv", index=False)
     pd.DataFrame(summary).to_csv(args.out / "summary.csv", index=False)
     if not args.no_mlflow:
-        from paratune.tracking import start_run
+        from paratune.tracking import start_script_run
 
-        with start_run("paratune-experiments", run_name="search_regret",
-                       params={"trials": args.trials, "seeds": args.seeds, "gpus": args.gpus,
-                               "gns": args.gns, "space": options.to_dict()}) as run:
+        with start_script_run(__file__, params=tracking_params(args, data)) as run:
             for s in summary:
                 tag = f"{s['sampler']}_{s['gpus']}"
                 run.log_metrics({f"mean_regret_pct_{tag}": s["mean_regret_pct"],

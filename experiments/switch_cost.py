@@ -4,7 +4,8 @@ Four gloo processes train a model one step under a layout, then switch through a
 layouts with :func:`paratune.profiler.reconfigure.reconfigure` (DCP save, rebuild, DCP load
 with resharding), one step after each switch. Prints seconds per phase (save, rebuild, load)
 and checkpoint size per switch, writes the table to ``out/switch_cost/switch_cost.csv`` and
-logs it to MLflow (experiment ``switch-cost``) unless ``--no-mlflow``.
+logs it to MLflow (experiment ``paratune-experiments``, run ``switch_cost``) unless
+``--no-mlflow``.
 
 Run: ``python experiments/switch_cost.py [--model tiny] [--repeats 2] [--no-mlflow]``.
 """
@@ -89,11 +90,11 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     frame.to_csv(args.out / "switch_cost.csv", index=False)
     if not args.no_mlflow:
-        from paratune.tracking import start_run
+        from paratune.tracking import start_script_run
 
-        with start_run("switch-cost", run_name=f"switch-cost-{model.name}",
-                       params={"model": model.name, "num_params": model.num_params,
-                               "repeats": args.repeats}) as run:
+        with start_script_run(__file__, params={
+                "model": model.name, "num_params": model.num_params, "world_sizes": [4],
+                "hardware": "cpu", "repeats": args.repeats}) as run:
             run.log_metrics({"mean_total_s": frame["total_s"].mean(),
                              "median_total_s": frame["total_s"].median(),
                              "mean_save_s": frame["save_s"].mean(),

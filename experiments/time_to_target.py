@@ -26,9 +26,10 @@ into it with another ``--target``, ``--lr``, ``--batches``, ``--pilot-batch``, .
 naming the setting, instead of reusing runs measured under the old one.
 
 Run: ``python experiments/time_to_target.py`` (``--help`` for options). Prints the table of
-time and steps to target per arm (mean and spread over seeds) and logs everything to MLflow:
-the table, every run's curve, the B_noise trajectories, the plan and the plots (unless
-``--no-mlflow``); the tables and plots are also written under ``--out``.
+time and steps to target per arm (mean and spread over seeds) and logs everything to MLflow
+(experiment ``paratune-experiments``, run ``time_to_target``): the table, every run's curve,
+the B_noise trajectories, the plan and the plots (unless ``--no-mlflow``); the tables and
+plots are also written under ``--out``.
 """
 
 from __future__ import annotations
@@ -444,18 +445,17 @@ def main(argv: list[str] | None = None) -> int:
     per_run.to_csv(out / "runs.csv", index=False)
     print(f"experiment wall time: {time.perf_counter() - started:.0f} s")
     if not args.no_mlflow:
-        from paratune.tracking import start_run
+        from paratune.tracking import start_script_run
 
-        with start_run("time-to-target", run_name=f"time-to-target-{model.name}",
-                       params={"model": model.to_dict(), "target_loss": args.target,
-                               "lr": args.lr, "batches": batches, "seeds": seeds,
-                               "world_size": 4, "backend": "gloo",
-                               "fixed_config": settings["fixed_config"],
-                               "follow_layout": settings["follow_layout"],
-                               "best_layout": settings["best_layout"],
-                               "switch_cost_s": settings["switch_cost_s"],
-                               "pilot_batch": args.pilot_batch,
-                               "pilot_s": cost["pilot_s"]}) as run:
+        with start_script_run(__file__, params={
+                "model": model.name, "model_spec": model.to_dict(), "target_loss": args.target,
+                "lr": args.lr, "batches": batches, "seeds": seeds, "world_sizes": [4],
+                "hardware": "cpu", "backend": "gloo",
+                "fixed_config": settings["fixed_config"],
+                "follow_layout": settings["follow_layout"],
+                "best_layout": settings["best_layout"],
+                "switch_cost_s": settings["switch_cost_s"],
+                "pilot_batch": args.pilot_batch, "pilot_s": cost["pilot_s"]}) as run:
             for row in summary.to_dict("records"):
                 run.log_metrics({f"{row['arm']}_{k}": v for k, v in row.items()
                                  if k != "arm"})

@@ -13,7 +13,7 @@ needs, ``(n + 1) / (h + 1)`` for ``h`` hits among ``n`` configs (draws without r
     OMP_NUM_THREADS=1 python experiments/verify_loop.py [--k 2] [--tolerance 0.02]
 
 Prints the table and a summary; writes ``out/verify_loop/loop.csv``; logs an MLflow run
-unless ``--no-mlflow``.
+(experiment ``paratune-experiments``, run ``verify_loop``) unless ``--no-mlflow``.
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ def main() -> None:
     parser.add_argument("--max-profiled", type=int, default=30)
     parser.add_argument("--n-estimators", type=int, default=200)
     parser.add_argument("--out", type=Path, default=Path("out/verify_loop"))
-    parser.add_argument("--no-mlflow", action="store_true")
+    parser.add_argument("--no-mlflow", "--no-track", dest="no_mlflow", action="store_true",
+                        help="do not log an MLflow run (--no-track is an alias)")
     args = parser.parse_args()
 
     import numpy as np
@@ -47,7 +48,8 @@ def main() -> None:
     from paratune.tuner import Objective, SearchSpace, evaluate
     from paratune.tuner._search import config_from_row, rank
 
-    frame = ultrascale_frame(public_data_dir(args.data)).reset_index(drop=True)
+    data = public_data_dir(args.data)
+    frame = ultrascale_frame(data).reset_index(drop=True)
     rows = []
     start = time.perf_counter()
 
@@ -115,11 +117,13 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     pd.DataFrame(rows).to_csv(args.out / "loop.csv", index=False)
     if not args.no_mlflow:
-        from paratune.tracking import start_run
+        from paratune.tracking import start_script_run
 
-        with start_run("paratune-experiments", run_name="verify_loop",
-                       params={"k": args.k, "tolerance": args.tolerance,
-                               "n_estimators": args.n_estimators}) as run:
+        with start_script_run(__file__, params={
+                "data": [str((data / name).resolve()) for name in (
+                    "ultrascale_playbook_h100.csv", "ultrascale_playbook_h100_failed.csv")],
+                "hardware": "H100-80GB", "k": args.k, "tolerance": args.tolerance,
+                "n_estimators": args.n_estimators, "seed": 0}) as run:
             run.log_metrics(summary)
             run.log_table(pd.DataFrame(rows), "loop.csv")
 

@@ -23,7 +23,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                           "its quantile, stall, memory and feasibility boosters get a quarter, "
                           "10 to 100 (default: the model's defaults, 500 and 100)")
     fit.add_argument("--experiment", default="paratune-fit", help="MLflow experiment name")
-    fit.add_argument("--no-mlflow", action="store_true", help="do not log to MLflow")
+    fit.add_argument("--no-track", "--no-mlflow", dest="no_track", action="store_true",
+                     help="do not log to MLflow")
     fit.set_defaults(func=_fit)
 
     predict = subparsers.add_parser(
@@ -62,7 +63,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                           help="folds of the random split (at least 2)")
     evaluate.add_argument("--experiment", default="paratune-evaluate",
                           help="MLflow experiment name (default: %(default)s)")
-    evaluate.add_argument("--no-mlflow", action="store_true", help="do not log to MLflow")
+    evaluate.add_argument("--no-track", "--no-mlflow", dest="no_track", action="store_true",
+                          help="do not log to MLflow")
     evaluate.set_defaults(func=_evaluate)
 
 
@@ -70,7 +72,7 @@ def _fit(args: argparse.Namespace) -> int:
     from paratune.models._workflows import fit_model
 
     _model, summary = fit_model(args.data, args.out, n_estimators=args.n_estimators,
-                                experiment=None if args.no_mlflow else args.experiment)
+                                experiment=None if args.no_track else args.experiment)
     print(summary)
     return 0
 
@@ -90,9 +92,14 @@ def _predict(args: argparse.Namespace) -> int:
 def _evaluate(args: argparse.Namespace) -> int:
     from paratune.models._workflows import evaluate_model
 
-    result = evaluate_model(args.data, split=args.split, baselines=args.baselines,
-                            n_estimators=args.n_estimators, plot=args.plot, folds=args.folds,
-                            experiment=None if args.no_mlflow else args.experiment)
+    result, run_id = evaluate_model(args.data, split=args.split, baselines=args.baselines,
+                                    n_estimators=args.n_estimators, plot=args.plot,
+                                    folds=args.folds,
+                                    experiment=None if args.no_track else args.experiment)
     print(result.table())
     print(f"plot: {args.plot}")
+    if run_id:
+        from paratune.tracking import ui_command
+
+        print(f"MLflow run {run_id}: {ui_command()}")
     return 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -31,44 +32,55 @@ def fit_model(data: Sequence[str | Path], out: str | Path, *, n_estimators: int 
     """
     if Path(out).exists() and not Path(out).is_dir():
         raise ConfigError("out", str(out), "is a file; the model is written as a directory")
-    frame = load_measurements(data)
     model = estimator_factories(n_estimators=n_estimators)["performance_model"]()
-    model.fit(frame)
-    model.save(out)
-    pred = model.predict(frame)
-    step = measured_step_time(frame)
-    ok = np.isfinite(step) & np.isfinite(pred["pred_step_time_s"].to_numpy(float))
-    ape = np.abs(step[ok] / pred["pred_step_time_s"].to_numpy(float)[ok] - 1)
-    fit_metrics = {"train_mdape": float(np.median(ape)) if ok.any() else np.nan,
-                   "train_mape": float(ape.mean()) if ok.any() else np.nan,
-                   "num_rows": float(len(frame)), "num_time_rows": float(model.num_time_rows_),
-                   "num_memory_rows": float(model.num_memory_rows_),
-                   "num_stall_rows": float(model.num_stall_rows_),
-                   "num_feasibility_configs": float(model.num_feasibility_rows_)}
-    stalls = (f", {model.num_stall_rows_} of them stalled pipelines learned as their own regime"
-              if model.num_stall_rows_ else "")
-    summary = (f"fitted on {len(frame)} rows ({model.num_time_rows_} timed{stalls}, "
-               f"{model.num_memory_rows_} with memory, {model.num_feasibility_rows_} "
-               f"configurations for feasibility) -> {out}\n"
-               f"in-sample median APE {100 * fit_metrics['train_mdape']:.1f}% "
-               f"(cross-validate with `paratune evaluate`)\n"
-               f"training-data fingerprint {model.fingerprint_[:16]}")
-    if experiment:
-        from paratune.tracking import start_run
+    with contextlib.ExitStack() as stack:
+        run = None
+        if experiment:  # opened before the work: a failure or an interrupt leaves its record
+            from paratune.tracking import start_run
 
-        with start_run(experiment, run_name="fit") as run:
-            run.log_params({**model.get_params(), "data": [str(d) for d in data],
-                            "fingerprint": model.fingerprint_, "sources": model.sources_})
+            run = stack.enter_context(start_run(experiment, run_name="fit", params={
+                **model.get_params(), "seed": model.get_params()["random_state"],
+                "data": _paths(data), "out": str(Path(out).resolve())}))
+        frame = load_measurements(data)
+        model.fit(frame)
+        model.save(out)
+        if run is not None:
+            run.log_params({"fingerprint": model.fingerprint_, "sources": model.sources_})
+        pred = model.predict(frame)
+        step = measured_step_time(frame)
+        ok = np.isfinite(step) & np.isfinite(pred["pred_step_time_s"].to_numpy(float))
+        ape = np.abs(step[ok] / pred["pred_step_time_s"].to_numpy(float)[ok] - 1)
+        fit_metrics = {"train_mdape": float(np.median(ape)) if ok.any() else np.nan,
+                       "train_mape": float(ape.mean()) if ok.any() else np.nan,
+                       "num_rows": float(len(frame)),
+                       "num_time_rows": float(model.num_time_rows_),
+                       "num_memory_rows": float(model.num_memory_rows_),
+                       "num_stall_rows": float(model.num_stall_rows_),
+                       "num_feasibility_configs": float(model.num_feasibility_rows_)}
+        stalls = (f", {model.num_stall_rows_} of them stalled pipelines learned as their own "
+                  "regime" if model.num_stall_rows_ else "")
+        summary = (f"fitted on {len(frame)} rows ({model.num_time_rows_} timed{stalls}, "
+                   f"{model.num_memory_rows_} with memory, {model.num_feasibility_rows_} "
+                   f"configurations for feasibility) -> {out}\n"
+                   f"in-sample median APE {100 * fit_metrics['train_mdape']:.1f}% "
+                   f"(cross-validate with `paratune evaluate`)\n"
+                   f"training-data fingerprint {model.fingerprint_[:16]}")
+        if run is not None:
             run.log_metrics(fit_metrics)
             run.log_artifact(out, artifact_path="model")
-        summary += f"\nMLflow run {run.run_id} (experiment {experiment})"
+            summary += f"\nMLflow run {run.run_id} (experiment {experiment})"
     return model, summary
+
+
+def _paths(data: Sequence[str | Path]) -> list[str]:
+    """The ``data`` param of a run: every input path, absolute."""
+    return [str(Path(d).resolve()) for d in data]
 
 
 def evaluate_model(data: Sequence[str | Path], *, split: str = "random", baselines: bool = False,
                    n_estimators: int | None = None, plot: str | Path | None = None,
-                   folds: int = 5, experiment: str | None = "paratune-evaluate"
-                   ) -> EvaluationResult:
+                   folds: int = 5, seed: int = 0, experiment: str | None = "paratune-evaluate"
+                   ) -> tuple[EvaluationResult, str | None]:
     """Cross-validate the performance model (and optionally the baselines) on measurements.
 
     Args:
@@ -79,26 +91,33 @@ def evaluate_model(data: Sequence[str | Path], *, split: str = "random", baselin
         n_estimators: Trees per booster for every learned estimator.
         plot: PNG of predicted vs measured to write (``None``: none).
         folds: Folds of the random split.
+        seed: Seed of the random split.
         experiment: MLflow experiment; ``None`` skips tracking.
 
     Returns:
-        The :class:`EvaluationResult`.
+        The :class:`EvaluationResult` and the MLflow run id (``None`` without tracking).
     """
-    frame = load_measurements(data)
     factories = estimator_factories(n_estimators=n_estimators)
     if not baselines:
         factories = {"performance_model": factories["performance_model"]}
-    result = cross_validate(frame, split=split, estimators=factories, n_splits=folds)
-    if plot:
-        plot_predictions(result, plot)
-    if experiment:
-        import pandas as pd
+    with contextlib.ExitStack() as stack:
+        run = None
+        if experiment:  # opened before the work: a failure or an interrupt leaves its record
+            from paratune.tracking import start_run
 
-        from paratune.tracking import start_run
+            run = stack.enter_context(start_run(experiment, run_name=f"evaluate-{split}",
+                                                params={"split": split, "data": _paths(data),
+                                                        "estimators": list(factories),
+                                                        "n_estimators": n_estimators,
+                                                        "folds": folds, "seed": seed}))
+        frame = load_measurements(data)
+        result = cross_validate(frame, split=split, estimators=factories, n_splits=folds,
+                                random_state=seed)
+        if plot:
+            plot_predictions(result, plot)
+        if run is not None:
+            import pandas as pd
 
-        with start_run(experiment, run_name=f"evaluate-{split}") as run:
-            run.log_params({"split": split, "data": [str(d) for d in data],
-                            "estimators": list(factories), "n_estimators": n_estimators})
             for row in result.summary + result.by_fold:
                 prefix = "_".join(str(row[k]) for k in ("estimator", "source", "held_out")
                                   if row.get(k)).replace(":", "_").replace(" ", "_")
@@ -107,4 +126,4 @@ def evaluate_model(data: Sequence[str | Path], *, split: str = "random", baselin
             run.log_table(pd.DataFrame(result.summary + result.by_fold), "metrics.csv")
             if plot:
                 run.log_artifact(plot)
-    return result
+    return result, run.run_id if run is not None else None

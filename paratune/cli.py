@@ -7,17 +7,21 @@ Each package contributes its subcommands through a light ``register(subparsers)`
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import logging
 import re
+import signal
 import sys
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from paratune import __version__
 from paratune.errors import ConfigError, ParatuneError
 
-__all__ = ["at_least", "build_parser", "flag_message", "main"]
+__all__ = ["Terminated", "at_least", "build_parser", "flag_message", "main",
+           "sigterm_as_exit"]
 
 # Modules whose ``register(subparsers)`` adds subcommands, in the order --help lists them.
 _COMMAND_MODULES = (
@@ -154,6 +158,35 @@ def _not_utf8(exc: UnicodeDecodeError, argv: Sequence[str]) -> str:
     return f"an input file is not UTF-8 text ({exc.reason} at byte {exc.start})"
 
 
+class Terminated(SystemExit):
+    """Raised in the main thread when the process receives SIGTERM (``kill``, SLURM
+    ``scancel``, a job's time limit), so that ``finally`` blocks and context managers run:
+    an MLflow run ends as ``KILLED``, workers are stopped. Exit code ``128 + SIGTERM``."""
+
+
+def _raise_terminated(signum: int, _frame: object) -> None:
+    raise Terminated(128 + signum)
+
+
+@contextlib.contextmanager
+def sigterm_as_exit() -> Iterator[None]:
+    """Turn SIGTERM into :class:`Terminated` while the block runs (main thread only, and only
+    where SIGTERM has its default action). A handler a command installs inside the block (as
+    ``paratune gns`` does while its workers run) takes precedence until it restores this one.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        yield
+        return
+    signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -163,6 +196,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    with sigterm_as_exit():
+        return _run(args, argv)
+
+
+def _run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     try:
         result = args.func(args)
     except FileNotFoundError as exc:
@@ -181,6 +219,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"paratune {args.command}: interrupted", file=sys.stderr)
         return 130
+    except Terminated as exc:
+        print(f"paratune {args.command}: terminated", file=sys.stderr)
+        return int(exc.code)
     return int(result or 0)
 
 

@@ -6,16 +6,23 @@ directory; ``mlflow ui --backend-store-uri sqlite:///mlflow.db`` shows it. With 
 SQLite store, the experiments paratune creates keep their artifacts beside the database, in
 ``mlartifacts/<experiment>/<run id>/artifacts/`` (other stores choose their own location;
 an experiment keeps the location it was created with).
+
+A command ``paratune <command>`` logs to the experiment ``paratune-<command>``; a script
+``experiments/<name>.py`` logs to :data:`EXPERIMENTS` with the run name ``<name>`` (see
+:func:`start_script_run`). ``docs/tracking.md`` lists the params, tags and metrics of each.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import math
 import os
 import re
+import shutil
+import subprocess
 import tempfile
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -24,9 +31,13 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import pandas as pd
 
-__all__ = ["TrackedRun", "artifact_root", "default_tracking_uri", "start_run", "ui_command"]
+__all__ = ["EXPERIMENTS", "TrackedRun", "artifact_root", "default_tracking_uri", "end_status",
+           "source_tags", "start_run", "start_script_run", "ui_command"]
 
 _MAX_PARAM_LEN = 6000
+
+EXPERIMENTS = "paratune-experiments"
+"""The MLflow experiment of every ``experiments/*.py`` script (run name: the script's name)."""
 
 
 def default_tracking_uri() -> str:
@@ -52,7 +63,7 @@ def artifact_root(uri: str | None = None) -> Path | None:
     if not uri.startswith(prefix) or uri == prefix or ":memory:" in uri:
         return None
     database = Path(uri[len(prefix):].split("?", 1)[0])
-    return database.absolute().parent / "mlartifacts"
+    return database.resolve().parent / "mlartifacts"
 
 
 def _experiment_dir_name(name: str) -> str:
@@ -154,11 +165,68 @@ class TrackedRun:
         self._mlflow.log_figure(figure, name)
 
 
+def end_status(exc: BaseException | None) -> str:
+    """The MLflow status of a run that ``exc`` ended (``None``: it ended normally).
+
+    ``KILLED`` for an interrupt (``KeyboardInterrupt``) or a signal turned into
+    ``SystemExit(128 + signal number)`` (how ``paratune`` ends on SIGTERM), ``FINISHED`` for
+    ``SystemExit(0)``, ``FAILED`` for any other exception.
+    """
+    if exc is None:
+        return "FINISHED"
+    if isinstance(exc, KeyboardInterrupt):
+        return "KILLED"
+    if isinstance(exc, SystemExit):
+        if exc.code is None or exc.code == 0:
+            return "FINISHED"
+        if isinstance(exc.code, int) and exc.code > 128:
+            return "KILLED"
+    return "FAILED"
+
+
+def _git(root: Path, *args: str) -> str | None:
+    try:
+        done = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True,
+                              timeout=10, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
+@functools.cache
+def _git_commit() -> str | None:
+    """The commit of the git checkout paratune's sources are in (``None`` when they are not
+    in one of their own, or git is not installed)."""
+    if shutil.which("git") is None:
+        return None
+    root = Path(__file__).resolve().parent.parent  # the directory holding paratune/
+    top = _git(root, "rev-parse", "--show-toplevel")
+    if top is None or Path(top).resolve() != root:  # installed inside another repository
+        return None
+    return _git(root, "rev-parse", "HEAD") or None
+
+
+def source_tags() -> dict[str, str]:
+    """``paratune.version`` and, where paratune runs from a git checkout,
+    ``mlflow.source.git.commit`` (what :func:`start_run` tags every new run with)."""
+    from paratune import __version__
+
+    tags = {"paratune.version": __version__}
+    commit = _git_commit()
+    if commit:
+        tags["mlflow.source.git.commit"] = commit
+    return tags
+
+
 @contextlib.contextmanager
 def start_run(experiment: str, *, run_name: str | None = None,
               params: Mapping[str, Any] | None = None, tags: Mapping[str, Any] | None = None,
               tracking_uri: str | None = None, run_id: str | None = None) -> Iterator[TrackedRun]:
-    """Open an MLflow run in ``experiment``; ends it (FAILED on an exception) on exit.
+    """Open an MLflow run in ``experiment``; ends it on exit with the status
+    :func:`end_status` gives: ``FINISHED``, ``KILLED`` (interrupt, SIGTERM) or ``FAILED``.
+
+    A new run is tagged with :func:`source_tags` (``paratune.version``, and the git commit
+    where there is one); a resumed one keeps the tags it was created with.
 
     Args:
         experiment: Experiment name (created if missing).
@@ -180,17 +248,31 @@ def start_run(experiment: str, *, run_name: str | None = None,
     if run_id is None:
         _ensure_experiment(mlflow, experiment, uri)
         mlflow.set_experiment(experiment)
-    active = mlflow.start_run(run_name=run_name, run_id=run_id)
+        active = mlflow.start_run(run_name=run_name, tags=source_tags())
+    else:
+        active = mlflow.start_run(run_id=run_id)
     tracked = TrackedRun(mlflow, active)
-    status = "FINISHED"
+    error: BaseException | None = None
     try:
         if params:
             tracked.log_params(params)
         if tags:
             tracked.set_tags(tags)
         yield tracked
-    except BaseException:
-        status = "FAILED"
+    except BaseException as exc:
+        error = exc
         raise
     finally:
-        mlflow.end_run(status=status)
+        mlflow.end_run(status=end_status(error))
+
+
+def start_script_run(script: str | Path, **kwargs: Any
+                     ) -> contextlib.AbstractContextManager[TrackedRun]:
+    """:func:`start_run` for an ``experiments/`` script: experiment :data:`EXPERIMENTS`, run
+    name the script's file name without ``.py``.
+
+    Args:
+        script: The script's path (its ``__file__``).
+        **kwargs: Passed to :func:`start_run` (``params``, ``tags``, ...).
+    """
+    return start_run(EXPERIMENTS, run_name=Path(script).stem, **kwargs)

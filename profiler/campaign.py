@@ -574,11 +574,15 @@ def _run_world_size_torchrun(paths: CampaignPaths, world_size: int, progress: _P
     with open(log_path, "wb") as handle:
         proc = subprocess.Popen(argv, stdout=handle, stderr=subprocess.STDOUT, env=env,
                                 stdin=subprocess.DEVNULL)
-        while proc.poll() is None:
-            time.sleep(0.2)
-            for entry in tail.read():
-                progress.record(entry)
-                on_entry_hook(entry["key"])
+        try:
+            while proc.poll() is None:
+                time.sleep(0.2)
+                for entry in tail.read():
+                    progress.record(entry)
+                    on_entry_hook(entry["key"])
+        except BaseException:  # interrupted or terminated: torchrun must not run on alone
+            _stop_torchrun(proc)
+            raise
     for entry in tail.read():
         progress.record(entry)
         on_entry_hook(entry["key"])
@@ -587,6 +591,20 @@ def _run_world_size_torchrun(paths: CampaignPaths, world_size: int, progress: _P
         raise CampaignError(f"torchrun for world size {world_size} exited with code "
                             f"{proc.returncode}, {len(left)} configs unfinished; see {log_path} "
                             f"(run again with --resume to continue)")
+
+
+def _stop_torchrun(proc: Any, grace_s: float = 10.0) -> None:
+    """End a local torchrun: SIGTERM (it ends its workers), SIGKILL after ``grace_s``."""
+    import subprocess
+
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 # ---------------------------------------------------------------------- results
@@ -748,7 +766,9 @@ def _tracked(track: bool, meta: dict[str, Any], spec: CampaignSpec, paths: Campa
               "world_sizes": list(spec.world_sizes), "grid": spec.identity()["grid"],
               "warmup_steps": spec.warmup_steps, "measured_steps": spec.measured_steps,
               "timeout_s": spec.timeout_s, "device": spec.device, "hardware": spec.hardware,
-              "seed": spec.seed, "campaign_id": meta["campaign_id"]}
+              "devices_per_node": spec.devices_per_node, "token_source": spec.data,
+              "seed": spec.seed, "campaign_id": meta["campaign_id"],
+              "out": str(paths.root.resolve())}
     with contextlib.ExitStack() as stack:
         run = None
         if resume and meta.get("mlflow_run_id"):

@@ -224,10 +224,14 @@ def _plan(args: argparse.Namespace) -> int:
                           else args.output, json.dumps(plan.to_dict(), indent=2, default=float))
     if not args.no_track:
         from paratune.tracking import start_run
+        from paratune.tuner._tune import predictor_params
 
-        with start_run("paratune-plan", run_name=f"plan-{model.name}-{args.gpus}x{args.gpu}",
-                       params={"model": model.name, "gpus": args.gpus, "gpu": args.gpu,
-                               "trajectory": str(args.trajectory),
+        name = f"plan-{model.name}-{args.gpus}x{space.hardware.name}"
+        with start_run("paratune-plan", run_name=name,
+                       params={"model": model.name, "gpus": args.gpus,
+                               "hardware": space.hardware.name,
+                               **predictor_params(args.predictor),
+                               "trajectory": str(args.trajectory.resolve()),
                                "trajectory_seq_len": trajectory.seq_len,
                                "reconfig_cost_s": args.reconfig_cost_s,
                                "batch_change_cost_s": args.batch_change_cost_s,

@@ -7,6 +7,7 @@ it found, writes the winner with launch settings, and records the run in MLflow.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from dataclasses import dataclass, field
@@ -232,41 +233,53 @@ def tune(model: ModelSpec | str, gpus: int, gpu: HardwareSpec | str,
                     else objective, b_noise=b_noise, b0=b0, risk_quantile=risk_quantile,
                     min_feasible_prob=min_feasible_prob, memory_limit_gb=memory_limit_gb)
     obj.check(search_space)
-    pred = load_predictor(predictor)
     output = Path(output_dir) if output_dir is not None else None
+    options = dict(search=search, sampler=sampler, seed=seed, n_trials=n_trials,
+                   batch_size=batch_size, top_k=top_k, verify=verify)
 
-    study = None
-    if search == "exhaustive":
-        result = exhaustive(pred, search_space, obj)
-    else:
-        result, study = optuna_search(pred, search_space, obj, n_trials=n_trials,
-                                      sampler=sampler, seed=seed, storage=storage,
-                                      study_name=study_name, storage_dir=output,
-                                      batch_size=batch_size)
-    if result.ranked.empty:
-        raise ConfigError("space", search_space.model.name,
-                          "the search evaluated no valid config (every sample broke a rule)")
-    if not result.best_feasible:
-        logger.warning("no evaluated config is predicted feasible; the top one breaks the "
-                       "memory constraint")
-    best = result.best_row
-    predicted = {k: _plain(best[k]) for k in (
-        "tokens_per_s", "ranked_tokens_per_s", "step_time_s", "peak_mem_gb", "feasible_prob",
-        "efficiency", "goodput", "objective", "feasible", "pred_stall_prob") if k in best}
-    rec = recommendation(spec, result.best, hw, devices_per_node=search_space.devices_per_node,
-                         predicted=predicted, objective=obj.to_dict())
-    rec["top"] = [{**c.to_dict(), "objective": float(o), "vs_best": float(v)}
-                  for c, o, v in zip(result.configs(top_k), result.top(top_k)["objective"],
-                                     result.top(top_k)["vs_best"])]
-    outputs = write_recommendation(rec, output) if output is not None else {}
-    out = TuneResult(search=result, recommendation=rec, outputs=outputs, study=study)
-    if verify:
-        from paratune.tuner._verify import verify_top_k
+    with contextlib.ExitStack() as stack:
+        run = None
+        if track:  # opened before the work, so a failure or an interrupt leaves its record
+            run = _open_run(stack, search_space, obj, predictor, gns=gns, storage=storage,
+                            study_name=study_name, storage_dir=output,
+                            tracking_uri=tracking_uri, **options)
+        pred = load_predictor(predictor)
+        study = None
+        if search == "exhaustive":
+            result = exhaustive(pred, search_space, obj)
+        else:
+            result, study = optuna_search(pred, search_space, obj, n_trials=n_trials,
+                                          sampler=sampler, seed=seed, storage=storage,
+                                          study_name=study_name, storage_dir=output,
+                                          batch_size=batch_size)
+        if result.ranked.empty:
+            raise ConfigError("space", search_space.model.name,
+                              "the search evaluated no valid config (every sample broke a rule)")
+        if not result.best_feasible:
+            logger.warning("no evaluated config is predicted feasible; the top one breaks the "
+                           "memory constraint")
+        best = result.best_row
+        predicted = {k: _plain(best[k]) for k in (
+            "tokens_per_s", "ranked_tokens_per_s", "step_time_s", "peak_mem_gb",
+            "feasible_prob", "efficiency", "goodput", "objective", "feasible",
+            "pred_stall_prob") if k in best}
+        rec = recommendation(spec, result.best, hw,
+                             devices_per_node=search_space.devices_per_node,
+                             predicted=predicted, objective=obj.to_dict())
+        rec["top"] = [{**c.to_dict(), "objective": float(o), "vs_best": float(v)}
+                      for c, o, v in zip(result.configs(top_k), result.top(top_k)["objective"],
+                                         result.top(top_k)["vs_best"])]
+        outputs = write_recommendation(rec, output) if output is not None else {}
+        out = TuneResult(search=result, recommendation=rec, outputs=outputs, study=study)
+        if run is not None:
+            out.run_id = run.run_id
+            _log_outcome(run, out, search_space, obj, top_k=top_k)
+        if verify:
+            from paratune.tuner._verify import verify_top_k
 
-        out.verification = verify_top_k(out, verify, **(verify_options or {}))
-    if track:
-        out.run_id = _track(out, search_space, obj, search=search, sampler=sampler, seed=seed,
-                            n_trials=n_trials, top_k=top_k, tracking_uri=tracking_uri)
+            out.verification = verify_top_k(out, verify, **(verify_options or {}))
+            if run is not None:
+                run.log_table(out.verification, "verification.csv")
     return out
 
 
@@ -278,44 +291,97 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def _track(out: TuneResult, space: SearchSpace, objective: Objective, *, search: str,
-           sampler: str, seed: int | None, n_trials: int, top_k: int,
-           tracking_uri: str | None) -> str:
+def predictor_params(predictor: Predictor | str | Path) -> dict[str, Any]:
+    """What identifies the predictor: its directory (or class) and, for a saved performance
+    model, the training-data fingerprint its manifest (``model.json``) records."""
+    import json
+
+    if not isinstance(predictor, (str, Path)):
+        fingerprint = getattr(predictor, "fingerprint_", None)
+        return {"predictor": type(predictor).__name__,
+                **({"predictor_fingerprint": fingerprint} if fingerprint else {})}
+    path = Path(predictor)
+    params: dict[str, Any] = {"predictor": str(path.resolve())}
+    try:
+        manifest = json.loads((path / "model.json").read_text())
+        params["predictor_fingerprint"] = manifest["training"]["fingerprint_sha256"]
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # loading the predictor reports what is wrong with it
+    return params
+
+
+def _open_run(stack: contextlib.ExitStack, space: SearchSpace, objective: Objective,
+              predictor: Predictor | str | Path, *, gns: Any, search: str, sampler: str,
+              seed: int | None, n_trials: int, batch_size: int, top_k: int, verify: int,
+              storage: str | Path | None, study_name: str | None,
+              storage_dir: Path | None, tracking_uri: str | None) -> Any:
+    """Open the ``paratune-tune`` run with every input that decides the answer.
+
+    For an Optuna search the study is opened first (as the search would): its name and
+    storage are params, and the tag ``paratune.resumed`` says whether it already held
+    finished trials (a rerun, or another worker's), counted in ``paratune.prior_trials``.
+    """
     from paratune.tracking import start_run
 
-    result = out.search
     params = {"model": space.model.name, "gpus": space.world_size,
-              "gpu": space.hardware.name, "devices_per_node": space.devices_per_node,
+              "hardware": space.hardware.name, "devices_per_node": space.devices_per_node,
+              **predictor_params(predictor),
               "objective": objective.kind.value, "b_noise": objective.b_noise,
               "b0": objective.reference_batch(space), "risk_quantile": objective.risk_quantile,
+              "min_feasible_prob": objective.min_feasible_prob,
+              "memory_limit_gb": objective.memory_limit(space),
+              "global_batch_sizes": list(space.global_batch_sizes),
               "search": search, "sampler": sampler if search == "optuna" else "",
-              "seed": seed, "n_trials": n_trials, "study_name": result.study_name,
-              "storage": result.storage, "space": space.space.to_dict()}
+              "seed": seed, "n_trials": n_trials, "batch_size": batch_size, "top_k": top_k,
+              "verify": verify, "space": space.space.to_dict()}
+    if isinstance(gns, (str, Path)) and not _is_number(gns):
+        params["gns_trajectory"] = str(Path(gns).resolve())
+    tags: dict[str, Any] = {}
+    if search == "optuna":
+        from paratune.tuner._search import _finished, open_study, resolve_storage
+
+        study = open_study(space, objective, sampler=sampler, seed=seed, storage=storage,
+                           study_name=study_name, storage_dir=storage_dir)
+        prior = len(_finished(study))
+        params["study_name"] = study.study_name
+        params["storage"] = resolve_storage(storage, storage_dir)[1]
+        tags = {"paratune.resumed": str(prior > 0).lower(), "paratune.prior_trials": prior}
     name = f"tune-{space.model.name}-{space.world_size}x{space.hardware.name}"
-    with start_run("paratune-tune", run_name=name, params=params,
-                   tracking_uri=tracking_uri) as run:
-        best = result.best_row
-        run.log_metrics({
-            "best_objective": best["objective"], "best_tokens_per_s": best["tokens_per_s"],
-            "best_step_time_s": best["step_time_s"], "best_goodput": best["goodput"],
-            "best_feasible": float(bool(best["feasible"])),
-            "num_trials": result.num_trials, "num_pruned": result.num_pruned,
-            "num_configs": len(result.ranked), "search_wall_time_s": result.wall_time_s})
-        run.log_dict(space.to_dict(), "space.json")
-        run.log_dict(objective.to_dict(), "objective.json")
-        run.log_dict(out.recommendation, "recommendation.json")
-        run.log_table(result.top(top_k), "best_configs.csv")
-        if out.study is not None:
-            run.log_table(out.study.trials_dataframe(), "trials.csv")
-            for title, fig in _study_figures(out.study):
-                run.log_figure(fig, f"plots/{title}.png")
-        else:
-            run.log_table(result.ranked, "trials.csv")
-        if out.verification is not None:
-            run.log_table(out.verification, "verification.csv")
-        for path in out.outputs.values():
-            run.log_artifact(path, "recommendation")
-        return run.run_id
+    return stack.enter_context(start_run("paratune-tune", run_name=name, params=params,
+                                         tags=tags, tracking_uri=tracking_uri))
+
+
+def _is_number(text: Any) -> bool:
+    try:
+        float(text)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def _log_outcome(run: Any, out: TuneResult, space: SearchSpace, objective: Objective, *,
+                 top_k: int) -> None:
+    """The search's metrics and artifacts on the run :func:`_open_run` opened."""
+    result = out.search
+    best = result.best_row
+    run.log_metrics({
+        "best_objective": best["objective"], "best_tokens_per_s": best["tokens_per_s"],
+        "best_step_time_s": best["step_time_s"], "best_goodput": best["goodput"],
+        "best_feasible": float(bool(best["feasible"])),
+        "num_trials": result.num_trials, "num_pruned": result.num_pruned,
+        "num_configs": len(result.ranked), "search_wall_time_s": result.wall_time_s})
+    run.log_dict(space.to_dict(), "space.json")
+    run.log_dict(objective.to_dict(), "objective.json")
+    run.log_dict(out.recommendation, "recommendation.json")
+    run.log_table(result.top(top_k), "best_configs.csv")
+    if out.study is not None:
+        run.log_table(out.study.trials_dataframe(), "trials.csv")
+        for title, fig in _study_figures(out.study):
+            run.log_figure(fig, f"plots/{title}.png")
+    else:
+        run.log_table(result.ranked, "trials.csv")
+    for path in out.outputs.values():
+        run.log_artifact(path, "recommendation")
 
 
 def _study_figures(study: optuna.Study) -> list[tuple[str, Any]]:

@@ -1,9 +1,31 @@
 from __future__ import annotations
 
+import ast
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
 import pandas as pd
 import pytest
 
-from paratune.tracking import artifact_root, default_tracking_uri, start_run, ui_command
+import paratune
+from paratune.tracking import (
+    EXPERIMENTS,
+    artifact_root,
+    default_tracking_uri,
+    end_status,
+    source_tags,
+    start_run,
+    start_script_run,
+    ui_command,
+)
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -82,3 +104,180 @@ def test_default_store_keeps_artifacts_in_the_working_directory(tmp_path, monkey
     assert not (tmp_path / "mlruns").exists()
     assert artifact_root("http://localhost:5000") is None
     assert artifact_root("postgresql://db/mlflow") is None
+
+
+@pytest.mark.parametrize("stop", [KeyboardInterrupt(), SystemExit(143), SystemExit(130)])
+def test_run_marked_killed_on_interrupt_or_signal_exit(store, stop):
+    import mlflow
+
+    with pytest.raises(type(stop)), start_run("paratune-test") as run:
+        raise stop
+    got = mlflow.get_run(run.run_id)
+    assert got.info.status == "KILLED"
+    assert got.info.end_time is not None
+
+
+def test_end_status_of_each_way_a_run_can_end():
+    assert end_status(None) == "FINISHED"
+    assert end_status(SystemExit(0)) == end_status(SystemExit()) == "FINISHED"
+    assert end_status(KeyboardInterrupt()) == "KILLED"
+    assert end_status(SystemExit(128 + signal.SIGTERM)) == "KILLED"
+    assert end_status(SystemExit(2)) == end_status(SystemExit("bad")) == "FAILED"
+    assert end_status(ValueError("x")) == "FAILED"
+
+
+def test_new_runs_are_tagged_with_the_version_and_the_git_commit(store):
+    import mlflow
+
+    with start_run("paratune-test", tags={"kind": "unit"}) as run:
+        pass
+    tags = mlflow.get_run(run.run_id).data.tags
+    assert tags["paratune.version"] == paratune.__version__
+    assert tags["kind"] == "unit"
+    head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True,
+                          text=True, check=False)
+    if head.returncode == 0 and Path(paratune.__file__).resolve().parents[1] == REPO:
+        assert tags["mlflow.source.git.commit"] == head.stdout.strip()
+    # a resumed run keeps the tags it was created with
+    with start_run("paratune-test", run_id=run.run_id) as again:
+        again.set_tags({"more": 1})
+    assert mlflow.get_run(run.run_id).data.tags["paratune.version"] == paratune.__version__
+
+
+def test_source_tags_without_git_installed(monkeypatch):
+    from paratune import tracking
+
+    tracking._git_commit.cache_clear()
+    monkeypatch.setenv("PATH", "")
+    try:
+        assert source_tags() == {"paratune.version": paratune.__version__}
+    finally:
+        monkeypatch.undo()
+        tracking._git_commit.cache_clear()
+
+
+def test_artifact_locations_are_resolved(tmp_path, monkeypatch):
+    import mlflow
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "store").mkdir()
+    uri = f"sqlite:///{tmp_path / 'a' / '..' / 'store' / 'mlflow.db'}"
+    assert artifact_root(uri) == tmp_path.resolve() / "store" / "mlartifacts"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    with start_run("paratune-test") as run:
+        run.log_text("x", "a.txt")
+    location = mlflow.MlflowClient().get_experiment(run.experiment_id).artifact_location
+    assert ".." not in location
+    assert (tmp_path / "store" / "mlartifacts" / "paratune-test" / run.run_id / "artifacts" /
+            "a.txt").exists()
+
+
+def test_script_runs_share_one_experiment_named_by_script(store):
+    import mlflow
+
+    with start_script_run("/somewhere/experiments/search_regret.py", params={"seed": 1}) as run:
+        pass
+    got = mlflow.get_run(run.run_id)
+    assert got.info.run_name == "search_regret"
+    assert mlflow.get_experiment(got.info.experiment_id).name == EXPERIMENTS
+
+
+def _tracking_calls(path: Path) -> list[ast.Call]:
+    tree = ast.parse(path.read_text())
+    return [node for node in ast.walk(tree) if isinstance(node, ast.Call)
+            and getattr(node.func, "id", getattr(node.func, "attr", None))
+            in ("start_run", "start_script_run")]
+
+
+def test_every_experiment_script_logs_to_one_experiment_under_its_own_name():
+    scripts = sorted(p for p in (REPO / "experiments").glob("*.py") if not p.name.startswith("_"))
+    tracked = [p for p in scripts if _tracking_calls(p)]
+    assert len(tracked) >= 10
+    for script in tracked:
+        for call in _tracking_calls(script):
+            name = call.func.id if isinstance(call.func, ast.Name) else call.func.attr
+            assert name == "start_script_run", f"{script.name} calls {name}"
+            assert isinstance(call.args[0], ast.Name) and call.args[0].id == "__file__", (
+                f"{script.name}: the run name must be the script's own name")
+
+
+def _workers_of(out: Path, plan: str = "") -> list[int]:
+    """Processes of the campaign in ``out`` (workers, and torchrun agents running them), of
+    one plan file's world size when ``plan`` names it."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        if "paratune.profiler._worker" in cmdline and str(out / plan) in cmdline:
+            pids.append(int(proc.name))
+    return pids
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.parametrize("launcher", ["local", "torchrun"])
+def test_sigterm_ends_the_cli_run_killed_and_leaves_no_workers(tmp_path, launcher):
+    """``kill`` (SIGTERM) on a running ``paratune profile``: its MLflow run ends KILLED, with an
+    end time, and none of its worker processes outlive it (the signal comes while world size
+    2 has most of its 16 configs left, longer than the wait for the workers to go)."""
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    out = tmp_path / "c"
+    grid = tmp_path / "grid.yaml"
+    grid.write_text("micro_batch_sizes: [1, 2]\nrecomputes: [none]\n")
+    command = [sys.executable, "-m", "paratune", "profile", "--model", "tiny",
+               "--world-sizes", "1,2", "--grid", str(grid), "--out", str(out), "--warmup", "1",
+               "--steps", "2", "--device", "cpu", "--no-progress", "--launcher", launcher]
+    env = dict(os.environ, MLFLOW_TRACKING_URI=uri, OMP_NUM_THREADS="1")
+    parent = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                              env=env, cwd=tmp_path)
+    run_id = None
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and parent.poll() is None:
+            meta = out / "campaign.json"
+            if meta.exists():
+                run_id = json.loads(meta.read_text()).get("mlflow_run_id")
+            if run_id and _workers_of(out, "plan-ws2.json"):
+                break
+            time.sleep(0.1)
+        assert parent.poll() is None and run_id, parent.stderr.read().decode()
+        parent.send_signal(signal.SIGTERM)
+        code = parent.wait(timeout=60)
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait()
+    assert code == 128 + signal.SIGTERM, parent.stderr.read().decode()
+    deadline = time.monotonic() + 20
+    while _workers_of(out) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = _workers_of(out)
+    for pid in left:  # do not leave them running when the check fails
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    assert left == []
+    run = MlflowClient(uri).get_run(run_id)
+    assert run.info.status == "KILLED"
+    assert run.info.end_time is not None
+    assert run.data.params["model"] == "tiny"
+
+
+def test_search_regret_logs_the_space_it_searches(monkeypatch, tmp_path):
+    import importlib
+
+    monkeypatch.syspath_prepend(str(REPO / "experiments"))
+    search_regret = importlib.import_module("search_regret")
+    args = search_regret.build_parser().parse_args([])
+    params = search_regret.tracking_params(args, tmp_path)
+    assert params["global_batch_sizes"] == [256, 512, 1024, 2048]
+    assert params["space"]["global_batch_sizes"] == [256, 512, 1024, 2048]
+    assert params["model"] == "llama3-70b" and params["hardware"] == "H100-80GB"
+    assert params["world_sizes"] == [512, 1024] and params["samplers"] == ["tpe", "random"]
+    assert params["data"] == [str(tmp_path / "ultrascale_playbook_h100.csv"),
+                              str(tmp_path / "ultrascale_playbook_h100_failed.csv")]

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import csv
+import json
 
 import numpy as np
 import pandas as pd
@@ -54,6 +55,8 @@ def test_fit_logs_to_mlflow(tmp_path, make_synthetic, mlflow_uri, capsys):
     runs = mlflow.search_runs(experiment_names=["paratune-fit"])
     assert len(runs) == 1
     assert runs["params.n_estimators"].iloc[0] == "10"
+    assert json.loads(runs["params.data"].iloc[0]) == [str(data.resolve())]
+    assert runs["params.seed"].iloc[0] == "0" and len(runs["params.fingerprint"].iloc[0]) == 64
     assert runs["metrics.num_time_rows"].iloc[0] > runs["metrics.num_stall_rows"].iloc[0] > 0
     client = mlflow.tracking.MlflowClient()
     names = [a.path for a in client.list_artifacts(runs["run_id"].iloc[0], "model")]
@@ -235,3 +238,47 @@ def test_flags_out_of_range_are_refused_by_the_parser(tmp_path, synthetic, capsy
     assert exit_info.value.code == 2
     assert f"{message}\n" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["data.csv"]
+
+
+def _runs(uri: str, experiment: str) -> list:
+    import mlflow
+
+    client = mlflow.MlflowClient(uri)
+    found = client.get_experiment_by_name(experiment)
+    return [] if found is None else client.search_runs([found.experiment_id])
+
+
+def test_a_failing_fit_or_evaluate_leaves_a_failed_run_with_its_params(tmp_path, mlflow_uri):
+    data = tmp_path / "broken.csv"
+    data.write_text("not,a,measurement\n1,2,3\n")
+    assert main(["fit", str(data), "--out", str(tmp_path / "model")]) == 2
+    assert main(["evaluate", str(data), "--plot", str(tmp_path / "p.png")]) == 2
+    for experiment, name in (("paratune-fit", "fit"), ("paratune-evaluate", "evaluate-random")):
+        (run,) = _runs(mlflow_uri, experiment)
+        assert run.info.status == "FAILED" and run.info.run_name == name
+        assert json.loads(run.data.params["data"]) == [str(data.resolve())]
+
+
+def test_evaluate_prints_its_run_and_logs_its_inputs(tmp_path, synthetic, mlflow_uri, capsys):
+    data = tmp_path / "data.csv"
+    synthetic.to_csv(data, index=False)
+    assert main(["evaluate", str(data), "--folds", "2", "--n-estimators", "10",
+                 "--plot", str(tmp_path / "p.png")]) == 0
+    (run,) = _runs(mlflow_uri, "paratune-evaluate")
+    assert f"MLflow run {run.info.run_id}: mlflow ui" in capsys.readouterr().out
+    assert run.info.status == "FINISHED"
+    params = run.data.params
+    assert params["folds"] == "2" and params["seed"] == "0" and params["split"] == "random"
+    assert json.loads(params["data"]) == [str(data.resolve())]
+
+
+@pytest.mark.parametrize("flag", ["--no-track", "--no-mlflow"])
+def test_fit_and_evaluate_take_no_track(tmp_path, synthetic, mlflow_uri, flag, capsys):
+    data = tmp_path / "data.csv"
+    synthetic.head(80).to_csv(data, index=False)
+    assert main(["fit", str(data), "--out", str(tmp_path / "m"), "--n-estimators", "5",
+                 flag]) == 0
+    assert main(["evaluate", str(data), "--folds", "2", "--n-estimators", "5",
+                 "--plot", str(tmp_path / "p.png"), flag]) == 0
+    assert "MLflow run" not in capsys.readouterr().out
+    assert _runs(mlflow_uri, "paratune-fit") == _runs(mlflow_uri, "paratune-evaluate") == []

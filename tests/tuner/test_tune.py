@@ -125,3 +125,58 @@ def test_cli_names_the_missing_trajectory_seq_len(tmp_path, capsys, command):
     assert code == 2
     assert f"paratune {command}: error: trajectory=" in err
     assert "needs a seq_len column or --trajectory-seq-len" in err
+
+
+def _tune_runs() -> list:
+    client = MlflowClient()
+    experiment = client.get_experiment_by_name("paratune-tune")
+    return [] if experiment is None else client.search_runs([experiment.experiment_id])
+
+
+@pytest.mark.parametrize(("error", "status"), [(RuntimeError("predictor broke"), "FAILED"),
+                                               (KeyboardInterrupt(), "KILLED")])
+def test_a_tune_that_fails_or_is_interrupted_leaves_its_run_and_params(tmp_path, error, status):
+    class Broken:
+        def predict(self, frame):
+            raise error
+
+    with pytest.raises(type(error)):
+        tune("llama3-8b", 32, "H100", Broken(), objective="goodput", gns=600,
+             global_batch_sizes="256:1024", n_trials=8, seed=2, output_dir=tmp_path)
+    (run,) = _tune_runs()
+    assert run.info.status == status and run.info.end_time is not None
+    params = run.data.params
+    assert params["model"] == "llama3-8b" and params["gpus"] == "32"
+    assert params["hardware"] == "H100-80GB" and params["predictor"] == "Broken"
+    assert json.loads(params["global_batch_sizes"]) == [256, 512, 1024]
+    assert params["seed"] == "2"
+
+
+def test_tune_run_records_its_inputs_and_whether_the_study_resumed(closed_form, tmp_path):
+    kwargs = dict(objective="goodput", gns=600, global_batch_sizes="256:1024", seed=3,
+                  sampler="random", output_dir=tmp_path, min_feasible_prob=0.7,
+                  memory_limit_gb=60.0)
+    first = tune("llama3-8b", 32, "H100", closed_form, n_trials=8, **kwargs)
+    again = tune("llama3-8b", 32, "H100", closed_form, n_trials=12, **kwargs)
+    client = MlflowClient()
+    run = client.get_run(first.run_id)
+    assert run.info.status == "FINISHED"
+    params = run.data.params
+    assert {"gpu"}.isdisjoint(params)  # the device kind is "hardware" in every command
+    assert params["hardware"] == "H100-80GB" and params["gpus"] == "32"
+    assert params["predictor"] == "ClosedFormPredictor"
+    assert float(params["min_feasible_prob"]) == 0.7
+    assert float(params["memory_limit_gb"]) == 60.0
+    assert json.loads(params["global_batch_sizes"]) == [256, 512, 1024]
+    assert params["objective"] == "goodput" and params["sampler"] == "random"
+    assert params["seed"] == "3" and params["verify"] == "0"
+    assert params["study_name"] == first.search.study_name
+    assert params["storage"] == str(tmp_path / "study.journal")
+    assert run.data.tags["paratune.resumed"] == "false"
+    resumed = client.get_run(again.run_id).data.tags
+    assert resumed["paratune.resumed"] == "true" and resumed["paratune.prior_trials"] == "8"
+    exhaustive_run = tune("llama3-8b", 32, "H100", closed_form, search="exhaustive",
+                          global_batch_sizes=[256])
+    params = client.get_run(exhaustive_run.run_id).data.params
+    assert params["search"] == "exhaustive" and params["sampler"] == ""
+    assert float(params["memory_limit_gb"]) == pytest.approx(0.95 * 80, rel=0.01)

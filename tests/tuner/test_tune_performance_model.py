@@ -54,3 +54,23 @@ def test_tune_with_a_fitted_performance_model(saved_model, tmp_path):
     assert yaml.safe_load((out / "recommendation.yaml").read_text())["config"] == rec["config"]
     for name in ("torchtitan.toml", "megatron_args.txt"):
         assert (out / name).stat().st_size > 0
+
+
+def test_tune_run_names_the_predictor_and_its_training_data(saved_model, tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    from paratune.models import load_model
+
+    spec = get_model("llama3-8b", seq_len=4096)
+    kwargs = dict(global_batch_sizes=[64], search="exhaustive",
+                  space=ConfigSpace(micro_batch_sizes=(1, 2), recomputes=("none",)))
+    loaded = load_model(saved_model)
+    from_dir = tune(spec, 16, "H100", saved_model, **kwargs)
+    from_object = tune(spec, 16, "H100", loaded, **kwargs)
+    client = MlflowClient()
+    params = client.get_run(from_dir.run_id).data.params
+    assert params["predictor"] == str(saved_model.resolve())
+    assert params["predictor_fingerprint"] == loaded.fingerprint_
+    params = client.get_run(from_object.run_id).data.params
+    assert params["predictor"] == "PerformanceModel"
+    assert params["predictor_fingerprint"] == loaded.fingerprint_

@@ -81,3 +81,22 @@ def test_each_verified_config_gets_its_own_measurement(closed_form, tmp_path):
         assert len(own) == 1 and row["status"] == own["status"].iloc[0] == "ok"
         assert row["measured_tokens_per_s"] == pytest.approx(float(own["tokens_per_s"].iloc[0]))
     assert table["measured_tokens_per_s"].iloc[0] != table["measured_tokens_per_s"].iloc[1]
+
+
+@pytest.mark.slow
+def test_verify_is_logged_in_the_tune_run(closed_form, tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    from paratune.models import PerformanceModel
+
+    space = ConfigSpace(global_batch_sizes=(8,), micro_batch_sizes=(4,), shardings=("none",),
+                        recomputes=("none",), schedules=("1f1b",))
+    result = tune("tiny", 2, "cpu", closed_form, search="exhaustive", space=space,
+                  output_dir=tmp_path / "out", verify=1,
+                  verify_options={"measured_steps": 2, "warmup_steps": 1, "timeout_s": 120,
+                                  "model_factory": lambda: PerformanceModel(n_estimators=10,
+                                                                            n_jobs=1)})
+    client = MlflowClient()
+    run = client.get_run(result.run_id)
+    assert run.info.status == "FINISHED" and run.data.params["verify"] == "1"
+    assert "verification.csv" in {a.path for a in client.list_artifacts(result.run_id)}
