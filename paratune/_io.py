@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
@@ -9,7 +10,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["append_jsonl", "atomic_write_bytes", "atomic_write_text", "fsync_dir", "read_jsonl"]
+__all__ = ["append_jsonl", "atomic_write_bytes", "atomic_write_text", "exclusive_lock",
+           "fsync_dir", "read_jsonl"]
 
 
 def fsync_dir(path: Path) -> None:
@@ -101,6 +103,42 @@ def read_jsonl(path: str | Path) -> Iterator[dict[str, Any]]:
 
 
 _WARNED: set[tuple[str, tuple[int, ...]]] = set()
+
+
+@contextlib.contextmanager
+def exclusive_lock(path: str | Path, *, field: str, value: str, what: str) -> Iterator[None]:
+    """Hold an exclusive advisory lock on ``path`` (created if missing) while the block runs.
+
+    The lock (``flock``) belongs to this process and ends with it, killed or not, so a
+    dead run never leaves a stale lock behind. Where ``flock`` does not exist (not POSIX)
+    nothing is locked.
+
+    Raises:
+        ConfigError: another process holds the lock; ``field``/``value`` name the input that
+            points at the shared files, ``what`` says what that process is doing.
+    """
+    try:
+        import fcntl
+    except ImportError:  # no advisory locks on this platform
+        yield
+        return
+    from paratune.errors import ConfigError
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            raise ConfigError(field, value, f"is in use: another process (pid {holder}) is "
+                              f"{what}; wait for it to end or stop it first") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def _default(value: Any) -> Any:

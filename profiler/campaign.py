@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from paratune._io import atomic_write_text
+from paratune._io import atomic_write_text, exclusive_lock
 from paratune.errors import ConfigError, ParatuneError
 from paratune.measurement import Status
 from paratune.parallel import ParallelConfig
@@ -279,6 +279,9 @@ def prepare_campaign(spec: CampaignSpec, out: str | Path, *, resume: bool = Fals
             # a grid stored before options were kept sorted: compare it as the space it is
             with contextlib.suppress(ConfigError):  # else compared as stored, and refused
                 stored["grid"] = ConfigSpace.from_dict(stored["grid"]).to_dict()
+        # campaigns on the default synthetic tokens store no data field
+        stored.setdefault("data", "synthetic")
+        identity.setdefault("data", spec.data)
         for name, value in identity.items():
             if name == "world_sizes" and set(value) <= set(stored.get(name, [])):
                 continue  # a part of the campaign's world sizes
@@ -815,7 +818,8 @@ def run_campaign(spec: CampaignSpec, out: str | Path, *, resume: bool = False,
         The campaign's result, with the dataset materialised in ``out``.
 
     Raises:
-        ConfigError: bad spec, ``out`` already holds a campaign (without ``resume``),
+        ConfigError: bad spec, ``out`` already holds a campaign (without ``resume``) or
+            another process is profiling it,
             more CUDA devices are asked for than this machine has, or on the CPU a config's
             processes cannot fit in this machine's memory (``model``; nothing is started).
         CampaignError: a worker group repeatedly fails to start.
@@ -841,6 +845,23 @@ def run_campaign(spec: CampaignSpec, out: str | Path, *, resume: bool = False,
                               "on a cluster, with the commands that 'paratune profile "
                               "--print-command' prints")
     paths, meta = prepare_campaign(spec, out, resume=resume)
+    with exclusive_lock(paths.root / ".lock", field="out", value=str(out),
+                        what="profiling this campaign"):
+        return _run_campaign(spec, paths, meta, resume=resume, launcher=launcher,
+                             track=track, progress=progress, on_record=on_record,
+                             fail_grace_s=fail_grace_s, startup_timeout_s=startup_timeout_s,
+                             extra_env=extra_env, started=started,
+                             children_before=children_before)
+
+
+def _run_campaign(spec: CampaignSpec, paths: CampaignPaths, meta: dict[str, Any], *,
+                  resume: bool, launcher: str, track: bool, progress: bool,
+                  on_record: Any, fail_grace_s: float, startup_timeout_s: float,
+                  extra_env: dict[str, str] | None, started: float,
+                  children_before: Any) -> CampaignResult:
+    """:func:`run_campaign` once the campaign is prepared and locked."""
+    import resource
+
     before = {ws: journal_keys(paths.journal(ws)) for ws in spec.world_sizes}
     total = sum(int(meta["num_valid"][str(ws)]) - len(before[ws] & _plan_keys(paths, ws))
                 for ws in spec.world_sizes)

@@ -112,6 +112,34 @@ def test_prepare_writes_plans_and_refuses_to_mix_campaigns(tmp_path):
     assert again["campaign_id"] == meta["campaign_id"]
 
 
+@pytest.mark.parametrize(("measured", "resumed"), [("text", "synthetic"),
+                                                   ("synthetic", "text")])
+def test_a_resume_on_other_tokens_is_refused(tmp_path, measured, resumed):
+    model = TINY.replace(vocab_size=256)
+    prepare_campaign(_spec(model=model, data=measured), tmp_path / "c")
+    plans = {p.name: p.read_text() for p in (tmp_path / "c").glob("plan-ws*.json")}
+    with pytest.raises(ConfigError, match=rf"^data='{resumed}': differs from the campaign "
+                                          rf".*\('{measured}'\)$"):
+        prepare_campaign(_spec(model=model, data=resumed), tmp_path / "c", resume=True)
+    assert {p.name: p.read_text() for p in (tmp_path / "c").glob("plan-ws*.json")} == plans
+
+
+def test_a_campaign_another_process_is_profiling_is_refused(tmp_path):
+    from paratune._io import exclusive_lock
+
+    spec = _spec()
+    paths, _ = prepare_campaign(spec, tmp_path / "c")
+    lock = dict(field="out", value="x", what="profiling this campaign")
+    busy = (r"^out='.*': is in use: another process "
+            rf"\(pid {os.getpid()}\) is profiling this campaign")
+    # the lock a running campaign holds
+    with exclusive_lock(paths.root / ".lock", **lock), pytest.raises(ConfigError, match=busy):
+        run_campaign(spec, tmp_path / "c", resume=True, track=False, progress=False)
+    assert not paths.journals()  # nothing was measured
+    with exclusive_lock(paths.root / ".lock", **lock):  # released when its holder ends
+        pass
+
+
 def test_a_grid_with_no_valid_config_is_refused_before_anything_is_written(tmp_path, capsys):
     grid = tmp_path / "g2.yaml"
     grid.write_text("tp_degrees: [3]\nglobal_batch_sizes: [8]\n")
