@@ -24,6 +24,8 @@ _ALIASES = {"mb": "micro_batch_size", "mbs": "micro_batch_size", "gb": "global_b
 # the MiB of --corpus-mb, so its lower bound is checked here instead.
 _FIELD_FLAGS = {
     "path": "--model",  # a config.json that cannot be read
+    "steps": "--steps",  # e.g. fewer than a resumed run has already made
+    "out": "--out",  # e.g. another run is writing it
     "model.seq_len": "--seq-len",
     "data_seed": "--seed",
     "num_small_batches": "--small-batches",
@@ -77,7 +79,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "checkpointed every 50 steps (--checkpoint-every) into OUT-checkpoint/; "
                     "rerunning the same command with --resume continues a killed run from "
                     "its last checkpoint (the steps after it are measured again). A run "
-                    "without --resume starts afresh: it replaces OUT and that checkpoint.")
+                    "without --resume starts afresh: it replaces OUT and that checkpoint. "
+                    "A second run on the same OUT is refused while one runs (OUT.lock).")
     parser.add_argument("--model", default="tiny",
                         help="model preset with a byte-level vocabulary (tiny, small) or a "
                              "config.json path (default tiny)")

@@ -31,6 +31,7 @@ adaptive optimizers; before the optimizer's first step the weight is one.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from collections.abc import Callable, Iterable, Sequence
@@ -748,7 +749,8 @@ def _check_resumable(job: GNSJob) -> None:
 
     Refused: measured rows without a complete checkpoint to continue from (restarting at
     step 0 would delete them); a checkpoint saved by a run with other settings (see
-    :func:`_check_fingerprint`); rows up to the checkpoint's step that are not its run's.
+    :func:`_check_fingerprint`); a checkpoint past ``job.steps`` (the run would end with more
+    rows than asked for); rows up to the checkpoint's step that are not its run's.
     """
     import json
 
@@ -768,7 +770,13 @@ def _check_resumable(job: GNSJob) -> None:
         return
     saved = json.loads((found / RUN_STATE_FILE).read_text(encoding="utf-8"))
     _check_fingerprint(job, saved, found)
-    _check_rows_match(job, int(saved["step"]), int(saved["tokens_seen"]), found)
+    step = int(saved["step"])
+    if job.steps < step:
+        raise ConfigError("steps", job.steps, f"the run being resumed is already at step {step} "
+                          f"(checkpoint {found}); nothing was changed. Give at least {step} "
+                          "steps to continue it, or run without resume to start a new "
+                          "trajectory")
+    _check_rows_match(job, step, int(saved["tokens_seen"]), found)
 
 
 def _start_fresh(job: GNSJob) -> None:
@@ -836,14 +844,17 @@ def _device_for(kind: str, rank: int, world_size: int) -> Any:
 
 
 def init_worker(rank: int, world_size: int, port: int, device: str = "auto") -> Any:
-    """Join a localhost process group (gloo on CPU, NCCL on CUDA); returns the device."""
+    """Join a localhost process group (gloo on CPU, NCCL on CUDA); returns the device.
+
+    Called in a process started by :func:`spawn`, which has already tied the process's life
+    to its parent's (see :func:`_die_with_parent`).
+    """
     import datetime
     import os
 
     import torch
     import torch.distributed as dist
 
-    _die_with_parent()
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dev = _device_for(device, rank, world_size)
@@ -854,26 +865,64 @@ def init_worker(rank: int, world_size: int, port: int, device: str = "auto") -> 
     return dev
 
 
-def _die_with_parent() -> None:
-    """Have the kernel end this worker when the process that started it dies (Linux), so a
-    killed run leaves no workers writing its trajectory and checkpoint."""
-    import contextlib
+def _die_with_parent(parent_pid: int) -> None:
+    """End this worker when ``parent_pid``, the process that started it, dies, so a killed
+    run leaves no workers writing its trajectory and checkpoint.
+
+    The kernel is asked to send SIGTERM on the parent's death (Linux); a parent that died
+    before that request (while this process was starting up) is caught by comparing the
+    current parent with ``parent_pid``: an orphan has been re-parented and exits at once.
+    """
     import ctypes
+    import os
     import signal
     import sys
 
-    if not sys.platform.startswith("linux"):
-        return
-    with contextlib.suppress(OSError, AttributeError):  # no libc prctl: nothing to set
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):  # no libc prctl: nothing to set
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PDEATHSIG
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+
+def _spawned(rank: int, fn: Callable[..., Any], parent_pid: int, world_size: int, port: int,
+             *args: Any) -> None:
+    """Body of a process started by :func:`spawn`: first tie it to its parent, then run
+    ``fn(rank, world_size, port, *args)``."""
+    _die_with_parent(parent_pid)
+    fn(rank, world_size, port, *args)
+
+
+def _end_workers(processes: Sequence[Any], *, grace_s: float = 10.0) -> None:
+    """SIGTERM every live process, wait up to ``grace_s`` for all of them, SIGKILL the rest;
+    returns once none is running, so none writes after this process has exited."""
+    import time
+
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+    deadline = time.monotonic() + grace_s
+    for process in processes:
+        process.join(max(0.0, deadline - time.monotonic()))
+    for process in processes:
+        if process.is_alive():
+            process.kill()
+            process.join()
 
 
 def spawn(fn: Callable[..., Any], world_size: int, *args: Any) -> None:
     """Run ``fn(rank, world_size, port, *args)`` in ``world_size`` fresh processes.
 
-    A SIGTERM to this process ends the workers before it exits (and a worker whose parent
-    dies is ended by the kernel, see :func:`init_worker`).
+    ``fn`` must be picklable (a module-level function). A SIGTERM to this process, a SIGINT
+    (``KeyboardInterrupt``) or any other exception while the workers run ends them before it
+    propagates (SIGTERM as ``SystemExit(143)``); a worker whose parent dies, even before the
+    worker has finished starting up, ends itself (see :func:`_die_with_parent`).
+
+    Raises:
+        WorkerError: a worker raised or died.
     """
+    import multiprocessing
+    import os
     import signal
     import socket
     import threading
@@ -883,18 +932,17 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any) -> None:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         port = int(sock.getsockname()[1])
-    context = mp.start_processes(fn, args=(world_size, port, *args), nprocs=world_size,
-                                 join=False, start_method="spawn")
 
     def stop(signum: int, _frame: Any) -> None:
-        for process in context.processes:
-            if process.is_alive():
-                process.terminate()
         raise SystemExit(128 + signum)
 
+    earlier = set(multiprocessing.active_children())
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, stop) if main_thread else None
+    context = None
     try:
+        context = mp.start_processes(_spawned, args=(fn, os.getpid(), world_size, port, *args),
+                                     nprocs=world_size, join=False, start_method="spawn")
         while not context.join():
             pass
     except mp.ProcessRaisedException as exc:
@@ -906,6 +954,12 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any) -> None:
                           "(-v for its traceback)") from None
     except mp.ProcessExitedException as exc:
         raise WorkerError(f"rank {exc.error_index} of {world_size} died: {exc}") from None
+    except BaseException:
+        # Interrupted (SIGINT, SIGTERM), possibly while the workers were being started.
+        started = (context.processes if context is not None else
+                   [p for p in multiprocessing.active_children() if p not in earlier])
+        _end_workers(started)
+        raise
     finally:
         if main_thread:
             signal.signal(signal.SIGTERM, previous)
@@ -989,6 +1043,9 @@ def run_gns(job: GNSJob) -> Path:
     with neither starts from step 0.
     A run starting from step 0 deletes ``job.out`` and any checkpoint left in
     ``checkpoint_dir``, so a later resume cannot continue another run's weights.
+    While it runs, this process holds an exclusive lock on ``<out>.lock`` (released when it
+    ends, however it ends), and a second run on the same ``out`` is refused. A SIGINT or
+    SIGTERM ends the workers before it propagates (see :func:`spawn`).
 
     Args:
         job: The run.
@@ -998,23 +1055,46 @@ def run_gns(job: GNSJob) -> Path:
 
     Raises:
         ConfigError: the job is invalid, it resumes measured rows without a checkpoint or
-            from a checkpoint of another run (the differing field named), on CUDA this
-            machine has fewer GPUs than ranks, or on the CPU its processes cannot fit in
-            this machine's memory (checked before any process starts).
+            from a checkpoint of another run (the differing field named) or one already past
+            ``steps``, another run is writing ``out``, on CUDA this machine has fewer GPUs
+            than ranks, or on the CPU its processes cannot fit in this machine's memory
+            (checked before any process starts).
     """
     job.validate()
-    _check_resumable(job)
-    if _resolved_device(job.device) == "cpu":
-        from paratune.profiler._memory import check_cpu_memory
+    with _locked_trajectory(job.out):
+        _check_resumable(job)
+        if _resolved_device(job.device) == "cpu":
+            from paratune.profiler._memory import check_cpu_memory
 
-        check_cpu_memory(job.model, job.config)
-    from paratune.profiler.reconfigure import find_checkpoint
+            check_cpu_memory(job.model, job.config)
+        from paratune.profiler.reconfigure import find_checkpoint
 
-    if not (job.resume and job.checkpoint_dir is not None
-            and find_checkpoint(job.checkpoint_dir) is not None):
-        _start_fresh(job)
-    spawn(_gns_worker, job.config.world_size, job)
+        if not (job.resume and job.checkpoint_dir is not None
+                and find_checkpoint(job.checkpoint_dir) is not None):
+            _start_fresh(job)
+        spawn(_gns_worker, job.config.world_size, job)
     return Path(job.out)
+
+
+def _lock_path(out: str | Path) -> Path:
+    """The lock file of the trajectory ``out``: ``<out>.lock`` beside it."""
+    path = Path(out).resolve()
+    return path.with_name(path.name + ".lock")
+
+
+def _locked_trajectory(out: str | Path) -> contextlib.AbstractContextManager[None]:
+    """Hold an exclusive lock on :func:`_lock_path` while the block runs, so that two runs
+    never write one trajectory and its checkpoint (see :func:`paratune._io.exclusive_lock`:
+    the kernel releases it when this process ends, however it ends).
+
+    Raises:
+        ConfigError: another process holds it (``out``, naming that process).
+    """
+    from paratune._io import exclusive_lock
+
+    path = _lock_path(out)
+    return exclusive_lock(path, field="out", value=str(out),
+                          what=f"writing this trajectory (it holds {path})")
 
 
 # ---------------------------------------------------------------------- layout check

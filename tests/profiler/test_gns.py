@@ -337,3 +337,160 @@ def test_spawn_names_the_failed_rank_and_its_error(how, message):
 
     with pytest.raises(WorkerError, match=message):
         spawn(_failing_worker, 2, how)
+
+
+# ---------------------------------------------------------------------- process handling
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, dead but not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            state = handle.read().rpartition(")")[2].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state not in ("Z", "X")
+
+
+def _children(pid: int) -> list[int]:
+    from pathlib import Path
+
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rpartition(")")[2].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def _wait_until(condition, timeout_s: float) -> bool:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.1)
+    return condition()
+
+
+_ORPHAN_SCRIPT = '''
+import os
+import signal
+import sys
+import threading
+import time
+
+if __name__ == "__mp_main__":
+    # A worker starting up: this module is imported before the worker's function runs. Note
+    # the pid, then take long enough that the parent is gone before the worker runs.
+    open(os.path.join(os.environ["GNS_TEST_DIR"], f"{os.getpid()}.started"), "w").close()
+    time.sleep(2.0)
+
+
+def work(rank, world_size, port, out):
+    open(os.path.join(out, f"{os.getpid()}.ran"), "w").close()
+    time.sleep(60)  # training, as an orphan
+
+
+if __name__ == "__main__":
+    import torch.multiprocessing  # noqa: F401  (imported now: the workers start at once)
+
+    from paratune.profiler.gns import spawn
+
+    threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGKILL)).start()
+    spawn(work, 2, sys.argv[1])
+'''
+
+
+@pytest.mark.slow
+def test_workers_whose_parent_died_during_their_start_up_exit(tmp_path):
+    """SIGKILL of the parent while its workers are still starting (before any of them could
+    ask the kernel to follow the parent's death): they must not go on training as orphans."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    script = tmp_path / "parent.py"
+    script.write_text(_ORPHAN_SCRIPT)
+    env = {**os.environ, "GNS_TEST_DIR": str(tmp_path), "OMP_NUM_THREADS": "1"}
+    log = tmp_path / "parent.log"
+    with open(log, "w") as handle:  # not a pipe: orphans would hold it open
+        parent = subprocess.run([sys.executable, str(script), str(tmp_path)], env=env,
+                                cwd=tmp_path, timeout=60, stdout=handle, stderr=handle)
+    assert parent.returncode == -signal.SIGKILL, log.read_text()
+    pids: list[int] = []
+    try:
+        assert _wait_until(lambda: len(list(tmp_path.glob("*.started"))) == 2, 20)
+        pids = [int(p.stem) for p in tmp_path.glob("*.started")]
+        _wait_until(lambda: list(tmp_path.glob("*.ran"))
+                    or not any(_alive(pid) for pid in pids), 30)
+        assert not list(tmp_path.glob("*.ran")), "an orphaned worker ran"
+        assert not [pid for pid in pids if _alive(pid)]
+    finally:
+        for pid in pids:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _gns_command(out, steps: int, *extra: str) -> list[str]:
+    return ["gns", "--model", "tiny", "--seq-len", "32", "--corpus-mb", "0.5", "--no-track",
+            "--config", "dp=2,gb=4,mb=2", "--checkpoint-every", "2", "--steps", str(steps),
+            "--out", str(out), *extra]
+
+
+@pytest.mark.slow
+def test_sigint_ends_the_workers_and_leaves_a_resumable_run(tmp_path, capsys):
+    """kill -INT of `paratune gns` (as some schedulers send) stops the run at once: the
+    workers are ended, not waited for, and --resume continues from what they left. While it
+    runs, a second run on the same --out is refused."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from paratune.cli import main
+    from paratune.profiler.reconfigure import find_checkpoint
+
+    out, ckpt = tmp_path / "g.csv", tmp_path / "g-checkpoint"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    run = subprocess.Popen([sys.executable, "-m", "paratune.cli", *_gns_command(out, 100_000)],
+                           env=env, cwd=tmp_path, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert _wait_until(lambda: run.poll() is None and out.exists()
+                           and len(out.read_text().splitlines()) > 4
+                           and find_checkpoint(ckpt) is not None, 60), run.poll()
+
+        # A second run on the same output is refused; the first keeps its files.
+        assert main(_gns_command(out, 3)) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"paratune gns: error: --out='{out}': is in use: another "
+                              f"process (pid {run.pid}) is writing this trajectory (it holds "
+                              f"{out}.lock)"), err
+        assert find_checkpoint(ckpt) is not None
+
+        workers = _children(run.pid)
+        assert len(workers) >= 2
+        run.send_signal(signal.SIGINT)
+        start = time.monotonic()
+        _, stderr = run.communicate(timeout=30)
+        assert run.returncode == 130, stderr
+        assert "paratune gns: interrupted" in stderr
+        assert time.monotonic() - start < 20
+        assert _wait_until(lambda: not any(_alive(pid) for pid in workers), 10)
+    finally:
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
+            run.wait()
+
+    rows = out.read_text()
+    time.sleep(0.5)
+    assert out.read_text() == rows  # nothing writes any more
+    steps = list(_rows(out)["step"])
+    assert steps == list(range(1, len(steps) + 1))
+    assert main(_gns_command(out, len(steps) + 2, "--resume")) == 0
+    assert list(_rows(out)["step"]) == list(range(1, len(steps) + 3))

@@ -222,3 +222,68 @@ def test_a_cuda_run_needs_a_gpu_per_rank(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="no CUDA device is visible") as info:
         _job(tmp_path, device="cuda").validate()
     assert info.value.field == "device"
+
+
+@pytest.mark.slow
+def test_resuming_with_fewer_steps_than_the_checkpoint_is_refused(tmp_path, capsys):
+    """`--resume --steps 2` on a run checkpointed at step 3 used to exit 0 keeping 3 rows."""
+    from paratune.cli import main
+    from paratune.profiler.gns import run_gns
+
+    out, ckpt = tmp_path / "g.csv", tmp_path / "g-checkpoint"
+    run_gns(_job(tmp_path, out=str(out), checkpoint_dir=str(ckpt)))  # steps 1-3, saved at 3
+    rows, state = out.read_text(), (ckpt / "run_state.json").read_text()
+    with pytest.raises(ConfigError, match="the run being resumed is already at step 3") as info:
+        run_gns(_job(tmp_path, out=str(out), checkpoint_dir=str(ckpt), steps=2, resume=True))
+    assert (info.value.field, info.value.value) == ("steps", 2)
+    # The command names the flag (same settings as _job, so only the steps differ).
+    assert main(["gns", "--model", "tiny", "--seq-len", "32", "--corpus-mb", "0.25",
+                 "--config", "mb=2,gb=4", "--device", "cpu", "--checkpoint-every", "3",
+                 "--no-track", "--out", str(out), "--steps", "2", "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("paratune gns: error: --steps=2: the run being resumed is already "
+                          "at step 3"), err
+    assert out.read_text() == rows
+    assert (ckpt / "run_state.json").read_text() == state
+
+
+_HOLD_LOCK = """
+import sys, time
+from paratune.profiler.gns import _locked_trajectory
+with _locked_trajectory(sys.argv[1]):
+    print("locked", flush=True)
+    time.sleep(60)
+"""
+
+
+def test_a_run_on_an_output_another_process_is_writing_is_refused(tmp_path):
+    """Two runs on one --out both wrote its trajectory. The lock is the kernel's: a second
+    run is refused while another process holds it, and it is free once that process has
+    died, even by SIGKILL (no stale lock to clean up)."""
+    import subprocess
+    import sys
+
+    from paratune.profiler.gns import TRAJECTORY_COLUMNS, _locked_trajectory, run_gns
+
+    out, ckpt = tmp_path / "traj.csv", tmp_path / "ckpt"
+    rows = ",".join(TRAJECTORY_COLUMNS) + "\n"
+    out.write_text(rows)
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD_LOCK, str(out)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "locked\n"
+        for resume in (False, True):
+            with pytest.raises(ConfigError, match=rf"is in use: another process \(pid "
+                               rf"{holder.pid}\) is writing this trajectory \(it holds "
+                               r".*traj\.csv\.lock\)") as info:
+                run_gns(_job(tmp_path, resume=resume))
+            assert info.value.field == "out"
+        assert out.read_text() == rows and not ckpt.exists()
+    finally:
+        holder.kill()
+        holder.wait()
+        holder.stdout.close()
+    # Released with the process that held it; held here, it refuses a second holder.
+    with (_locked_trajectory(out), pytest.raises(ConfigError, match="is in use"),
+          _locked_trajectory(out)):
+        pass
