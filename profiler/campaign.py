@@ -844,14 +844,27 @@ def run_campaign(spec: CampaignSpec, out: str | Path, *, resume: bool = False,
                               f"profile world sizes up to {available} here, and larger ones "
                               "on a cluster, with the commands that 'paratune profile "
                               "--print-command' prints")
-    paths, meta = prepare_campaign(spec, out, resume=resume)
-    with exclusive_lock(paths.root / ".lock", field="out", value=str(out),
-                        what="profiling this campaign"):
+    with _locked(spec, out, resume=resume):
+        paths, meta = prepare_campaign(spec, out, resume=resume)
         return _run_campaign(spec, paths, meta, resume=resume, launcher=launcher,
                              track=track, progress=progress, on_record=on_record,
                              fail_grace_s=fail_grace_s, startup_timeout_s=startup_timeout_s,
                              extra_env=extra_env, started=started,
                              children_before=children_before)
+
+
+@contextlib.contextmanager
+def _locked(spec: CampaignSpec, out: str | Path, *, resume: bool) -> Iterator[None]:
+    """Hold the campaign directory's lock (``out/.lock``) while the block prepares and runs
+    it, so that a second process on the same campaign is refused before it rewrites a file.
+    The refusals that need no lock come first and leave nothing behind: a grid without a
+    valid config, a resume of nothing."""
+    _check_something_to_measure(spec, enumerate_campaign(spec))
+    if resume and not CampaignPaths(Path(out)).campaign.exists():
+        raise ConfigError("resume", str(out), "holds no campaign.json: nothing to resume")
+    with exclusive_lock(Path(out) / ".lock", field="out", value=str(out),
+                        what="profiling this campaign"):
+        yield
 
 
 def _run_campaign(spec: CampaignSpec, paths: CampaignPaths, meta: dict[str, Any], *,
@@ -946,8 +959,9 @@ def torchrun_commands(spec: CampaignSpec, out: str | Path, *, nnodes: int | None
     """
     from paratune.profiler.launcher import slurm_command, torchrun_command
 
-    paths, meta = prepare_campaign(spec, out, resume=resume or CampaignPaths(
-        Path(out)).campaign.exists())
+    resume = resume or CampaignPaths(Path(out)).campaign.exists()
+    with _locked(spec, out, resume=resume):
+        paths, meta = prepare_campaign(spec, out, resume=resume)
     commands = []
     for world_size in spec.world_sizes:
         per_node = nproc_per_node or spec.devices_per_node or world_size

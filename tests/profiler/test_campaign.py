@@ -129,13 +129,19 @@ def test_a_campaign_another_process_is_profiling_is_refused(tmp_path):
 
     spec = _spec()
     paths, _ = prepare_campaign(spec, tmp_path / "c")
+    files = {p.name: p.read_bytes() for p in paths.root.iterdir()}
     lock = dict(field="out", value="x", what="profiling this campaign")
     busy = (r"^out='.*': is in use: another process "
             rf"\(pid {os.getpid()}\) is profiling this campaign")
     # the lock a running campaign holds
     with exclusive_lock(paths.root / ".lock", **lock), pytest.raises(ConfigError, match=busy):
-        run_campaign(spec, tmp_path / "c", resume=True, track=False, progress=False)
-    assert not paths.journals()  # nothing was measured
+        # another timeout would rewrite campaign.json and the plans the running one reads
+        run_campaign(_spec(timeout_s=5.0), tmp_path / "c", resume=True, track=False,
+                     progress=False)
+    with exclusive_lock(paths.root / ".lock", **lock), pytest.raises(ConfigError, match=busy):
+        torchrun_commands(_spec(timeout_s=5.0), tmp_path / "c", resume=True)
+    # nothing was measured or rewritten
+    assert {p.name: p.read_bytes() for p in paths.root.iterdir() if p.name != ".lock"} == files
     with exclusive_lock(paths.root / ".lock", **lock):  # released when its holder ends
         pass
 
