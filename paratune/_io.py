@@ -134,6 +134,14 @@ def exclusive_lock(path: str | Path, *, field: str, value: str, what: str) -> It
             holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
             raise ConfigError(field, value, f"is in use: another process (pid {holder}) is "
                               f"{what}; wait for it to end or stop it first") from None
+        except OSError as exc:  # a filesystem without flock (some NFS, Lustre, FUSE mounts)
+            import logging
+
+            logging.getLogger(__name__).warning(
+                "%s: cannot lock (%s); nothing stops another process %s at the same time",
+                path, exc.strerror or exc, what)
+            yield
+            return
         os.ftruncate(fd, 0)
         os.pwrite(fd, str(os.getpid()).encode(), 0)
         yield

@@ -29,3 +29,21 @@ def test_atomic_write_leaves_no_temporary_file(tmp_path):
     atomic_write_text(tmp_path / "a.txt", "two")
     assert (tmp_path / "a.txt").read_text() == "two"
     assert [p.name for p in tmp_path.iterdir()] == ["a.txt"]
+
+
+def test_a_filesystem_without_flock_runs_unlocked_with_a_warning(tmp_path, monkeypatch,
+                                                                 caplog):
+    import errno
+    import fcntl
+
+    from paratune._io import exclusive_lock
+
+    def no_locks(fd, operation):  # as some NFS, Lustre and FUSE mounts answer
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    ran = []
+    with exclusive_lock(tmp_path / ".lock", field="out", value="o", what="profiling it"):
+        ran.append(True)
+    assert ran == [True]
+    assert "cannot lock (No locks available)" in caplog.text
