@@ -98,6 +98,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     tune.add_argument("--dataset", type=Path, default=None,
                       help="dataset that --verify adds its measurements to")
     tune.set_defaults(func=_tune, field_flags={**_JOB_FIELD_FLAGS, "risk_quantile": "--risk",
+                                               "batch_size": "--batch-size",
                                                "n_trials": "--trials"})
 
     plan = subparsers.add_parser(

@@ -229,6 +229,11 @@ def tune(model: ModelSpec | str, gpus: int, gpu: HardwareSpec | str,
                                      devices_per_node=devices_per_node)
     if search not in SEARCH_MODES:
         raise ConfigError("search", search, f"must be one of {', '.join(SEARCH_MODES)}")
+    # checked before a run or a study is opened (the search checks them again)
+    for name, value in (("n_trials", n_trials), ("batch_size", batch_size)):
+        if search != "exhaustive" and (isinstance(value, bool) or not isinstance(value, int)
+                                       or value < 1):
+            raise ConfigError(name, value, "must be a positive integer")
     obj = Objective(kind=ObjectiveKind(objective) if objective in ("throughput", "goodput")
                     else objective, b_noise=b_noise, b0=b0, risk_quantile=risk_quantile,
                     min_feasible_prob=min_feasible_prob, memory_limit_gb=memory_limit_gb)

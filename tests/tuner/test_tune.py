@@ -180,3 +180,20 @@ def test_tune_run_records_its_inputs_and_whether_the_study_resumed(closed_form, 
     params = client.get_run(exhaustive_run.run_id).data.params
     assert params["search"] == "exhaustive" and params["sampler"] == ""
     assert float(params["memory_limit_gb"]) == pytest.approx(0.95 * 80, rel=0.01)
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--trials", "0"], "--trials=0: must be a positive integer"),
+    (["--batch-size", "0"], "--batch-size=0: must be a positive integer"),
+])
+def test_a_bad_search_option_is_refused_before_a_run_or_a_study_opens(tmp_path, capsys, flags,
+                                                                       message):
+    from paratune.cli import main
+
+    out = tmp_path / "o"
+    code = main(["tune", "--model", "llama3-8b", "--gpus", "64", "--gpu", "H100",
+                 "--predictor", str(tmp_path / "no-model"), "--output", str(out), *flags])
+    assert code == 2
+    assert capsys.readouterr().err.startswith(f"paratune tune: error: {message}")
+    assert _tune_runs() == []
+    assert not out.exists()
