@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from paratune import __version__
-from paratune.errors import ConfigError, ParatuneError
+from paratune.errors import ConfigError, ParatuneError, Terminated
 
 __all__ = ["Terminated", "at_least", "build_parser", "flag_message", "main",
            "sigterm_as_exit"]
@@ -156,12 +156,6 @@ def _not_utf8(exc: UnicodeDecodeError, argv: Sequence[str]) -> str:
         except OSError:
             continue
     return f"an input file is not UTF-8 text ({exc.reason} at byte {exc.start})"
-
-
-class Terminated(SystemExit):
-    """Raised in the main thread when the process receives SIGTERM (``kill``, SLURM
-    ``scancel``, a job's time limit), so that ``finally`` blocks and context managers run:
-    an MLflow run ends as ``KILLED``, workers are stopped. Exit code ``128 + SIGTERM``."""
 
 
 def _raise_terminated(signum: int, _frame: object) -> None:

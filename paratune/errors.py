@@ -6,7 +6,8 @@ the rule, so callers that only know Python's built-ins still catch it.
 
 from __future__ import annotations
 
-__all__ = ["ConfigError", "DatasetError", "ModelFormatError", "ParatuneError", "SchemaVersionError"]
+__all__ = ["ConfigError", "DatasetError", "ModelFormatError", "ParatuneError", "SchemaVersionError",
+           "Terminated"]
 
 
 class ParatuneError(Exception):
@@ -39,3 +40,9 @@ class SchemaVersionError(DatasetError):
 
 class ModelFormatError(ParatuneError, ValueError):
     """A saved performance model is missing, corrupt, or of an incompatible schema."""
+
+
+class Terminated(SystemExit):
+    """Raised in the main thread when the process receives SIGTERM (``kill``, SLURM
+    ``scancel``, a job's time limit), so that ``finally`` blocks and context managers run:
+    an MLflow run ends as ``KILLED``, workers are stopped. Exit code ``128 + SIGTERM``."""

@@ -39,7 +39,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from paratune.errors import ConfigError, ParatuneError
+from paratune.errors import ConfigError, ParatuneError, Terminated
 
 if TYPE_CHECKING:
     import torch
@@ -915,8 +915,9 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any) -> None:
 
     ``fn`` must be picklable (a module-level function). A SIGTERM to this process, a SIGINT
     (``KeyboardInterrupt``) or any other exception while the workers run ends them before it
-    propagates (SIGTERM as ``SystemExit(143)``); a worker whose parent dies, even before the
-    worker has finished starting up, ends itself (see :func:`_die_with_parent`).
+    propagates (SIGTERM as :class:`~paratune.errors.Terminated`, exit code 143); a worker
+    whose parent dies, even before the worker has finished starting up, ends itself (see
+    :func:`_die_with_parent`).
 
     Raises:
         WorkerError: a worker raised or died.
@@ -934,7 +935,7 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any) -> None:
         port = int(sock.getsockname()[1])
 
     def stop(signum: int, _frame: Any) -> None:
-        raise SystemExit(128 + signum)
+        raise Terminated(128 + signum)
 
     earlier = set(multiprocessing.active_children())
     main_thread = threading.current_thread() is threading.main_thread()

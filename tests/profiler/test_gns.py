@@ -442,8 +442,11 @@ def _gns_command(out, steps: int, *extra: str) -> list[str]:
 
 
 @pytest.mark.slow
-def test_sigint_ends_the_workers_and_leaves_a_resumable_run(tmp_path, capsys):
-    """kill -INT of `paratune gns` (as some schedulers send) stops the run at once: the
+@pytest.mark.parametrize(("signame", "code", "said"), [("SIGINT", 130, "interrupted"),
+                                                       ("SIGTERM", 143, "terminated")])
+def test_a_signal_ends_the_workers_and_leaves_a_resumable_run(tmp_path, capsys, signame,
+                                                              code, said):
+    """kill -INT or -TERM of `paratune gns` (as schedulers send) stops the run at once: the
     workers are ended, not waited for, and --resume continues from what they left. While it
     runs, a second run on the same --out is refused."""
     import os
@@ -475,11 +478,11 @@ def test_sigint_ends_the_workers_and_leaves_a_resumable_run(tmp_path, capsys):
 
         workers = _children(run.pid)
         assert len(workers) >= 2
-        run.send_signal(signal.SIGINT)
+        run.send_signal(getattr(signal, signame))
         start = time.monotonic()
         _, stderr = run.communicate(timeout=30)
-        assert run.returncode == 130, stderr
-        assert "paratune gns: interrupted" in stderr
+        assert run.returncode == code, stderr
+        assert f"paratune gns: {said}" in stderr
         assert time.monotonic() - start < 20
         assert _wait_until(lambda: not any(_alive(pid) for pid in workers), 10)
     finally:
