@@ -98,14 +98,14 @@ def at_least(minimum: float, cast: Callable[[str], float] = int) -> Callable[[st
     """An argparse ``type``: a number (an integer with ``cast=int``) no smaller than
     ``minimum``, so that ``--top-k 0`` is refused as ``argument --top-k: must be an integer
     >= 1, not '0'`` before any work starts."""
-    kind = "an integer" if cast is int else "a number"
+    kind = "an integer" if cast is int else "a finite number"
 
     def parse(text: str) -> float:
         try:
             value = cast(text)
         except ValueError:
             value = None
-        if value is None or not value >= minimum:  # not >=: NaN is refused too
+        if value is None or not minimum <= value < float("inf"):  # NaN is refused too
             raise argparse.ArgumentTypeError(f"must be {kind} >= {minimum:g}, not {text!r}")
         return value
 

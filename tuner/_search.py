@@ -232,7 +232,7 @@ def resolve_storage(storage: str | Path | None, default_dir: str | Path | None
     text = str(storage)
     if "://" in text:
         try:
-            return optuna.storages.RDBStorage(text), text
+            return optuna.storages.RDBStorage(text), _without_password(text)
         except ImportError as exc:  # a driver that is not installed (psycopg2, pymysql)
             raise ConfigError("storage", text, f"needs a database driver: {exc}") from exc
         except Exception as exc:  # SQLAlchemy: unknown dialect, unreachable server
@@ -242,6 +242,16 @@ def resolve_storage(storage: str | Path | None, default_dir: str | Path | None
                               "journal file path") from exc
     Path(text).parent.mkdir(parents=True, exist_ok=True)
     return JournalStorage(JournalFileBackend(text)), text
+
+
+def _without_password(url: str) -> str:
+    """A database URL as it may be printed and logged: any password masked."""
+    from sqlalchemy.engine import make_url
+
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:  # not a URL SQLAlchemy parses: nothing to mask that it could use
+        return url
 
 
 def default_study_name(space: SearchSpace, objective: Objective, sampler: str,

@@ -117,9 +117,10 @@ def test_errors_name_the_flag_not_the_library_argument(tmp_path, capsys, monkeyp
                                              ">= 1, not '0'"),
     (["profile", "--world-sizes", "1,x"], "argument --world-sizes: must be comma-separated "
                                           "positive integers such as 1,2,4, not '1,x'"),
-    (["gns", "--lr", "-0.001"], "argument --lr: must be a number >= 0, not '-0.001'"),
-    (["gns", "--corpus-mb", "0.001"], "argument --corpus-mb: must be a number >= 0.00390625, "
-                                      "not '0.001'"),
+    (["gns", "--lr", "-0.001"], "argument --lr: must be a finite number >= 0, not '-0.001'"),
+    (["gns", "--lr", "inf"], "argument --lr: must be a finite number >= 0, not 'inf'"),
+    (["gns", "--corpus-mb", "0.001"], "argument --corpus-mb: must be a finite number >= "
+                                      "0.00390625, not '0.001'"),
 ])
 def test_flags_out_of_range_are_refused_by_the_parser(tmp_path, capsys, monkeypatch, flags,
                                                       message):

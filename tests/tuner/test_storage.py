@@ -97,3 +97,12 @@ def test_killed_study_resumes_without_losing_trials(tmp_path, closed_form):
         states=(TrialState.COMPLETE, TrialState.PRUNED))}
     assert result.num_trials == len(before) + 10
     assert all(after[n] == p for n, p in before.items())  # nothing measured was lost
+
+
+def test_a_database_password_is_never_printed_or_logged(tmp_path):
+    from paratune.tuner._search import _without_password, resolve_storage
+
+    assert _without_password("postgresql://tuner:s3cret@db.example:5432/studies") == \
+        "postgresql://tuner:***@db.example:5432/studies"
+    url = f"sqlite:///{tmp_path / 'studies.db'}"
+    assert resolve_storage(url, None)[1] == url  # nothing to mask
