@@ -191,9 +191,10 @@ def test_a_bad_search_option_is_refused_before_a_run_or_a_study_opens(tmp_path, 
     from paratune.cli import main
 
     out = tmp_path / "o"
+    before = [r.info.run_id for r in _tune_runs()]
     code = main(["tune", "--model", "llama3-8b", "--gpus", "64", "--gpu", "H100",
                  "--predictor", str(tmp_path / "no-model"), "--output", str(out), *flags])
     assert code == 2
     assert capsys.readouterr().err.startswith(f"paratune tune: error: {message}")
-    assert _tune_runs() == []
+    assert [r.info.run_id for r in _tune_runs()] == before  # no run was opened
     assert not out.exists()
