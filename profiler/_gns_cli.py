@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 from pathlib import Path
 
 from paratune.cli import at_least
@@ -128,9 +129,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def _gns(args: argparse.Namespace) -> int:
     import sys
 
-    import pandas as pd
-
-    from paratune._table import format_table
     from paratune.errors import ConfigError
     from paratune.profiler.gns import GNSJob, run_gns
     from paratune.profiler.reconfigure import _check_supported
@@ -156,7 +154,35 @@ def _gns(args: argparse.Namespace) -> int:
                  beta=args.ema, corpus_bytes=int(args.corpus_mb * (1 << 20)),
                  checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
                  resume=args.resume, device=args.device)
-    path = run_gns(job)
+    job.validate()  # a bad argument is refused before a run is opened
+    with contextlib.ExitStack() as stack:
+        run = None
+        if not args.no_track:  # opened first: a failed or killed run still has its record
+            from paratune.tracking import start_run
+
+            run = stack.enter_context(start_run(
+                "paratune-gns", run_name=f"gns-{model.name}-{config.key()}",
+                params={"model": model.name, "config": config.key(), "steps": args.steps,
+                        "lr": args.lr, "seed": args.seed, "mode": args.mode,
+                        "precondition": args.precondition, "ema": args.ema}))
+        path = run_gns(job)
+        frame = _report(path, model, config)
+        if run is not None:
+            every = max(1, len(frame) // 200)
+            for row in frame.iloc[::every].to_dict("records"):
+                run.log_metrics({k: row[k] for k in ("loss", "b_simple", "g2_ema",
+                                                     "trace_ema", "tokens")},
+                                step=int(row["step"]))
+            run.log_artifact(path)
+    return 0
+
+
+def _report(path: Path, model: object, config: object) -> object:
+    """Print a tenth of the trajectory's rows (and its last) and return the whole of it."""
+    import pandas as pd
+
+    from paratune._table import format_table
+
     frame = pd.read_csv(path)
     shown = frame.iloc[:: max(1, len(frame) // 10)]
     if shown.index[-1] != frame.index[-1]:
@@ -165,18 +191,4 @@ def _gns(args: argparse.Namespace) -> int:
                               "elapsed_s"]].to_dict("records"),
                        title=f"B_noise of {model.name} under {config.key()}"))
     print(f"trajectory: {path} ({len(frame)} rows; b_simple in sequences)")
-    if not args.no_track:
-        from paratune.tracking import start_run
-
-        with start_run("paratune-gns", run_name=f"gns-{model.name}-{config.key()}",
-                       params={"model": model.name, "config": config.key(),
-                               "steps": args.steps, "lr": args.lr, "seed": args.seed,
-                               "mode": args.mode, "precondition": args.precondition,
-                               "ema": args.ema}) as run:
-            every = max(1, len(frame) // 200)
-            for row in frame.iloc[::every].to_dict("records"):
-                run.log_metrics({k: row[k] for k in ("loss", "b_simple", "g2_ema",
-                                                     "trace_ema", "tokens")},
-                                step=int(row["step"]))
-            run.log_artifact(path)
-    return 0
+    return frame

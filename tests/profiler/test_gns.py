@@ -497,3 +497,23 @@ def test_a_signal_ends_the_workers_and_leaves_a_resumable_run(tmp_path, capsys, 
     assert steps == list(range(1, len(steps) + 1))
     assert main(_gns_command(out, len(steps) + 2, "--resume")) == 0
     assert list(_rows(out)["step"]) == list(range(1, len(steps) + 3))
+
+
+def test_a_gns_run_that_fails_still_leaves_its_mlflow_run(tmp_path, monkeypatch, capsys):
+    from mlflow.tracking import MlflowClient
+
+    from paratune._io import exclusive_lock
+    from paratune.cli import main
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "g.csv"
+    command = [c for c in _gns_command(out, 2) if c != "--no-track"]
+    # another process writing the same trajectory makes the run fail once it has started
+    with exclusive_lock(tmp_path / "g.csv.lock", field="out", value=str(out), what="writing"):
+        assert main(command) == 2
+    assert "is in use" in capsys.readouterr().err
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("paratune-gns").experiment_id])
+    assert run.info.status == "FAILED" and run.info.end_time is not None
+    assert run.data.params["model"] == "tiny" and run.data.params["steps"] == "2"
