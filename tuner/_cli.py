@@ -215,7 +215,8 @@ def _plan(args: argparse.Namespace) -> int:
                               devices_per_node=args.devices_per_node)
     objective = Objective(min_feasible_prob=args.min_feasible_prob,
                           memory_limit_gb=args.memory_limit_gb)
-    plan = plan_phases(load_predictor(args.predictor), space, trajectory,
+    predictor = load_predictor(args.predictor)
+    plan = plan_phases(predictor, space, trajectory,
                        reconfig_cost_s=args.reconfig_cost_s,
                        batch_change_cost_s=args.batch_change_cost_s, threshold=args.threshold,
                        max_segments=args.segments, objective=objective)
@@ -231,7 +232,7 @@ def _plan(args: argparse.Namespace) -> int:
         with start_run("paratune-plan", run_name=name,
                        params={"model": model.name, "gpus": args.gpus,
                                "hardware": space.hardware.name,
-                               **predictor_params(args.predictor),
+                               **predictor_params(args.predictor, predictor),
                                "trajectory": str(args.trajectory.resolve()),
                                "trajectory_seq_len": trajectory.seq_len,
                                "reconfig_cost_s": args.reconfig_cost_s,

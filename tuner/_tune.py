@@ -244,11 +244,11 @@ def tune(model: ModelSpec | str, gpus: int, gpu: HardwareSpec | str,
 
     with contextlib.ExitStack() as stack:
         run = None
+        pred = load_predictor(predictor)  # a predictor that does not load opens no run
         if track:  # opened before the work, so a failure or an interrupt leaves its record
-            run = _open_run(stack, search_space, obj, predictor, gns=gns, storage=storage,
-                            study_name=study_name, storage_dir=output,
-                            tracking_uri=tracking_uri, **options)
-        pred = load_predictor(predictor)
+            run = _open_run(stack, search_space, obj, predictor_params(predictor, pred),
+                            gns=gns, storage=storage, study_name=study_name,
+                            storage_dir=output, tracking_uri=tracking_uri, **options)
         study = None
         if search == "exhaustive":
             result = exhaustive(pred, search_space, obj)
@@ -296,27 +296,20 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def predictor_params(predictor: Predictor | str | Path) -> dict[str, Any]:
-    """What identifies the predictor: its directory (or class) and, for a saved performance
-    model, the training-data fingerprint its manifest (``model.json``) records."""
-    import json
-
-    if not isinstance(predictor, (str, Path)):
-        fingerprint = getattr(predictor, "fingerprint_", None)
-        return {"predictor": type(predictor).__name__,
-                **({"predictor_fingerprint": fingerprint} if fingerprint else {})}
-    path = Path(predictor)
-    params: dict[str, Any] = {"predictor": str(path.resolve())}
-    try:
-        manifest = json.loads((path / "model.json").read_text())
-        params["predictor_fingerprint"] = manifest["training"]["fingerprint_sha256"]
-    except (OSError, ValueError, KeyError, TypeError):
-        pass  # loading the predictor reports what is wrong with it
-    return params
+def predictor_params(predictor: Predictor | str | Path, loaded: Predictor | None = None
+                     ) -> dict[str, Any]:
+    """What identifies the predictor: its directory (or class) and, for a performance model,
+    the fingerprint of its training data (``loaded``: the predictor already loaded from
+    ``predictor``, else ``predictor`` itself)."""
+    loaded = predictor if loaded is None else loaded
+    name = (str(Path(predictor).resolve()) if isinstance(predictor, (str, Path))
+            else type(predictor).__name__)
+    fingerprint = getattr(loaded, "fingerprint_", None)
+    return {"predictor": name, **({"predictor_fingerprint": fingerprint} if fingerprint else {})}
 
 
 def _open_run(stack: contextlib.ExitStack, space: SearchSpace, objective: Objective,
-              predictor: Predictor | str | Path, *, gns: Any, search: str, sampler: str,
+              predictor: dict[str, Any], *, gns: Any, search: str, sampler: str,
               seed: int | None, n_trials: int, batch_size: int, top_k: int, verify: int,
               storage: str | Path | None, study_name: str | None,
               storage_dir: Path | None, tracking_uri: str | None) -> Any:
@@ -330,7 +323,7 @@ def _open_run(stack: contextlib.ExitStack, space: SearchSpace, objective: Object
 
     params = {"model": space.model.name, "gpus": space.world_size,
               "hardware": space.hardware.name, "devices_per_node": space.devices_per_node,
-              **predictor_params(predictor),
+              **predictor,
               "objective": objective.kind.value, "b_noise": objective.b_noise,
               "b0": objective.reference_batch(space), "risk_quantile": objective.risk_quantile,
               "min_feasible_prob": objective.min_feasible_prob,
