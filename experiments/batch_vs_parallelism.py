@@ -22,6 +22,7 @@ from pathlib import Path
 from _public import public_data_dir
 
 from paratune._table import format_table
+from paratune.tracking import add_no_track_argument
 
 
 def main() -> None:
@@ -30,8 +31,7 @@ def main() -> None:
     parser.add_argument("--min-margin", type=float, default=2.0,
                         help="percent by which a new winner must beat the old one to count")
     parser.add_argument("--out", type=Path, default=Path("out/batch_vs_parallelism"))
-    parser.add_argument("--no-mlflow", "--no-track", dest="no_mlflow", action="store_true",
-                        help="do not log an MLflow run (--no-track is an alias)")
+    add_no_track_argument(parser)
     args = parser.parse_args()
 
     import pandas as pd

@@ -27,6 +27,7 @@ import torch
 
 from paratune import ParallelConfig, get_model
 from paratune._table import format_table
+from paratune.tracking import add_no_track_argument
 
 GLOBAL_BATCH = 8
 
@@ -86,8 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=2,
                         help="passes over the layouts (the second shows cached meshes)")
     parser.add_argument("--out", type=Path, default=Path("out/config_overhead"))
-    parser.add_argument("--no-mlflow", "--no-track", dest="no_mlflow", action="store_true",
-                        help="do not log an MLflow run (--no-track is an alias)")
+    add_no_track_argument(parser)
     args = parser.parse_args(argv)
 
     import torch.multiprocessing as mp

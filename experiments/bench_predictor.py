@@ -16,6 +16,8 @@ import os
 import time
 from pathlib import Path
 
+from paratune.tracking import add_no_track_argument
+
 
 def _public_dir(arg: str | None) -> Path:
     default = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "public-gpu"
@@ -113,8 +115,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, default=Path("out/bench_predictor"))
-    parser.add_argument("--no-mlflow", "--no-track", dest="no_mlflow", action="store_true",
-                        help="do not log an MLflow run (--no-track is an alias)")
+    add_no_track_argument(parser)
     args = parser.parse_args()
 
     from paratune.models import PerformanceModel

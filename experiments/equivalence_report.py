@@ -30,6 +30,7 @@ import torch
 from paratune import ParallelConfig, get_model
 from paratune._table import format_table
 from paratune.profiler.equivalence import run_layouts
+from paratune.tracking import add_no_track_argument
 
 GLOBAL_BATCH = 8
 LAYOUTS = [
@@ -78,8 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq-len", type=int, default=32)
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--out", type=Path, default=Path("out/equivalence"))
-    parser.add_argument("--no-mlflow", "--no-track", dest="no_mlflow", action="store_true",
-                        help="do not log an MLflow run (--no-track is an alias)")
+    add_no_track_argument(parser)
     parser.add_argument("--with-3d", action="store_true",
                         help="also run pp2 x dp2 x tp2 layouts in a group of 8 processes")
     args = parser.parse_args(argv)

@@ -29,13 +29,13 @@ Writes the tables and predicted-vs-measured plots under --out and logs them to M
 from __future__ import annotations
 
 import argparse
-import os
+import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _public import public_data_dir
 
-def _public_dir(arg: str | None) -> Path:
-    default = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "public-gpu"
-    return Path(arg or os.environ.get("PARATUNE_PUBLIC_DATA", default))
+from paratune.tracking import add_no_track_argument
 
 
 def _pick(result, *, estimator: str, source: str | None = None, held_out: str | None = None):
@@ -61,8 +61,7 @@ def main() -> None:
     parser.add_argument("--n-estimators", type=int, default=None)
     parser.add_argument("--fold-seeds", type=int, default=5,
                         help="repeat the random split with this many fold seeds")
-    parser.add_argument("--no-mlflow", "--no-track", dest="no_mlflow", action="store_true",
-                        help="do not log an MLflow run (--no-track is an alias)")
+    add_no_track_argument(parser)
     args = parser.parse_args()
     if args.fold_seeds < 1:
         parser.error("--fold-seeds must be at least 1")
@@ -75,7 +74,7 @@ def main() -> None:
     from paratune.models._estimators import estimator_factories
     from paratune.models._evaluate import metrics, plot_predictions
 
-    data = _public_dir(args.data)
+    data = public_data_dir(args.data)
     files = sorted(data.glob("*.csv"))
     if not files:
         raise SystemExit(f"no public CSVs under {data}; pass --data")

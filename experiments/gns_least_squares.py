@@ -38,6 +38,7 @@ from paratune.profiler.gns import (
     micro_batch_gradients,
     single_process_reference,
 )
+from paratune.tracking import add_no_track_argument
 
 
 def run(seed: int, *, dim: int, sigma: float, steps: int, adam: bool) -> dict[str, float]:
@@ -121,8 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parallel", action="store_true",
                         help="also compare 3D-parallel layouts with one process (4 gloo ranks)")
     parser.add_argument("--out", type=Path, default=Path("out/gns_least_squares"))
-    parser.add_argument("--no-mlflow", "--no-track", dest="no_mlflow", action="store_true",
-                        help="do not log an MLflow run (--no-track is an alias)")
+    add_no_track_argument(parser)
     args = parser.parse_args(argv)
     rows = [run(s, dim=args.dim, sigma=args.sigma, steps=args.steps, adam=args.adam)
             for s in range(args.seeds)]

@@ -33,6 +33,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _public import public_data_dir
 
+from paratune.tracking import add_no_track_argument
+
 FIGURES = ("mdape", "regret", "regret_point", "feasibility")
 
 
@@ -58,8 +60,7 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=10, help="hold-out splits to score")
     parser.add_argument("--test-size", type=float, default=0.3,
                         help="share of the configurations held out per split")
-    parser.add_argument("--no-mlflow", "--no-track", dest="no_mlflow", action="store_true",
-                        help="do not log an MLflow run (--no-track is an alias)")
+    add_no_track_argument(parser)
     args = parser.parse_args()
     if args.seeds < 1:
         parser.error("--seeds must be at least 1")

@@ -41,6 +41,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _public import public_data_dir
 
+from paratune.tracking import add_no_track_argument
+
 KEY = ["model_name", "world_size", "dp", "tp", "pp", "micro_batch_size", "global_batch_size"]
 
 
@@ -120,8 +122,7 @@ def error_budget_regret(frame, mdape: float, *, seeds: int = 5, draws: int = 10,
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", default=None, help="folder of the public CSVs")
-    parser.add_argument("--no-mlflow", "--no-track", dest="no_mlflow", action="store_true",
-                        help="do not log an MLflow run (--no-track is an alias)")
+    add_no_track_argument(parser)
     args = parser.parse_args()
 
     import pandas as pd

@@ -32,6 +32,7 @@ from paratune._table import format_table
 from paratune.datasets import read_dataset
 from paratune.profiler.campaign import CampaignSpec, run_campaign
 from paratune.space import ConfigSpace
+from paratune.tracking import add_no_track_argument
 
 
 def _load_average() -> float:
@@ -107,8 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat-world-sizes", default="1,2,4",
                         help="world sizes of the repeat campaign")
     parser.add_argument("--out", type=Path, default=Path("out/profile_campaign"))
-    parser.add_argument("--no-mlflow", "--no-track", dest="no_mlflow", action="store_true",
-                        help="do not log an MLflow run (--no-track is an alias)")
+    add_no_track_argument(parser)
     args = parser.parse_args(argv)
     track = not args.no_mlflow
     model = get_model(args.model)

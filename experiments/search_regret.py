@@ -27,6 +27,7 @@ from _public import public_data_dir, ultrascale_frame
 from paratune._table import format_table
 from paratune.space import ConfigSpace
 from paratune.spec import get_model
+from paratune.tracking import add_no_track_argument
 
 MODEL = "llama3-70b"
 HARDWARE = "H100"
@@ -65,8 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--gns", type=float, default=1000.0)
     parser.add_argument("--samplers", default="tpe,random")
     parser.add_argument("--out", type=Path, default=Path("out/search_regret"))
-    parser.add_argument("--no-mlflow", "--no-track", dest="no_mlflow", action="store_true",
-                        help="do not log an MLflow run (--no-track is an alias)")
+    add_no_track_argument(parser)
     return parser
 
 

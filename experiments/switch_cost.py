@@ -23,6 +23,7 @@ from typing import Any
 from paratune._table import format_table
 from paratune.parallel import ParallelConfig
 from paratune.spec import get_model
+from paratune.tracking import add_no_track_argument
 
 CYCLE = [
     ParallelConfig(dp=4, global_batch_size=16, micro_batch_size=4),
@@ -73,8 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="tiny")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--out", type=Path, default=Path("out/switch_cost"))
-    parser.add_argument("--no-mlflow", "--no-track", dest="no_mlflow", action="store_true",
-                        help="do not log an MLflow run (--no-track is an alias)")
+    add_no_track_argument(parser)
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     model = get_model(args.model)

@@ -58,6 +58,7 @@ from paratune.predictor import (
     PRED_TOKENS_PER_SEC_PER_GPU,
 )
 from paratune.spec import get_model
+from paratune.tracking import add_no_track_argument
 
 ARMS = ("fixed", "batch", "coadapt", "plan")
 
@@ -380,8 +381,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval-every-tokens", type=int, default=4096)
     parser.add_argument("--max-tokens", type=int, default=3_000_000)
     parser.add_argument("--corpus-mb", type=float, default=4.0)
-    parser.add_argument("--no-mlflow", "--no-track", dest="no_mlflow", action="store_true",
-                        help="do not log an MLflow run (--no-track is an alias)")
+    add_no_track_argument(parser)
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     seeds = [int(s) for s in args.seeds.split(",")]

@@ -26,6 +26,7 @@ from pathlib import Path
 from _public import public_data_dir, ultrascale_frame
 
 from paratune._table import format_table
+from paratune.tracking import add_no_track_argument
 
 
 def main() -> None:
@@ -36,8 +37,7 @@ def main() -> None:
     parser.add_argument("--max-profiled", type=int, default=30)
     parser.add_argument("--n-estimators", type=int, default=200)
     parser.add_argument("--out", type=Path, default=Path("out/verify_loop"))
-    parser.add_argument("--no-mlflow", "--no-track", dest="no_mlflow", action="store_true",
-                        help="do not log an MLflow run (--no-track is an alias)")
+    add_no_track_argument(parser)
     args = parser.parse_args()
 
     import numpy as np

@@ -31,8 +31,9 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import pandas as pd
 
-__all__ = ["EXPERIMENTS", "TrackedRun", "artifact_root", "default_tracking_uri", "end_status",
-           "source_tags", "start_run", "start_script_run", "ui_command"]
+__all__ = ["EXPERIMENTS", "TrackedRun", "add_no_track_argument", "artifact_root",
+           "default_tracking_uri", "end_status", "source_tags", "start_run", "start_script_run",
+           "ui_command"]
 
 _MAX_PARAM_LEN = 6000
 
@@ -264,6 +265,13 @@ def start_run(experiment: str, *, run_name: str | None = None,
         raise
     finally:
         mlflow.end_run(status=end_status(error))
+
+
+def add_no_track_argument(parser: Any) -> None:
+    """The ``--no-mlflow`` flag of an ``experiments/`` script (``--no-track`` as in every
+    command), stored as ``no_mlflow``."""
+    parser.add_argument("--no-mlflow", "--no-track", dest="no_mlflow", action="store_true",
+                        help="do not log an MLflow run (--no-track is an alias)")
 
 
 def start_script_run(script: str | Path, **kwargs: Any
