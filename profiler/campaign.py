@@ -253,10 +253,17 @@ def _campaign_fingerprint(device: str) -> dict[str, Any]:
     return fingerprint(device)
 
 
-def prepare_campaign(spec: CampaignSpec, out: str | Path, *, resume: bool = False
+def prepare_campaign(spec: CampaignSpec, out: str | Path, *, resume: bool = False,
+                     enumerations: dict[int, SpaceEnumeration] | None = None
                      ) -> tuple[CampaignPaths, dict[str, Any]]:
     """Write (or, resuming, check) ``campaign.json``, the per-world-size plans and
     ``skipped.csv`` in ``out``.
+
+    Args:
+        spec: What to profile.
+        out: Campaign directory.
+        resume: Check and reuse the campaign already in ``out``.
+        enumerations: :func:`enumerate_campaign` of ``spec``, where already computed.
 
     Returns:
         The campaign's paths and its metadata (``campaign.json``'s content).
@@ -268,7 +275,8 @@ def prepare_campaign(spec: CampaignSpec, out: str | Path, *, resume: bool = Fals
     """
     paths = CampaignPaths(Path(out))
     identity = spec.identity()
-    enumerations = enumerate_campaign(spec)
+    if enumerations is None:
+        enumerations = enumerate_campaign(spec)
     _check_something_to_measure(spec, enumerations)
     if resume:
         if not paths.campaign.exists():
@@ -844,8 +852,8 @@ def run_campaign(spec: CampaignSpec, out: str | Path, *, resume: bool = False,
                               f"profile world sizes up to {available} here, and larger ones "
                               "on a cluster, with the commands that 'paratune profile "
                               "--print-command' prints")
-    with _locked(spec, out, resume=resume):
-        paths, meta = prepare_campaign(spec, out, resume=resume)
+    with _locked(spec, out, resume=resume) as prepared:
+        paths, meta = prepare_campaign(spec, out, **prepared)
         return _run_campaign(spec, paths, meta, resume=resume, launcher=launcher,
                              track=track, progress=progress, on_record=on_record,
                              fail_grace_s=fail_grace_s, startup_timeout_s=startup_timeout_s,
@@ -854,17 +862,20 @@ def run_campaign(spec: CampaignSpec, out: str | Path, *, resume: bool = False,
 
 
 @contextlib.contextmanager
-def _locked(spec: CampaignSpec, out: str | Path, *, resume: bool) -> Iterator[None]:
+def _locked(spec: CampaignSpec, out: str | Path, *, resume: bool
+            ) -> Iterator[dict[str, Any]]:
     """Hold the campaign directory's lock (``out/.lock``) while the block prepares and runs
     it, so that a second process on the same campaign is refused before it rewrites a file.
     The refusals that need no lock come first and leave nothing behind: a grid without a
-    valid config, a resume of nothing."""
-    _check_something_to_measure(spec, enumerate_campaign(spec))
+    valid config, a resume of nothing. Yields :func:`prepare_campaign`'s keyword arguments
+    (the enumeration those checks computed)."""
+    enumerations = enumerate_campaign(spec)
+    _check_something_to_measure(spec, enumerations)
     if resume and not CampaignPaths(Path(out)).campaign.exists():
         raise ConfigError("resume", str(out), "holds no campaign.json: nothing to resume")
     with exclusive_lock(Path(out) / ".lock", field="out", value=str(out),
                         what="profiling this campaign"):
-        yield
+        yield {"resume": resume, "enumerations": enumerations}
 
 
 def _run_campaign(spec: CampaignSpec, paths: CampaignPaths, meta: dict[str, Any], *,
@@ -960,8 +971,8 @@ def torchrun_commands(spec: CampaignSpec, out: str | Path, *, nnodes: int | None
     from paratune.profiler.launcher import slurm_command, torchrun_command
 
     resume = resume or CampaignPaths(Path(out)).campaign.exists()
-    with _locked(spec, out, resume=resume):
-        paths, meta = prepare_campaign(spec, out, resume=resume)
+    with _locked(spec, out, resume=resume) as prepared:
+        paths, meta = prepare_campaign(spec, out, **prepared)
     commands = []
     for world_size in spec.world_sizes:
         per_node = nproc_per_node or spec.devices_per_node or world_size
