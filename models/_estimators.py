@@ -481,7 +481,9 @@ class PerformanceModel(_Base):
         lo = base * np.exp(np.minimum(bounds[:, 0], ratio))
         hi = base * np.exp(np.maximum(bounds[:, -1], ratio))
         expected = step
-        prob = np.zeros(len(X))
+        # without a learned stalled regime the model cannot tell its probability: NaN, as
+        # from predictors that do not model it (not 0, which would claim it never stalls)
+        prob = np.full(len(X), np.nan)
         if self.stall_ is not None:
             prob, stall, stall_lo, stall_hi = self._stall(c, X, seen)
             # a stalled run is by definition slower than the stall thresholds, and no faster
