@@ -4,26 +4,30 @@ Layout of a dataset directory::
 
     card.json                       the card (schema version, campaign, fingerprint, grid, ...)
     measurements-<id>.parquet       the rows; the card names it and carries its SHA-256
+    .dataset.lock                   held (flock) by the process writing, if any
 
 Writing puts a new, uniquely named parquet file in place first and then replaces
 ``card.json`` (an atomic rename) to point at it; only then are older parquet files removed.
 A reader therefore sees the old dataset or the new one, never a mix, and a writer killed at
 any moment leaves the previous dataset readable. The card is also embedded in the parquet
 file's metadata, so a lone ``.parquet`` file is still a self-describing dataset.
+Writers of one directory take turns (the lock): without it, one writer's removal of older
+files could delete the file that another writer's card is about to name.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from paratune._io import atomic_write_bytes, atomic_write_text
+from paratune._io import atomic_write_bytes, atomic_write_text, exclusive_lock
 from paratune.datasets.schema import (
     CARD_FILE,
     SCHEMA_VERSION,
@@ -33,7 +37,7 @@ from paratune.datasets.schema import (
     column_types,
     required_columns,
 )
-from paratune.errors import DatasetError
+from paratune.errors import DatasetError, SchemaVersionError
 from paratune.measurement import Measurement, Status
 
 if TYPE_CHECKING:
@@ -45,6 +49,9 @@ __all__ = ["Dataset", "read_dataset", "read_datasets", "records_to_frame", "summ
 
 _CARD_META_KEY = b"paratune.card"
 _DATA_PREFIX = "measurements-"
+LOCK_FILE = ".dataset.lock"
+"""Lock file inside a dataset directory, held while a write replaces the data and card."""
+_LOCK_TIMEOUT_S = 120.0
 
 
 @dataclass
@@ -175,7 +182,9 @@ def write_dataset(path: str | Path, records_or_frame: Any, *,
 
     Raises:
         DatasetError: a required column is missing or empty, a status is unknown, or a value
-            does not fit its column's type (the message names the column).
+            does not fit its column's type (the message names the column); or another
+            process kept the directory's write lock too long.
+        SchemaVersionError: ``path`` holds a dataset of a newer schema version.
     """
     import pandas as pd
     import pyarrow.parquet as pq
@@ -206,13 +215,58 @@ def write_dataset(path: str | Path, records_or_frame: Any, *,
     pq.write_table(table, sink, compression="zstd")
     data = sink.getvalue().to_pybytes()
     card.data_sha256 = hashlib.sha256(data).hexdigest()
-    atomic_write_bytes(path / card.data_file, data)
-    atomic_write_text(path / CARD_FILE,
-                      json.dumps(card.to_dict(), indent=2, default=str) + "\n")
-    for old in path.glob(f"{_DATA_PREFIX}*.parquet"):
-        if old.name != card.data_file:
-            old.unlink(missing_ok=True)
+    # One writer at a time: a second writer's clean-up would otherwise delete the data file
+    # that the first one's card is about to name.
+    with _write_lock(path):
+        _refuse_newer_dataset(path)
+        _remove_stale_temporaries(path)
+        atomic_write_bytes(path / card.data_file, data)
+        atomic_write_text(path / CARD_FILE,
+                          json.dumps(card.to_dict(), indent=2, default=str) + "\n")
+        for old in path.glob(f"{_DATA_PREFIX}*.parquet"):
+            if old.name != card.data_file:
+                old.unlink(missing_ok=True)
     return Dataset(path=path, frame=_to_pandas(table), card=card)
+
+
+@contextlib.contextmanager
+def _write_lock(directory: Path, timeout_s: float | None = None) -> Iterator[None]:
+    """Hold the dataset's write lock (:data:`LOCK_FILE`, see
+    :func:`paratune._io.exclusive_lock`), waiting up to ``timeout_s`` for another writer."""
+    from paratune.errors import ConfigError
+
+    timeout_s = _LOCK_TIMEOUT_S if timeout_s is None else timeout_s
+    try:
+        with exclusive_lock(directory / LOCK_FILE, field="dataset", value=str(directory),
+                            what="writing this dataset", wait_s=timeout_s):
+            yield
+    except ConfigError as exc:
+        if exc.field != "dataset" or exc.value != str(directory):
+            raise
+        raise DatasetError(f"{directory}: {exc.rule}") from None
+
+
+def _refuse_newer_dataset(path: Path) -> None:
+    """Refuse to replace a dataset written by a newer schema version (its layout may hold
+    what this version cannot write back). A card that cannot be read is replaced."""
+    try:
+        existing = json.loads((path / CARD_FILE).read_text())
+    except (OSError, ValueError):
+        return
+    version = existing.get("schema_version") if isinstance(existing, dict) else None
+    if isinstance(version, int) and not isinstance(version, bool) and version > SCHEMA_VERSION:
+        raise SchemaVersionError(
+            f"{path}: holds a dataset of schema_version={version}, newer than this paratune "
+            f"writes ({SCHEMA_VERSION}); replacing it would lose what that version stores: "
+            f"upgrade paratune or write to another directory")
+
+
+def _remove_stale_temporaries(path: Path) -> None:
+    """Remove the temporary files of writes killed before their rename (under the lock, so
+    none belongs to a write in progress)."""
+    for pattern in (f".{_DATA_PREFIX}*.parquet.*.tmp", f".{CARD_FILE}.*.tmp"):
+        for stale in path.glob(pattern):
+            stale.unlink(missing_ok=True)
 
 
 # ---------------------------------------------------------------------- read
@@ -278,6 +332,12 @@ def read_dataset(path: str | Path) -> Dataset:
         raise DatasetError(f"{path}: not a paratune dataset (expected a directory with "
                            f"{CARD_FILE}, a {CARD_FILE}, or a .parquet file)")
     if not card_path.exists():
+        orphans = sorted(p.name for p in directory.glob(f"{_DATA_PREFIX}*.parquet"))
+        if orphans:
+            raise DatasetError(
+                f"{where}: not a paratune dataset (no {CARD_FILE}); it holds "
+                f"{', '.join(orphans)}, each readable on its own (its card is embedded): "
+                f"pass that file instead")
         raise DatasetError(f"{where}: not a paratune dataset (no {CARD_FILE})")
     for attempt in range(2):  # a concurrent rewrite may replace the data file under us
         try:

@@ -5,16 +5,23 @@ and one row per measured or failed configuration with the columns ``source, mode
 layers, hidden, heads, seq_len, gpu, num_gpus, tp, pp, dp, cp, micro_batch, global_batch,
 zero_stage, recompute, tflops_per_gpu, mfu, tokens_per_sec, step_time_s,
 tokens_per_sec_per_gpu, precision, notes`` and optionally ``nodes, grad_accum, gpu_mem_gb,
-status``. Empty cells are values the source does not state.
+status``. Empty cells (or ``nan``, ``none``, ``null``) are values the source does not
+state; a UTF-8 byte-order mark and CRLF line endings are accepted.
 
 Every row either becomes a record or is reported with its line number and the reason; nothing
-is silently dropped or guessed. Model shapes the CSV does not carry (the MLP width, the
+is silently dropped or guessed. Line numbers count every line of the file, comment and header
+included. A row is reported (not imported) when its cells do not line up with the header, when
+every cell equals an earlier row's (a copy, not a repeated measurement), when a value is not a
+finite number or breaks its column's rule (degrees and batch sizes positive integers with
+``dp*tp*pp == num_gpus``; ``mfu`` a fraction in [0, 1]; times, rates and memory positive),
+or when stated values contradict each other. Model shapes the CSV does not carry (the MLP width, the
 vocabulary, tying) come from :data:`MODEL_FAMILIES`, which states each assumption.
 """
 
 from __future__ import annotations
 
 import csv
+import io
 import math
 import re
 from collections.abc import Iterable, Sequence
@@ -32,6 +39,7 @@ __all__ = [
     "MODEL_FAMILIES",
     "ImportProblem",
     "ImportReport",
+    "NotUtf8Error",
     "ParsedRow",
     "header_and_body",
     "import_files",
@@ -145,6 +153,9 @@ class ImportReport:
             lines.append(f"{len(self.duplicates)} configurations are recorded both ok and failed;"
                          " both records are kept (a configuration that ran at least once counts "
                          "as feasible when fitting)")
+        unsourced = sorted(name for name, line in self.sources.items() if not line)
+        if unsourced:
+            lines.append(f"no '# source:' provenance line in {', '.join(unsourced)}")
         if self.problems:
             lines.append(f"{len(self.problems)} rows not imported:")
             lines.extend(f"  {p}" for p in self.problems)
@@ -164,33 +175,86 @@ def is_public_csv(path: str | Path) -> bool:
     return {"tp", "pp", "dp", "num_gpus", "micro_batch", "global_batch"} <= set(header)
 
 
+def _read_text(path: Path) -> str:
+    """The file's text (UTF-8, a byte-order mark dropped), or an error naming the file."""
+    try:
+        data = path.read_bytes()
+    except IsADirectoryError:
+        raise DatasetError(f"{path}: is a directory, not a CSV file") from None
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        raise DatasetError(f"{path}: cannot be read ({exc.strerror or exc})") from None
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        line = data[:exc.start].count(b"\n") + 1
+        raise NotUtf8Error(f"{path}: line {line} is not UTF-8 text (byte "
+                           f"0x{data[exc.start]:02x}); save the file as UTF-8", exc) from None
+
+
+class NotUtf8Error(DatasetError, UnicodeDecodeError):
+    """A CSV that is not UTF-8 text: a :class:`DatasetError` naming the file and line, and
+    still the :class:`UnicodeDecodeError` that callers handling undecodable input expect."""
+
+    def __init__(self, message: str, cause: UnicodeDecodeError) -> None:
+        UnicodeDecodeError.__init__(self, cause.encoding, cause.object, cause.start, cause.end,
+                                    cause.reason)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
 def header_and_body(path: Path) -> tuple[list[str], list[str], int, str]:
-    """Header cells, the remaining lines, the line number of the header and the provenance."""
-    with open(path, encoding="utf-8", newline="") as handle:
-        lines = handle.read().splitlines()
-    provenance = ""
+    """Header cells, the remaining lines, the line number of the header and the provenance.
+
+    Lines keep their endings (``\\n``, ``\\r\\n`` or ``\\r``), so that ``csv.reader`` reads
+    quoted cells holding line breaks and its ``line_num`` counts lines as an editor does.
+    The provenance is every distinct ``#`` comment line before the header, joined by
+    `` | `` (none is dropped when a file has two).
+
+    Raises:
+        DatasetError: the file is a directory, unreadable, not UTF-8, has no header, or its
+            header names a column twice.
+        FileNotFoundError: no such file.
+    """
+    path = Path(path)
+    lines = io.StringIO(_read_text(path), newline="").readlines()
+    comments: list[str] = []
     start = 0
     while start < len(lines) and (not lines[start].strip() or lines[start].startswith("#")):
-        if lines[start].startswith("#") and not provenance:
-            provenance = lines[start].lstrip("#").strip()
+        comment = lines[start].lstrip("#").strip()
+        if lines[start].startswith("#") and comment and comment not in comments:
+            comments.append(comment)
         start += 1
     if start >= len(lines):
-        raise DatasetError(f"{path}: no CSV header")
-    header = next(csv.reader([lines[start]]))
-    return [h.strip() for h in header], lines[start + 1:], start + 1, provenance
+        raise DatasetError(f"{path}: no CSV header (the file is empty or holds only comments)")
+    header = [h.strip() for h in next(csv.reader([lines[start]]))]
+    seen: set[str] = set()
+    for name in header:
+        if name in seen:
+            raise DatasetError(f"{path}:{start + 1}: the header names column {name!r} twice")
+        seen.add(name)
+    return header, lines[start + 1:], start + 1, " | ".join(comments)
 
 
-def read_public_csv(path: str | Path) -> tuple[list[ParsedRow], str]:
+def read_public_csv(path: str | Path, *, seen: dict[tuple[tuple[str, str], ...], str] | None = None
+                    ) -> tuple[list[ParsedRow], str]:
     """Parse every data row of a public CSV.
 
     Args:
         path: The CSV file.
+        seen: Rows already read (their cells -> ``path:line``), to report exact duplicates
+            across files; filled in here. Duplicates within the file are always reported.
 
     Returns:
         One :class:`ParsedRow` per data row (a record or an error), and the provenance line.
+        Line numbers count every line of the file (comment and header included); a row whose
+        quoted cell spans lines has the number of its first line.
 
     Raises:
-        DatasetError: the file has no header or lacks a required column.
+        DatasetError: the file is unreadable, has no header or lacks a required column.
         FileNotFoundError: no such file.
     """
     path = Path(path)
@@ -199,22 +263,53 @@ def read_public_csv(path: str | Path) -> tuple[list[ParsedRow], str]:
     if missing:
         raise DatasetError(f"{path}: not the public measurement format, missing columns "
                            f"{', '.join(missing)}")
+    seen = {} if seen is None else seen
     rows = []
     reader = csv.reader(body)
+    end = 0
     for cells in reader:
-        line = header_line + reader.line_num
+        line, end = header_line + end + 1, reader.line_num
+        last = header_line + end
         if not cells or not any(c.strip() for c in cells):
             continue
         raw = {h: (cells[i].strip() if i < len(cells) else "") for i, h in enumerate(header)}
         parsed = ParsedRow(path=str(path), line=line, raw=raw)
+        rows.append(parsed)
+        parsed.error = _layout_problem(cells, header, line, last)
+        if parsed.error:
+            continue
+        key = tuple(raw.items())
+        if key in seen:
+            parsed.error = f"duplicate of {seen[key]} (every cell equal); imported once"
+            continue
+        seen[key] = f"{path}:{line}"
         try:
             parsed.measurement = _row_to_measurement(raw)
         except _Unmappable as exc:
             parsed.error = str(exc)
         except ConfigError as exc:
             parsed.error = f"invalid {exc.field}={exc.value!r}: {exc.rule}"
-        rows.append(parsed)
     return rows, provenance
+
+
+def _layout_problem(cells: list[str], header: list[str], line: int, last: int) -> str:
+    """Why a row's cells do not line up with the header, or ``""``."""
+    first = cells[0].strip()
+    if first.startswith("#"):
+        more = (" (a second file's provenance: were two files joined into one?)"
+                if first.lstrip("#").strip().startswith("source:") else "")
+        return f"a '#' comment line after the header is not a data row{more}"
+    if [c.strip() for c in cells] == header:
+        return "repeats the header (were two files joined into one?)"
+    if len(cells) != len(header):
+        span = (f" (its cells span lines {line}-{last}: a quote not closed on its line?)"
+                if last > line else "")
+        return f"has {len(cells)} cells but the header has {len(header)} columns{span}"
+    for name, cell in zip(header, cells):
+        if name != "notes" and ("\n" in cell or "\r" in cell):
+            return (f"column {name}: a quoted cell spans lines {line}-{last} (a quote not "
+                    f"closed on its line?)")
+    return ""
 
 
 def parse_public_csv(path: str | Path) -> tuple[list[Measurement], list[ImportProblem]]:
@@ -238,8 +333,30 @@ def _number(raw: dict[str, str], key: str) -> float | None:
     except ValueError:
         raise _Unmappable(f"{key}={text!r} is not a number") from None
     if not math.isfinite(value):
-        return None
+        raise _Unmappable(f"{key}={text!r} must be a finite number (leave the cell empty where "
+                          f"the source states no value)")
     return value
+
+
+# Measured or stated quantities: (column, rule, check). Empty cells are values not stated.
+_METRIC_RULES: tuple[tuple[str, str, Any], ...] = (
+    ("mfu", "must be a fraction in [0, 1] (0.43 = 43%)", lambda v: 0 <= v <= 1),
+    ("tokens_per_sec", "must be positive", lambda v: v > 0),
+    ("tokens_per_sec_per_gpu", "must be positive", lambda v: v > 0),
+    ("step_time_s", "must be positive", lambda v: v > 0),
+    ("tflops_per_gpu", "must be positive", lambda v: v > 0),
+    ("gpu_mem_gb", "must be positive", lambda v: v > 0),
+    ("params_b", "must be positive", lambda v: v > 0),
+)
+_STEP_METRICS = ("mfu", "tokens_per_sec", "tokens_per_sec_per_gpu", "step_time_s",
+                 "tflops_per_gpu")
+
+
+def _check_metrics(raw: dict[str, str]) -> None:
+    for key, rule, check in _METRIC_RULES:
+        value = _number(raw, key)
+        if value is not None and not check(value):
+            raise _Unmappable(f"{key}={raw[key]!r} {rule}")
 
 
 def _integer(raw: dict[str, str], key: str, *, required: bool = True) -> int | None:
@@ -395,6 +512,7 @@ def _row_to_measurement(raw: dict[str, str]) -> Measurement:
                           f"{per_node}-GPU nodes")
     if flag:
         raise _Unmappable(f"the source flags contradictory values (FLAG={flag.group(1)})")
+    _check_metrics(raw)
 
     tokens = config.global_batch_size * model.seq_len
     step = _number(raw, "step_time_s")
@@ -429,6 +547,11 @@ def _row_to_measurement(raw: dict[str, str]) -> Measurement:
         raise _Unmappable("status ok but neither step_time_s nor tokens_per_sec is stated")
     error = ""
     if status is not Status.OK:
+        stated = [k for k in _STEP_METRICS if _number(raw, k) is not None]
+        if stated:
+            raise _Unmappable(f"status={raw['status']!r} contradicts the stated "
+                              f"{', '.join(stated)}: a run that did not finish has no step "
+                              f"metrics")
         error = f"{raw.get('status') or 'failed'}: the source reports no metrics (crashed or " \
                 "out of memory)"
         step = cluster_tps = None
@@ -471,14 +594,27 @@ def import_files(paths: Sequence[str | Path] | Iterable[str | Path],
         An :class:`ImportReport`.
 
     Raises:
-        DatasetError: a file is not in the public format.
+        DatasetError: no files, a file given twice, or a file that is a directory, unreadable,
+            not UTF-8 or not in the public format (the message names the file).
         FileNotFoundError: a file does not exist.
     """
     report = ImportReport(out_dir=str(out_dir) if out_dir is not None else None)
     records: list[Measurement] = []
+    paths = [Path(p) for p in paths]
+    if not paths:
+        raise DatasetError("import: no files given")
+    given: dict[Path, Path] = {}
     for path in paths:
-        rows, provenance = read_public_csv(path)
-        report.sources[Path(path).name] = provenance
+        resolved = path.resolve()
+        if resolved in given:
+            raise DatasetError(f"{path}: given twice (as {given[resolved]} too); every row "
+                               f"would be imported twice")
+        given[resolved] = path
+    names = [p.name for p in paths]
+    seen: dict[tuple[tuple[str, str], ...], str] = {}
+    for path in paths:
+        rows, provenance = read_public_csv(path, seen=seen)
+        report.sources[path.name if names.count(path.name) == 1 else str(path)] = provenance
         report.num_rows += len(rows)
         for row in rows:
             if row.measurement is None:

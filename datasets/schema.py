@@ -13,6 +13,7 @@ import datetime as _dt
 import math
 from dataclasses import dataclass, field
 from functools import cache
+from pathlib import PurePath
 from typing import TYPE_CHECKING, Any
 
 from paratune.errors import DatasetError, SchemaVersionError
@@ -182,8 +183,27 @@ class DatasetCard:
                 f"(<= {SCHEMA_VERSION}); upgrade paratune")
         names = {f.name for f in dataclasses.fields(cls)}
         known = {k: v for k, v in data.items() if k in names}
+        _check_card_fields(known, where)
         card = cls(**known)
         unknown = {k: v for k, v in data.items() if k not in names}
         if unknown:
             card.notes = {**card.notes, "unknown_card_fields": unknown}
         return card
+
+
+def _check_card_fields(fields: dict[str, Any], where: str) -> None:
+    """Refuse card fields of the wrong type (a hand-edited or damaged card)."""
+    for name in ("fingerprint", "grid", "notes"):
+        if name in fields and not isinstance(fields[name], dict):
+            raise DatasetError(f"{where}: {name}={fields[name]!r} must be a JSON object")
+    for name in ("data_file", "data_sha256"):
+        if name in fields and not isinstance(fields[name], str):
+            raise DatasetError(f"{where}: {name}={fields[name]!r} must be a string")
+    rows = fields.get("num_rows", 0)
+    if not isinstance(rows, int) or isinstance(rows, bool) or rows < 0:
+        raise DatasetError(f"{where}: num_rows={rows!r} must be a non-negative integer")
+    data_file = fields.get("data_file", "")
+    if data_file and (data_file != PurePath(data_file).name or data_file in (".", "..")
+                      or "\\" in data_file):
+        raise DatasetError(f"{where}: data_file={data_file!r} must be a file name in the "
+                           f"dataset directory (no directory part)")

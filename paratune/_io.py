@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -106,16 +107,22 @@ _WARNED: set[tuple[str, tuple[int, ...]]] = set()
 
 
 @contextlib.contextmanager
-def exclusive_lock(path: str | Path, *, field: str, value: str, what: str) -> Iterator[None]:
+def exclusive_lock(path: str | Path, *, field: str, value: str, what: str,
+                   wait_s: float = 0.0) -> Iterator[None]:
     """Hold an exclusive advisory lock on ``path`` (created if missing) while the block runs.
 
     The lock (``flock``) belongs to this process and ends with it, killed or not, so a
     dead run never leaves a stale lock behind. Where ``flock`` does not exist (not POSIX)
     nothing is locked.
 
+    Args:
+        wait_s: How long to wait for another holder to let go before giving up (0: give up
+            at once, for work that must not run twice; more for short writes that take turns).
+
     Raises:
-        ConfigError: another process holds the lock; ``field``/``value`` name the input that
-            points at the shared files, ``what`` says what that process is doing.
+        ConfigError: another process holds the lock (for over ``wait_s``); ``field``/``value``
+            name the input that points at the shared files, ``what`` says what that process
+            is doing.
     """
     try:
         import fcntl
@@ -128,12 +135,21 @@ def exclusive_lock(path: str | Path, *, field: str, value: str, what: str) -> It
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
+        deadline = time.monotonic() + wait_s
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() >= deadline:
+                        raise
+                    time.sleep(0.05)
         except BlockingIOError:
             holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            waited = f" (waited {wait_s:g} s)" if wait_s > 0 else ""
             raise ConfigError(field, value, f"is in use: another process (pid {holder}) is "
-                              f"{what}; wait for it to end or stop it first") from None
+                              f"{what}{waited}; wait for it to end or stop it first") from None
         except OSError as exc:  # a filesystem without flock (some NFS, Lustre, FUSE mounts)
             import logging
 

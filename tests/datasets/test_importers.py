@@ -5,7 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from paratune import Recompute, Sharding, Status
+from paratune import DatasetError, Recompute, Sharding, Status
+from paratune.cli import main
 from paratune.datasets.importers import (
     import_files,
     is_public_csv,
@@ -19,6 +20,7 @@ HEADER = ("source,model,params_b,layers,hidden,heads,seq_len,gpu,num_gpus,tp,pp,
           "step_time_s,tokens_per_sec_per_gpu,precision,notes,nodes,grad_accum,gpu_mem_gb,status")
 GOOD = ("ultrascale_playbook_nanotron,1B,1,16,2048,32,4096,H100-80GB,8,1,1,8,1,2,256,0,,,0.392,"
         "321200,,40150,bf16,nodes=1;grad_accum=16;gpu_mem_gb=50.2,1,16,50.2,ok")
+GOOD_ZERO1 = GOOD.replace(",256,0,,", ",256,1,,")  # another configuration
 
 
 def _public_dir() -> Path:
@@ -56,6 +58,22 @@ def test_good_row_maps_config_hardware_and_metrics(tmp_path):
     ({"notes": "nodes=1;FLAG=source_dims_inconsistent"}, "FLAG=source_dims_inconsistent"),
     ({"tokens_per_sec": "100000"}, "contradicts tokens_per_sec_per_gpu"),
     ({"cp": "2"}, "context parallelism"),
+    ({"tp": "inf"}, "tp='inf' must be a finite number"),
+    ({"tp": "-2"}, "tp='-2' must be a positive integer"),
+    ({"global_batch": "100", "grad_accum": ""},
+     "global_batch=100 is not a multiple of dp*micro_batch"),
+    ({"mfu": "39.2"}, "mfu='39.2' must be a fraction in [0, 1]"),
+    ({"mfu": "-0.1"}, "mfu='-0.1' must be a fraction in [0, 1]"),
+    ({"mfu": "inf"}, "mfu='inf' must be a finite number"),
+    ({"tokens_per_sec": "-5", "tokens_per_sec_per_gpu": ""}, "tokens_per_sec='-5' must be "
+                                                             "positive"),
+    ({"tokens_per_sec": "", "tokens_per_sec_per_gpu": "", "step_time_s": "-2"},
+     "step_time_s='-2' must be positive"),
+    ({"gpu_mem_gb": "0"}, "gpu_mem_gb='0' must be positive"),
+    ({"gpu_mem_gb": "-inf"}, "gpu_mem_gb='-inf' must be a finite number"),
+    ({"params_b": "one"}, "params_b='one' is not a number"),
+    ({"status": "done"}, "status='done' is not one of"),
+    ({"status": "failed"}, "status='failed' contradicts the stated mfu, tokens_per_sec"),
     ({"mfu": "", "tokens_per_sec": "", "tokens_per_sec_per_gpu": "", "status": ""},
      "no status and no step_time_s or tokens_per_sec"),
 ])
@@ -63,7 +81,7 @@ def test_unmappable_rows_are_reported_with_line_and_reason(tmp_path, change, rea
     cells = dict(zip(HEADER.split(","), GOOD.split(",")))
     cells.update(change)
     bad = ",".join(cells[h] for h in HEADER.split(","))
-    records, problems = parse_public_csv(_write(tmp_path, GOOD, bad, GOOD))
+    records, problems = parse_public_csv(_write(tmp_path, GOOD, bad, GOOD_ZERO1))
     assert len(records) == 2
     (problem,) = problems
     assert problem.line == 4  # comment, header, good row, then the bad one
@@ -122,3 +140,73 @@ def test_import_writes_a_dataset(tmp_path):
     assert report.num_records == 1 and len(report.problems) == 1
     back = datasets.read_dataset(tmp_path / "ds")
     assert len(back.frame) == 1 and back.frame["status"].iloc[0] == "ok"
+
+
+def test_bom_crlf_quotes_and_line_breaks_keep_line_numbers(tmp_path):
+    bad = GOOD.replace(",8,1,1,8,", ",8,1,1,4,")
+    quoted = GOOD.replace("nodes=1;grad_accum=16;gpu_mem_gb=50.2", '"a, b\r\nc"')
+    text = "\r\n".join(["# source: test rows", HEADER, quoted, bad, ""])
+    path = tmp_path / "excel.csv"
+    path.write_bytes(text.encode("utf-8-sig"))  # spreadsheet export: BOM and CRLF
+    rows, provenance = read_public_csv(path)
+    assert provenance == "source: test rows"
+    assert [r.line for r in rows] == [3, 5]  # the quoted cell spans lines 3-4
+    assert rows[0].measurement is not None and rows[0].raw["notes"] == "a, b\r\nc"
+    assert "contradicts num_gpus=8" in rows[1].error
+
+
+@pytest.mark.parametrize(("lines", "line", "reason"), [
+    ([GOOD + ",1,2"], 3, "has 30 cells but the header has 28 columns"),
+    ([",".join(GOOD.split(",")[:20])], 3, "has 20 cells but the header has 28 columns"),
+    ([GOOD, "# source: another file", HEADER, GOOD_ZERO1], 4, "a '#' comment line after "
+                                                                "the header"),
+    ([GOOD, HEADER, GOOD_ZERO1], 4, "repeats the header"),
+    ([GOOD, GOOD], 4, "rows.csv:3 (every cell equal)"),
+    ([GOOD.replace(",ok", ',"ok'), GOOD_ZERO1], 3, "column status: a quoted cell spans lines "
+                                                   "3-4"),
+    ([GOOD.replace("bf16,", 'bf16,"'), GOOD_ZERO1, GOOD], 3, "has 24 cells but the header "
+                                                             "has 28 columns (its cells span "
+                                                             "lines 3-5"),
+])
+def test_rows_that_do_not_line_up_are_reported_not_guessed(tmp_path, lines, line, reason):
+    rows, _ = read_public_csv(_write(tmp_path, *lines))
+    problems = [(r.line, r.error) for r in rows if r.measurement is None]
+    assert any(n == line and reason in error for n, error in problems), problems
+
+
+def test_unreadable_files_are_errors_naming_the_file(tmp_path):
+    (tmp_path / "empty.csv").write_text("")
+    (tmp_path / "latin1.csv").write_bytes(("# source: x\n" + HEADER + "\n"
+                                           + GOOD.replace("bf16", "caf\xe9")).encode("latin-1"))
+    (tmp_path / "twice.csv").write_text(HEADER + ",tp\n" + GOOD + ",4\n")
+    cases = {"empty.csv": "no CSV header", "latin1.csv": r"line 3 is not UTF-8",
+             "twice.csv": r"twice\.csv:1: the header names column 'tp' twice",
+             "dir": "is a directory, not a CSV file"}
+    (tmp_path / "dir").mkdir()
+    for name, message in cases.items():
+        with pytest.raises(DatasetError, match=message):
+            import_files([tmp_path / name], None)
+    with pytest.raises(FileNotFoundError):
+        import_files([tmp_path / "missing.csv"], None)
+    assert main(["datasets", "import", str(tmp_path / "dir"), "--out",
+                 str(tmp_path / "out")]) == 2
+    assert not (tmp_path / "out").exists()
+
+
+def test_mixed_sources_in_one_import_keep_each_provenance(tmp_path):
+    ultra = _write(tmp_path, GOOD)
+    vtrain = tmp_path / "v.csv"
+    vtrain.write_text("# source: vTrain\n# source: vTrain, table 2\n"
+                      + ",".join(HEADER.split(",")[:24]) + "\n"
+                      "vtrain_ground_truth_single_node,GPT,,24,1024,16,1024,A100,8,2,2,2,1,4,"
+                      "32,,full,,,,0.219733,,,\n")
+    bare = tmp_path / "bare.csv"
+    bare.write_text(HEADER + "\n" + GOOD_ZERO1 + "\n")
+    report = import_files([ultra, vtrain, bare], tmp_path / "ds")
+    assert report.num_records == 3 and not report.problems
+    assert report.sources == {"rows.csv": "source: test rows",
+                              "v.csv": "source: vTrain | source: vTrain, table 2",
+                              "bare.csv": ""}
+    assert "no '# source:' provenance line in bare.csv" in report.summary()
+    with pytest.raises(DatasetError, match="given twice"):
+        import_files([ultra, tmp_path / "." / "rows.csv"], None)

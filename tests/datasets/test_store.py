@@ -3,6 +3,10 @@ from __future__ import annotations
 import json
 import math
 import os
+import subprocess
+import sys
+import threading
+import time
 from pathlib import Path
 
 import pandas as pd
@@ -290,3 +294,117 @@ def test_a_file_without_an_optional_column_reads_with_its_default(tmp_path):
     filled = read_dataset(tmp_path / "older2.parquet").frame
     for column in ("mfu", "peak_rss_gb", "virtual_stages"):
         assert filled[column].dtype == fresh[column].dtype, column
+
+
+def test_concurrent_writers_take_turns_and_leave_a_readable_dataset(tmp_path, monkeypatch):
+    # Writer "slow" pauses between placing its data file and its card; a second writer
+    # meanwhile must not delete that data file (the card about to be written names it).
+    path = tmp_path / "ds"
+    write_dataset(path, _records()[:1])
+    paused, resume = threading.Event(), threading.Event()
+    real_write_text = store.atomic_write_text
+
+    def slow_card(*args, **kwargs):
+        if threading.current_thread().name == "slow":
+            paused.set()
+            resume.wait(10)
+        return real_write_text(*args, **kwargs)
+
+    monkeypatch.setattr(store, "atomic_write_text", slow_card)
+    errors = []
+
+    def write(records):
+        try:
+            write_dataset(path, records)
+        except Exception as exc:  # reported below
+            errors.append(exc)
+
+    slow = threading.Thread(target=write, args=(_records()[:2],), name="slow")
+    fast = threading.Thread(target=write, args=(_records(),), name="fast")
+    slow.start()
+    assert paused.wait(10)
+    fast.start()
+    fast.join(0.5)
+    resume.set()
+    slow.join(10)
+    fast.join(10)
+    assert not errors
+    assert len(read_dataset(path)) == 3  # the second writer's rows, complete
+    assert len(_parquet_files(path)) == 1
+
+
+def test_write_lock_held_too_long_is_a_clear_error(tmp_path):
+    path = tmp_path / "ds"
+    write_dataset(path, _records()[:1])
+    held = pytest.raises(DatasetError, match=r"another process .* is writing this dataset \(waited")
+    with store._write_lock(path), held, store._write_lock(path, timeout_s=0.1):
+        pass
+    assert len(read_dataset(path)) == 1
+
+
+def test_writer_killed_mid_write_keeps_the_stored_rows(tmp_path):
+    # A real SIGKILL while a process rewrites the dataset in a loop: the dataset read
+    # afterwards is one complete version, and the next write removes the killed write's
+    # temporary files.
+    path = tmp_path / "ds"
+    write_dataset(path, _records())
+    script = (
+        "import sys, pandas as pd\n"
+        "from paratune.datasets import read_dataset, write_dataset\n"
+        "frame = read_dataset(sys.argv[1]).frame\n"
+        "big = pd.concat([frame] * 5000, ignore_index=True)\n"
+        "print('ready', flush=True)\n"
+        "while True:\n"
+        "    write_dataset(sys.argv[1], big)\n")
+    proc = subprocess.Popen([sys.executable, "-c", script, str(path)], stdout=subprocess.PIPE,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        assert proc.stdout.readline().strip() == b"ready"
+        time.sleep(0.8)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert len(read_dataset(path)) in (3, 15000)
+    (path / ".measurements-0123456789ab.parquet.x1y2.tmp").write_bytes(b"half a file")
+    write_dataset(path, _records()[:1])
+    assert [p.name for p in path.iterdir() if p.name.endswith(".tmp")] == []
+    assert len(read_dataset(path)) == 1
+
+
+def test_rewriting_a_dataset_of_a_newer_schema_is_refused(tmp_path):
+    path = tmp_path / "ds"
+    write_dataset(path, _records())
+    card_path = path / CARD_FILE
+    card = json.loads(card_path.read_text())
+    card["schema_version"] = SCHEMA_VERSION + 1
+    card_path.write_text(json.dumps(card))
+    before = sorted(p.name for p in path.iterdir())
+    with pytest.raises(SchemaVersionError, match=f"holds a dataset of schema_version="
+                                                 f"{SCHEMA_VERSION + 1}, newer"):
+        write_dataset(path, _records()[:1])
+    assert sorted(p.name for p in path.iterdir()) == before
+    assert json.loads(card_path.read_text()) == card
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("data_file", 5, "data_file=5 must be a string"),
+    ("data_file", "../other/measurements-x.parquet", "must be a file name in the dataset"),
+    ("num_rows", "3", "num_rows='3' must be a non-negative integer"),
+    ("fingerprint", ["cpu"], r"fingerprint=\['cpu'\] must be a JSON object"),
+])
+def test_a_damaged_card_is_refused_naming_the_field(tmp_path, field, value, message):
+    path = tmp_path / "ds"
+    write_dataset(path, _records())
+    card = json.loads((path / CARD_FILE).read_text())
+    card[field] = value
+    (path / CARD_FILE).write_text(json.dumps(card))
+    with pytest.raises(DatasetError, match=message):
+        read_dataset(path)
+
+
+def test_a_missing_card_points_at_the_self_describing_data_file(tmp_path):
+    ds = write_dataset(tmp_path / "ds", _records())
+    (tmp_path / "ds" / CARD_FILE).unlink()
+    with pytest.raises(DatasetError, match=rf"no card\.json\); it holds {ds.card.data_file}"):
+        read_dataset(tmp_path / "ds")
+    assert len(read_dataset(tmp_path / "ds" / ds.card.data_file)) == 3
