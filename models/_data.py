@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -17,6 +18,8 @@ if TYPE_CHECKING:
 
 __all__ = ["config_identity", "feasibility_table", "load_measurements", "measured_memory_gb",
            "measured_step_time", "training_fingerprint"]
+
+logger = logging.getLogger(__name__)
 
 # Columns that identify a configuration (the measurement's model, layout and hardware).
 IDENTITY_COLUMNS = tuple(c for c in CONFIG_COLUMNS if c not in ("model_name",))
@@ -49,9 +52,16 @@ def load_measurements(paths: Sequence[str | Path]) -> pd.DataFrame:
 
             frame = read_dataset(path).frame.copy()
         elif path.suffix == ".parquet":
-            frame = pd.read_parquet(path)
+            frame = _read_parquet_rows(path)
         elif is_public_csv(path):
-            records, _problems = parse_public_csv(path)
+            records, problems = parse_public_csv(path)
+            if problems:
+                # the rows are left out, not guessed; say so where the fit or evaluation runs
+                shown = "; ".join(str(p) for p in problems[:3])
+                more = f"; and {len(problems) - 3} more" if len(problems) > 3 else ""
+                logger.warning("%s: %d %s not used: %s%s (`paratune datasets import` lists "
+                               "each with its line and reason)", path, len(problems),
+                               "row" if len(problems) == 1 else "rows", shown, more)
             frame = pd.DataFrame([m.to_row() for m in records])
         elif path.suffix == ".csv":
             frame = pd.read_csv(path, comment=None)
@@ -69,6 +79,26 @@ def load_measurements(paths: Sequence[str | Path]) -> pd.DataFrame:
     if not frames:
         raise DatasetError("no data given")
     return pd.concat(frames, ignore_index=True)
+
+
+def _read_parquet_rows(path: Path) -> pd.DataFrame:
+    """A parquet file's rows: a paratune dataset file (its embedded card, checksum and schema
+    version checked by :func:`paratune.datasets.read_dataset`), else plain measurement rows."""
+    import pyarrow.parquet as pq
+
+    from paratune.datasets import read_dataset
+    from paratune.datasets._store import _CARD_META_KEY
+
+    try:
+        metadata = pq.read_schema(path).metadata or {}
+    except Exception as exc:  # pyarrow raises several types for a bad footer
+        raise DatasetError(f"{path}: not a readable parquet file (truncated or corrupt: "
+                           f"{exc})") from None
+    if _CARD_META_KEY in metadata:
+        return read_dataset(path).frame.copy()
+    import pandas as pd
+
+    return pd.read_parquet(path)
 
 
 def config_identity(frame: pd.DataFrame) -> pd.Series:

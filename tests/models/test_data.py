@@ -1,0 +1,54 @@
+"""Loading measurements for fitting: nothing left out without a word, and dataset files
+checked like datasets."""
+
+from __future__ import annotations
+
+import logging
+
+import pandas as pd
+import pytest
+
+from paratune.datasets import write_dataset
+from paratune.errors import DatasetError
+from paratune.measurement import Measurement
+from paratune.models import load_measurements
+from paratune.parallel import ParallelConfig
+from paratune.spec import get_model
+
+HEADER = ("source,model,params_b,layers,hidden,heads,seq_len,gpu,num_gpus,tp,pp,dp,cp,"
+          "micro_batch,global_batch,zero_stage,recompute,tflops_per_gpu,mfu,tokens_per_sec,"
+          "step_time_s,tokens_per_sec_per_gpu,precision,notes,nodes,grad_accum,gpu_mem_gb,status")
+GOOD = ("ultrascale_playbook_nanotron,1B,1,16,2048,32,4096,H100-80GB,8,1,1,8,1,2,256,0,,,0.392,"
+        "321200,,40150,bf16,nodes=1;grad_accum=16;gpu_mem_gb=50.2,1,16,50.2,ok")
+
+
+def test_rows_a_public_csv_cannot_map_are_reported_when_loading(tmp_path, caplog):
+    bad = GOOD.replace(",8,1,1,8,1,2,", ",8,2,1,8,1,2,")  # dp*tp*pp = 16 != num_gpus = 8
+    path = tmp_path / "public.csv"
+    path.write_text("\n".join(["# source: rows", HEADER, GOOD, bad]) + "\n")
+    with caplog.at_level(logging.WARNING, logger="paratune.models"):
+        frame = load_measurements([path])
+    assert len(frame) == 1
+    warned = " ".join(r.getMessage() for r in caplog.records)
+    assert "public.csv: 1 row not used" in warned and "public.csv:4: dp*tp*pp" in warned
+
+
+def _dataset_file(tmp_path):
+    record = Measurement(model=get_model("tiny"), config=ParallelConfig(dp=2, global_batch_size=8),
+                         hardware="cpu", step_times_s=[0.1, 0.12])
+    ds = write_dataset(tmp_path / "ds", [record])
+    return next(ds.path.glob("*.parquet")), ds.frame
+
+
+def test_a_dataset_parquet_file_is_checked_like_a_dataset(tmp_path):
+    path, frame = _dataset_file(tmp_path)
+    assert len(load_measurements([path])) == 1
+    # a damaged copy is refused, not read as whatever rows survive
+    damaged = tmp_path / "damaged.parquet"
+    damaged.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    with pytest.raises(DatasetError, match=r"damaged\.parquet"):
+        load_measurements([damaged])
+    # plain measurement rows written by pandas (no card) still load
+    plain = tmp_path / "plain.parquet"
+    frame.to_parquet(plain)
+    assert len(load_measurements([plain])) == 1 and isinstance(frame, pd.DataFrame)
