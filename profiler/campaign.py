@@ -644,9 +644,19 @@ def materialise(out: str | Path) -> Dataset:
         per[row["status"]] = per.get(row["status"], 0) + 1
     fingerprint = meta.get("fingerprint", {})
     ok_rows = [r for r in rows if r["status"] == Status.OK.value]
+    machines: list[dict[str, Any]] = []
     if ok_rows:
         from paratune.measurement import FINGERPRINT_FIELDS
 
+        # a campaign resumed on another machine or software stack measured on several: the
+        # card names the first, and its notes every one with its number of successful rows
+        fields = [k for k in FINGERPRINT_FIELDS if k != "device_count"]
+        seen: dict[tuple[Any, ...], dict[str, Any]] = {}
+        for row in ok_rows:
+            key = tuple(str(row.get(k)) for k in fields)
+            entry = seen.setdefault(key, {**{k: row.get(k) for k in fields}, "num_ok_rows": 0})
+            entry["num_ok_rows"] += 1
+        machines = list(seen.values())
         fingerprint = {k: ok_rows[0].get(k) for k in FINGERPRINT_FIELDS}
     if rows:  # the machine had at least as many devices as the largest group used
         fingerprint = {**fingerprint, "device_count": max(int(r["world_size"]) for r in rows)}
@@ -657,7 +667,8 @@ def materialise(out: str | Path) -> Dataset:
               "model_spec": identity.get("model")},
         notes={"counts_per_world_size": counts,
                "skipped_per_world_size": meta.get("num_skipped", {}),
-               "valid_per_world_size": meta.get("num_valid", {})})
+               "valid_per_world_size": meta.get("num_valid", {}),
+               **({"fingerprints": machines} if len(machines) > 1 else {})})
     import pandas as pd
 
     return write_dataset(paths.root, pd.DataFrame(rows), card=card)

@@ -602,3 +602,28 @@ def test_ok_and_failed_rows_record_the_campaigns_devices_per_node(tmp_path):
     frame = result.dataset.frame
     assert sorted(frame["status"]) == ["error", "ok"]
     assert list(frame["devices_per_node"]) == [1, 1]
+
+
+def test_materialise_names_every_machine_a_resumed_campaign_measured_on(tmp_path):
+    paths, _ = prepare_campaign(_spec(), tmp_path / "c")
+    plan = read_plan(paths.plan(2))
+    configs = [ParallelConfig.from_dict(c) for c in plan["configs"]]
+    for i, config in enumerate(configs):
+        # the first two on one host, the rest after a resume on another torch and host
+        host, torch_version = ("node-a", "2.13.0") if i < 2 else ("node-b", "2.14.0")
+        record = failure_record(plan, config, Status.OK, "",
+                                fingerprint={"hostname": host, "torch_version": torch_version})
+        record.step_times_s = [0.1, 0.1]
+        append_record(paths.journal(2), record)
+    card = materialise(paths.root).card
+    assert card.fingerprint["hostname"] == "node-a"
+    machines = {(m["hostname"], m["torch_version"]): m["num_ok_rows"]
+                for m in card.notes["fingerprints"]}
+    assert machines == {("node-a", "2.13.0"): 2, ("node-b", "2.14.0"): len(configs) - 2}
+    # a campaign measured on one machine has no such note
+    single = prepare_campaign(_spec(), tmp_path / "d")[0]
+    for config in configs:
+        record = failure_record(plan, config, Status.OK, "", fingerprint={"hostname": "a"})
+        record.step_times_s = [0.1]
+        append_record(single.journal(2), record)
+    assert "fingerprints" not in materialise(single.root).card.notes
