@@ -2,7 +2,8 @@
 
 A short real profiling campaign of the ``tiny`` model on gloo, a performance model fitted on
 it, a tuning run against that model, and the top recommendation profiled for real to check
-the prediction; every stage is an MLflow run in the local store.
+the prediction; the campaign, the fit and the tuning (with its verification, as
+``paratune tune --verify``) are MLflow runs in the local store.
 """
 
 from __future__ import annotations
@@ -66,8 +67,10 @@ def quickstart(out: str | Path = "paratune-quickstart", *,
     from paratune.models._workflows import fit_model
     from paratune.profiler.campaign import CampaignSpec, run_campaign
     from paratune.spec import get_model
-    from paratune.tuner import tune, verify_top_k
+    from paratune.tuner import tune
 
+    if isinstance(verify, bool) or not isinstance(verify, int) or verify < 0:
+        raise ConfigError("verify", verify, "must be a number of configs >= 0")
     if gpus not in world_sizes and verify:
         raise ConfigError("gpus", gpus, f"must be one of the profiled world sizes "
                           f"{list(world_sizes)} to verify the recommendation here")
@@ -95,26 +98,28 @@ def quickstart(out: str | Path = "paratune-quickstart", *,
 
     log(f"[3/4] tuning {model.name} for {gpus} processes against the fitted model")
     started = time.monotonic()
+
+    def ranked(result: TuneResult) -> None:
+        nonlocal started
+        timings["tune"] = time.monotonic() - started
+        log(result.table(5))
+        if verify:
+            log(f"[4/4] profiling the top {verify} recommended config(s) again for real")
+        started = time.monotonic()
+
     # The profiled grid is the space searched: the model interpolates between measurements.
+    # The verification is the tune run's own (as with ``paratune tune --verify K``): its
+    # params say verify=K and it holds verification.csv.
     tuning = tune(model, gpus, "cpu", model_dir, search="exhaustive", space=spec.space,
                   global_batch_sizes=list(spec.space.global_batch_sizes),
-                  output_dir=out / "recommendation", track=track)
-    timings["tune"] = time.monotonic() - started
-    log(tuning.table(5))
+                  output_dir=out / "recommendation", track=track, verify=verify,
+                  verify_options={"dataset": [campaign_dir], "warmup_steps": warmup_steps,
+                                  "measured_steps": measured_steps},
+                  on_ranked=ranked)
     if verify:
         from paratune._table import format_table
 
-        log(f"[4/4] profiling the top {verify} recommended config(s) again for real")
-        started = time.monotonic()
-        tuning.verification = verify_top_k(tuning, verify, dataset=[campaign_dir],
-                                           warmup_steps=warmup_steps,
-                                           measured_steps=measured_steps)
         timings["verify"] = time.monotonic() - started
-        if tuning.run_id is not None:
-            from paratune.tracking import start_run
-
-            with start_run("paratune-tune", run_id=tuning.run_id) as run:
-                run.log_table(tuning.verification, "verification.csv")
         log(format_table(tuning.verification.to_dict("records"), floatfmt=".4g"))
     return QuickstartResult(out=out, campaign=campaign, model_dir=model_dir, tuning=tuning,
                             verification=tuning.verification, timings_s=timings)
@@ -162,4 +167,5 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="top configs to profile again after tuning (default: %(default)s)")
     parser.add_argument("--no-track", action="store_true", help="do not log to MLflow")
     parser.set_defaults(func=_run, field_flags={"warmup_steps": "--warmup",
-                                                "measured_steps": "--steps"})
+                                                "measured_steps": "--steps",
+                                                "verify": "--verify"})

@@ -20,7 +20,7 @@ from pathlib import Path
 from paratune import __version__
 from paratune.errors import ConfigError, ParatuneError, Terminated
 
-__all__ = ["Terminated", "at_least", "build_parser", "flag_message", "main",
+__all__ = ["StoreWithAliases", "Terminated", "at_least", "build_parser", "flag_message", "main",
            "sigterm_as_exit"]
 
 # Modules whose ``register(subparsers)`` adds subcommands, in the order --help lists them.
@@ -112,6 +112,36 @@ def at_least(minimum: float, cast: Callable[[str], float] = int) -> Callable[[st
     return parse
 
 
+class StoreWithAliases(argparse.Action):
+    """``store`` for an option with deprecated spellings, such as ``--hardware`` with its
+    older ``--gpu`` (``add_argument("--hardware", "--gpu", action=StoreWithAliases,
+    deprecated=("--gpu",))``).
+
+    It records the spelling the user typed in ``args.typed_flags[dest]``, so that
+    :func:`flag_message` names that one, and warns on stderr when it is a deprecated one.
+    The help text should say which spellings are aliases.
+    """
+
+    def __init__(self, option_strings: Sequence[str], dest: str, *,
+                 deprecated: Sequence[str] = (), **kwargs: object) -> None:
+        unknown = set(deprecated) - set(option_strings[1:])
+        if unknown:
+            raise ValueError(f"deprecated={sorted(unknown)}: must be aliases of "
+                             f"{option_strings[0]}")
+        super().__init__(option_strings, dest, **kwargs)
+        self.deprecated = tuple(deprecated)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: object, option_string: str | None = None) -> None:
+        setattr(namespace, self.dest, values)
+        typed = dict(getattr(namespace, "typed_flags", None) or {})
+        typed[self.dest] = option_string or self.option_strings[0]
+        namespace.typed_flags = typed
+        if option_string in self.deprecated:
+            print(f"{parser.prog}: warning: {option_string} is deprecated; use "
+                  f"{self.option_strings[0]}", file=sys.stderr)
+
+
 def flag_message(exc: ConfigError, args: argparse.Namespace) -> str:
     """The message of ``exc`` naming the flag the user typed where the library checked its
     value under another name: ``max_segments=0: ...`` becomes ``--segments=0: ...``.
@@ -119,14 +149,17 @@ def flag_message(exc: ConfigError, args: argparse.Namespace) -> str:
     A subcommand lists those names with ``set_defaults(field_flags={field: flag})``. The
     field is renamed only when that flag holds a value (given, or by default) or the error
     is about a missing value: a value the command read elsewhere (a file, a stored campaign)
-    keeps the library's name.
+    keeps the library's name. Of a flag with aliases (:class:`StoreWithAliases`), the
+    spelling the user typed is named.
     """
     flag = getattr(args, "field_flags", {}).get(exc.field)
     if flag is None:
         return str(exc)
+    dest = flag.lstrip("-").replace("-", "_")
+    flag = (getattr(args, "typed_flags", None) or {}).get(dest, flag)
     if exc.value is None:
         return f"{flag}: {exc.rule}"
-    if getattr(args, flag.lstrip("-").replace("-", "_"), None) is None:
+    if getattr(args, dest, None) is None:
         return str(exc)
     return f"{flag}={exc.value!r}: {exc.rule}"
 

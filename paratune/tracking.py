@@ -227,7 +227,10 @@ def start_run(experiment: str, *, run_name: str | None = None,
     :func:`end_status` gives: ``FINISHED``, ``KILLED`` (interrupt, SIGTERM) or ``FAILED``.
 
     A new run is tagged with :func:`source_tags` (``paratune.version``, and the git commit
-    where there is one); a resumed one keeps the tags it was created with.
+    where there is one); a resumed one keeps the tags it was created with. MLflow's
+    process-wide tracking URI (and ``MLFLOW_TRACKING_URI``) point at the store only while the
+    run is open: on exit they are what they were before, so a run's store does not leak into
+    whatever runs next in the process.
 
     Args:
         experiment: Experiment name (created if missing).
@@ -245,26 +248,50 @@ def start_run(experiment: str, *, run_name: str | None = None,
     for name in ("mlflow", "alembic"):
         logging.getLogger(name).setLevel(logging.WARNING)
     uri = tracking_uri or default_tracking_uri()
-    mlflow.set_tracking_uri(uri)
-    if run_id is None:
-        _ensure_experiment(mlflow, experiment, uri)
-        mlflow.set_experiment(experiment)
-        active = mlflow.start_run(run_name=run_name, tags=source_tags())
-    else:
-        active = mlflow.start_run(run_id=run_id)
-    tracked = TrackedRun(mlflow, active)
-    error: BaseException | None = None
+    with _tracking_uri_set(mlflow, uri):
+        if run_id is None:
+            _ensure_experiment(mlflow, experiment, uri)
+            mlflow.set_experiment(experiment)
+            active = mlflow.start_run(run_name=run_name, tags=source_tags())
+        else:
+            active = mlflow.start_run(run_id=run_id)
+        tracked = TrackedRun(mlflow, active)
+        error: BaseException | None = None
+        try:
+            if params:
+                tracked.log_params(params)
+            if tags:
+                tracked.set_tags(tags)
+            yield tracked
+        except BaseException as exc:
+            error = exc
+            raise
+        finally:
+            mlflow.end_run(status=end_status(error))
+
+
+_URI_VARIABLE = "MLFLOW_TRACKING_URI"
+
+
+@contextlib.contextmanager
+def _tracking_uri_set(mlflow_module: Any, uri: str) -> Iterator[None]:
+    """Point MLflow's process-wide tracking URI at ``uri`` while the block runs, then put back
+    what was there: the URI set before (``mlflow.set_tracking_uri``), if any, and the
+    ``MLFLOW_TRACKING_URI`` environment variable (which ``set_tracking_uri`` also changes, for
+    subprocesses), so that one run's store does not become the next one's default."""
+    env = os.environ.get(_URI_VARIABLE)
+    current = mlflow_module.get_tracking_uri()
+    # set explicitly (not merely read from the environment): restore it as it was
+    explicit = current if mlflow_module.is_tracking_uri_set() and current != env else None
+    mlflow_module.set_tracking_uri(uri)
     try:
-        if params:
-            tracked.log_params(params)
-        if tags:
-            tracked.set_tags(tags)
-        yield tracked
-    except BaseException as exc:
-        error = exc
-        raise
+        yield
     finally:
-        mlflow.end_run(status=end_status(error))
+        mlflow_module.set_tracking_uri(explicit)  # None: back to the environment or default
+        if env is None:
+            os.environ.pop(_URI_VARIABLE, None)
+        else:
+            os.environ[_URI_VARIABLE] = env
 
 
 def add_no_track_argument(parser: Any) -> None:

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
-from paratune.cli import at_least
+from paratune.cli import StoreWithAliases, at_least
 
 __all__ = ["register"]
 
@@ -13,6 +14,7 @@ __all__ = ["register"]
 # paratune.cli.flag_message).
 _JOB_FIELD_FLAGS = {
     "path": "--model",  # a config.json that cannot be read
+    "gpu": "--hardware",  # not in the hardware catalogue (or --gpu, where that was typed)
     "global_batch_sizes": "--global-batch",
     "grid": "--space",
     "seq_len": "--trajectory-seq-len",
@@ -23,7 +25,10 @@ def _add_job(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True,
                         help="model preset (llama3-8b, ...) or a Hugging Face config.json")
     parser.add_argument("--gpus", type=int, required=True, help="devices in the job")
-    parser.add_argument("--gpu", required=True, help="device kind (H100, A100, cpu, ...)")
+    parser.add_argument("--hardware", "--gpu", dest="hardware", required=True, metavar="NAME",
+                        action=StoreWithAliases, deprecated=("--gpu",),
+                        help="hardware catalogue name of the devices (H100, A100, cpu, ...), as "
+                             "in paratune profile; --gpu is a deprecated alias")
     parser.add_argument("--predictor", required=True, type=Path,
                         help="directory of a fitted performance model (paratune fit)")
     parser.add_argument("--global-batch", dest="global_batch", default=None,
@@ -99,7 +104,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                       help="dataset that --verify adds its measurements to")
     tune.set_defaults(func=_tune, field_flags={**_JOB_FIELD_FLAGS, "risk_quantile": "--risk",
                                                "batch_size": "--batch-size",
-                                               "n_trials": "--trials"})
+                                               "n_trials": "--trials", "verify": "--verify"})
 
     plan = subparsers.add_parser(
         "plan", help="schedule training phases (batch, parallelism) from a B_noise trajectory",
@@ -125,7 +130,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     plan.add_argument("--smooth", type=at_least(1), default=1,
                       help="running-median window over the trajectory's b_simple")
     plan.add_argument("--output", type=Path, default=None, help="write plan.json here")
-    plan.set_defaults(func=_plan, field_flags={**_JOB_FIELD_FLAGS, "max_segments": "--segments"})
+    plan.set_defaults(func=_plan, field_flags={
+        **_JOB_FIELD_FLAGS, "max_segments": "--segments", "threshold": "--threshold",
+        "reconfig_cost_s": "--reconfig-cost-s", "batch_change_cost_s": "--batch-change-cost-s"})
 
 
 def _space(args: argparse.Namespace):
@@ -151,9 +158,9 @@ def _tune(args: argparse.Namespace) -> int:
     from paratune.tuner._tune import tune
 
     model = get_model(args.model)
-    output = args.output or Path(f"tune-{model.name}-{args.gpus}x{args.gpu}")
+    output = args.output or Path(f"tune-{model.name}-{args.gpus}x{args.hardware}")
     verify_options = {"dataset": args.dataset} if args.dataset else None
-    result = tune(model, args.gpus, args.gpu, args.predictor, objective=args.objective,
+    result = tune(model, args.gpus, args.hardware, args.predictor, objective=args.objective,
                   gns=args.gns, b0=args.b0, global_batch_sizes=args.global_batch,
                   space=_space(args), devices_per_node=args.devices_per_node,
                   tp_within_node=_tp_within_node(args), search=args.search,
@@ -163,8 +170,24 @@ def _tune(args: argparse.Namespace) -> int:
                   min_feasible_prob=args.min_feasible_prob,
                   memory_limit_gb=args.memory_limit_gb, top_k=args.top_k, output_dir=output,
                   track=not args.no_track, verify=args.verify, verify_options=verify_options,
-                  trajectory_seq_len=args.trajectory_seq_len)
-    print(result.table(args.top_k))
+                  trajectory_seq_len=args.trajectory_seq_len,
+                  on_ranked=lambda ranked: _print_ranking(ranked, args.top_k))
+    if result.verification is not None:
+        from paratune._table import format_table
+
+        print()
+        print(format_table(result.verification.to_dict("records"),
+                           title="verification: predicted vs measured"))
+    print(f"\nwrote {', '.join(str(p) for p in result.outputs.values())}")
+    if result.run_id:
+        print(f"MLflow run {result.run_id}: {ui_command()}")
+    return 0
+
+
+def _print_ranking(result, top_k: int) -> None:
+    """The ranking, the study and the winner's launch settings (shown before a verification
+    starts profiling)."""
+    print(result.table(top_k))
     search = result.search
     if search.study_name:
         print(f"\nstudy {search.study_name} in {search.storage}: {search.num_trials} trials "
@@ -178,67 +201,70 @@ def _tune(args: argparse.Namespace) -> int:
     print("  torchtitan:\n    " + launch["torchtitan_toml"].strip().replace("\n", "\n    "))
     for note in launch["notes"]:
         print(f"  note: {note}")
-    if result.verification is not None:
-        from paratune._table import format_table
-
-        print()
-        print(format_table(result.verification.to_dict("records"),
-                           title="verification: predicted vs measured"))
-    print(f"\nwrote {', '.join(str(p) for p in result.outputs.values())}")
-    if result.run_id:
-        print(f"MLflow run {result.run_id}: {ui_command()}")
-    return 0
+    sys.stdout.flush()
 
 
 def _plan(args: argparse.Namespace) -> int:
+    import contextlib
     import json
 
     from paratune._io import atomic_write_text
     from paratune.space import ConfigSpace
     from paratune.spec import get_model
     from paratune.tuner._objective import Objective
-    from paratune.tuner._plan import plan_phases
+    from paratune.tuner._plan import check_plan_options, plan_phases
     from paratune.tuner._space import SearchSpace, check_gpus
-    from paratune.tuner._tune import load_predictor
+    from paratune.tuner._tune import load_predictor, predictor_params
     from paratune.tuner.gns_trajectory import load_trajectory
 
+    # everything that can be checked without the work is refused before a run is opened
     check_gpus(args.gpus)
+    check_plan_options(reconfig_cost_s=args.reconfig_cost_s,
+                       batch_change_cost_s=args.batch_change_cost_s, threshold=args.threshold,
+                       max_segments=args.segments)
     model = get_model(args.model)
     trajectory = load_trajectory(args.trajectory, smooth=args.smooth,
                                  seq_len=args.trajectory_seq_len)
     options = _space(args)
     if args.tp_across_nodes:
         options = (options or ConfigSpace()).replace(tp_within_node=False)
-    space = SearchSpace.build(model, args.gpus, args.gpu, space=options,
+    space = SearchSpace.build(model, args.gpus, args.hardware, space=options,
                               global_batch_sizes=args.global_batch or _default_plan_batches(
                                   trajectory, args.gpus, seq_len=model.seq_len),
                               devices_per_node=args.devices_per_node)
     objective = Objective(min_feasible_prob=args.min_feasible_prob,
                           memory_limit_gb=args.memory_limit_gb)
-    predictor = load_predictor(args.predictor)
-    plan = plan_phases(predictor, space, trajectory,
-                       reconfig_cost_s=args.reconfig_cost_s,
-                       batch_change_cost_s=args.batch_change_cost_s, threshold=args.threshold,
-                       max_segments=args.segments, objective=objective)
-    print(plan.table())
-    if args.output:
-        atomic_write_text(args.output / "plan.json" if args.output.suffix != ".json"
-                          else args.output, json.dumps(plan.to_dict(), indent=2, default=float))
-    if not args.no_track:
-        from paratune.tracking import start_run
-        from paratune.tuner._tune import predictor_params
+    predictor = load_predictor(args.predictor)  # a predictor that does not load opens no run
+    with contextlib.ExitStack() as stack:
+        run = None
+        if not args.no_track:  # opened before the work: a failed or killed run keeps its record
+            from paratune.tracking import start_run
 
-        name = f"plan-{model.name}-{args.gpus}x{space.hardware.name}"
-        with start_run("paratune-plan", run_name=name,
-                       params={"model": model.name, "gpus": args.gpus,
-                               "hardware": space.hardware.name,
-                               **predictor_params(args.predictor, predictor),
-                               "trajectory": str(args.trajectory.resolve()),
-                               "trajectory_seq_len": trajectory.seq_len,
-                               "reconfig_cost_s": args.reconfig_cost_s,
-                               "batch_change_cost_s": args.batch_change_cost_s,
-                               "threshold": args.threshold,
-                               "global_batch_sizes": list(space.global_batch_sizes)}) as run:
+            name = f"plan-{model.name}-{args.gpus}x{space.hardware.name}"
+            run = stack.enter_context(start_run("paratune-plan", run_name=name, params={
+                "model": model.name, "gpus": args.gpus, "hardware": space.hardware.name,
+                "devices_per_node": space.devices_per_node,
+                **predictor_params(args.predictor, predictor),
+                "trajectory": str(args.trajectory.resolve()),
+                "trajectory_seq_len": trajectory.seq_len, "smooth": args.smooth,
+                "reconfig_cost_s": args.reconfig_cost_s,
+                "batch_change_cost_s": args.batch_change_cost_s,
+                "threshold": args.threshold, "max_segments": args.segments,
+                "min_feasible_prob": objective.min_feasible_prob,
+                "memory_limit_gb": objective.memory_limit(space),
+                "global_batch_sizes": list(space.global_batch_sizes),
+                "space": space.space.to_dict()}))
+        plan = plan_phases(predictor, space, trajectory,
+                           reconfig_cost_s=args.reconfig_cost_s,
+                           batch_change_cost_s=args.batch_change_cost_s,
+                           threshold=args.threshold, max_segments=args.segments,
+                           objective=objective)
+        print(plan.table())
+        if args.output:
+            atomic_write_text(args.output / "plan.json" if args.output.suffix != ".json"
+                              else args.output,
+                              json.dumps(plan.to_dict(), indent=2, default=float))
+        if run is not None:
             run.log_metrics({"total_time_s": plan.total_time_s,
                              "num_switches": plan.num_switches,
                              "speedup_vs_fixed": plan.speedup("fixed"),

@@ -314,6 +314,27 @@ def _schedule(times: np.ndarray, layouts: np.ndarray, *, reconfig_cost_s: float,
     return choice[::-1], float(best[last])
 
 
+def check_plan_options(*, reconfig_cost_s: float, batch_change_cost_s: float,
+                       threshold: float, max_segments: int) -> tuple[float, float, float, int]:
+    """The settings of :func:`plan_phases`, checked (as it checks them) and normalised, so
+    that a caller can refuse them before doing anything else.
+
+    Returns:
+        ``(reconfig_cost_s, batch_change_cost_s, threshold, max_segments)``.
+
+    Raises:
+        ConfigError: a cost is negative or not finite, ``threshold`` is negative or not
+            finite, or ``max_segments`` is not an integer >= 1.
+    """
+    reconfig_cost_s = _check_cost("reconfig_cost_s", reconfig_cost_s)
+    batch_change_cost_s = _check_cost("batch_change_cost_s", batch_change_cost_s)
+    if (isinstance(threshold, bool) or not isinstance(threshold, (int, float, np.number))
+            or not (threshold >= 0 and math.isfinite(threshold))):
+        raise ConfigError("threshold", threshold, "must be a finite number >= 0")
+    return reconfig_cost_s, batch_change_cost_s, float(threshold), \
+        _check_max_segments(max_segments)
+
+
 def plan_phases(predictor: Predictor, space: SearchSpace, trajectory: Trajectory, *,
                 reconfig_cost_s: float = 600.0, batch_change_cost_s: float = 0.0,
                 threshold: float = 0.05, max_segments: int = 32,
@@ -354,11 +375,9 @@ def plan_phases(predictor: Predictor, space: SearchSpace, trajectory: Trajectory
             ``max_segments < 1``, no config is predicted feasible, or the trajectory is
             too short or lacks its ``seq_len``.
     """
-    reconfig_cost_s = _check_cost("reconfig_cost_s", reconfig_cost_s)
-    batch_change_cost_s = _check_cost("batch_change_cost_s", batch_change_cost_s)
-    if not (threshold >= 0 and math.isfinite(threshold)):
-        raise ConfigError("threshold", threshold, "must be a finite number >= 0")
-    max_segments = _check_max_segments(max_segments)
+    reconfig_cost_s, batch_change_cost_s, threshold, max_segments = check_plan_options(
+        reconfig_cost_s=reconfig_cost_s, batch_change_cost_s=batch_change_cost_s,
+        threshold=threshold, max_segments=max_segments)
     # unit problems of the trajectory surface before the (slow) prediction
     segments = progress_segments(trajectory, seq_len=space.model.seq_len,
                                  max_segments=max_segments)

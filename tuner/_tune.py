@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -162,7 +163,8 @@ def tune(model: ModelSpec | str, gpus: int, gpu: HardwareSpec | str,
          output_dir: str | Path | None = None, track: bool = True,
          tracking_uri: str | None = None, verify: int = 0,
          verify_options: dict[str, Any] | None = None,
-         trajectory_seq_len: int | None = None) -> TuneResult:
+         trajectory_seq_len: int | None = None,
+         on_ranked: Callable[[TuneResult], None] | None = None) -> TuneResult:
     """Find how to run ``model`` on ``gpus`` devices of kind ``gpu``.
 
     Args:
@@ -201,6 +203,9 @@ def tune(model: ModelSpec | str, gpus: int, gpu: HardwareSpec | str,
         verify_options: Keyword arguments for :func:`paratune.tuner.verify_top_k`.
         trajectory_seq_len: Tokens per sequence of the run that measured a ``gns``
             trajectory file without a ``seq_len`` column.
+        on_ranked: Called with the result once the search is ranked, the recommendation
+            written and the outcome logged, before any verification (to show the ranking
+            while the top configs are profiled).
 
     Returns:
         A :class:`TuneResult`.
@@ -234,6 +239,8 @@ def tune(model: ModelSpec | str, gpus: int, gpu: HardwareSpec | str,
         if search != "exhaustive" and (isinstance(value, bool) or not isinstance(value, int)
                                        or value < 1):
             raise ConfigError(name, value, "must be a positive integer")
+    if isinstance(verify, bool) or not isinstance(verify, int) or verify < 0:
+        raise ConfigError("verify", verify, "must be a number of configs >= 0")
     obj = Objective(kind=ObjectiveKind(objective) if objective in ("throughput", "goodput")
                     else objective, b_noise=b_noise, b0=b0, risk_quantile=risk_quantile,
                     min_feasible_prob=min_feasible_prob, memory_limit_gb=memory_limit_gb)
@@ -279,6 +286,8 @@ def tune(model: ModelSpec | str, gpus: int, gpu: HardwareSpec | str,
         if run is not None:
             out.run_id = run.run_id
             _log_outcome(run, out, search_space, obj, top_k=top_k)
+        if on_ranked is not None:
+            on_ranked(out)
         if verify:
             from paratune.tuner._verify import verify_top_k
 

@@ -137,6 +137,7 @@ def test_flags_out_of_range_are_refused_by_the_parser(tmp_path, capsys, monkeypa
 @pytest.mark.parametrize(("flags", "message"), [
     (["--warmup", "-1"], "--warmup=-1: must be an integer >= 0"),
     (["--steps", "0"], "--steps=0: must be an integer >= 1"),
+    (["--verify", "-1"], "--verify=-1: must be a number of configs >= 0"),
 ])
 def test_quickstart_errors_name_its_flags(tmp_path, capsys, monkeypatch, flags, message):
     monkeypatch.chdir(tmp_path)

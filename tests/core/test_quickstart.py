@@ -48,8 +48,12 @@ def test_quickstart_runs_the_whole_loop_and_resumes(tmp_path, monkeypatch):
     assert verified["measured_tokens_per_s"].iloc[0] > 0
     experiments = {e.name for e in mlflow.search_experiments()}
     assert {"paratune-profile", "paratune-fit"} <= experiments
+    # the verification is the tune run's own, and its params say so (as tune --verify 1)
+    tune_run = mlflow.MlflowClient().get_run(result.tuning.run_id)
+    assert tune_run.info.status == "FINISHED" and tune_run.data.params["verify"] == "1"
     artifacts = {a.path for a in mlflow.MlflowClient().list_artifacts(result.tuning.run_id)}
     assert "verification.csv" in artifacts
+    assert set(result.timings_s) == {"profile", "fit", "tune", "verify"}
 
     # A second run resumes: nothing is measured again.
     again = quickstart(out, world_sizes=(1, 2), gpus=2, warmup_steps=1, measured_steps=2,

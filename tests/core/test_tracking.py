@@ -61,6 +61,41 @@ def test_run_marked_failed_on_exception(store):
     assert mlflow.get_run(run.run_id).info.status == "FAILED"
 
 
+def test_a_run_leaves_the_tracking_uri_as_it_found_it(tmp_path, monkeypatch):
+    """Each way the URI can be set before a run (nothing, the environment, an explicit
+    ``mlflow.set_tracking_uri``) is what ``mlflow.get_tracking_uri()`` and the environment
+    say after it: the run's store does not become the next run's default."""
+    import mlflow
+
+    store = f"sqlite:///{tmp_path / 'a.db'}"
+    before = f"sqlite:///{tmp_path / 'b.db'}"
+    explicit = f"sqlite:///{tmp_path / 'c.db'}"
+    monkeypatch.chdir(tmp_path)
+    try:
+        for env, preset in ((None, None), (before, None), (before, explicit), (None, explicit)):
+            mlflow.set_tracking_uri(preset)
+            if env is None:
+                monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+            else:
+                monkeypatch.setenv("MLFLOW_TRACKING_URI", env)
+            was = mlflow.get_tracking_uri()
+            with start_run("paratune-test", tracking_uri=store) as run:
+                assert mlflow.get_tracking_uri() == store
+            assert mlflow.get_tracking_uri() == was, (env, preset)
+            assert os.environ.get("MLFLOW_TRACKING_URI") == env, (env, preset)
+            assert mlflow.MlflowClient(store).get_run(run.run_id).info.status == "FINISHED"
+        # also when the run fails
+        mlflow.set_tracking_uri(None)
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", before)
+        with pytest.raises(RuntimeError), start_run("paratune-test", tracking_uri=store):
+            raise RuntimeError("boom")
+        assert mlflow.get_tracking_uri() == before
+        assert os.environ["MLFLOW_TRACKING_URI"] == before
+    finally:
+        mlflow.set_tracking_uri(None)
+    assert not (tmp_path / "b.db").exists() and not (tmp_path / "c.db").exists()
+
+
 def test_default_uri_is_local_sqlite(monkeypatch, tmp_path):
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.chdir(tmp_path)
@@ -129,6 +164,9 @@ def test_end_status_of_each_way_a_run_can_end():
 def test_new_runs_are_tagged_with_the_version_and_the_git_commit(store):
     import mlflow
 
+    from paratune import tracking
+
+    tracking._git_commit.cache_clear()  # HEAD may have moved since an earlier test read it
     with start_run("paratune-test", tags={"kind": "unit"}) as run:
         pass
     tags = mlflow.get_run(run.run_id).data.tags

@@ -27,7 +27,7 @@ def model_dir(tmp_path_factory, public_data):
 
 def test_tune_command_prints_ranking_and_writes_launch_files(model_dir, tmp_path, capsys):
     out = tmp_path / "out"
-    code = main(["tune", "--model", "llama3-8b", "--gpus", "64", "--gpu", "H100",
+    code = main(["tune", "--model", "llama3-8b", "--gpus", "64", "--hardware", "H100",
                  "--predictor", str(model_dir), "--objective", "goodput", "--gns", "2000",
                  "--global-batch", "128:512", "--trials", "24", "--top-k", "5",
                  "--output", str(out), "--no-track"])
@@ -56,7 +56,7 @@ def _write_trajectory(path, *, seq_len=None, seqs_per_step=256, measured_seq_len
 
 def test_plan_command(model_dir, tmp_path, capsys):
     traj = _write_trajectory(tmp_path / "gns.csv", seq_len=8192)
-    code = main(["plan", "--model", "llama3-8b", "--gpus", "64", "--gpu", "H100",
+    code = main(["plan", "--model", "llama3-8b", "--gpus", "64", "--hardware", "H100",
                  "--predictor", str(model_dir), "--trajectory", str(traj),
                  "--global-batch", "64:2048", "--output", str(tmp_path), "--no-track"])
     text = capsys.readouterr().out
@@ -80,7 +80,7 @@ def test_plan_command_converts_a_trajectory_measured_at_another_seq_len(model_di
             fields[3] = f"{float(fields[3]) * scale:.6g}"
         traj.write_text("\n".join([frame[0]] + [",".join(f) for f in body]) + "\n")
         out = tmp_path / f"{name}.json"
-        assert main(["plan", "--model", "llama3-8b", "--gpus", "64", "--gpu", "H100",
+        assert main(["plan", "--model", "llama3-8b", "--gpus", "64", "--hardware", "H100",
                      "--predictor", str(model_dir), "--trajectory", str(traj),
                      "--output", str(out), "--no-track"]) == 0
         plans.append(json.loads(out.read_text()))
@@ -91,7 +91,7 @@ def test_plan_command_converts_a_trajectory_measured_at_another_seq_len(model_di
 
 def test_plan_command_needs_the_seq_len_of_an_old_trajectory(model_dir, tmp_path, capsys):
     old = _write_trajectory(tmp_path / "old.csv")
-    args = ["plan", "--model", "llama3-8b", "--gpus", "64", "--gpu", "H100",
+    args = ["plan", "--model", "llama3-8b", "--gpus", "64", "--hardware", "H100",
             "--predictor", str(model_dir), "--trajectory", str(old), "--no-track"]
     assert main([*args, "--global-batch", "64:2048"]) == 2
     assert "--trajectory-seq-len" in capsys.readouterr().err
@@ -103,7 +103,7 @@ def test_plan_command_needs_the_seq_len_of_an_old_trajectory(model_dir, tmp_path
 
 
 def test_bad_input_is_a_named_error(model_dir, capsys):
-    code = main(["tune", "--model", "llama3-8b", "--gpus", "64", "--gpu", "H100",
+    code = main(["tune", "--model", "llama3-8b", "--gpus", "64", "--hardware", "H100",
                  "--predictor", str(model_dir), "--objective", "goodput", "--no-track"])
     assert code == 2
     assert "gns" in capsys.readouterr().err
@@ -116,7 +116,7 @@ def test_tp_across_nodes_does_not_change_the_batch_searched(model_dir, tmp_path,
     batches = []
     for flags in ([], ["--tp-across-nodes"]):
         out = tmp_path / ("across" if flags else "within")
-        code = main(["tune", "--model", "llama3-8b", "--gpus", "16", "--gpu", "H100",
+        code = main(["tune", "--model", "llama3-8b", "--gpus", "16", "--hardware", "H100",
                      "--predictor", str(model_dir), "--search", "exhaustive", "--top-k", "50",
                      "--output", str(out), "--no-track", *flags])
         assert code == 0
@@ -137,7 +137,7 @@ def job(closed_form, tmp_path, monkeypatch):
 
     def command(name, *flags):
         extra = ["--trajectory", "trajectory.csv"] if name == "plan" else []
-        return [name, "--model", "llama3-8b", "--gpus", "64", "--gpu", "H100", "--predictor",
+        return [name, "--model", "llama3-8b", "--gpus", "64", "--hardware", "H100", "--predictor",
                 "model", "--output", "out", "--no-track", *extra, *flags]
 
     return command
@@ -200,3 +200,78 @@ def test_flags_out_of_range_are_refused_by_the_parser(job, tmp_path, capsys, com
     assert (f"paratune {command}: error: argument {flag}: must be an integer >= {minimum}, "
             f"not '{value}'") in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def _plan_runs() -> list:
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient()
+    experiment = client.get_experiment_by_name("paratune-plan")
+    return [] if experiment is None else client.search_runs([experiment.experiment_id])
+
+
+def test_plan_opens_its_run_before_the_work(job, monkeypatch, tmp_path, capsys):
+    """As ``tune``: a bad option opens no run; a plan that fails or is interrupted leaves its
+    run, ended FAILED or KILLED, with its params; a finished one has its metrics."""
+    tracked = [flag for flag in job("plan", "--global-batch", "64:2048") if flag != "--no-track"]
+    assert main([*tracked, "--threshold", "-1"]) == 2
+    assert capsys.readouterr().err == (
+        "paratune plan: error: --threshold=-1.0: must be a finite number >= 0\n")
+    assert _plan_runs() == []
+    # fails in the work: no config fits in 1 MB
+    assert main([*tracked, "--memory-limit-gb", "0.001"]) == 2
+    assert "no config is predicted feasible" in capsys.readouterr().err
+    (failed,) = _plan_runs()
+
+    class Interrupted:
+        def predict(self, frame):
+            raise KeyboardInterrupt
+
+    with monkeypatch.context() as patch:
+        patch.setattr("paratune.tuner._tune.load_predictor", lambda predictor: Interrupted())
+        assert main([*tracked, "--reconfig-cost-s", "60"]) == 130
+    assert not (tmp_path / "out" / "plan.json").exists()  # neither run wrote a plan
+    assert main([*tracked, "--segments", "8"]) == 0
+    capsys.readouterr()
+    runs = {run.info.status: run for run in _plan_runs()}
+    assert set(runs) == {"FAILED", "KILLED", "FINISHED"}
+    assert runs["FAILED"].info.run_id == failed.info.run_id
+    for run in runs.values():
+        params = run.data.params
+        assert run.info.end_time is not None and run.info.run_name == "plan-llama3-8b-64xH100-80GB"
+        assert params["model"] == "llama3-8b" and params["gpus"] == "64"
+        assert params["hardware"] == "H100-80GB" and "gpu" not in params
+        assert json.loads(params["global_batch_sizes"]) == [64, 128, 256, 512, 1024, 2048]
+        assert params["trajectory"] == str(tmp_path / "trajectory.csv")
+        assert params["trajectory_seq_len"] == "8192"
+    assert float(runs["FAILED"].data.params["memory_limit_gb"]) == 0.001
+    assert float(runs["KILLED"].data.params["reconfig_cost_s"]) == 60
+    finished = runs["FINISHED"]
+    assert finished.data.params["max_segments"] == "8"
+    assert finished.data.metrics["total_time_s"] > 0
+    assert not runs["FAILED"].data.metrics and not runs["KILLED"].data.metrics
+
+
+@pytest.mark.parametrize("command", ["tune", "plan"])
+def test_gpu_is_a_deprecated_alias_of_hardware(job, tmp_path, capsys, command):
+    """``--hardware`` is the flag (as in ``paratune profile``); ``--gpu`` still works, with a
+    warning, and errors name the spelling typed."""
+    extra = (["--search", "exhaustive"] if command == "tune" else ["--global-batch", "64:2048"])
+    args = job(command, *extra)
+    assert main(args) == 0
+    assert capsys.readouterr().err == ""
+    old = [("--gpu" if flag == "--hardware" else flag) for flag in args]
+    assert main(old) == 0
+    assert capsys.readouterr().err == (f"paratune {command}: warning: --gpu is deprecated; "
+                                       "use --hardware\n")
+    for flag in ("--hardware", "--gpu"):
+        bad = [("TPU-v9" if value == "H100" else value) for value in args]
+        bad[bad.index("--hardware")] = flag
+        assert main(bad) == 2
+        err = capsys.readouterr().err
+        assert f"paratune {command}: error: {flag}='TPU-v9': is not a known device" in err
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    usage = capsys.readouterr().out
+    assert "--hardware NAME" in usage.split("\n\n")[0]  # the usage line
+    assert "--gpu is a deprecated alias" in " ".join(usage.split())

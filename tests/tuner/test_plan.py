@@ -322,6 +322,8 @@ def test_plan_is_the_exact_optimum_at_zero_threshold(closed_form, rc, bc):
     ({"reconfig_cost_s": math.nan}, "reconfig_cost_s"),
     ({"max_segments": 0}, "max_segments"),
     ({"max_segments": -3}, "max_segments"),
+    ({"threshold": "0.1"}, "threshold"),
+    ({"threshold": math.inf}, "threshold"),
 ])
 def test_each_bad_argument_names_its_own_field(closed_form, kwargs, field):
     with pytest.raises(ConfigError) as info:

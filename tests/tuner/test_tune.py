@@ -101,7 +101,7 @@ def test_cli_names_gpus_when_it_is_not_positive(closed_form, tmp_path, capsys, c
 
     extra = (["--trials", "5"] if command == "tune"
              else ["--trajectory", str(tmp_path / "gns.csv")])
-    code = main([command, "--model", "llama3-8b", "--gpus", gpus, "--gpu", "H100",
+    code = main([command, "--model", "llama3-8b", "--gpus", gpus, "--hardware", "H100",
                  "--predictor", str(tmp_path / "no-model"), "--output", str(tmp_path / "o"),
                  "--no-track", *extra])
     err = capsys.readouterr().err
@@ -118,7 +118,7 @@ def test_cli_names_the_missing_trajectory_seq_len(tmp_path, capsys, command):
         f"{s},{s * 2 * 4096},3.0,{50 + s}\n" for s in range(1, 30)))
     extra = (["--objective", "goodput", "--gns", str(traj), "--trials", "5"]
              if command == "tune" else ["--trajectory", str(traj)])
-    code = main([command, "--model", "llama3-8b", "--gpus", "8", "--gpu", "H100",
+    code = main([command, "--model", "llama3-8b", "--gpus", "8", "--hardware", "H100",
                  "--predictor", str(tmp_path / "no-model"), "--output", str(tmp_path / "o"),
                  "--no-track", *extra])
     err = capsys.readouterr().err
@@ -185,6 +185,7 @@ def test_tune_run_records_its_inputs_and_whether_the_study_resumed(closed_form, 
 @pytest.mark.parametrize(("flags", "message"), [
     (["--trials", "0"], "--trials=0: must be a positive integer"),
     (["--batch-size", "0"], "--batch-size=0: must be a positive integer"),
+    (["--verify", "-1"], "--verify=-1: must be a number of configs >= 0"),
 ])
 def test_a_bad_search_option_is_refused_before_a_run_or_a_study_opens(tmp_path, capsys, flags,
                                                                        message):
@@ -192,9 +193,22 @@ def test_a_bad_search_option_is_refused_before_a_run_or_a_study_opens(tmp_path, 
 
     out = tmp_path / "o"
     before = [r.info.run_id for r in _tune_runs()]
-    code = main(["tune", "--model", "llama3-8b", "--gpus", "64", "--gpu", "H100",
+    code = main(["tune", "--model", "llama3-8b", "--gpus", "64", "--hardware", "H100",
                  "--predictor", str(tmp_path / "no-model"), "--output", str(out), *flags])
     assert code == 2
     assert capsys.readouterr().err.startswith(f"paratune tune: error: {message}")
     assert [r.info.run_id for r in _tune_runs()] == before  # no run was opened
     assert not out.exists()
+
+
+def test_on_ranked_sees_the_result_and_a_bad_verify_is_refused_first(closed_form):
+    seen = []
+    result = tune("llama3-8b", 32, "H100", closed_form, search="exhaustive",
+                  global_batch_sizes=[256], track=False, on_ranked=seen.append)
+    assert seen == [result] and result.verification is None
+    calls = len(closed_form.calls)
+    with pytest.raises(ConfigError, match=r"^verify=-1: must be a number of configs >= 0"):
+        tune("llama3-8b", 32, "H100", closed_form, search="exhaustive",
+             global_batch_sizes=[256], verify=-1)
+    assert len(closed_form.calls) == calls  # nothing was predicted
+    assert _tune_runs() == []  # and no run was opened
