@@ -113,23 +113,10 @@ def at_least(minimum: float, cast: Callable[[str], float] = int) -> Callable[[st
 
 
 class StoreWithAliases(argparse.Action):
-    """``store`` for an option with deprecated spellings, such as ``--hardware`` with its
-    older ``--gpu`` (``add_argument("--hardware", "--gpu", action=StoreWithAliases,
-    deprecated=("--gpu",))``).
-
-    It records the spelling the user typed in ``args.typed_flags[dest]``, so that
-    :func:`flag_message` names that one, and warns on stderr when it is a deprecated one.
-    The help text should say which spellings are aliases.
-    """
-
-    def __init__(self, option_strings: Sequence[str], dest: str, *,
-                 deprecated: Sequence[str] = (), **kwargs: object) -> None:
-        unknown = set(deprecated) - set(option_strings[1:])
-        if unknown:
-            raise ValueError(f"deprecated={sorted(unknown)}: must be aliases of "
-                             f"{option_strings[0]}")
-        super().__init__(option_strings, dest, **kwargs)
-        self.deprecated = tuple(deprecated)
+    """``store`` for an option with several spellings, such as ``--gpu`` and ``--hardware``
+    (``add_argument("--gpu", "--hardware", dest="hardware", action=StoreWithAliases)``): it
+    records the spelling the user typed in ``args.typed_flags[dest]``, so that
+    :func:`flag_message` names that one."""
 
     def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
                  values: object, option_string: str | None = None) -> None:
@@ -137,9 +124,6 @@ class StoreWithAliases(argparse.Action):
         typed = dict(getattr(namespace, "typed_flags", None) or {})
         typed[self.dest] = option_string or self.option_strings[0]
         namespace.typed_flags = typed
-        if option_string in self.deprecated:
-            print(f"{parser.prog}: warning: {option_string} is deprecated; use "
-                  f"{self.option_strings[0]}", file=sys.stderr)
 
 
 def flag_message(exc: ConfigError, args: argparse.Namespace) -> str:

@@ -14,7 +14,7 @@ __all__ = ["register"]
 # paratune.cli.flag_message).
 _JOB_FIELD_FLAGS = {
     "path": "--model",  # a config.json that cannot be read
-    "gpu": "--hardware",  # not in the hardware catalogue (or --gpu, where that was typed)
+    "gpu": "--hardware",  # not in the hardware catalogue (named as typed: --gpu or --hardware)
     "global_batch_sizes": "--global-batch",
     "grid": "--space",
     "seq_len": "--trajectory-seq-len",
@@ -25,10 +25,10 @@ def _add_job(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True,
                         help="model preset (llama3-8b, ...) or a Hugging Face config.json")
     parser.add_argument("--gpus", type=int, required=True, help="devices in the job")
-    parser.add_argument("--hardware", "--gpu", dest="hardware", required=True, metavar="NAME",
-                        action=StoreWithAliases, deprecated=("--gpu",),
-                        help="hardware catalogue name of the devices (H100, A100, cpu, ...), as "
-                             "in paratune profile; --gpu is a deprecated alias")
+    parser.add_argument("--gpu", "--hardware", dest="hardware", required=True, metavar="NAME",
+                        action=StoreWithAliases,
+                        help="hardware catalogue name of the devices (H100, A100, cpu, ...); "
+                             "--hardware is the same flag, spelt as in paratune profile")
     parser.add_argument("--predictor", required=True, type=Path,
                         help="directory of a fitted performance model (paratune fit)")
     parser.add_argument("--global-batch", dest="global_batch", default=None,

@@ -27,7 +27,7 @@ def model_dir(tmp_path_factory, public_data):
 
 def test_tune_command_prints_ranking_and_writes_launch_files(model_dir, tmp_path, capsys):
     out = tmp_path / "out"
-    code = main(["tune", "--model", "llama3-8b", "--gpus", "64", "--hardware", "H100",
+    code = main(["tune", "--model", "llama3-8b", "--gpus", "64", "--gpu", "H100",
                  "--predictor", str(model_dir), "--objective", "goodput", "--gns", "2000",
                  "--global-batch", "128:512", "--trials", "24", "--top-k", "5",
                  "--output", str(out), "--no-track"])
@@ -253,17 +253,16 @@ def test_plan_opens_its_run_before_the_work(job, monkeypatch, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("command", ["tune", "plan"])
-def test_gpu_is_a_deprecated_alias_of_hardware(job, tmp_path, capsys, command):
-    """``--hardware`` is the flag (as in ``paratune profile``); ``--gpu`` still works, with a
-    warning, and errors name the spelling typed."""
+def test_hardware_is_the_same_flag_as_gpu(job, tmp_path, capsys, command):
+    """``--gpu`` (the documented flag) and ``--hardware`` (as in ``paratune profile``) are one
+    flag, neither with a warning, and errors name the spelling typed."""
     extra = (["--search", "exhaustive"] if command == "tune" else ["--global-batch", "64:2048"])
     args = job(command, *extra)
     assert main(args) == 0
     assert capsys.readouterr().err == ""
     old = [("--gpu" if flag == "--hardware" else flag) for flag in args]
     assert main(old) == 0
-    assert capsys.readouterr().err == (f"paratune {command}: warning: --gpu is deprecated; "
-                                       "use --hardware\n")
+    assert capsys.readouterr().err == ""
     for flag in ("--hardware", "--gpu"):
         bad = [("TPU-v9" if value == "H100" else value) for value in args]
         bad[bad.index("--hardware")] = flag
@@ -273,5 +272,5 @@ def test_gpu_is_a_deprecated_alias_of_hardware(job, tmp_path, capsys, command):
     with pytest.raises(SystemExit):
         main([command, "--help"])
     usage = capsys.readouterr().out
-    assert "--hardware NAME" in usage.split("\n\n")[0]  # the usage line
-    assert "--gpu is a deprecated alias" in " ".join(usage.split())
+    assert "--gpu NAME" in usage.split("\n\n")[0]  # the usage line
+    assert "--hardware is the same flag" in " ".join(usage.split())
