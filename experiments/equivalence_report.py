@@ -1,9 +1,12 @@
 """How exactly does each parallel layout reproduce the single-process training step?
 
-Runs one optimizer step of the same model (same seed, same global batch) in one process and
+Runs ``--steps`` optimizer steps (default 2: the second one depends on the optimizer state,
+which sharding splits across ranks) of the same model (same seed, same global batches) in one
+process and
 under each layout in one group of 4 gloo processes (and, with ``--with-3d``, full
 pp x dp x tp layouts in a group of 8), and prints, per layout, the largest
-relative difference of the loss, of any gradient and of any updated parameter (per tensor:
+relative difference of the loss (any step), of any gradient (last step) and of any updated
+parameter (after the last step; per tensor:
 ``max|x - x_ref| / max|x_ref|``, then the largest over tensors). Run in float64 (the test's
 setting) and float32.
 
@@ -12,7 +15,7 @@ each element by about ``lr * sign(g)``, so an element whose gradient is at the f
 rounding level can move the other way; with ``lr = 1e-3`` that shows as ~1e-3 relative to
 the tensor's largest entry. The float64 run removes that noise floor.
 
-    python experiments/equivalence_report.py [--dtype float64 float32] [--with-3d]
+    python experiments/equivalence_report.py [--dtype float64 float32] [--steps 2] [--with-3d]
         [--out out/equivalence]
 
 Logs the table to MLflow (``MLFLOW_TRACKING_URI``, default ``./mlflow.db``; experiment
@@ -78,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="tiny")
     parser.add_argument("--seq-len", type=int, default=32)
     parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--steps", type=int, default=2, help="optimizer steps per layout")
     parser.add_argument("--out", type=Path, default=Path("out/equivalence"))
     add_no_track_argument(parser)
     parser.add_argument("--with-3d", action="store_true",
@@ -90,12 +94,12 @@ def main(argv: list[str] | None = None) -> int:
         start = time.perf_counter()
         gpt = spec.replace(tie_embeddings=True, mlp="gelu", num_kv_heads=2)
         layouts = LAYOUTS + [(gpt, c) for c in GPT_LAYOUTS]
-        results = run_layouts(spec, layouts, world_size=4, seed=args.seed,
+        results = run_layouts(spec, layouts, world_size=4, seed=args.seed, steps=args.steps,
                               dtype=getattr(torch, dtype_name))
         names = [c.key() for c in LAYOUTS] + [f"gpt:{c.key()}" for c in GPT_LAYOUTS]
         if args.with_3d:
             results += run_layouts(spec, LAYOUTS_3D, world_size=8, seed=args.seed,
-                                   dtype=getattr(torch, dtype_name))
+                                   steps=args.steps, dtype=getattr(torch, dtype_name))
             names += [c.key() for c in LAYOUTS_3D]
         elapsed = time.perf_counter() - start
         for name, result in zip(names, results):
@@ -124,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         from paratune.tracking import start_script_run
 
         with start_script_run(__file__, params={
-                "model": spec.name, "seq_len": spec.seq_len, "seed": args.seed,
+                "model": spec.name, "seq_len": spec.seq_len, "seed": args.seed, "steps": args.steps,
                 "global_batch_size": GLOBAL_BATCH, "hardware": "cpu",
                 "world_sizes": [4, 8] if args.with_3d else [4],
                 "dtypes": list(args.dtype)}) as run:

@@ -1,8 +1,11 @@
 """Check that a parallel layout computes the single-process training step exactly.
 
-One optimizer step of the same model (same seed, same global batch) is run in one process
-with plain PyTorch (the reference) and under each layout in a group of gloo processes; the
-loss, every gradient and every updated parameter, gathered whole by name, are compared.
+One or more optimizer steps of the same model (same seed, same global batches) are run in
+one process with plain PyTorch (the reference) and under each layout in a group of gloo
+processes; every step's loss, the last step's gradients and the updated parameters, gathered
+whole by name, are compared. Later steps also check the optimizer state each layout keeps
+(sharded by ZeRO-1/2/3): Adam's first step moves every element by about ``lr * sign(g)``
+whatever the state, its second does not.
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ import torch
 from paratune.parallel import ParallelConfig
 from paratune.spec import ModelSpec
 
-__all__ = ["EquivalenceResult", "Layout", "compare", "free_port", "reference_step", "run_layouts"]
+__all__ = ["EquivalenceResult", "Layout", "compare", "free_port", "reference_step",
+           "reference_steps", "run_layouts"]
 
 LR = 1e-3
 WEIGHT_DECAY = 0.1
@@ -35,10 +39,12 @@ class EquivalenceResult:
     error: str = ""
     """Traceback if the layout failed to run."""
     loss_rel_diff: float = float("nan")
+    """Largest over steps of ``|loss - loss_ref| / |loss_ref|``."""
     grad_rel_diff: float = float("nan")
-    """Largest over tensors of ``max|g - g_ref| / max|g_ref|``."""
+    """Largest over tensors of ``max|g - g_ref| / max|g_ref|`` (the last step's gradients)."""
     param_rel_diff: float = float("nan")
-    """Largest over tensors of ``max|p - p_ref| / max|p_ref|`` after the optimizer step."""
+    """Largest over tensors of ``max|p - p_ref| / max|p_ref|`` after the last optimizer
+    step."""
     worst_param: str = ""
     missing: list[str] = field(default_factory=list)
     """Reference parameter names the layout did not produce (or produced extra)."""
@@ -60,25 +66,49 @@ def reference_step(spec: ModelSpec, tokens: torch.Tensor, *, seed: int, dtype: t
     """One AdamW step of the full model in this process, without torch.distributed.
 
     Returns:
-        ``{"loss": float, "grads": {fqn: tensor}, "params": {fqn: tensor}}``.
+        ``{"loss": float, "losses": [loss], "grads": {fqn: tensor}, "params": {fqn: tensor}}``.
+    """
+    return reference_steps(spec, [tokens], seed=seed, dtype=dtype)
+
+
+def reference_steps(spec: ModelSpec, batches: list[torch.Tensor], *, seed: int,
+                    dtype: torch.dtype) -> dict[str, Any]:
+    """One AdamW step per batch of the full model in this process, without torch.distributed.
+
+    Args:
+        spec: The model.
+        batches: One ``[batch, seq_len + 1]`` token tensor per step.
+        seed: Initialisation seed.
+        dtype: Default dtype while building and training.
+
+    Returns:
+        ``{"loss": float, "losses": [float per step], "grads": {fqn: tensor},
+        "params": {fqn: tensor}}``: ``loss`` and ``grads`` are the last step's, ``params``
+        the values after the last step.
     """
     from paratune.profiler.model import build_model
     from paratune.profiler.pipeline import cross_entropy_loss
 
+    if not batches:
+        raise ValueError("batches must hold at least one batch (one per step)")
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         model = build_model(spec, seed=seed)
         optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY,
                                       betas=(0.9, 0.95), eps=1e-8, foreach=False)
-        loss = cross_entropy_loss(model(tokens[:, :-1]), tokens[:, 1:])
-        loss.backward()
-        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-        optimizer.step()
+        losses = []
+        for tokens in batches:
+            loss = cross_entropy_loss(model(tokens[:, :-1]), tokens[:, 1:])
+            loss.backward()
+            grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(float(loss.detach()))
         params = {n: p.detach().clone() for n, p in model.named_parameters()}
     finally:
         torch.set_default_dtype(previous)
-    return {"loss": float(loss.detach()), "grads": grads, "params": params}
+    return {"loss": losses[-1], "losses": losses, "grads": grads, "params": params}
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -95,7 +125,13 @@ def compare(config: ParallelConfig, got: dict[str, Any], ref: dict[str, Any]
         result.error = got["error"]
         return result
     result.missing = sorted(set(ref["params"]) ^ set(got["params"]))
-    result.loss_rel_diff = abs(got["loss"] - ref["loss"]) / abs(ref["loss"])
+    got_losses = got.get("losses", [got["loss"]])
+    ref_losses = ref.get("losses", [ref["loss"]])
+    if len(got_losses) != len(ref_losses):
+        result.error = (f"{len(got_losses)} step losses, the reference has "
+                        f"{len(ref_losses)}")
+        return result
+    result.loss_rel_diff = max(abs(a - b) / abs(b) for a, b in zip(got_losses, ref_losses))
     grad_diffs = {n: _rel(got["grads"][n], g) for n, g in ref["grads"].items()
                   if n in got["grads"]}
     param_diffs = {n: _rel(got["params"][n], p) for n, p in ref["params"].items()
@@ -113,7 +149,7 @@ Layout = ParallelConfig | tuple[ModelSpec, ParallelConfig]
 
 
 def _worker(rank: int, world_size: int, port: int, jobs: list[tuple[ModelSpec, ParallelConfig]],
-            seed: int, dtype: torch.dtype, out_dir: str) -> None:
+            seed: int, steps: int, dtype: torch.dtype, out_dir: str) -> None:
     import torch.distributed as dist
 
     from paratune.profiler.mesh import closing_process_group
@@ -129,13 +165,18 @@ def _worker(rank: int, world_size: int, port: int, jobs: list[tuple[ModelSpec, P
             try:
                 trainer = Trainer(spec, config, device=torch.device("cpu"), seed=seed, lr=LR,
                                   weight_decay=WEIGHT_DECAY)
-                tokens = synthetic_batch(spec, config.global_batch_size, step=0, seed=seed)
-                loss = trainer.forward_backward(tokens)
-                grads = trainer.gather_full(grads=True)
-                trainer.optimizer_step()
+                losses = []
+                for step in range(steps):
+                    tokens = synthetic_batch(spec, config.global_batch_size, step=step,
+                                             seed=seed)
+                    losses.append(trainer.forward_backward(tokens))
+                    if step == steps - 1:
+                        grads = trainer.gather_full(grads=True)
+                    trainer.optimizer_step()
                 params = trainer.gather_full()
                 trainer.close()
-                got: dict[str, Any] = {"loss": loss, "grads": grads, "params": params}
+                got: dict[str, Any] = {"loss": losses[-1], "losses": losses, "grads": grads,
+                                       "params": params}
             except Exception:  # reported per layout; the other layouts still run
                 got = {"error": traceback.format_exc()}
             if rank == 0 or "error" in got:
@@ -144,9 +185,10 @@ def _worker(rank: int, world_size: int, port: int, jobs: list[tuple[ModelSpec, P
 
 
 def run_layouts(spec: ModelSpec, configs: list[Layout], *, world_size: int, seed: int = 0,
-                dtype: torch.dtype = torch.float64) -> list[EquivalenceResult]:
-    """Run one step of every layout in ONE group of ``world_size`` gloo processes, in
-    sequence, and compare each with :func:`reference_step`.
+                steps: int = 1, dtype: torch.dtype = torch.float64
+                ) -> list[EquivalenceResult]:
+    """Run ``steps`` training steps of every layout in ONE group of ``world_size`` gloo
+    processes, in sequence, and compare each with :func:`reference_steps`.
 
     Args:
         spec: The model (small: every tensor is gathered in one process).
@@ -154,25 +196,33 @@ def run_layouts(spec: ModelSpec, configs: list[Layout], *, world_size: int, seed
             ``(model, layout)`` pair to use another model for that layout.
         world_size: Processes to spawn.
         seed: Initialisation and data seed.
+        steps: Optimizer steps per layout, step ``s`` on ``synthetic_batch(step=s)``.
         dtype: Default dtype in every process (float64 makes the comparison sharp).
 
     Returns:
         One :class:`EquivalenceResult` per config, in order.
+
+    Raises:
+        ValueError: ``steps < 1``.
     """
     import torch.multiprocessing as mp
 
     from paratune.profiler.trainer import synthetic_batch
 
+    if steps < 1:
+        raise ValueError(f"steps={steps} must be >= 1")
     jobs = [item if isinstance(item, tuple) else (spec, item) for item in configs]
     refs: dict[tuple[ModelSpec, int], dict[str, Any]] = {}
     for job_spec, config in jobs:
         config.validate(job_spec, world_size)
         key = (job_spec, config.global_batch_size)
         if key not in refs:
-            tokens = synthetic_batch(job_spec, config.global_batch_size, step=0, seed=seed)
-            refs[key] = reference_step(job_spec, tokens, seed=seed, dtype=dtype)
+            batches = [synthetic_batch(job_spec, config.global_batch_size, step=step, seed=seed)
+                       for step in range(steps)]
+            refs[key] = reference_steps(job_spec, batches, seed=seed, dtype=dtype)
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(_worker, args=(world_size, free_port(), jobs, seed, dtype, out_dir),
+        mp.start_processes(_worker, args=(world_size, free_port(), jobs, seed, steps, dtype,
+                                             out_dir),
                            nprocs=world_size, join=True, start_method="spawn")
         results = []
         for index, (job_spec, config) in enumerate(jobs):

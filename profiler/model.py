@@ -21,6 +21,13 @@ __all__ = ["Attention", "FeedForward", "RMSNorm", "Transformer", "TransformerBlo
            "build_model", "rope_tables"]
 
 
+def _at_least_float32(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in float32, or as it is when already wider: half-precision activations are
+    upcast for the reductions and rotations, float64 ones are never rounded down to float32
+    (which would make float64 runs only as exact as float32 ones)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 class RMSNorm(nn.Module):
     """Root-mean-square layer norm with a learned scale (no bias)."""
 
@@ -30,7 +37,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        wide = _at_least_float32(x)
+        normed = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps)
         return normed.type_as(x) * self.weight
 
     def reset_parameters(self) -> None:
@@ -55,7 +63,7 @@ def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     seq_len = x.shape[1]
     cos = cos[:seq_len].view(1, seq_len, 1, -1)
     sin = sin[:seq_len].view(1, seq_len, 1, -1)
-    pairs = x.float().unflatten(-1, (-1, 2))
+    pairs = _at_least_float32(x).unflatten(-1, (-1, 2))
     even, odd = pairs[..., 0], pairs[..., 1]
     rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)
     return rotated.flatten(-2).type_as(x)
