@@ -4,14 +4,19 @@ Two views of the same empirical law, both driven by the gradient noise scale ``B
 (in sequences, the unit of every batch size in paratune):
 
 * **Pollux** (Qiao et al., "Pollux: Co-adaptive Cluster Scheduling for Goodput-Optimized Deep
-  Learning", OSDI 2021, eq. 4): the statistical efficiency of batch ``B`` relative to a
+  Learning", OSDI 2021, section 3.1): the statistical efficiency of batch ``B`` relative to a
   reference batch ``B0`` is ``E(B) = (B_noise + B0) / (B_noise + B)``; goodput is
   throughput times ``E(B)``: the training progress per second measured in ``B0``-batch
-  examples.
+  examples. ``E`` is 1 at ``B0`` and below 1 above it, so goodputs compare across the batch
+  sizes of one search (one ``B0``); across searches with different ``B0`` they differ by the
+  constant factor ``B_noise + B0``.
 * **McCandlish et al.** ("An Empirical Model of Large-Batch Training", arXiv 1812.06162,
-  eqs. 2.11 and 2.12): reaching a fixed loss takes ``S(B) = S_min (1 + B_noise / B)``
-  optimizer steps or ``E(B) = E_min (1 + B / B_noise)`` examples, with
-  ``E_min = S_min * B_noise``. The time to that target is ``S(B) * step_time(B)``.
+  eqs. 2.11 and 2.12): reaching a fixed loss takes ``S(B) = S_min (1 + B_crit / B)``
+  optimizer steps or ``E(B) = E_min (1 + B / B_crit)`` examples, with
+  ``B_crit = E_min / S_min``. The paper finds ``B_crit`` close to the noise scale; paratune
+  measures the simple noise scale ``B_simple = tr(Sigma) / |G|^2`` and uses it for
+  ``B_crit`` (and for Pollux's ``B_noise``). The time to the target is
+  ``S(B) * step_time(B)``.
 
 For a fixed ``B_noise`` the two rank configurations identically: goodput is proportional
 to ``B / ((B_noise + B) * step_time)``, the inverse of the time to target. Pollux gives a
@@ -19,6 +24,9 @@ dimensionless rate; McCandlish an absolute time once ``S_min`` (or ``E_min``) is
 """
 
 from __future__ import annotations
+
+import math
+import numbers
 
 import numpy as np
 from numpy.typing import ArrayLike
@@ -28,12 +36,28 @@ from paratune.errors import ConfigError
 __all__ = ["examples_to_target", "pollux_efficiency", "steps_to_target", "time_to_target"]
 
 
+def _positive(name: str, value: object, rule: str, *, zero: bool = False) -> float:
+    """``value`` as a float when it is a positive (or, with ``zero``, non-negative), finite
+    real number (not a bool)."""
+    if isinstance(value, bool | np.bool_) or not isinstance(value, numbers.Real):
+        raise ConfigError(name, value, rule)
+    number = float(value)
+    if not math.isfinite(number) or number < 0 or (number == 0 and not zero):
+        raise ConfigError(name, value, rule)
+    return number
+
+
 def _check_noise(b_noise: float) -> float:
-    b_noise = float(b_noise)
-    if not np.isfinite(b_noise) or b_noise <= 0:
-        raise ConfigError("gns", b_noise, "the gradient noise scale B_noise must be a positive "
-                          "number of sequences")
-    return b_noise
+    return _positive("gns", b_noise, "the gradient noise scale B_noise must be a positive, "
+                     "finite number of sequences")
+
+
+def _check_batch(batch: ArrayLike) -> np.ndarray:
+    batch = np.asarray(batch, dtype=float)
+    if not np.all(np.isfinite(batch) & (batch > 0)):
+        raise ConfigError("global_batch_size", batch.tolist(),
+                          "batch sizes must be positive, finite numbers of sequences")
+    return batch
 
 
 def pollux_efficiency(batch: ArrayLike, b_noise: float, b0: float) -> np.ndarray:
@@ -49,24 +73,25 @@ def pollux_efficiency(batch: ArrayLike, b_noise: float, b0: float) -> np.ndarray
         Efficiency per batch, in ``(0, 1]`` for ``B >= B0``.
     """
     b_noise = _check_noise(b_noise)
-    if b0 <= 0:
-        raise ConfigError("b0", b0, "the reference batch size must be positive")
-    batch = np.asarray(batch, dtype=float)
-    return (b_noise + b0) / (b_noise + batch)
+    b0 = _positive("b0", b0, "the reference batch size must be a positive, finite number of "
+                   "sequences")
+    return (b_noise + b0) / (b_noise + _check_batch(batch))
 
 
 def steps_to_target(batch: ArrayLike, b_noise: float, s_min: float) -> np.ndarray:
     """McCandlish et al. optimizer steps to a target loss, ``S_min (1 + B_noise / B)``."""
     b_noise = _check_noise(b_noise)
-    batch = np.asarray(batch, dtype=float)
-    return s_min * (1.0 + b_noise / batch)
+    s_min = _positive("s_min", s_min, "must be a non-negative, finite number of steps",
+                      zero=True)
+    return s_min * (1.0 + b_noise / _check_batch(batch))
 
 
 def examples_to_target(batch: ArrayLike, b_noise: float, e_min: float) -> np.ndarray:
     """McCandlish et al. examples (sequences) to a target loss, ``E_min (1 + B / B_noise)``."""
     b_noise = _check_noise(b_noise)
-    batch = np.asarray(batch, dtype=float)
-    return e_min * (1.0 + batch / b_noise)
+    e_min = _positive("e_min", e_min, "must be a non-negative, finite number of sequences",
+                      zero=True)
+    return e_min * (1.0 + _check_batch(batch) / b_noise)
 
 
 def time_to_target(batch: ArrayLike, step_time_s: ArrayLike, b_noise: float,
@@ -80,5 +105,7 @@ def time_to_target(batch: ArrayLike, step_time_s: ArrayLike, b_noise: float,
         e_min: Sequences needed to reach the target at a vanishing batch size.
     """
     b_noise = _check_noise(b_noise)
+    e_min = _positive("e_min", e_min, "must be a non-negative, finite number of sequences",
+                      zero=True)
     steps = steps_to_target(batch, b_noise, e_min / b_noise)
     return steps * np.asarray(step_time_s, dtype=float)

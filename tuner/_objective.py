@@ -25,7 +25,7 @@ from paratune.predictor import (
     PRED_TOKENS_EXPECTED,
     PRED_TOKENS_PER_SEC_PER_GPU,
 )
-from paratune.tuner._efficiency import pollux_efficiency
+from paratune.tuner._efficiency import _positive, pollux_efficiency
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -78,8 +78,11 @@ class Objective:
         if self.kind is ObjectiveKind.GOODPUT and self.b_noise is None:
             raise ConfigError("gns", None, "objective=goodput needs the gradient noise scale "
                               "B_noise (a number of sequences, or a trajectory file)")
-        if self.b_noise is not None and not (math.isfinite(self.b_noise) and self.b_noise > 0):
-            raise ConfigError("gns", self.b_noise, "must be a positive number of sequences")
+        if self.b_noise is not None:
+            _positive("gns", self.b_noise, "must be a positive, finite number of sequences")
+        if self.b0 is not None:
+            _positive("b0", self.b0, "the reference batch must be a positive, finite number of "
+                      "sequences")
         if not 0.0 <= self.min_feasible_prob <= 1.0:
             raise ConfigError("min_feasible_prob", self.min_feasible_prob,
                               "must be a probability in [0, 1]")
@@ -124,11 +127,11 @@ class Objective:
             ``predictions`` with the :data:`SCORE_COLUMNS` added: cluster tokens/s, the
             tokens/s used for ranking (a quantile under ``risk_quantile``), efficiency,
             goodput, the objective, constraint violations (``<= 0`` is satisfied) and
-            ``feasible``. A config is feasible when its predicted probability of running is
-            a number of at least ``min_feasible_prob`` and, under a memory limit, its
-            predicted peak memory is a number within it; a failed (NaN) prediction of either
-            makes it infeasible. A predictor without a peak-memory column is not held to
-            the memory limit.
+            ``feasible``. A config is feasible when its predicted throughput is a number, its
+            predicted probability of running is a number of at least ``min_feasible_prob``
+            and, under a memory limit, its predicted peak memory is a number within it; a
+            failed (NaN) prediction of any of them makes it infeasible. A predictor without
+            a peak-memory column is not held to the memory limit.
 
         Raises:
             ConfigError: ``risk_quantile`` names a column the predictor does not produce.
@@ -170,10 +173,14 @@ class Objective:
         out["goodput"] = out["ranked_tokens_per_s"].to_numpy() * eff
         out["objective"] = (out["goodput"] if self.kind is ObjectiveKind.GOODPUT
                             else out["ranked_tokens_per_s"])
+        # A failed (NaN) throughput prediction ranks last and, like a failed probability
+        # below, makes the config infeasible: nothing says how fast, or whether, it runs.
+        predicted = np.isfinite(out["objective"].to_numpy(dtype=float))
         out["objective"] = out["objective"].fillna(0.0).clip(lower=0.0)
         # A prediction that failed (NaN) is not evidence that a config runs: it violates
         # the constraint (Optuna reads > 0 as violated) and the config is not feasible.
-        out["violation_feasible"] = np.nan_to_num(self.min_feasible_prob - prob, nan=1.0)
+        out["violation_feasible"] = np.where(
+            predicted, np.nan_to_num(self.min_feasible_prob - prob, nan=1.0), 1.0)
         limit = self.memory_limit(space)
         if math.isfinite(limit) and PRED_PEAK_MEM_GB in out.columns:
             out["violation_memory"] = np.nan_to_num((mem - limit) / limit, nan=1.0)
@@ -181,7 +188,8 @@ class Objective:
         else:
             out["violation_memory"] = 0.0
             fits = np.ones(len(out), dtype=bool)
-        out["feasible"] = np.isfinite(prob) & (prob >= self.min_feasible_prob) & fits
+        out["feasible"] = (np.isfinite(prob) & (prob >= self.min_feasible_prob) & fits
+                           & predicted)
         return out
 
     def to_dict(self) -> dict[str, Any]:

@@ -244,6 +244,15 @@ def resolve_storage(storage: str | Path | None, default_dir: str | Path | None
     return JournalStorage(JournalFileBackend(text)), text
 
 
+def storage_text(storage: str | Path | None, storage_dir: str | Path | None) -> str | None:
+    """Where :func:`resolve_storage` puts a study, as it may be printed and logged (a
+    database password masked); ``None`` for a study in memory."""
+    if storage is None and storage_dir is None:
+        return None
+    text = str(storage if storage is not None else Path(storage_dir) / "study.journal")
+    return _without_password(text) if "://" in text else text
+
+
 def _without_password(url: str) -> str:
     """A database URL as it may be printed and logged: any password masked."""
     from sqlalchemy.engine import make_url
@@ -264,22 +273,98 @@ def default_study_name(space: SearchSpace, objective: Objective, sampler: str,
             f"{objective.kind.value}-{digest}")
 
 
+def _plain_json(value: Any) -> Any:
+    """``value`` as a storage returns it (tuples as lists, keys as strings)."""
+    return json.loads(json.dumps(value, sort_keys=True, default=str))
+
+
+def _differences(stored: Any, current: Any, prefix: str = "") -> list[str]:
+    """``name: stored -> current`` for every leaf where two JSON values differ."""
+    if isinstance(stored, dict) and isinstance(current, dict):
+        out: list[str] = []
+        for key in sorted(set(stored) | set(current)):
+            out += _differences(stored.get(key), current.get(key),
+                                f"{prefix}.{key}" if prefix else str(key))
+        return out
+    return [] if stored == current else [f"{prefix}: {stored!r} -> {current!r}"]
+
+
+def _session_seed(seed: int | None, num_trials: int) -> int | None:
+    """The sampler seed of a session that opens a study already holding ``num_trials`` trials.
+
+    A fresh study takes ``seed`` itself (a fixed seed reproduces a single-process search);
+    a resumed one a seed derived from ``seed`` and its trial count, so that it does not
+    replay the draws of the session it resumes (every seeded sampler but QMC would draw the
+    same configurations again, and they would count as trials)."""
+    if seed is None or num_trials == 0:
+        return seed
+    digest = hashlib.sha256(f"{seed}:{num_trials}".encode()).digest()
+    return int.from_bytes(digest[:4], "little")
+
+
 def open_study(space: SearchSpace, objective: Objective, *, sampler: str = "tpe",
                seed: int | None = 0, storage: str | Path | None = None,
-               study_name: str | None = None, storage_dir: str | Path | None = None
-               ) -> optuna.Study:
-    """Create or load (resume) the study for this problem."""
+               study_name: str | None = None, storage_dir: str | Path | None = None,
+               predictor_fingerprint: str | None = None) -> optuna.Study:
+    """Create or load (resume) the study for this problem.
+
+    The study records the space and objective it searches (and the training-data
+    fingerprint of the predictor, where given); a study of another problem under the same
+    name is refused rather than joined, since its trials' configs and values belong to that
+    problem. A resumed study's sampler is seeded from ``seed`` and the trials already there
+    (see :func:`_session_seed`).
+
+    Args:
+        space: The space searched.
+        objective: The objective.
+        sampler: A name in :data:`SAMPLERS`.
+        seed: Sampler seed.
+        storage: Optuna storage URL or journal path; see :func:`resolve_storage`.
+        study_name: Defaults to :func:`default_study_name`.
+        storage_dir: Where the default journal goes.
+        predictor_fingerprint: What identifies the predictor whose values the trials hold
+            (a performance model's ``fingerprint_``); ``None`` records and checks nothing.
+
+    Raises:
+        ConfigError: ``study_name`` names a study of another space, objective or predictor
+            in this storage.
+    """
     import optuna
+    from optuna.trial import TrialState
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    store, _ = resolve_storage(storage, storage_dir)
+    store, where = resolve_storage(storage, storage_dir)
     name = study_name or default_study_name(space, objective, sampler, seed)
     study = optuna.create_study(
         storage=store, study_name=name, direction="maximize", load_if_exists=True,
         sampler=make_sampler(sampler, seed=seed))
-    if "space" not in study.user_attrs:
-        study.set_user_attr("space", space.to_dict())
-        study.set_user_attr("objective", objective.to_dict())
+    problem = _plain_json({"space": space.to_dict(), "objective": objective.to_dict()})
+    attrs = study.user_attrs
+    if "space" not in attrs:
+        study.set_user_attr("space", problem["space"])
+        study.set_user_attr("objective", problem["objective"])
+    else:
+        changed = _differences({k: attrs.get(k) for k in problem}, problem)
+        if changed:
+            shown = "; ".join(changed[:4]) + ("; ..." if len(changed) > 4 else "")
+            raise ConfigError("study_name", name,
+                              f"names a study of another problem in {where} ({shown}); its "
+                              "trials would be mixed with this search's: give another "
+                              "study_name or storage")
+    if predictor_fingerprint is not None:
+        known = attrs.get("predictor_fingerprint")
+        if known is not None and known != predictor_fingerprint and _finished(study):
+            raise ConfigError("study_name", name,
+                              f"holds trials valued by another predictor (training data "
+                              f"{str(known)[:16]}, this one's {predictor_fingerprint[:16]}) "
+                              f"in {where}; resuming it would rank stale values: give "
+                              "another study_name or storage")
+        if known != predictor_fingerprint:
+            study.set_user_attr("predictor_fingerprint", predictor_fingerprint)
+    num_trials = len(study.get_trials(deepcopy=False, states=tuple(TrialState)))
+    if num_trials and seed is not None and sampler.lower() != "qmc":
+        # QMC draws its sequence by trial count and needs the seed of its scramble
+        study.sampler = make_sampler(sampler, seed=_session_seed(seed, num_trials))
     return study
 
 
@@ -357,7 +442,8 @@ def optuna_search(predictor: Predictor, space: SearchSpace, objective: Objective
         raise ConfigError("refine_fraction", refine_fraction, "must be in [0, 1]")
     start = time.perf_counter()
     study = open_study(space, objective, sampler=sampler, seed=seed, storage=storage,
-                       study_name=study_name, storage_dir=storage_dir)
+                       study_name=study_name, storage_dir=storage_dir,
+                       predictor_fingerprint=getattr(predictor, "fingerprint_", None))
     cache: dict[ParallelConfig, tuple[float, tuple[float, float]]] = {}
     params_of: dict[ParallelConfig, dict[str, Any]] = {}
     for trial in _finished(study):
@@ -430,8 +516,7 @@ def optuna_search(predictor: Predictor, space: SearchSpace, objective: Objective
     import pandas as pd
 
     scored = evaluate(predictor, space, configs, objective) if configs else pd.DataFrame()
-    store_text = None if storage is None and storage_dir is None else str(
-        storage or Path(storage_dir) / "study.journal")
+    store_text = storage_text(storage, storage_dir)
     result = SearchResult(
         ranked=rank(scored), space=space, objective=objective, mode=sampler,
         num_trials=len(finished),

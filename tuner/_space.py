@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import logging
 import numbers
 import re
 from collections.abc import Sequence
@@ -31,6 +32,8 @@ if TYPE_CHECKING:
     import optuna
 
 __all__ = ["SearchSpace", "parse_batch_sizes"]
+
+logger = logging.getLogger(__name__)
 
 _RANGE = re.compile(r"^\s*(\d+)\s*:\s*(\d+)\s*(?::\s*(x?)(\d+)\s*)?$")
 
@@ -62,9 +65,7 @@ def parse_batch_sizes(text: str | int | Sequence[int]) -> tuple[int, ...]:
     Raises:
         ConfigError: ``global_batch_sizes`` is malformed or empty.
     """
-    if isinstance(text, int):
-        values = [text]
-    elif isinstance(text, str):
+    if isinstance(text, str):
         match = _RANGE.match(text)
         if match:
             lo, hi = int(match.group(1)), int(match.group(2))
@@ -86,7 +87,13 @@ def parse_batch_sizes(text: str | int | Sequence[int]) -> tuple[int, ...]:
                                   "must be integers: '512', '256,512' or a range "
                                   "'256:2048[:x2|:step]'") from None
     else:
-        values = [int(v) for v in text]
+        items = [text] if isinstance(text, numbers.Real) else list(text)
+        bad = [v for v in items if isinstance(v, bool) or type(v).__name__ == "bool_"
+               or not isinstance(v, numbers.Real) or not float(v).is_integer()]
+        if bad:
+            raise ConfigError("global_batch_sizes", bad[0],
+                              "batch sizes must be integers (sequences per step)")
+        values = [int(v) for v in items]
     if not values:
         raise ConfigError("global_batch_sizes", text, "must list at least one batch size")
     if any(v < 1 for v in values):
@@ -128,15 +135,24 @@ class SearchSpace:
     def __post_init__(self) -> None:
         if not isinstance(self.world_size, int) or self.world_size < 1:
             raise ConfigError("gpus", self.world_size, "must be a positive integer")
-        if self.devices_per_node < 1:
-            raise ConfigError("devices_per_node", self.devices_per_node, "must be positive")
+        if (isinstance(self.devices_per_node, bool) or not isinstance(self.devices_per_node, int)
+                or self.devices_per_node < 1):
+            raise ConfigError("devices_per_node", self.devices_per_node,
+                              "must be a positive integer")
         if not self.layouts():
             raise ConfigError("gpus", self.world_size,
                               f"no (dp, tp, pp) layout of {self.world_size} devices is valid "
                               f"for {self.model.name} with global_batch_sizes="
                               f"{list(self.space.global_batch_sizes)} "
                               f"(tp must divide the head counts, pp*virtual stages <= layers, "
-                              f"dp must divide the batch)")
+                              f"dp*micro_batch_size must divide a batch)")
+        unreachable = [b for b in self.space.global_batch_sizes
+                       if not any(b % (dp * mbs) == 0 for dp, _, _ in self.layouts()
+                                  for mbs in self.space.micro_batch_sizes)]
+        if unreachable:
+            logger.warning("global_batch_sizes %s: no layout of %d devices for %s reaches "
+                           "them (dp*micro_batch_size must divide the batch); samples of them "
+                           "are pruned", unreachable, self.world_size, self.model.name)
 
     @classmethod
     def build(cls, model: ModelSpec, world_size: int, hardware: HardwareSpec | str, *,
@@ -155,16 +171,21 @@ class SearchSpace:
             devices_per_node: Node size; defaults to the catalogue's.
 
         Raises:
-            ConfigError: ``world_size`` (``gpus``) is not a positive integer, or no layout
-                of it is valid.
+            ConfigError: ``world_size`` (``gpus``) or ``devices_per_node`` is not a positive
+                integer, or no layout of the devices is valid.
         """
         world_size = check_gpus(world_size)
         hw = get_hardware(hardware) if isinstance(hardware, str) else hardware
+        if devices_per_node is None:
+            devices_per_node = hw.devices_per_node
+        elif (isinstance(devices_per_node, bool) or not isinstance(devices_per_node, numbers.Real)
+              or not float(devices_per_node).is_integer() or devices_per_node < 1):
+            raise ConfigError("devices_per_node", devices_per_node, "must be a positive integer")
         space = space or ConfigSpace()
         if global_batch_sizes is not None:
             space = space.replace(global_batch_sizes=parse_batch_sizes(global_batch_sizes))
         return cls(model=model, world_size=world_size, hardware=hw, space=space,
-                   devices_per_node=int(devices_per_node or hw.devices_per_node))
+                   devices_per_node=int(devices_per_node))
 
     # ------------------------------------------------------------------ structure
     @property

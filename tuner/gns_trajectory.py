@@ -269,12 +269,15 @@ def load_trajectory(path: str | Path, *, smooth: int = 1,
 
     Raises:
         ConfigError: the file is missing, unreadable, lacks a column, has no usable row, has
-            an inconsistent ``seq_len`` column, or ``seq_len`` is not a positive integer or
-            disagrees with the file's.
+            an inconsistent ``seq_len`` column, ``seq_len`` is not a positive integer or
+            disagrees with the file's, or ``smooth`` is not a positive integer.
     """
     import pandas as pd
 
     seq_len = _check_seq_len(seq_len)
+    if isinstance(smooth, bool) or not isinstance(smooth, (int, np.integer)) or smooth < 1:
+        raise ConfigError("smooth", smooth, "must be a positive integer (points in the running "
+                          "median; 1 keeps the raw values)")
     path = Path(path)
     if not path.exists():
         raise ConfigError("trajectory", str(path), "no such file")

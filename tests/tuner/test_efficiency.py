@@ -5,6 +5,7 @@ import pytest
 
 from paratune import ConfigError
 from paratune.tuner import (
+    Objective,
     examples_to_target,
     pollux_efficiency,
     steps_to_target,
@@ -43,3 +44,36 @@ def test_pollux_and_time_to_target_rank_configs_the_same():
 def test_bad_noise_scale_names_the_field(bad):
     with pytest.raises(ConfigError, match="gns"):
         pollux_efficiency([1], b_noise=bad, b0=1)
+
+
+@pytest.mark.parametrize("bad", [0, -5, float("nan"), float("inf"), True, "300"])
+def test_bad_reference_batch_names_the_field(bad):
+    """A NaN ``b0`` used to pass ``b0 <= 0`` and turn every goodput into NaN, then 0."""
+    with pytest.raises(ConfigError, match="b0"):
+        pollux_efficiency([256], b_noise=1000, b0=bad)
+    with pytest.raises(ConfigError, match="b0"):
+        Objective(kind="goodput", b_noise=1000, b0=bad)
+
+
+@pytest.mark.parametrize("bad", [float("inf"), True, "300"])
+def test_noise_scale_must_be_a_finite_real_number(bad):
+    with pytest.raises(ConfigError, match="gns"):
+        pollux_efficiency([1], b_noise=bad, b0=1)
+    with pytest.raises(ConfigError, match="gns"):
+        Objective(kind="goodput", b_noise=bad)
+
+
+@pytest.mark.parametrize("batch", [[0, 64], [-8], [float("nan")]])
+def test_batch_sizes_must_be_positive(batch):
+    for call in (lambda: pollux_efficiency(batch, 100, 1), lambda: steps_to_target(batch, 100, 1),
+                 lambda: examples_to_target(batch, 100, 1),
+                 lambda: time_to_target(batch, [1.0] * len(batch), 100, 1)):
+        with pytest.raises(ConfigError, match="global_batch_size"):
+            call()
+
+
+def test_extreme_noise_scales_stay_finite():
+    batch = [64, 128, 1024]
+    # B_noise >> B: every batch is as efficient as the reference; B_noise << B: E = B0 / B
+    np.testing.assert_allclose(pollux_efficiency(batch, 1e300, 64), 1.0)
+    np.testing.assert_allclose(pollux_efficiency(batch, 1e-300, 64), [1.0, 0.5, 1 / 16])

@@ -174,3 +174,13 @@ def test_a_row_cut_short_while_written_is_dropped(tmp_path):
     path.write_text(text + "\n21,43008,2.9\n")  # torn: no b_simple, parts or seq_len
     traj = load_trajectory(path)
     assert len(traj) == 20 and traj.num_clamped == 0
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5, True])
+def test_smoothing_window_must_be_a_positive_integer(tmp_path, bad):
+    """A window of 2.5 used to fail inside pandas with its own message; 0 and -3 silently
+    meant no smoothing."""
+    path = _write_csv(tmp_path / "gns.csv", _rows())
+    with pytest.raises(ConfigError, match="smooth"):
+        load_trajectory(path, smooth=bad)
+    assert len(load_trajectory(path, smooth=3)) == 10

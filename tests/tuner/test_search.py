@@ -183,3 +183,43 @@ def test_memory_limit_must_be_a_positive_number():
         with pytest.raises(ConfigError, match="memory_limit_gb"):
             Objective(memory_limit_gb=bad)
     assert Objective(memory_limit_gb=40).memory_limit_gb == 40
+
+
+def test_a_failed_throughput_prediction_is_infeasible(closed_form):
+    """NaN tokens/s used to score 0 but stay feasible: a predictor failing on every config
+    made an arbitrary config the 'feasible' winner with nothing predicted for it."""
+
+    class FailsThroughput:
+        def predict(self, frame):
+            out = closed_form.predict(frame)
+            fail = (frame["pp"] > 1).to_numpy()
+            out.loc[fail, "pred_tokens_per_sec_per_gpu"] = np.nan
+            return out
+
+    space = SearchSpace.build(get_model("llama3-8b"), 16, "H100", global_batch_sizes="64:128")
+    objective = Objective(kind="goodput", b_noise=100)
+    ranked = exhaustive(FailsThroughput(), space, objective).ranked
+    failed = ranked["tokens_per_s"].isna()
+    assert failed.any() and (~failed).any()
+    assert not ranked.loc[failed, "feasible"].any()
+    assert (ranked.loc[failed, "violation_feasible"] > 0).all()
+    assert ranked.loc[ranked["feasible"], "tokens_per_s"].notna().all()
+
+    class FailsAll:
+        def predict(self, frame):
+            out = closed_form.predict(frame)
+            out["pred_tokens_per_sec_per_gpu"] = np.nan
+            return out
+
+    assert not exhaustive(FailsAll(), space, objective).best_feasible
+    found, _ = optuna_search(FailsAll(), space, objective, n_trials=10, seed=0)
+    assert not found.best_feasible
+
+
+@pytest.mark.parametrize("gpus", [1, 7, 12])
+def test_odd_device_counts_give_a_valid_layout_of_every_device(closed_form, gpus):
+    space = SearchSpace.build(get_model("llama3-8b"), gpus, "H100", global_batch_sizes=[84])
+    found, _ = optuna_search(closed_form, space, Objective(), n_trials=12, seed=0)
+    for config in found.configs():
+        config.validate(space.model, gpus)
+    assert found.best.world_size == gpus

@@ -153,3 +153,32 @@ def test_unsorted_space_lists_keep_the_sampled_indices_ordinal():
         cfg, reason = space.suggest(optuna.trial.FixedTrial({**params, **move}))
         assert cfg is not None, reason
         assert cfg.dp * cfg.micro_batch_size == centre.dp * centre.micro_batch_size
+
+
+@pytest.mark.parametrize("bad", [[64.5], [True], True, 2.5])
+def test_non_integer_batch_sizes_are_refused_not_truncated(bad):
+    with pytest.raises(ConfigError, match="global_batch_sizes"):
+        parse_batch_sizes(bad)
+    assert parse_batch_sizes([64.0, 32]) == (32, 64)  # integral numbers (YAML) are fine
+
+
+@pytest.mark.parametrize("bad", [0, 2.5, -1, True])
+def test_devices_per_node_must_be_a_positive_integer(bad):
+    """0 used to fall back to the catalogue's node size and 2.5 to be truncated to 2."""
+    with pytest.raises(ConfigError, match="devices_per_node"):
+        SearchSpace.build(get_model("llama3-8b"), 16, "H100", global_batch_sizes=[16],
+                          devices_per_node=bad)
+    assert SearchSpace.build(get_model("llama3-8b"), 16, "H100", global_batch_sizes=[16],
+                             devices_per_node=4.0).devices_per_node == 4
+
+
+def test_batch_sizes_no_layout_reaches_are_named(caplog):
+    only_dp = ConfigSpace(tp_degrees=(1,), pp_degrees=(1,), micro_batch_sizes=(1,))
+    with caplog.at_level("WARNING", logger="paratune.tuner._space"):
+        space = SearchSpace.build(get_model("llama3-8b"), 16, "H100", space=only_dp,
+                                  global_batch_sizes=[8, 16, 24, 32])
+    assert space.layouts(8) == [] and space.layouts(16)
+    assert "[8, 24]" in caplog.text
+    with pytest.raises(ConfigError, match="dp\\*micro_batch_size must divide"):
+        SearchSpace.build(get_model("llama3-8b"), 16, "H100", space=only_dp,
+                          global_batch_sizes=[8, 24])

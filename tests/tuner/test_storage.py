@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from optuna.trial import TrialState
 
-from paratune import get_model
+from paratune import ConfigError, get_model
 from paratune.tuner import Objective, SearchSpace, optuna_search
 from paratune.tuner._search import open_study
 
@@ -106,3 +106,69 @@ def test_a_database_password_is_never_printed_or_logged(tmp_path):
         "postgresql://tuner:***@db.example:5432/studies"
     url = f"sqlite:///{tmp_path / 'studies.db'}"
     assert resolve_storage(url, None)[1] == url  # nothing to mask
+
+
+def test_a_study_name_of_another_problem_is_refused(tmp_path, closed_form):
+    """Reusing a study name for another job used to join its study: a search on 32 devices
+    returned the 16-device winner of the earlier search as its best."""
+    storage = str(tmp_path / "study.journal")
+    model = get_model("llama3-8b")
+    sixteen = SearchSpace.build(model, 16, "H100", global_batch_sizes=[64])
+    thirty_two = SearchSpace.build(model, 32, "H100", global_batch_sizes=[64])
+    optuna_search(closed_form, sixteen, Objective(), n_trials=10, storage=storage,
+                  study_name="job")
+    with pytest.raises(ConfigError, match=r"study_name.*world_size: 16 -> 32"):
+        optuna_search(closed_form, thirty_two, Objective(), n_trials=10, storage=storage,
+                      study_name="job")
+    with pytest.raises(ConfigError, match=r"study_name.*min_feasible_prob"):
+        optuna_search(closed_form, sixteen, Objective(min_feasible_prob=0.9), n_trials=10,
+                      storage=storage, study_name="job")
+    # the same problem resumes (another seed joins, as a second worker would)
+    again, _ = optuna_search(closed_form, sixteen, Objective(), n_trials=12, seed=1,
+                             storage=storage, study_name="job")
+    assert again.num_trials == 12 and again.best.world_size == 16
+
+
+def test_a_resumed_study_does_not_replay_its_draws(tmp_path, closed_form):
+    """A seeded sampler restarted on a study used to draw the same configs again (8 of 8
+    repeated for tpe and random), each counted as a trial."""
+    storage = str(tmp_path / "study.journal")
+    kwargs = dict(seed=0, storage=storage, study_name="resumed", sampler="random",
+                  refine_fraction=0.0, batch_size=4)
+    objective = Objective(kind="goodput", b_noise=300)
+    optuna_search(closed_form, _space(), objective, n_trials=8, **kwargs)
+    _, study = optuna_search(closed_form, _space(), objective, n_trials=16, **kwargs)
+    params = [t.params for t in study.trials]
+    assert len(params) == 16
+    assert sum(params[i] == params[i - 8] for i in range(8, 16)) <= 1
+    # a fresh study with the same seed still reproduces the first session
+    _, fresh = optuna_search(closed_form, _space(), objective, n_trials=8,
+                             **{**kwargs, "study_name": "fresh"})
+    assert [t.params for t in fresh.trials] == params[:8]
+
+
+def test_a_study_valued_by_another_predictor_is_refused(tmp_path, closed_form):
+    """A study resumed after a refit used to keep the old model's values (and, with its
+    trials already done, run no new ones); a performance model names its training data in
+    ``fingerprint_``."""
+    storage = str(tmp_path / "study.journal")
+    objective = Objective(kind="goodput", b_noise=300)
+    refitted = type(closed_form)()
+    closed_form.fingerprint_, refitted.fingerprint_ = "a" * 64, "b" * 64
+    optuna_search(closed_form, _space(), objective, n_trials=6, storage=storage,
+                  study_name="s")
+    resumed, _ = optuna_search(closed_form, _space(), objective, n_trials=8, storage=storage,
+                               study_name="s")
+    assert resumed.num_trials == 8
+    with pytest.raises(ConfigError, match="another predictor"):
+        optuna_search(refitted, _space(), objective, n_trials=10, storage=storage,
+                      study_name="s")
+
+
+def test_the_printed_storage_of_a_search_hides_the_password(tmp_path):
+    from paratune.tuner._search import storage_text
+
+    assert storage_text("postgresql://tuner:s3cret@db.example/studies", None) == \
+        "postgresql://tuner:***@db.example/studies"
+    assert storage_text(None, tmp_path) == str(tmp_path / "study.journal")
+    assert storage_text(None, None) is None
