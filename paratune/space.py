@@ -98,7 +98,7 @@ class ConfigSpace:
     """Allowed pipeline degrees (stored sorted); ``None`` allows every divisor of the world
     size."""
     tp_within_node: bool = True
-    """Keep the tensor-parallel group inside one node (tp <= devices per node)."""
+    """Keep every tensor-parallel group inside one node (tp divides the devices per node)."""
 
     def __post_init__(self) -> None:
         conv = {
@@ -135,9 +135,10 @@ class ConfigSpace:
                 reason = f"tp={tp} is not in tp_degrees={list(self.tp_degrees)}"
             elif self.pp_degrees is not None and pp not in self.pp_degrees:
                 reason = f"pp={pp} is not in pp_degrees={list(self.pp_degrees)}"
-            elif self.tp_within_node and devices_per_node and tp > devices_per_node:
-                reason = (f"tp={tp} must not exceed devices_per_node={devices_per_node} "
-                          f"(tp_within_node)")
+            elif self.tp_within_node and devices_per_node and devices_per_node % tp:
+                # not just tp <= node size: tp=6 on 8-device nodes puts a group across two
+                reason = (f"tp={tp} must divide devices_per_node={devices_per_node} "
+                          f"(tp_within_node: every tensor-parallel group inside one node)")
             yield (dp, tp, pp), reason
 
     def candidates(self, dp: int, tp: int, pp: int, global_batch_size: int

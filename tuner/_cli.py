@@ -63,7 +63,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Rank configs of MODEL on GPUS devices by predicted throughput or goodput; "
                     "write the winner as YAML/JSON with torchrun, torchtitan and Megatron-LM "
                     "settings. Several processes given the same --storage and --study-name "
-                    "share one study; rerunning a killed command resumes it.")
+                    "share one study (give each its own --seed, or workers that start "
+                    "together draw the same configs); rerunning a killed command resumes "
+                    "it.")
     _add_job(tune)
     tune.add_argument("--objective", choices=("throughput", "goodput"), default="throughput",
                       help="throughput: tokens/s at one global batch; goodput: tokens/s times "

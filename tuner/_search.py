@@ -264,10 +264,14 @@ def _without_password(url: str) -> str:
 
 
 def default_study_name(space: SearchSpace, objective: Objective, sampler: str,
-                       seed: int | None) -> str:
-    """Same problem, same name: rerunning a command resumes its study."""
-    key = json.dumps({"space": space.to_dict(), "objective": objective.to_dict(),
-                      "sampler": sampler, "seed": seed}, sort_keys=True, default=str)
+                       seed: int | None, predictor_fingerprint: str | None = None) -> str:
+    """Same problem, same name: rerunning a command resumes its study, and a predictor
+    refitted on other data (another ``predictor_fingerprint``) starts a new one."""
+    problem = {"space": space.to_dict(), "objective": objective.to_dict(),
+               "sampler": sampler, "seed": seed}
+    if predictor_fingerprint is not None:
+        problem["predictor_fingerprint"] = predictor_fingerprint
+    key = json.dumps(problem, sort_keys=True, default=str)
     digest = hashlib.sha256(key.encode()).hexdigest()[:10]
     return (f"{space.model.name}-{space.world_size}x{space.hardware.name}-"
             f"{objective.kind.value}-{digest}")
@@ -334,7 +338,8 @@ def open_study(space: SearchSpace, objective: Objective, *, sampler: str = "tpe"
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     store, where = resolve_storage(storage, storage_dir)
-    name = study_name or default_study_name(space, objective, sampler, seed)
+    name = study_name or default_study_name(space, objective, sampler, seed,
+                                            predictor_fingerprint)
     study = optuna.create_study(
         storage=store, study_name=name, direction="maximize", load_if_exists=True,
         sampler=make_sampler(sampler, seed=seed))

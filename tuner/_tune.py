@@ -84,7 +84,8 @@ def default_global_batch(model: ModelSpec, gpus: int) -> int:
 def goodput_global_batches(model: ModelSpec, gpus: int, b_noise: float) -> list[int]:
     """Global batch sizes for a goodput search that names none: the powers of two from a
     quarter of the smaller to four times the larger of :func:`default_global_batch` and
-    ``B_noise`` (where statistical efficiency trades against throughput), at most 12.
+    ``B_noise`` (where statistical efficiency trades against throughput; ``B_noise`` counts
+    as at most 2**10 default batches), at most 12.
 
     Raises:
         ConfigError: ``gpus`` is not a positive integer, or ``b_noise`` is not positive.
@@ -93,7 +94,9 @@ def goodput_global_batches(model: ModelSpec, gpus: int, b_noise: float) -> list[
         raise ConfigError("gns", b_noise, "must be a positive number of sequences")
     center = default_global_batch(model, gpus)
     low = max(1.0, min(center, b_noise) / 4)
-    high = max(center, b_noise) * 4
+    # a B_noise far beyond any batch a job runs (efficiency ~1 everywhere) does not send the
+    # search to absurd batches: at most 2**10 times the default batch (~2**30 tokens)
+    high = min(max(center, b_noise), center * 2**10) * 4
     batches = [1 << k for k in range(math.ceil(math.log2(low)), math.floor(math.log2(high)) + 1)]
     if len(batches) > 12:  # keep the 12 nearest B_noise (in log)
         batches = sorted(sorted(batches, key=lambda b: abs(math.log2(b / b_noise)))[:12])
@@ -254,6 +257,7 @@ def tune(model: ModelSpec | str, gpus: int, gpu: HardwareSpec | str,
         pred = load_predictor(predictor)  # a predictor that does not load opens no run
         if track:  # opened before the work, so a failure or an interrupt leaves its record
             run = _open_run(stack, search_space, obj, predictor_params(predictor, pred),
+                            predictor_fingerprint=getattr(pred, "fingerprint_", None),
                             gns=gns, storage=storage, study_name=study_name,
                             storage_dir=output, tracking_uri=tracking_uri, **options)
         study = None
@@ -268,8 +272,9 @@ def tune(model: ModelSpec | str, gpus: int, gpu: HardwareSpec | str,
             raise ConfigError("space", search_space.model.name,
                               "the search evaluated no valid config (every sample broke a rule)")
         if not result.best_feasible:
-            logger.warning("no evaluated config is predicted feasible; the top one breaks the "
-                           "memory constraint")
+            logger.warning("no evaluated config is predicted feasible; the top one is "
+                           "predicted not to run (over the memory limit, under the minimum "
+                           "probability of running, or its throughput could not be predicted)")
         best = result.best_row
         predicted = {k: _plain(best[k]) for k in (
             "tokens_per_s", "ranked_tokens_per_s", "step_time_s", "peak_mem_gb",
@@ -318,7 +323,8 @@ def predictor_params(predictor: Predictor | str | Path, loaded: Predictor | None
 
 
 def _open_run(stack: contextlib.ExitStack, space: SearchSpace, objective: Objective,
-              predictor: dict[str, Any], *, gns: Any, search: str, sampler: str,
+              predictor: dict[str, Any], *, predictor_fingerprint: str | None, gns: Any,
+              search: str, sampler: str,
               seed: int | None, n_trials: int, batch_size: int, top_k: int, verify: int,
               storage: str | Path | None, study_name: str | None,
               storage_dir: Path | None, tracking_uri: str | None) -> Any:
@@ -348,7 +354,8 @@ def _open_run(stack: contextlib.ExitStack, space: SearchSpace, objective: Object
         from paratune.tuner._search import _finished, open_study, resolve_storage
 
         study = open_study(space, objective, sampler=sampler, seed=seed, storage=storage,
-                           study_name=study_name, storage_dir=storage_dir)
+                           study_name=study_name, storage_dir=storage_dir,
+                           predictor_fingerprint=predictor_fingerprint)
         prior = len(_finished(study))
         params["study_name"] = study.study_name
         params["storage"] = resolve_storage(storage, storage_dir)[1]

@@ -45,6 +45,21 @@ def test_tp_within_node_skips_cross_node_tp():
     assert len(loose.valid) >= len(result.valid)
 
 
+def test_tp_within_node_needs_tp_to_divide_the_node():
+    # tp=6 fits in an 8-device node's count but not its layout: groups 0-5, 6-11 put the
+    # second across two nodes
+    model = get_model("tiny").replace(hidden_size=144, num_heads=12, num_kv_heads=6,
+                                      ffn_hidden_size=384, vocab_size=264)
+    space = ConfigSpace(global_batch_sizes=[24], micro_batch_sizes=[1])
+    result = space.enumerate(model, 12, devices_per_node=8)
+    assert {c.tp for c in result.valid} == {1, 2}  # (tp=4 does not divide 6 kv heads)
+    for tp in (3, 6):
+        assert any(f"tp={tp} must divide devices_per_node=8" in reason
+                   for _, reason in result.skipped)
+    loose = space.replace(tp_within_node=False).enumerate(model, 12, devices_per_node=8)
+    assert {c.tp for c in loose.valid} >= {3, 6}
+
+
 def test_space_from_yaml_and_bad_values(tmp_path):
     path = tmp_path / "grid.yaml"
     path.write_text("global_batch_sizes: [8, 16]\nshardings: [none, zero3]\n")

@@ -212,3 +212,31 @@ def test_on_ranked_sees_the_result_and_a_bad_verify_is_refused_first(closed_form
              global_batch_sizes=[256], verify=-1)
     assert len(closed_form.calls) == calls  # nothing was predicted
     assert _tune_runs() == []  # and no run was opened
+
+
+def test_a_huge_b_noise_does_not_send_the_search_to_absurd_batches():
+    from paratune.tuner._tune import default_global_batch, goodput_global_batches
+
+    model = get_model("llama3-8b")
+    center = default_global_batch(model, 64)
+    for b_noise in (1e12, 1e300):
+        batches = goodput_global_batches(model, 64, b_noise)
+        assert 1 <= len(batches) <= 12 and max(batches) <= center * 2**12
+
+
+def test_a_refitted_predictor_starts_a_new_study_in_the_same_output(closed_form, tmp_path):
+    # the same command after a refit: the trials valued by the old model are not resumed,
+    # and the rerun neither fails nor mixes them in
+    kwargs = dict(global_batch_sizes=[256], seed=1, output_dir=tmp_path, n_trials=8)
+    closed_form.fingerprint_ = "a" * 64
+    first = tune("llama3-8b", 32, "H100", closed_form, track=False, **kwargs)
+    closed_form.fingerprint_ = "b" * 64
+    refit = tune("llama3-8b", 32, "H100", closed_form, tracking_uri=f"sqlite:///{tmp_path}/m.db",
+                 **kwargs)
+    assert refit.search.study_name != first.search.study_name
+    assert len(refit.study.trials) == 8
+    params = MlflowClient(f"sqlite:///{tmp_path}/m.db").get_run(refit.run_id).data.params
+    assert params["study_name"] == refit.search.study_name
+    # the same predictor again resumes its study
+    again = tune("llama3-8b", 32, "H100", closed_form, track=False, **kwargs)
+    assert again.search.study_name == refit.search.study_name
