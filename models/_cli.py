@@ -17,7 +17,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "dataset directories and/or public-format CSVs; logs to MLflow.")
     fit.add_argument("data", nargs="+", metavar="DATA",
                      help="paratune dataset directories or public measurement CSVs")
-    fit.add_argument("--out", required=True, metavar="MODEL_DIR", help="directory to write")
+    fit.add_argument("--out", required=True, metavar="MODEL_DIR",
+                     help="directory to write (new or empty, or a saved model with --force)")
+    fit.add_argument("--force", action="store_true",
+                     help="replace the model already saved in --out")
     fit.add_argument("--n-estimators", type=at_least(1), default=None,
                      help="trees of the step-time model, half median and half refinement; "
                           "its quantile, stall, memory and feasibility boosters get a quarter, "
@@ -25,7 +28,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     fit.add_argument("--experiment", default="paratune-fit", help="MLflow experiment name")
     fit.add_argument("--no-track", "--no-mlflow", dest="no_track", action="store_true",
                      help="do not log to MLflow")
-    fit.set_defaults(func=_fit)
+    fit.set_defaults(func=_fit, field_flags={"out": "--out"})
 
     predict = subparsers.add_parser(
         "predict", help="predict step time, throughput, memory and feasibility for a CSV",
@@ -58,21 +61,24 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                           help="trees per booster of every learned estimator (default: each "
                                "estimator's own)")
     evaluate.add_argument("--plot", default="predicted_vs_measured.png", metavar="PNG",
-                          help="predicted-vs-measured plot to write (default: %(default)s)")
+                          help="predicted-vs-measured plot to write: a file (.png added "
+                               "without an extension) or a directory to write "
+                               "predicted_vs_measured.png in (default: %(default)s)")
     evaluate.add_argument("--folds", type=at_least(2), default=5,
                           help="folds of the random split (at least 2)")
     evaluate.add_argument("--experiment", default="paratune-evaluate",
                           help="MLflow experiment name (default: %(default)s)")
     evaluate.add_argument("--no-track", "--no-mlflow", dest="no_track", action="store_true",
                           help="do not log to MLflow")
-    evaluate.set_defaults(func=_evaluate)
+    evaluate.set_defaults(func=_evaluate, field_flags={"plot": "--plot"})
 
 
 def _fit(args: argparse.Namespace) -> int:
     from paratune.models._workflows import fit_model
 
     _model, summary = fit_model(args.data, args.out, n_estimators=args.n_estimators,
-                                experiment=None if args.no_track else args.experiment)
+                                experiment=None if args.no_track else args.experiment,
+                                force=args.force)
     print(summary)
     return 0
 
@@ -90,14 +96,14 @@ def _predict(args: argparse.Namespace) -> int:
 
 
 def _evaluate(args: argparse.Namespace) -> int:
-    from paratune.models._workflows import evaluate_model
+    from paratune.models._workflows import evaluate_model, plot_path
 
     result, run_id = evaluate_model(args.data, split=args.split, baselines=args.baselines,
                                     n_estimators=args.n_estimators, plot=args.plot,
                                     folds=args.folds,
                                     experiment=None if args.no_track else args.experiment)
     print(result.table())
-    print(f"plot: {args.plot}")
+    print(f"plot: {plot_path(args.plot)}")
     if run_id:
         from paratune.tracking import ui_command
 

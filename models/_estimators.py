@@ -14,6 +14,7 @@ row with :data:`paratune.predictor.PREDICTION_COLUMNS`, the throughput quantiles
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -658,11 +659,17 @@ class PerformanceModel(_Base):
         def booster(name: str, kind: type) -> Any:
             if name not in files:
                 return None
+            file = path / files[name]
+            if not file.is_file():
+                raise ModelFormatError(f"{file}: missing ({_MANIFEST} lists it as component "
+                                       f"{name!r}); refit the model or restore the file")
             obj = kind()
             try:
-                obj.load_model(str(path / files[name]))
-            except (xgb.core.XGBoostError, OSError) as exc:
-                raise ModelFormatError(f"{path / files[name]}: cannot load ({exc})") from None
+                obj.load_model(str(file))
+            except (xgb.core.XGBoostError, OSError, ValueError, KeyError, TypeError) as exc:
+                what = "classifier" if kind is xgb.XGBClassifier else "regressor"
+                raise ModelFormatError(f"{file}: corrupt: not an XGBoost {what} "
+                                       f"({_first_line(exc)}); refit the model") from None
             return obj
 
         def time_models(prefix: str) -> tuple[Any, Any, Any]:
@@ -706,6 +713,16 @@ class PerformanceModel(_Base):
         model.num_feasibility_rows_ = training["num_feasibility_configs"]
         model.sources_ = training["sources"]
         return model
+
+
+_XGB_LOCATION = re.compile(r"^\[[\d:]+\] [^:]*:\d+: ")
+
+
+def _first_line(exc: BaseException) -> str:
+    """The first line of an error without XGBoost's ``[time] source.cc:LINE:`` prefix (its
+    messages go on with a C++ stack trace)."""
+    lines = str(exc).strip().splitlines()
+    return _XGB_LOCATION.sub("", lines[0]).strip() if lines else type(exc).__name__
 
 
 def load_model(path: str | Path) -> PerformanceModel:

@@ -10,14 +10,15 @@ import numpy as np
 
 from paratune.errors import ConfigError
 from paratune.models._data import load_measurements, measured_step_time
-from paratune.models._estimators import PerformanceModel, estimator_factories
+from paratune.models._estimators import _MANIFEST, PerformanceModel, estimator_factories
 from paratune.models._evaluate import EvaluationResult, cross_validate, plot_predictions
 
-__all__ = ["evaluate_model", "fit_model"]
+__all__ = ["evaluate_model", "fit_model", "plot_path"]
 
 
 def fit_model(data: Sequence[str | Path], out: str | Path, *, n_estimators: int | None = None,
-              experiment: str | None = "paratune-fit") -> tuple[PerformanceModel, str]:
+              experiment: str | None = "paratune-fit", force: bool = False
+              ) -> tuple[PerformanceModel, str]:
     """Fit a :class:`PerformanceModel` on measurements, save it, and log the run to MLflow.
 
     Args:
@@ -26,12 +27,19 @@ def fit_model(data: Sequence[str | Path], out: str | Path, *, n_estimators: int 
         n_estimators: Trees of the step-time model (its auxiliary boosters get a quarter,
             10 to 100; ``None``: the defaults).
         experiment: MLflow experiment; ``None`` skips tracking.
+        force: Replace the model already saved in ``out``.
 
     Returns:
         The fitted model and a short text summary.
+
+    Raises:
+        ConfigError: ``out`` is a file, a directory with other files in it, or holds a model
+            (without ``force``); checked before the MLflow run opens.
+        FileNotFoundError, PermissionError: a ``data`` path is missing or unreadable
+            (before the MLflow run opens).
     """
-    if Path(out).exists() and not Path(out).is_dir():
-        raise ConfigError("out", str(out), "is a file; the model is written as a directory")
+    _check_out(Path(out), force=force)
+    _check_readable(data)
     model = estimator_factories(n_estimators=n_estimators)["performance_model"]()
     with contextlib.ExitStack() as stack:
         run = None
@@ -72,6 +80,58 @@ def fit_model(data: Sequence[str | Path], out: str | Path, *, n_estimators: int 
     return model, summary
 
 
+def _check_out(out: Path, *, force: bool) -> None:
+    """Refuse an ``out`` that is a file, that holds other files, or that holds a model
+    (unless ``force``): a fit never mixes its files with others or replaces a model unasked."""
+    if out.exists() and not out.is_dir():
+        raise ConfigError("out", str(out), "is a file; the model is written as a directory")
+    if not out.is_dir() or not any(out.iterdir()):
+        return
+    # model.json, or the first booster of a save that died before its manifest
+    if not any((out / name).is_file() for name in (_MANIFEST, "throughput.json")):
+        raise ConfigError("out", str(out), "is a directory with other files in it, not a "
+                          "saved model; give a new or empty directory")
+    if not force:
+        raise ConfigError("out", str(out), "already holds a saved model; give --force to "
+                          "replace it, or another directory")
+
+
+def _check_readable(data: Sequence[str | Path]) -> None:
+    """Refuse a missing or unreadable input before any work (and any MLflow run) starts."""
+    import errno
+    import os
+
+    for path in map(Path, data):
+        if not path.exists():
+            raise FileNotFoundError(errno.ENOENT, "no such file", str(path))
+        if path.is_dir():
+            os.listdir(path)  # PermissionError naming the directory
+        else:
+            with open(path, "rb"):
+                pass
+
+
+def plot_path(plot: str | Path) -> Path:
+    """The file ``evaluate --plot`` writes: ``plot`` itself, with ``.png`` added where it has
+    no extension, or ``predicted_vs_measured.png`` inside it where it is a directory.
+
+    Raises:
+        ConfigError: the extension is not an image format matplotlib writes.
+    """
+    path = Path(plot)
+    if path.is_dir():
+        return path / "predicted_vs_measured.png"
+    if not path.suffix:
+        return path.with_name(path.name + ".png")
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if path.suffix[1:].lower() not in formats:
+        raise ConfigError("plot", str(plot), f"must end in .png or another image format "
+                          f"({', '.join(sorted(formats))})")
+    return path
+
+
 def _paths(data: Sequence[str | Path]) -> list[str]:
     """The ``data`` param of a run: every input path, absolute."""
     return [str(Path(d).resolve()) for d in data]
@@ -89,14 +149,21 @@ def evaluate_model(data: Sequence[str | Path], *, split: str = "random", baselin
         baselines: Include the analytical, raw-config XGBoost and HistGradientBoosting
             baselines.
         n_estimators: Trees per booster for every learned estimator.
-        plot: PNG of predicted vs measured to write (``None``: none).
+        plot: PNG of predicted vs measured to write (``None``: none; see :func:`plot_path`).
         folds: Folds of the random split.
         seed: Seed of the random split.
         experiment: MLflow experiment; ``None`` skips tracking.
 
     Returns:
         The :class:`EvaluationResult` and the MLflow run id (``None`` without tracking).
+
+    Raises:
+        FileNotFoundError, PermissionError: a ``data`` path is missing or unreadable
+            (before the MLflow run opens).
+        ConfigError: ``plot`` is not an image file name (see :func:`plot_path`).
     """
+    _check_readable(data)
+    plot = plot_path(plot) if plot else None
     factories = estimator_factories(n_estimators=n_estimators)
     if not baselines:
         factories = {"performance_model": factories["performance_model"]}

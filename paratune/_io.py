@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
-import tempfile
+import secrets
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,11 +30,28 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def atomic_write_bytes(path: str | Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` so that readers see the old file or the new one, never half."""
+def atomic_write_bytes(path: str | Path, data: bytes, *, executable: bool | None = None
+                       ) -> None:
+    """Write ``data`` to ``path`` so that readers see the old file or the new one, never half.
+
+    The file gets the permissions a plain ``open(path, "w")`` gives a new file (``0o666``
+    less the umask, so a dataset or model on a shared filesystem is as readable as any other
+    file there), with the execute bits too (``0o777`` less the umask) for a script.
+
+    Args:
+        executable: Whether the file is a program; ``None``: when ``data`` starts with
+            ``#!``.
+
+    Raises:
+        IsADirectoryError: ``path`` is a directory.
+    """
     path = Path(path)
+    if path.is_dir():
+        raise IsADirectoryError(errno.EISDIR, "Is a directory", str(path))
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    if executable is None:
+        executable = data.startswith(b"#!")
+    fd, tmp = _create_temporary(path, 0o777 if executable else 0o666)
     try:
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
@@ -41,13 +59,28 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
             os.fsync(handle.fileno())
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
 
 
-def atomic_write_text(path: str | Path, text: str) -> None:
-    atomic_write_bytes(path, text.encode())
+def _create_temporary(path: Path, mode: int) -> tuple[int, Path]:
+    """A new, empty file beside ``path`` (``.NAME.XXXXXXXX.tmp``), open for writing, created
+    with ``mode`` less the umask (as ``open`` creates files; ``tempfile.mkstemp`` makes every
+    file ``0o600``)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+    for _ in range(100):
+        tmp = path.parent / f".{path.name}.{secrets.token_hex(4)}.tmp"
+        try:
+            return os.open(tmp, flags, mode), tmp
+        except FileExistsError:
+            continue
+    raise FileExistsError(errno.EEXIST, "no free temporary name", str(path))
+
+
+def atomic_write_text(path: str | Path, text: str, *, executable: bool | None = None) -> None:
+    """:func:`atomic_write_bytes` of ``text`` as UTF-8."""
+    atomic_write_bytes(path, text.encode(), executable=executable)
 
 
 def append_jsonl(path: str | Path, record: dict[str, Any]) -> None:

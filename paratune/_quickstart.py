@@ -69,19 +69,23 @@ def quickstart(out: str | Path = "paratune-quickstart", *,
     from paratune.spec import get_model
     from paratune.tuner import tune
 
+    # every argument is checked before the first stage: a bad one must not cost minutes
     if isinstance(verify, bool) or not isinstance(verify, int) or verify < 0:
         raise ConfigError("verify", verify, "must be a number of configs >= 0")
+    if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
+        raise ConfigError("gpus", gpus, "must be a positive number of processes")
     if gpus not in world_sizes and verify:
         raise ConfigError("gpus", gpus, f"must be one of the profiled world sizes "
                           f"{list(world_sizes)} to verify the recommendation here")
     out = Path(out)
     model = get_model("tiny")
     timings: dict[str, float] = {}
+    spec = CampaignSpec(model=model, world_sizes=tuple(world_sizes), warmup_steps=warmup_steps,
+                        measured_steps=measured_steps)
+    out.mkdir(parents=True, exist_ok=True)  # an --out that is a file is refused here
 
     log(f"[1/4] profiling {model.name} on world sizes {list(world_sizes)} (gloo, CPU)")
     started = time.monotonic()
-    spec = CampaignSpec(model=model, world_sizes=tuple(world_sizes), warmup_steps=warmup_steps,
-                        measured_steps=measured_steps)
     campaign_dir = out / "campaign"
     campaign = run_campaign(spec, campaign_dir, resume=(campaign_dir / "campaign.json").exists(),
                             track=track, progress=progress)
@@ -92,7 +96,8 @@ def quickstart(out: str | Path = "paratune-quickstart", *,
     started = time.monotonic()
     model_dir = out / "model"
     _predictor, summary = fit_model([campaign_dir], model_dir, n_estimators=300,
-                                    experiment="paratune-fit" if track else None)
+                                    experiment="paratune-fit" if track else None,
+                                    force=True)  # a re-run refits on the resumed campaign
     timings["fit"] = time.monotonic() - started
     log(summary)
 
@@ -168,4 +173,4 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--no-track", action="store_true", help="do not log to MLflow")
     parser.set_defaults(func=_run, field_flags={"warmup_steps": "--warmup",
                                                 "measured_steps": "--steps",
-                                                "verify": "--verify"})
+                                                "verify": "--verify", "gpus": "--gpus"})

@@ -198,25 +198,151 @@ def sigterm_as_exit() -> Iterator[None]:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
+class _CliFormatter(logging.Formatter):
+    """Log records as a command's output: paratune's INFO messages as plain lines, a warning
+    or an error prefixed with its level (``warning: ...``), other libraries' records with
+    their logger's name; with ``verbose`` every record keeps its level and logger name
+    (``DEBUG paratune.tuner._verify: ...``)."""
+
+    def __init__(self, *, verbose: bool = False) -> None:
+        super().__init__("%(levelname)s %(name)s: %(message)s" if verbose else "%(message)s")
+        self.verbose = verbose
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = super().format(record)
+        if self.verbose:
+            return text
+        if record.name != "paratune" and not record.name.startswith("paratune."):
+            text = f"{record.name}: {text}"
+        if record.levelno > logging.INFO:
+            text = f"{record.levelname.lower()}: {text}"
+        return text
+
+
+def _configure_logging(*, verbose: bool) -> None:
+    """Log to stderr through :class:`_CliFormatter` (once per process: a second call, as in
+    tests that run several commands, only sets the level)."""
+    root = logging.getLogger()
+    root.setLevel(logging.DEBUG if verbose else logging.INFO)
+    for handler in root.handlers:
+        if isinstance(handler.formatter, _CliFormatter):
+            handler.setFormatter(_CliFormatter(verbose=verbose))
+            return
+    if root.handlers:  # an embedding program configured logging: leave its handlers alone
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(_CliFormatter(verbose=verbose))
+    root.addHandler(handler)
+
+
+def _command_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, str]:
+    """``{dest: flag}`` of the options of the command that runs (``--out`` for ``out``; of an
+    option with aliases, the spelling typed)."""
+    flags: dict[str, str] = {}
+    pending = [parser]
+    while pending:
+        current = pending.pop()
+        if current._defaults.get("func") is getattr(args, "func", None):
+            for action in current._actions:
+                if action.option_strings:
+                    long = [o for o in action.option_strings if o.startswith("--")]
+                    flags.setdefault(action.dest, (long or action.option_strings)[0])
+        for action in current._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                pending.extend(dict.fromkeys(action.choices.values()))
+    flags.update(getattr(args, "typed_flags", None) or {})
+    return flags
+
+
+def _path_message(exc: OSError, args: argparse.Namespace, flags: dict[str, str]) -> str:
+    """One line for an error about a path: the path, what is wrong with it, and the option
+    that named it where one did (``--out run.csv: is a file, not a directory``)."""
+    import errno
+    import os
+
+    path = os.fsdecode(exc.filename)
+    flag, given = _flag_of(path, args, flags)
+    if isinstance(exc, IsADirectoryError):
+        reason = "is a directory, not a file"
+    elif isinstance(exc, NotADirectoryError) or exc.errno == errno.EEXIST:
+        # a file where a directory belongs: name the part of the path that is a file
+        blocking = next((p for p in (Path(path), *Path(path).parents)
+                         if p.exists() and not p.is_dir()), None)
+        if blocking is None:
+            reason = ("is not a directory" if isinstance(exc, NotADirectoryError)
+                      else "already exists")
+        elif _same(blocking, given if given is not None else path):
+            reason = "is a file, not a directory"
+        else:
+            reason = f"{blocking} is a file, not a directory"
+    elif isinstance(exc, PermissionError):
+        reason = "permission denied"
+    else:
+        reason = (exc.strerror or str(exc)).lower()
+    if (given is not None and not _same(given, path)
+            and not isinstance(exc, NotADirectoryError) and exc.errno != errno.EEXIST):
+        reason = (f"{path} {reason}" if isinstance(exc, IsADirectoryError)
+                  else f"{path}: {reason}")  # a file inside (or above) the path given
+    shown = given if given is not None else path
+    return f"{flag} {shown}: {reason}" if flag else f"{shown}: {reason}"
+
+
+def _same(a: str | Path, b: str | Path) -> bool:
+    import os
+
+    return os.path.abspath(a) == os.path.abspath(b)
+
+
+def _flag_of(path: str, args: argparse.Namespace, flags: dict[str, str]
+             ) -> tuple[str | None, str | None]:
+    """The option (``None`` for a positional argument) and the value given for it that is
+    ``path``, a directory above it or a path below it, or ``(None, None)``."""
+    import os
+
+    target = os.path.abspath(path)
+    best: tuple[int, str | None, str | None] = (-1, None, None)
+    below: tuple[str | None, str | None] = (None, None)  # --out a/b.csv where a is a file
+    for dest, value in vars(args).items():
+        if dest == "command":
+            continue
+        values = value if isinstance(value, (list, tuple)) else [value]
+        for item in values:
+            if not isinstance(item, (str, Path)) or not str(item):
+                continue
+            given = os.path.abspath(item)
+            inside = target == given or target.startswith(given.rstrip(os.sep) + os.sep)
+            if inside and len(given) > best[0]:  # the deepest: --out DIR and --plot DIR/x.png
+                best = (len(given), flags.get(dest), str(item))
+            elif given.startswith(target.rstrip(os.sep) + os.sep) and below[1] is None:
+                below = (flags.get(dest), str(item))
+    return (best[1], best[2]) if best[2] is not None else below
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(levelname)s %(name)s: %(message)s")
+    _configure_logging(verbose=args.verbose)
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
     with sigterm_as_exit():
-        return _run(args, argv)
+        return _run(args, argv, flags=_command_flags(parser, args))
 
 
-def _run(args: argparse.Namespace, argv: Sequence[str]) -> int:
+def _run(args: argparse.Namespace, argv: Sequence[str],
+         flags: dict[str, str] | None = None) -> int:
     try:
         result = args.func(args)
     except FileNotFoundError as exc:
         message = f"{exc.filename}: no such file" if exc.filename else str(exc)
         print(f"paratune {args.command}: error: {message}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        if not exc.filename:  # not about a path the user gave: a bug or the system's, shown whole
+            raise
+        print(f"paratune {args.command}: error: {_path_message(exc, args, flags or {})}",
+              file=sys.stderr)
         return 2
     except UnicodeDecodeError as exc:
         print(f"paratune {args.command}: error: {_not_utf8(exc, argv)}", file=sys.stderr)

@@ -85,11 +85,16 @@ def detect_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+_NO_CUDA = "runs on CUDA, but no CUDA device is visible on this machine"
+"""The rule of a CUDA run on a machine without one (as ``paratune gns`` words it)."""
+
+
 def detect_hardware(device: str) -> str:
     """The catalogue name of this machine's device (``"cpu"`` for the CPU).
 
     Raises:
-        ConfigError: the GPU is not in the catalogue (pass ``--hardware`` explicitly).
+        ConfigError: no CUDA device is visible (``device``), or the GPU is not in the
+            catalogue (pass ``--hardware`` explicitly).
     """
     from paratune.hardware import HARDWARE
 
@@ -97,6 +102,10 @@ def detect_hardware(device: str) -> str:
         return "cpu"
     import torch
 
+    if torch.cuda.device_count() == 0:
+        raise ConfigError("device", device, f"{_NO_CUDA}: use --device cpu here, or name the "
+                          "cluster's GPU with --hardware and print the commands to run there "
+                          "with --print-command")
     name = torch.cuda.get_device_name(0)
     memory_gb = torch.cuda.get_device_properties(0).total_memory / 1e9
     upper = name.upper()
@@ -556,7 +565,8 @@ def _run_world_size_torchrun(paths: CampaignPaths, world_size: int, progress: _P
                              extra_env: dict[str, str] | None,
                              on_entry_hook: Callable[[str], None]) -> None:
     """Run one world size's plan with ``torchrun --standalone`` on this machine (the same
-    worker and restart path as on a cluster, without the parent's supervision)."""
+    worker and restart path as on a cluster, without the parent's supervision), as
+    ``python -m torch.distributed.run`` of the running interpreter."""
     import os
     import shlex
     import subprocess
@@ -570,13 +580,12 @@ def _run_world_size_torchrun(paths: CampaignPaths, world_size: int, progress: _P
     command = torchrun_command(paths.plan(world_size).resolve(), nproc_per_node=world_size,
                                nnodes=1, rdzv_endpoint="localhost:0",
                                rdzv_id=f"{plan['campaign_id']}-ws{world_size}")
-    argv = shlex.split(command)
-    argv = [argv[0], "--standalone", *[a for a in argv[1:] if not a.startswith("--rdzv")]]
-    import shutil
     import sys
 
-    if shutil.which("torchrun") is None:
-        argv = [sys.executable, "-m", "torch.distributed.run", *argv[1:]]
+    # torchrun of this interpreter (a ``torchrun`` first on PATH may be another
+    # installation's, running another paratune); the printed cluster commands keep torchrun
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            *[a for a in shlex.split(command)[1:] if not a.startswith("--rdzv")]]
     env = dict(os.environ, **(extra_env or {}))
     if plan["device"] == "cpu" and "OMP_NUM_THREADS" not in env:
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // world_size))
@@ -854,8 +863,7 @@ def run_campaign(spec: CampaignSpec, out: str | Path, *, resume: bool = False,
 
         available = torch.cuda.device_count()
         if available == 0:
-            raise ConfigError("device", spec.device, "no CUDA device is visible on this "
-                              "machine")
+            raise ConfigError("device", spec.device, f"{_NO_CUDA} (use device cpu)")
         too_big = [w for w in spec.world_sizes if w > available]
         if too_big:
             raise ConfigError("world_sizes", too_big[0], f"needs more GPUs than the "

@@ -37,9 +37,9 @@ REQUIRED_COLUMNS = ("step", "tokens", "b_simple")
 """Columns every trajectory must have; ``loss``, ``seq_len`` and the estimator's parts
 ``g2_ema, trace_ema`` are optional."""
 
-_NEEDS_SEQ_LEN = ("needs a seq_len column or --trajectory-seq-len (load_trajectory(..., "
-                  "seq_len=N)): the tokens per sequence of the run that measured it, to convert "
-                  "its b_simple (in that run's sequences) to the planned model's sequences")
+_NEEDS_SEQ_LEN = ("needs a seq_len column or --trajectory-seq-len N: the tokens per sequence "
+                  "of the run that measured it, to convert its b_simple (in that run's "
+                  "sequences) to the planned model's sequences")
 
 
 @dataclass(frozen=True)
@@ -290,6 +290,9 @@ def load_trajectory(path: str | Path, *, smooth: int = 1,
         raise ConfigError("trajectory", str(path),
                           f"missing column(s) {', '.join(missing)} (needs "
                           f"{', '.join(REQUIRED_COLUMNS)}; optional loss, seq_len)")
+    if frame.empty:
+        raise ConfigError("trajectory", str(path), "has no rows (a gns run stopped before its "
+                          "first measured step leaves only the header): measure for longer")
     if "loss" not in frame.columns:
         frame["loss"] = np.nan
     columns = list(REQUIRED_COLUMNS) + ["loss"] + [

@@ -138,11 +138,99 @@ def test_flags_out_of_range_are_refused_by_the_parser(tmp_path, capsys, monkeypa
     (["--warmup", "-1"], "--warmup=-1: must be an integer >= 0"),
     (["--steps", "0"], "--steps=0: must be an integer >= 1"),
     (["--verify", "-1"], "--verify=-1: must be a number of configs >= 0"),
+    (["--gpus", "0"], "--gpus=0: must be a positive number of processes"),
+    (["--gpus", "8"], "--gpus=8: must be one of the profiled world sizes [1, 2, 4]"),
 ])
 def test_quickstart_errors_name_its_flags(tmp_path, capsys, monkeypatch, flags, message):
+    """Refused before the first stage starts: nothing printed, nothing written."""
     monkeypatch.chdir(tmp_path)
     assert main(["quickstart", *flags, "--out", "run", "--no-track"]) == 2
-    assert capsys.readouterr().err.startswith(f"paratune quickstart: error: {message}")
+    captured = capsys.readouterr()
+    assert captured.err.startswith(f"paratune quickstart: error: {message}")
+    assert captured.out == ""
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(("flags", "make", "message"), [
+    (["datasets", "import", "D", "--out", "X"], "D/", "D: is a directory"),
+    (["profile", "--grid", "D", "--device", "cpu", "--print-command", "--out", "run",
+      "--no-track"], "D/", "--grid D: is a directory, not a file"),
+    (["quickstart", "--out", "f.csv", "--no-track"], "f.csv",
+     "--out f.csv: is a file, not a directory"),
+    (["datasets", "import", "in.csv", "--out", "f.csv/sub"], "f.csv",
+     "--out f.csv/sub: f.csv is a file, not a directory"),
+])
+def test_a_directory_for_a_file_or_the_reverse_is_a_one_line_error(tmp_path, capsys,
+                                                                   monkeypatch, flags, make,
+                                                                   message):
+    monkeypatch.chdir(tmp_path)
+    if make.endswith("/"):
+        (tmp_path / make).mkdir()
+    else:
+        (tmp_path / make).write_text("x\n")
+    (tmp_path / "in.csv").write_text(
+        "source,model,params_b,layers,hidden,heads,seq_len,gpu,num_gpus,tp,pp,dp,cp,"
+        "micro_batch,global_batch,zero_stage,recompute,tflops_per_gpu,mfu,tokens_per_sec,"
+        "step_time_s,tokens_per_sec_per_gpu,precision,notes\n"
+        "ultrascale_playbook_nanotron,8B,8,32,4096,32,4096,H100-80GB,16,2,1,8,1,1,256,1,,,,,"
+        "1.5,,bf16,\n")
+    assert main(flags) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith(f"paratune {flags[0]}: error: ")
+    assert message in captured.err and len(captured.err.splitlines()) == 1
+    assert "[1/4]" not in captured.out
+
+
+def test_os_errors_without_a_path_stay_tracebacks(capsys):
+    """Only errors about a path are the user's; anything else is a bug to see whole."""
+    import argparse
+    import errno
+
+    from paratune.cli import _run
+
+    def broken(_args):
+        raise ConnectionResetError("peer went away")
+
+    def bug(_args):
+        raise KeyError("internal")
+
+    for func, kind in ((broken, ConnectionResetError), (bug, KeyError)):
+        with pytest.raises(kind):
+            _run(argparse.Namespace(func=func, command="x"), [])
+    assert capsys.readouterr().err == ""
+
+    def denied(_args):
+        raise PermissionError(errno.EACCES, "Permission denied", "shared/model/model.json")
+
+    args = argparse.Namespace(func=denied, command="fit", out="shared/model")
+    assert _run(args, [], flags={"out": "--out"}) == 2
+    assert capsys.readouterr().err == ("paratune fit: error: --out shared/model: "
+                                       "shared/model/model.json: permission denied\n")
+
+
+def test_log_messages_print_as_plain_lines(capsys):
+    """INFO reads as output, a warning says so; -v keeps level and logger name."""
+    import logging
+
+    from paratune.cli import _configure_logging
+
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    root.handlers = []
+    try:
+        _configure_logging(verbose=False)
+        log = logging.getLogger("paratune.tuner._verify")
+        log.info("verified 1 configs")
+        log.warning("slow")
+        log.debug("hidden")
+        logging.getLogger("somelib").info("theirs")
+        _configure_logging(verbose=True)
+        log.debug("detail")
+    finally:
+        root.handlers, root.level = handlers, level
+    assert capsys.readouterr().err.splitlines() == [
+        "verified 1 configs", "warning: slow", "somelib: theirs",
+        "DEBUG paratune.tuner._verify: detail"]
 
 
 def test_quickstart_world_sizes_are_parsed_like_profiles(tmp_path, capsys, monkeypatch):

@@ -1,8 +1,12 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
 
-from paratune._io import append_jsonl, atomic_write_text, read_jsonl
+import pytest
+
+from paratune._io import append_jsonl, atomic_write_bytes, atomic_write_text, read_jsonl
 
 
 def test_a_torn_last_line_survives_the_next_appends(tmp_path):
@@ -47,3 +51,32 @@ def test_a_filesystem_without_flock_runs_unlocked_with_a_warning(tmp_path, monke
         ran.append(True)
     assert ran == [True]
     assert "cannot lock (No locks available)" in caplog.text
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o002, 0o077])
+def test_atomic_writes_get_the_mode_open_gives_and_scripts_stay_executable(tmp_path, umask):
+    """A dataset or model on a shared filesystem is as readable as any file written there:
+    0o666 less the umask (not mkstemp's 0o600), 0o777 less the umask for a script."""
+    old = os.umask(umask)
+    try:
+        atomic_write_text(tmp_path / "card.json", "{}")
+        atomic_write_text(tmp_path / "card.json", "{}")  # replacing keeps the rule
+        atomic_write_bytes(tmp_path / "data.parquet", b"PAR1")
+        atomic_write_text(tmp_path / "torchrun.sh", "#!/bin/sh\ntrue\n")
+        atomic_write_text(tmp_path / "run.txt", "#!/bin/sh\n", executable=False)
+        with open(tmp_path / "plain.txt", "w") as handle:
+            handle.write("x")
+    finally:
+        os.umask(old)
+    mode = {p.name: stat.S_IMODE(p.stat().st_mode) for p in tmp_path.iterdir()}
+    assert mode["card.json"] == mode["data.parquet"] == mode["run.txt"] == mode["plain.txt"]
+    assert mode["plain.txt"] == 0o666 & ~umask
+    assert mode["torchrun.sh"] == 0o777 & ~umask
+
+
+def test_atomic_write_onto_a_directory_names_it(tmp_path):
+    (tmp_path / "out").mkdir()
+    with pytest.raises(IsADirectoryError) as info:
+        atomic_write_text(tmp_path / "out", "x")
+    assert info.value.filename == str(tmp_path / "out")
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]

@@ -196,7 +196,7 @@ def test_fit_refuses_an_out_that_is_a_file_before_fitting(tmp_path, synthetic, c
     synthetic.to_csv(data, index=False)
     (tmp_path / "m").write_text("notes")
     assert main(["fit", str(data), "--out", str(tmp_path / "m"), "--no-mlflow"]) == 2
-    assert capsys.readouterr().err == (f"paratune fit: error: out='{tmp_path / 'm'}': is a "
+    assert capsys.readouterr().err == (f"paratune fit: error: --out='{tmp_path / 'm'}': is a "
                                        "file; the model is written as a directory\n")
     assert (tmp_path / "m").read_text() == "notes"
 
@@ -282,3 +282,80 @@ def test_fit_and_evaluate_take_no_track(tmp_path, synthetic, mlflow_uri, flag, c
                  "--plot", str(tmp_path / "p.png"), flag]) == 0
     assert "MLflow run" not in capsys.readouterr().out
     assert _runs(mlflow_uri, "paratune-fit") == _runs(mlflow_uri, "paratune-evaluate") == []
+
+
+def test_fit_refuses_a_used_out_unless_it_holds_a_model_and_force_is_given(
+        tmp_path, synthetic, mlflow_uri, capsys):
+    """Checked before the MLflow run opens: a refused fit leaves no run."""
+    data = tmp_path / "data.csv"
+    synthetic.head(80).to_csv(data, index=False)
+    other = tmp_path / "notes"
+    other.mkdir()
+    (other / "todo.txt").write_text("keep me")
+    for flags in ([], ["--force"]):
+        assert main(["fit", str(data), "--out", str(other), *flags]) == 2
+        assert capsys.readouterr().err == (
+            f"paratune fit: error: --out='{other}': is a directory with other files in it, "
+            "not a saved model; give a new or empty directory\n")
+    assert sorted(p.name for p in other.iterdir()) == ["todo.txt"]
+    model = tmp_path / "model"
+    fit = ["fit", str(data), "--out", str(model), "--n-estimators", "5"]
+    assert main([*fit, "--no-track"]) == 0
+    before = (model / "model.json").read_bytes()
+    assert _runs(mlflow_uri, "paratune-fit") == []
+    assert main(fit) == 2
+    assert "already holds a saved model; give --force to replace it" in capsys.readouterr().err
+    assert (model / "model.json").read_bytes() == before
+    assert _runs(mlflow_uri, "paratune-fit") == []
+    (tmp_path / "empty").mkdir()
+    assert main([*fit[:3], str(tmp_path / "empty"), *fit[4:], "--no-track"]) == 0
+    assert main([*fit, "--force"]) == 0
+    (run,) = _runs(mlflow_uri, "paratune-fit")
+    assert run.info.status == "FINISHED"
+
+
+def test_missing_data_is_refused_before_a_run_opens(tmp_path, mlflow_uri, capsys,
+                                                    monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["fit", "nosuch", "--out", "m"]) == 2
+    assert capsys.readouterr().err == "paratune fit: error: nosuch: no such file\n"
+    assert main(["evaluate", "nosuch.csv"]) == 2
+    assert capsys.readouterr().err == "paratune evaluate: error: nosuch.csv: no such file\n"
+    assert _runs(mlflow_uri, "paratune-fit") == _runs(mlflow_uri, "paratune-evaluate") == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mlflow.db"]
+
+
+def test_evaluate_prints_the_plot_it_writes(tmp_path, synthetic, capsys):
+    """Without an extension the plot gets .png; a directory gets the default name inside."""
+    data = tmp_path / "data.csv"
+    synthetic.head(80).to_csv(data, index=False)
+    (tmp_path / "plots").mkdir()
+    common = ["evaluate", str(data), "--folds", "2", "--n-estimators", "5", "--no-track"]
+    for plot, written in ((tmp_path / "pvm", tmp_path / "pvm.png"),
+                          (tmp_path / "plots", tmp_path / "plots" / "predicted_vs_measured.png")):
+        assert main([*common, "--plot", str(plot)]) == 0
+        assert f"plot: {written}\n" in capsys.readouterr().out
+        assert written.is_file()
+    assert not (tmp_path / "pvm").exists() and not (tmp_path / "plots.png").exists()
+    assert main([*common, "--plot", str(tmp_path / "pvm.txt")]) == 2
+    assert capsys.readouterr().err.startswith(
+        f"paratune evaluate: error: --plot='{tmp_path / 'pvm.txt'}': must end in .png or "
+        "another image format")
+
+
+def test_path_errors_are_one_line_naming_the_path_and_flag(model_dir, synthetic, tmp_path,
+                                                         capsys, monkeypatch):
+    """A directory where a file belongs (and the reverse) is a named error, not a traceback."""
+    monkeypatch.chdir(tmp_path)
+    synthetic[list(CONFIG_COLUMNS)].head(3).to_csv("in.csv", index=False)
+    (tmp_path / "outdir").mkdir()
+    assert main(["predict", "--model", str(model_dir), "in.csv", "--out", "outdir"]) == 2
+    assert capsys.readouterr().err == ("paratune predict: error: --out outdir: is a directory, "
+                                       "not a file\n")
+    (tmp_path / "file").write_text("x")
+    assert main(["predict", "--model", str(model_dir), "in.csv", "--out", "file/p.csv"]) == 2
+    assert capsys.readouterr().err == ("paratune predict: error: --out file/p.csv: file is a "
+                                       "file, not a directory\n")
+    assert main(["predict", "--model", "file", "in.csv", "--out", "p.csv"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("paratune predict: error: ") and len(err.splitlines()) == 1

@@ -294,3 +294,24 @@ def test_fits_cpu_runs_together_with_failed_gpu_runs(synthetic):
     assert model.feasibility_ is not None
     pred = model.predict(both[list(CONFIG_COLUMNS)])
     assert (pred["pred_error"] == "").all() and np.isfinite(pred["pred_step_time_s"]).all()
+
+
+@pytest.mark.parametrize("damage", ["missing", "truncated", "not json", "a regressor"])
+def test_a_damaged_booster_file_is_named_without_a_stack_trace(fitted, tmp_path, damage):
+    """The message names the booster file (not model.json) in one line, with no C++ trace."""
+    fitted.save(tmp_path / "m")
+    booster = tmp_path / "m" / ("throughput.json" if damage == "missing" else "feasibility.json")
+    if damage == "missing":
+        booster.unlink()
+    elif damage == "truncated":
+        booster.write_text(booster.read_text()[:1000])
+    elif damage == "not json":
+        booster.write_text("{garbage")
+    else:
+        booster.write_bytes((tmp_path / "m" / "memory.json").read_bytes())
+    with pytest.raises(ModelFormatError) as info:
+        load_model(tmp_path / "m")
+    message = str(info.value)
+    assert message.startswith(f"{booster}: ")
+    assert "missing" in message if damage == "missing" else "corrupt" in message
+    assert "\n" not in message and "Stack trace" not in message and "model.json:" not in message

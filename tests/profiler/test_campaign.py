@@ -240,6 +240,22 @@ def test_cuda_campaigns_need_a_warmup_and_a_gpu_per_rank(tmp_path, monkeypatch):
     assert not out.exists()
 
 
+def test_profile_on_cuda_without_a_gpu_or_hardware_is_a_named_error(tmp_path, capsys,
+                                                                      monkeypatch):
+    """Detecting the GPU of a machine without one names --device and what to do instead
+    (not torch's 'Torch not compiled with CUDA enabled' AssertionError)."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    assert main(["profile", "--device", "cuda", "--out", str(tmp_path / "c"), "--no-track",
+                 "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("paratune profile: error: ") and len(err.splitlines()) == 1
+    assert "no CUDA device is visible" in err and "--device cpu" in err
+    assert "--hardware" in err and "--print-command" in err
+    assert not (tmp_path / "c").exists()
+
+
 def test_worker_threads_default_like_torchrun(monkeypatch):
     """Local workers get torchrun's OMP_NUM_THREADS=1 on CUDA (more than one rank), the
     cores shared among the ranks on CPU, and a value already set is kept."""
@@ -488,7 +504,13 @@ def _start_counts(paths: CampaignPaths) -> dict[str, int]:
 
 
 @pytest.mark.slow
-def test_torchrun_launcher_runs_the_same_worker(tmp_path, capsys):
+def test_torchrun_launcher_runs_the_same_worker(tmp_path, capsys, monkeypatch):
+    # a torchrun first on PATH (another installation's) is not the one a local run starts
+    other = tmp_path / "other-bin"
+    other.mkdir()
+    (other / "torchrun").write_text("#!/bin/sh\necho another torchrun >&2\nexit 3\n")
+    (other / "torchrun").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{other}{os.pathsep}{os.environ['PATH']}")
     space = tmp_path / "grid.json"
     space.write_text(json.dumps({"micro_batch_sizes": [2], "shardings": ["none"],
                                  "recomputes": ["none"], "pp_degrees": [1],

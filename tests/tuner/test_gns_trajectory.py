@@ -184,3 +184,33 @@ def test_smoothing_window_must_be_a_positive_integer(tmp_path, bad):
     with pytest.raises(ConfigError, match="smooth"):
         load_trajectory(path, smooth=bad)
     assert len(load_trajectory(path, smooth=3)) == 10
+
+
+@pytest.mark.parametrize("command", ["tune", "plan"])
+def test_a_trajectory_with_only_its_header_is_named(tmp_path, capsys, command):
+    """A gns run stopped before its first step leaves the header alone: the error names the
+    file and says it has no rows (not a numpy TypeError)."""
+    from paratune.cli import main
+    from paratune.profiler.gns import TRAJECTORY_COLUMNS
+
+    path = tmp_path / "gns.csv"
+    path.write_text(",".join(TRAJECTORY_COLUMNS) + "\n")
+    with pytest.raises(ConfigError, match=r"trajectory=.*gns.csv.*has no rows"):
+        load_trajectory(path)
+    extra = (["--objective", "goodput", "--gns", str(path), "--trials", "5"]
+             if command == "tune" else ["--trajectory", str(path)])
+    code = main([command, "--model", "llama3-8b", "--gpus", "8", "--hardware", "H100",
+                 "--predictor", str(tmp_path / "no-model"), "--output", str(tmp_path / "o"),
+                 "--no-track", *extra])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.startswith(f"paratune {command}: error: ") and "has no rows" in err
+    assert len(err.splitlines()) == 1
+
+
+def test_the_missing_seq_len_message_names_the_flag_not_library_syntax(tmp_path):
+    path = _write_csv(tmp_path / "old.csv", _gns_rows(None))
+    with pytest.raises(ConfigError) as info:
+        effective_b_noise(load_trajectory(path), seq_len=8192)
+    assert "--trajectory-seq-len N" in info.value.rule
+    assert "load_trajectory(" not in info.value.rule
