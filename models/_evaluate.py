@@ -231,7 +231,8 @@ class EvaluationResult:
 
 def cross_validate(frame: pd.DataFrame, *, split: str = "random",
                    estimators: Mapping[str, Callable[[], Any]] | None = None,
-                   n_splits: int = 5, random_state: int = 0) -> EvaluationResult:
+                   n_splits: int = 5, random_state: int = 0,
+                   progress: bool | None = None) -> EvaluationResult:
     """Cross-validate predictors on measurement rows.
 
     Args:
@@ -241,6 +242,8 @@ def cross_validate(frame: pd.DataFrame, *, split: str = "random",
             :class:`~paratune.models.PerformanceModel` alone.
         n_splits: Folds of the random split.
         random_state: Seed of the random split.
+        progress: Show a progress bar of the fits (estimator, fold, time left) on stderr;
+            ``None``: only when stderr is a terminal.
 
     Returns:
         An :class:`EvaluationResult`.
@@ -257,30 +260,44 @@ def cross_validate(frame: pd.DataFrame, *, split: str = "random",
     frame = frame.reset_index(drop=True)
     folds = _folds(frame, split, n_splits=n_splits, random_state=random_state)
     result = EvaluationResult(split=split)
-    for name, factory in estimators.items():
-        collected = []
-        for label, test in folds:
-            model = factory().fit(frame[~test])
-            pred = model.predict(frame[test])
-            part = frame[test].copy()
-            for column in pred.columns:
-                part[column] = pred[column].to_numpy()
-            part["fold"] = label
-            collected.append(part)
-            if split != "random":
-                figures = metrics(frame[test], pred)
-                result.by_fold.append({"estimator": name, "source": "", "held_out": label,
-                                       **figures})
-        import pandas as pd
+    from tqdm.auto import tqdm
 
-        oof = pd.concat(collected).sort_index()
-        result.predictions[name] = oof
-        oof_family = _family(oof)
-        for fam in sorted(oof_family.unique()):
-            rows = oof[(oof_family == fam).to_numpy()]
-            figures = metrics(rows, rows)
-            result.summary.append({"estimator": name, "source": fam, "held_out": "", **figures})
+    bar = tqdm(total=len(estimators) * len(folds), unit="fit", desc="cross-validating",
+               dynamic_ncols=True, disable=None if progress is None else not progress)
+    with bar:
+        for name, factory in estimators.items():
+            _validate_estimator(frame, split, name, factory, folds, result, bar)
     return result
+
+
+def _validate_estimator(frame: pd.DataFrame, split: str, name: str,
+                        factory: Callable[[], Any], folds: list[tuple[str, np.ndarray]],
+                        result: EvaluationResult, bar: Any) -> None:
+    """Fit and predict ``name`` on every fold; its figures go into ``result``."""
+    collected = []
+    for label, test in folds:
+        bar.set_postfix_str(f"{name} {label}")
+        model = factory().fit(frame[~test])
+        pred = model.predict(frame[test])
+        part = frame[test].copy()
+        for column in pred.columns:
+            part[column] = pred[column].to_numpy()
+        part["fold"] = label
+        collected.append(part)
+        bar.update(1)
+        if split != "random":
+            figures = metrics(frame[test], pred)
+            result.by_fold.append({"estimator": name, "source": "", "held_out": label,
+                                   **figures})
+    import pandas as pd
+
+    oof = pd.concat(collected).sort_index()
+    result.predictions[name] = oof
+    oof_family = _family(oof)
+    for fam in sorted(oof_family.unique()):
+        rows = oof[(oof_family == fam).to_numpy()]
+        figures = metrics(rows, rows)
+        result.summary.append({"estimator": name, "source": fam, "held_out": "", **figures})
 
 
 def plot_predictions(result: EvaluationResult, path: str | Path, *,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,8 @@ from typing import Any
 from paratune.errors import ConfigError
 
 __all__ = ["MODEL_PRESETS", "ModelSpec", "get_model"]
+
+logger = logging.getLogger(__name__)
 
 _MLP_KINDS = ("swiglu", "gelu")
 
@@ -163,7 +166,9 @@ class ModelSpec:
         Args:
             path: The ``config.json`` file, or the directory that holds it.
             name: Label for the spec; defaults to the directory name.
-            seq_len: Training sequence length; defaults to ``max_position_embeddings``.
+            seq_len: Training sequence length; defaults to ``max_position_embeddings``
+                (the longest context the model supports, often far longer than the
+                sequences it is trained on), with a logged warning naming the value.
 
         Raises:
             ConfigError: a required key is missing or a value breaks a rule.
@@ -199,6 +204,13 @@ class ModelSpec:
         model_type = str(cfg.get("model_type", ""))
         gpt_like = model_type in {"gpt2", "gpt_neox", "gptj", "opt"} or "n_embd" in cfg
         ffn = cfg.get("intermediate_size") or cfg.get("n_inner") or cfg.get("ffn_dim")
+        if seq_len is None:
+            key = next((k for k in ("max_position_embeddings", "n_positions", "seq_length")
+                        if cfg.get(k) is not None), None)
+            seq_len = need("max_position_embeddings", "n_positions", "seq_length")
+            logger.warning("%s gives no training sequence length: assuming %s=%s tokens per "
+                           "sequence; give the one you train with (--seq-len N, or seq_len=N)",
+                           path, key, seq_len)
         return cls(
             name=name or path.parent.name or "hf-model",
             num_layers=layers,
@@ -207,8 +219,7 @@ class ModelSpec:
             num_kv_heads=cfg.get("num_key_value_heads"),
             ffn_hidden_size=int(ffn) if ffn else 4 * hidden,
             vocab_size=int(need("vocab_size")),
-            seq_len=int(seq_len if seq_len is not None
-                        else need("max_position_embeddings", "n_positions", "seq_length")),
+            seq_len=int(seq_len),
             tie_embeddings=bool(cfg.get("tie_word_embeddings", gpt_like)),
             mlp="gelu" if gpt_like else "swiglu",
             rope_theta=float(cfg.get("rope_theta", 500000.0)),
@@ -244,7 +255,8 @@ def get_model(name_or_path: str | Path, *, seq_len: int | None = None) -> ModelS
 
     Args:
         name_or_path: A key of :data:`MODEL_PRESETS` (case-insensitive) or a path.
-        seq_len: Override the sequence length.
+        seq_len: Override the sequence length (of a preset, or of a config.json, which
+            otherwise takes its ``max_position_embeddings``).
 
     Raises:
         ConfigError: unknown preset and no such file.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
 
 from paratune.cli import at_least
@@ -42,6 +43,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--model", default=None,
                         help="model preset (tiny, small, llama3-8b, ...) or a Hugging Face "
                              "config.json path (default tiny)")
+    parser.add_argument("--seq-len", type=at_least(1), default=None, metavar="TOKENS",
+                        help="training sequence length (default: the preset's, or a "
+                             "config.json's max_position_embeddings, with a warning; "
+                             "resuming: the campaign's)")
     parser.add_argument("--world-sizes", type=_world_sizes, default=None, metavar="N,N,...",
                         help="world sizes to profile (default 1,2,4)")
     parser.add_argument("--grid", default=None, metavar="FILE",
@@ -106,12 +111,15 @@ def build_spec(args: argparse.Namespace):  # -> CampaignSpec (heavy import kept 
             raise ConfigError("out", str(out), "holds no campaign.json: nothing to resume")
         meta = json.loads(campaign.read_text())
         stored = meta.get("identity", {})
+    seq_len = getattr(args, "seq_len", None)
     if args.model is not None:
-        model = get_model(args.model)
+        model = get_model(args.model, seq_len=seq_len)
     elif stored:
         model = ModelSpec.from_dict(stored["model"])
+        if seq_len is not None:
+            model = model.replace(seq_len=seq_len)
     else:
-        model = get_model("tiny")
+        model = get_model("tiny", seq_len=seq_len)
     if args.grid is not None:
         space = ConfigSpace.from_file(args.grid)
     elif stored:
@@ -126,6 +134,11 @@ def build_spec(args: argparse.Namespace):  # -> CampaignSpec (heavy import kept 
             return value
         return stored.get(name, default)
 
+    timeout_s = args.timeout if args.timeout is not None else meta.get("timeout_s", 300.0)
+    if isinstance(timeout_s, (int, float)) and math.isinf(timeout_s):
+        # NaN, 0 and negatives are refused by the campaign itself
+        raise ConfigError("timeout_s", timeout_s, "must be a finite positive number of "
+                          "seconds (a config that hangs must be stopped)")
     return CampaignSpec(
         model=model, space=space,
         world_sizes=tuple(pick(args.world_sizes, "world_sizes", (1, 2, 4))),
@@ -133,7 +146,7 @@ def build_spec(args: argparse.Namespace):  # -> CampaignSpec (heavy import kept 
         measured_steps=pick(args.steps, "measured_steps", 10),
         # The timeout is not part of the identity (it may be changed on resume) but is kept
         # in campaign.json beside it.
-        timeout_s=args.timeout if args.timeout is not None else meta.get("timeout_s", 300.0),
+        timeout_s=timeout_s,
         seed=pick(args.seed, "seed", 0), device=device,
         hardware=hardware,
         devices_per_node=pick(args.devices_per_node or args.nproc_per_node, "devices_per_node",

@@ -123,14 +123,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                         help="device to train on (auto: cuda when available)")
     parser.add_argument("--no-track", action="store_true", help="do not log to MLflow")
+    parser.add_argument("--no-progress", action="store_true",
+                        help="no progress bar (step, loss, latest b_simple, time left)")
     parser.set_defaults(func=_gns, field_flags=_FIELD_FLAGS)
 
 
 def _gns(args: argparse.Namespace) -> int:
     import sys
 
-    from paratune.errors import ConfigError
-    from paratune.profiler.gns import GNSJob, run_gns
+    from paratune.errors import ConfigError, Terminated
+    from paratune.profiler.gns import GNSJob, resume_hint, run_gns
     from paratune.profiler.reconfigure import _check_supported
     from paratune.spec import get_model
 
@@ -162,10 +164,16 @@ def _gns(args: argparse.Namespace) -> int:
 
             run = stack.enter_context(start_run(
                 "paratune-gns", run_name=f"gns-{model.name}-{config.key()}",
-                params={"model": model.name, "config": config.key(), "steps": args.steps,
+                params={"model": model.name, "seq_len": model.seq_len,
+                        "config": config.key(), "steps": args.steps,
                         "lr": args.lr, "seed": args.seed, "mode": args.mode,
                         "precondition": args.precondition, "ema": args.ema}))
-        path = run_gns(job)
+        try:
+            path = run_gns(job, progress=not args.no_progress)
+        except (KeyboardInterrupt, Terminated):
+            # the workers have ended: say what the run left and how to go on
+            print(f"paratune gns: stopped; {resume_hint(job)}", file=sys.stderr)
+            raise
         frame = _report(path, model, config)
         if run is not None:
             every = max(1, len(frame) // 200)
@@ -174,6 +182,10 @@ def _gns(args: argparse.Namespace) -> int:
                                                      "trace_ema", "tokens")},
                                 step=int(row["step"]))
             run.log_artifact(path)
+    if run is not None:
+        from paratune.tracking import ui_command
+
+        print(f"MLflow run {run.run_id}: {ui_command()}")
     return 0
 
 

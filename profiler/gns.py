@@ -61,6 +61,7 @@ __all__ = [
     "measure_layouts",
     "micro_batch_gradients",
     "resolve_mode",
+    "resume_hint",
     "run_gns",
     "sharded_sqnorm",
     "single_process_reference",
@@ -910,8 +911,12 @@ def _end_workers(processes: Sequence[Any], *, grace_s: float = 10.0) -> None:
             process.join()
 
 
-def spawn(fn: Callable[..., Any], world_size: int, *args: Any) -> None:
+def spawn(fn: Callable[..., Any], world_size: int, *args: Any,
+          poll: Callable[[], None] | None = None, poll_s: float = 0.5) -> None:
     """Run ``fn(rank, world_size, port, *args)`` in ``world_size`` fresh processes.
+
+    ``poll`` (if given) is called in this process every ``poll_s`` seconds while the
+    workers run (to show their progress).
 
     ``fn`` must be picklable (a module-level function). A SIGTERM to this process, a SIGINT
     (``KeyboardInterrupt``) or any other exception while the workers run ends them before it
@@ -944,8 +949,11 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any) -> None:
     try:
         context = mp.start_processes(_spawned, args=(fn, os.getpid(), world_size, port, *args),
                                      nprocs=world_size, join=False, start_method="spawn")
-        while not context.join():
-            pass
+        while not context.join(timeout=poll_s if poll is not None else None):
+            if poll is not None:
+                poll()
+        if poll is not None:
+            poll()
     except mp.ProcessRaisedException as exc:
         # the worker's traceback is text; its last line names the exception
         lines = [line for line in str(exc).splitlines() if line.strip()]
@@ -1029,7 +1037,7 @@ def _gns_worker(rank: int, world_size: int, port: int, job: GNSJob) -> None:
         trainer.close()
 
 
-def run_gns(job: GNSJob) -> Path:
+def run_gns(job: GNSJob, *, progress: bool = False) -> Path:
     """Train ``job.model`` on the standard-library text and write its ``B_noise`` trajectory.
 
     Starts ``job.config.world_size`` processes on this machine (gloo on CPU, NCCL on CUDA).
@@ -1046,10 +1054,13 @@ def run_gns(job: GNSJob) -> Path:
     ``checkpoint_dir``, so a later resume cannot continue another run's weights.
     While it runs, this process holds an exclusive lock on ``<out>.lock`` (released when it
     ends, however it ends), and a second run on the same ``out`` is refused. A SIGINT or
-    SIGTERM ends the workers before it propagates (see :func:`spawn`).
+    SIGTERM ends the workers before it propagates (see :func:`spawn`; :func:`resume_hint`
+    says what a rerun can continue from).
 
     Args:
         job: The run.
+        progress: Show a progress bar on stderr (step of ``job.steps``, loss, latest
+            ``b_simple``, time left), read from the rows as rank 0 writes them.
 
     Returns:
         The trajectory path.
@@ -1073,8 +1084,117 @@ def run_gns(job: GNSJob) -> Path:
         if not (job.resume and job.checkpoint_dir is not None
                 and find_checkpoint(job.checkpoint_dir) is not None):
             _start_fresh(job)
-        spawn(_gns_worker, job.config.world_size, job)
+        if not progress:
+            spawn(_gns_worker, job.config.world_size, job)
+            return Path(job.out)
+        with _ProgressBar(job) as bar:
+            spawn(_gns_worker, job.config.world_size, job, poll=bar.poll)
     return Path(job.out)
+
+
+class _ProgressBar:
+    """A tqdm bar of a run's steps, fed by the trajectory rows rank 0 appends (as
+    ``paratune profile`` shows its configs): step of total, loss, latest ``b_simple``
+    and the time left. Reads only what was appended since the last poll."""
+
+    def __init__(self, job: GNSJob) -> None:
+        self.job = job
+        self.path = Path(job.out)
+        self.offset = 0
+        self.identity: tuple[int, int] | None = None
+        self.partial = ""
+        self.columns: list[str] | None = None
+        self.bar: Any = None
+
+    def __enter__(self) -> _ProgressBar:
+        from tqdm.auto import tqdm
+
+        # a resumed run starts at its checkpoint's step (rows past it are measured again)
+        self.bar = tqdm(total=self.job.steps, initial=_checkpoint_step(self.job), unit="step",
+                        desc=f"gns {self.job.config.key()}", dynamic_ncols=True)
+        # rows already there belong to the run being resumed: skipped until rank 0 has
+        # cut them back to the checkpoint (a new file)
+        with contextlib.suppress(FileNotFoundError):
+            stat = self.path.stat()
+            self.identity, self.offset = (stat.st_ino, stat.st_dev), stat.st_size
+            with open(self.path, encoding="utf-8") as handle:
+                self.columns = handle.readline().rstrip("\n").split(",")
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.bar.close()
+
+    def poll(self) -> None:
+        row = self._last_new_row()
+        if row is None:
+            return
+        step = int(row["step"])
+        self.bar.set_postfix_str(f"loss={float(row['loss']):.4g} "
+                                 f"b_simple={float(row['b_simple']):.4g}", refresh=False)
+        self.bar.update(step - self.bar.n)
+
+    def _last_new_row(self) -> dict[str, str] | None:
+        """The last complete row appended since the previous call (the file is read afresh
+        when it was replaced, as a resume truncates it)."""
+        import os
+
+        try:
+            stat = os.stat(self.path)
+        except FileNotFoundError:
+            return None
+        identity = (stat.st_ino, stat.st_dev)
+        if identity != self.identity or stat.st_size < self.offset:
+            self.identity, self.offset, self.partial, self.columns = identity, 0, "", None
+        if stat.st_size == self.offset:
+            return None
+        with open(self.path, encoding="utf-8") as handle:
+            handle.seek(self.offset)
+            text = self.partial + handle.read()
+            self.offset = handle.tell()
+        lines = text.split("\n")
+        self.partial = lines.pop()  # an unfinished line waits for the next call
+        if self.columns is None and lines:
+            self.columns = lines.pop(0).split(",")
+        for line in reversed(lines):
+            fields = line.split(",")
+            if self.columns and len(fields) == len(self.columns) and fields[0].isdigit():
+                return dict(zip(self.columns, fields))
+        return None
+
+
+def _checkpoint_step(job: GNSJob) -> int:
+    """The step of the complete checkpoint in ``job.checkpoint_dir`` (0 without one)."""
+    import json
+
+    from paratune.profiler.reconfigure import RUN_STATE_FILE, find_checkpoint
+
+    if job.checkpoint_dir is None:
+        return 0
+    found = find_checkpoint(job.checkpoint_dir)
+    if found is None:
+        return 0
+    try:
+        return int(json.loads((found / RUN_STATE_FILE).read_text(encoding="utf-8"))["step"])
+    except (OSError, ValueError, KeyError):
+        return 0
+
+
+def resume_hint(job: GNSJob) -> str:
+    """What an interrupted run left and how to continue it: the rows measured, the
+    checkpoint's step, and whether ``--resume`` can continue from it."""
+    rows = _measured_rows(job.out)
+    step = _checkpoint_step(job)
+    measured = f"{rows} of {job.steps} steps are measured in {job.out}"
+    if step:
+        return (f"{measured}; the checkpoint in {job.checkpoint_dir} is at step {step}: rerun "
+                f"the same command with --resume to continue from step {step + 1} (the "
+                f"{rows - step} steps after it are measured again)" if rows > step else
+                f"{measured}; the checkpoint in {job.checkpoint_dir} is at step {step}: rerun "
+                "the same command with --resume to continue")
+    if not job.checkpoint_every:
+        return f"{measured}; this run saves no checkpoint, so a rerun starts from step 0"
+    return (f"{measured}; no checkpoint was saved yet (the first at step "
+            f"{job.checkpoint_every}), so a rerun starts from step 0")
 
 
 def _lock_path(out: str | Path) -> Path:

@@ -21,9 +21,12 @@ _JOB_FIELD_FLAGS = {
 }
 
 
-def _add_job(parser: argparse.ArgumentParser) -> None:
+def _add_job(parser: argparse.ArgumentParser, *, default_batch: str) -> None:
     parser.add_argument("--model", required=True,
                         help="model preset (llama3-8b, ...) or a Hugging Face config.json")
+    parser.add_argument("--seq-len", type=at_least(1), default=None, metavar="TOKENS",
+                        help="training sequence length (default: the preset's, or a "
+                             "config.json's max_position_embeddings, with a warning)")
     parser.add_argument("--gpus", type=int, required=True, help="devices in the job")
     parser.add_argument("--gpu", "--hardware", dest="hardware", required=True, metavar="NAME",
                         action=StoreWithAliases,
@@ -34,8 +37,7 @@ def _add_job(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--global-batch", dest="global_batch", default=None,
                         help="global batch sizes in sequences: 512, 256,512,1024, or a range "
                              "256:4096 (powers of two), 256:4096:x2, 256:1024:256 (default: "
-                             "about 2**20 tokens; with --objective goodput and --gns, the "
-                             "powers of two around B_noise)")
+                             f"{default_batch})")
     parser.add_argument("--space", type=Path, default=None,
                         help="YAML/TOML/JSON file of the options to search (ConfigSpace fields)")
     parser.add_argument("--devices-per-node", type=at_least(1), default=None,
@@ -66,7 +68,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "share one study (give each its own --seed, or workers that start "
                     "together draw the same configs); rerunning a killed command resumes "
                     "it.")
-    _add_job(tune)
+    _add_job(tune, default_batch="about 2**20 tokens; with --objective goodput and --gns, "
+                                 "the powers of two around B_noise")
     tune.add_argument("--objective", choices=("throughput", "goodput"), default="throughput",
                       help="throughput: tokens/s at one global batch; goodput: tokens/s times "
                            "statistical efficiency (needs --gns) (default: %(default)s)")
@@ -104,6 +107,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                            "the dataset, refit and report predicted vs measured")
     tune.add_argument("--dataset", type=Path, default=None,
                       help="dataset that --verify adds its measurements to")
+    tune.add_argument("--no-progress", action="store_true",
+                      help="no progress bar of the trials (on stderr)")
     tune.set_defaults(func=_tune, field_flags={**_JOB_FIELD_FLAGS, "risk_quantile": "--risk",
                                                "batch_size": "--batch-size",
                                                "n_trials": "--trials", "verify": "--verify"})
@@ -115,7 +120,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "target, switch costs included, among those whose switches each gain "
                     "more than the threshold; compare with a fixed batch and with a batch "
                     "that follows B_noise under one fixed parallelism.")
-    _add_job(plan)
+    _add_job(plan, default_batch="the powers of two from half the trajectory's smallest "
+                                 "B_noise to twice its largest, and at least --gpus")
     plan.add_argument("--trajectory", type=Path, required=True,
                       help="B_noise trajectory (CSV/JSON with step, tokens, b_simple in the "
                            "measuring run's sequences, seq_len)")
@@ -131,7 +137,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                       help="resolution along training: stretches of equal tokens (>= 1)")
     plan.add_argument("--smooth", type=at_least(1), default=1,
                       help="running-median window over the trajectory's b_simple")
-    plan.add_argument("--output", type=Path, default=None, help="write plan.json here")
+    plan.add_argument("--output", type=Path, default=None, metavar="PATH",
+                      help="write the plan as JSON: PATH itself if it ends in .json, else "
+                           "PATH/plan.json")
     plan.set_defaults(func=_plan, field_flags={
         **_JOB_FIELD_FLAGS, "max_segments": "--segments", "threshold": "--threshold",
         "reconfig_cost_s": "--reconfig-cost-s", "batch_change_cost_s": "--batch-change-cost-s"})
@@ -159,7 +167,7 @@ def _tune(args: argparse.Namespace) -> int:
     from paratune.tracking import ui_command
     from paratune.tuner._tune import tune
 
-    model = get_model(args.model)
+    model = get_model(args.model, seq_len=args.seq_len)
     output = args.output or Path(f"tune-{model.name}-{args.gpus}x{args.hardware}")
     verify_options = {"dataset": args.dataset} if args.dataset else None
     result = tune(model, args.gpus, args.hardware, args.predictor, objective=args.objective,
@@ -173,7 +181,8 @@ def _tune(args: argparse.Namespace) -> int:
                   memory_limit_gb=args.memory_limit_gb, top_k=args.top_k, output_dir=output,
                   track=not args.no_track, verify=args.verify, verify_options=verify_options,
                   trajectory_seq_len=args.trajectory_seq_len,
-                  on_ranked=lambda ranked: _print_ranking(ranked, args.top_k))
+                  on_ranked=lambda ranked: _print_ranking(ranked, args.top_k),
+                  progress=not args.no_progress)
     if result.verification is not None:
         from paratune._table import format_table
 
@@ -224,7 +233,7 @@ def _plan(args: argparse.Namespace) -> int:
     check_plan_options(reconfig_cost_s=args.reconfig_cost_s,
                        batch_change_cost_s=args.batch_change_cost_s, threshold=args.threshold,
                        max_segments=args.segments)
-    model = get_model(args.model)
+    model = get_model(args.model, seq_len=args.seq_len)
     trajectory = load_trajectory(args.trajectory, smooth=args.smooth,
                                  seq_len=args.trajectory_seq_len)
     options = _space(args)
@@ -244,7 +253,8 @@ def _plan(args: argparse.Namespace) -> int:
 
             name = f"plan-{model.name}-{args.gpus}x{space.hardware.name}"
             run = stack.enter_context(start_run("paratune-plan", run_name=name, params={
-                "model": model.name, "gpus": args.gpus, "hardware": space.hardware.name,
+                "model": model.name, "seq_len": model.seq_len, "gpus": args.gpus,
+                "hardware": space.hardware.name,
                 "devices_per_node": space.devices_per_node,
                 **predictor_params(args.predictor, predictor),
                 "trajectory": str(args.trajectory.resolve()),
@@ -261,18 +271,34 @@ def _plan(args: argparse.Namespace) -> int:
                            batch_change_cost_s=args.batch_change_cost_s,
                            threshold=args.threshold, max_segments=args.segments,
                            objective=objective)
+        print(f"{model.name} ({model.seq_len} tokens per sequence) on {args.gpus} x "
+              f"{space.hardware.name}, global batch sizes "
+              f"{_batches_text(space.global_batch_sizes)}")
         print(plan.table())
         if args.output:
-            atomic_write_text(args.output / "plan.json" if args.output.suffix != ".json"
-                              else args.output,
-                              json.dumps(plan.to_dict(), indent=2, default=float))
+            written = (args.output / "plan.json" if args.output.suffix != ".json"
+                       else args.output)
+            atomic_write_text(written, json.dumps(plan.to_dict(), indent=2, default=float))
+            print(f"\nwrote {written}")
         if run is not None:
             run.log_metrics({"total_time_s": plan.total_time_s,
                              "num_switches": plan.num_switches,
                              "speedup_vs_fixed": plan.speedup("fixed"),
                              "speedup_vs_follow_critical": plan.speedup("follow_critical")})
             run.log_dict(plan.to_dict(), "plan.json")
+    if run is not None:
+        from paratune.tracking import ui_command
+
+        print(f"MLflow run {run.run_id}: {ui_command()}")
     return 0
+
+
+def _batches_text(batches) -> str:
+    """``64, 128, ..., 2048`` for a long list of global batch sizes."""
+    batches = [int(b) for b in batches]
+    if len(batches) <= 4:
+        return ", ".join(map(str, batches))
+    return f"{batches[0]}, {batches[1]}, ..., {batches[-1]} ({len(batches)} sizes)"
 
 
 def _default_plan_batches(trajectory, gpus: int, *, seq_len: int) -> str:

@@ -85,13 +85,56 @@ class SearchResult:
         frame = self.ranked if k is None else self.ranked.head(k)
         return [config_from_row(row) for _, row in frame.iterrows()]
 
+    def ranked_quantity(self) -> tuple[str, str]:
+        """What the ranking maximises: a short column label and a description.
+
+        ``ranked_tokens_per_s`` is the predicted throughput itself, its lower quantile
+        (``risk_quantile``) or, where the predictor gives one, the throughput of the expected
+        step time (a pipeline likely to stall counted at its stalled speed); under the goodput
+        objective it is multiplied by the statistical efficiency.
+        """
+        risk = self.objective.risk_quantile
+        if risk:
+            label, words = f"{risk} tok/s", f"the {risk} quantile of predicted tokens/s"
+        elif self._expected_differs():
+            label, words = "exp tok/s", "expected tokens/s (stall-weighted)"
+        else:
+            label, words = "tok/s", "predicted tokens/s"
+        if self.objective.kind.value == "goodput":
+            return "goodput", f"goodput = {label} x eff ({words} x statistical efficiency)"
+        return label, words
+
+    def _expected_differs(self) -> bool:
+        """Whether the ranked throughput differs from the predicted one anywhere."""
+        import numpy as np
+
+        if self.ranked.empty or "ranked_tokens_per_s" not in self.ranked.columns:
+            return False
+        ranked = self.ranked["ranked_tokens_per_s"].to_numpy(dtype=float)
+        plain = self.ranked["tokens_per_s"].to_numpy(dtype=float)
+        return not bool(np.allclose(ranked, plain, rtol=1e-9, equal_nan=True))
+
     def table(self, k: int = 10) -> str:
-        """The top ``k`` as a terminal table."""
+        """The top ``k`` as a terminal table.
+
+        Columns show what they hold: ``tok/s`` is the predicted throughput; where the
+        ranking uses another throughput (a quantile, or the stall-weighted expected one) it
+        is shown beside it; ``eff`` and ``goodput`` only under the goodput objective;
+        ``vs_best`` (the ranked quantity as a share of rank 1's) only for configs predicted
+        feasible, since the others rank below every feasible config whatever their value.
+        """
         rows = []
         # the probability of a stalled pipeline, where the predictor learned that regime
         stall = ("pred_stall_prob" in self.ranked.columns
                  and bool((self.top(k)["pred_stall_prob"].fillna(0) > 0).any()))
+        goodput = self.objective.kind.value == "goodput"
+        label, words = self.ranked_quantity()
+        ranked_label = (f"{self.objective.risk_quantile} tok/s" if self.objective.risk_quantile
+                        else "exp tok/s" if self._expected_differs() else None)
+        infeasible = False
         for _, row in self.top(k).iterrows():
+            feasible = bool(row["feasible"])
+            infeasible |= not feasible
             rows.append({
                 "rank": int(row["rank"]), "gbs": int(row["global_batch_size"]),
                 "dp": int(row["dp"]), "tp": int(row["tp"]), "pp": int(row["pp"]),
@@ -100,19 +143,27 @@ class SearchResult:
                 + (f"/v{int(row['virtual_stages'])}" if row["virtual_stages"] > 1 else ""),
                 "sharding": row["sharding"], "recompute": row["recompute"],
                 "tok/s": float(row["tokens_per_s"]),
+                **({ranked_label: float(row["ranked_tokens_per_s"])} if ranked_label else {}),
                 "tok/s/gpu": float(row["tokens_per_s"]) / float(row["world_size"]),
                 "step_s": float(row["step_time_s"]), "mem_gb": float(row["peak_mem_gb"]),
                 "p_ok": float(row["feasible_prob"]),
                 **({"p_stall": float(row["pred_stall_prob"])} if stall else {}),
-                "eff": float(row["efficiency"]),
-                "goodput": float(row["goodput"]),
-                "vs_best": f"{100 * float(row['vs_best']):.1f}%",
-                "ok": "yes" if row["feasible"] else "NO",
+                **({"eff": float(row["efficiency"]), "goodput": float(row["goodput"])}
+                   if goodput else {}),
+                "vs_best": f"{100 * float(row['vs_best']):.1f}%" if feasible else "-",
+                "ok": "yes" if feasible else "NO",
             })
-        title = (f"{self.space.model.name} on {self.space.world_size} x "
-                 f"{self.space.hardware.name}: top {len(rows)} by {self.objective.kind.value}"
-                 f" ({self.mode}, {self.num_trials} trials/configs)")
-        return format_table(rows, title=title, floatfmt=".4g")
+        model = self.space.model
+        title = (f"{model.name} ({model.seq_len} tokens per sequence) on "
+                 f"{self.space.world_size} x {self.space.hardware.name}: top {len(rows)} by "
+                 f"{label} ({self.mode}, {self.num_trials} trials/configs)")
+        notes = [f"ranked by {words}, feasible configs first; vs_best: {label} as a share "
+                 "of the best feasible config's"]
+        if infeasible:
+            notes.append("ok NO: predicted not to run (probability of running below the "
+                         "threshold, or memory over the limit); ranked after every feasible "
+                         "config, no vs_best")
+        return "\n".join([format_table(rows, title=title, floatfmt=".4g"), *notes])
 
 
 def config_from_row(row: Any) -> ParallelConfig:
@@ -401,7 +452,7 @@ def optuna_search(predictor: Predictor, space: SearchSpace, objective: Objective
                   storage: str | Path | None = None, study_name: str | None = None,
                   storage_dir: str | Path | None = None, batch_size: int = 8,
                   refine_fraction: float = 0.5, refine_beam: int = 4,
-                  timeout_s: float | None = None
+                  timeout_s: float | None = None, progress: bool = False
                   ) -> tuple[SearchResult, optuna.Study]:
     """Search ``space`` with an Optuna sampler until the study holds ``n_trials`` trials.
 
@@ -432,6 +483,8 @@ def optuna_search(predictor: Predictor, space: SearchSpace, objective: Objective
             a layout it seldom drew with the right knobs.
         refine_beam: How many of the best configs the local search starts from.
         timeout_s: Stop asking after this many seconds.
+        progress: Show a progress bar on stderr (finished trials of the study, the best
+            feasible objective so far, time left).
 
     Returns:
         The ranked result over every config in the study, and the study.
@@ -459,11 +512,57 @@ def optuna_search(predictor: Predictor, space: SearchSpace, objective: Objective
             params_of[cfg] = dict(trial.params)
     worker = f"{socket.gethostname()}:{os.getpid()}"
     refine_from = round(n_trials * (1.0 - refine_fraction))
+    done = len(_finished(study))
+    bar = _trial_bar(n_trials, done, study.study_name) if progress else None
+    try:
+        done = _search_loop(study, predictor, space, objective, cache=cache,
+                            params_of=params_of, worker=worker, refine_from=refine_from,
+                            refine_beam=refine_beam, n_trials=n_trials, batch_size=batch_size,
+                            timeout_s=timeout_s, start=start, done=done, bar=bar)
+    finally:
+        if bar is not None:
+            bar.close()
+    finished = _finished(study)
+    configs = list(dict.fromkeys(ParallelConfig.from_dict(t.user_attrs[_CONFIG_ATTR])
+                                 for t in finished if t.state is TrialState.COMPLETE))
+    import pandas as pd
+
+    scored = evaluate(predictor, space, configs, objective) if configs else pd.DataFrame()
+    store_text = storage_text(storage, storage_dir)
+    result = SearchResult(
+        ranked=rank(scored), space=space, objective=objective, mode=sampler,
+        num_trials=len(finished),
+        num_pruned=sum(t.state is TrialState.PRUNED for t in finished),
+        wall_time_s=time.perf_counter() - start, study_name=study.study_name,
+        storage=store_text)
+    return result, study
+
+
+def _trial_bar(n_trials: int, done: int, study_name: str) -> Any:
+    """A tqdm bar of the study's finished trials (as ``paratune profile`` shows configs)."""
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=n_trials, initial=min(done, n_trials), unit="trial", desc="tuning",
+               dynamic_ncols=True)
+    if done:
+        bar.set_postfix_str(f"resumed {study_name} at {done} trials", refresh=False)
+    return bar
+
+
+def _search_loop(study: optuna.Study, predictor: Predictor, space: SearchSpace,
+                 objective: Objective, *,
+                 cache: dict[ParallelConfig, tuple[float, tuple[float, float]]],
+                 params_of: dict[ParallelConfig, dict[str, Any]], worker: str,
+                 refine_from: int, refine_beam: int, n_trials: int, batch_size: int,
+                 timeout_s: float | None, start: float, done: int, bar: Any) -> int:
+    """Ask, predict and tell batches of trials until the study holds ``n_trials`` finished
+    ones (or ``timeout_s`` passes); returns the finished count."""
+    from optuna.trial import TrialState
+
     pending: list[tuple[ParallelConfig, dict[str, Any]]] = []
     queued: set[ParallelConfig] = set()
     centre: list[ParallelConfig] | None = None
     probes: list[tuple[ParallelConfig, dict[str, Any]]] | None = None
-    done = len(_finished(study))
     while done < n_trials:
         if timeout_s is not None and time.perf_counter() - start > timeout_s:
             break
@@ -514,18 +613,12 @@ def optuna_search(predictor: Predictor, space: SearchSpace, objective: Objective
             trial.set_constraint("feasible_prob", violations[0])
             trial.set_constraint("memory", violations[1])
             study.tell(trial, value)
-        done = len(_finished(study))
-    finished = _finished(study)
-    configs = list(dict.fromkeys(ParallelConfig.from_dict(t.user_attrs[_CONFIG_ATTR])
-                                 for t in finished if t.state is TrialState.COMPLETE))
-    import pandas as pd
-
-    scored = evaluate(predictor, space, configs, objective) if configs else pd.DataFrame()
-    store_text = storage_text(storage, storage_dir)
-    result = SearchResult(
-        ranked=rank(scored), space=space, objective=objective, mode=sampler,
-        num_trials=len(finished),
-        num_pruned=sum(t.state is TrialState.PRUNED for t in finished),
-        wall_time_s=time.perf_counter() - start, study_name=study.study_name,
-        storage=store_text)
-    return result, study
+        now = len(_finished(study))
+        if bar is not None:
+            top = max((value for value, viol in cache.values() if max(viol) <= 0),
+                      default=None)
+            bar.set_postfix_str("best feasible " + (f"{top:.4g}" if top is not None
+                                                    else "none yet"), refresh=False)
+            bar.update(max(0, min(now, n_trials) - bar.n))
+        done = now
+    return done

@@ -167,7 +167,8 @@ def tune(model: ModelSpec | str, gpus: int, gpu: HardwareSpec | str,
          tracking_uri: str | None = None, verify: int = 0,
          verify_options: dict[str, Any] | None = None,
          trajectory_seq_len: int | None = None,
-         on_ranked: Callable[[TuneResult], None] | None = None) -> TuneResult:
+         on_ranked: Callable[[TuneResult], None] | None = None,
+         progress: bool = False) -> TuneResult:
     """Find how to run ``model`` on ``gpus`` devices of kind ``gpu``.
 
     Args:
@@ -209,6 +210,7 @@ def tune(model: ModelSpec | str, gpus: int, gpu: HardwareSpec | str,
         on_ranked: Called with the result once the search is ranked, the recommendation
             written and the outcome logged, before any verification (to show the ranking
             while the top configs are profiled).
+        progress: Show a progress bar of the Optuna trials on stderr.
 
     Returns:
         A :class:`TuneResult`.
@@ -267,7 +269,7 @@ def tune(model: ModelSpec | str, gpus: int, gpu: HardwareSpec | str,
             result, study = optuna_search(pred, search_space, obj, n_trials=n_trials,
                                           sampler=sampler, seed=seed, storage=storage,
                                           study_name=study_name, storage_dir=output,
-                                          batch_size=batch_size)
+                                          batch_size=batch_size, progress=progress)
         if result.ranked.empty:
             raise ConfigError("space", search_space.model.name,
                               "the search evaluated no valid config (every sample broke a rule)")
@@ -336,7 +338,8 @@ def _open_run(stack: contextlib.ExitStack, space: SearchSpace, objective: Object
     """
     from paratune.tracking import start_run
 
-    params = {"model": space.model.name, "gpus": space.world_size,
+    params = {"model": space.model.name, "seq_len": space.model.seq_len,
+              "gpus": space.world_size,
               "hardware": space.hardware.name, "devices_per_node": space.devices_per_node,
               **predictor,
               "objective": objective.kind.value, "b_noise": objective.b_noise,

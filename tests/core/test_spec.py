@@ -100,3 +100,58 @@ def test_unknown_preset_lists_presets():
 def test_roundtrip_all_presets():
     for spec in MODEL_PRESETS.values():
         assert ModelSpec.from_dict(spec.to_dict()) == spec
+
+
+def _hf_config(path, **extra):
+    cfg = {"model_type": "llama", "hidden_size": 256, "num_hidden_layers": 2,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 512,
+           "vocab_size": 256, "max_position_embeddings": 131072, **extra}
+    path.write_text(json.dumps(cfg))
+    return path
+
+
+def test_a_config_json_without_seq_len_warns_which_length_it_assumed(tmp_path, caplog):
+    path = _hf_config(tmp_path / "config.json")
+    with caplog.at_level("WARNING", logger="paratune.spec"):
+        assert get_model(path).seq_len == 131072
+    (record,) = caplog.records
+    assert record.levelname == "WARNING"
+    message = record.getMessage()
+    assert "max_position_embeddings=131072" in message and "--seq-len" in message
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="paratune.spec"):
+        assert get_model(path, seq_len=2048).seq_len == 2048
+        assert get_model("tiny", seq_len=64).seq_len == 64
+    assert caplog.records == []
+
+
+def _profile_spec(*argv):
+    """``paratune profile``'s campaign spec for a command line (nothing is run)."""
+    import argparse
+
+    from paratune.profiler._cli import build_spec, register
+
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    return build_spec(parser.parse_args(["profile", "--device", "cpu", "--hardware", "cpu",
+                                         *argv]))
+
+
+def test_profile_takes_a_seq_len_for_presets_and_config_json(tmp_path):
+    assert _profile_spec().model.seq_len == get_model("tiny").seq_len
+    assert _profile_spec("--seq-len", "64").model.seq_len == 64
+    path = _hf_config(tmp_path / "config.json")
+    assert _profile_spec("--model", str(path), "--seq-len", "512").model.seq_len == 512
+
+
+@pytest.mark.parametrize("value", ["inf", "-inf"])
+def test_profile_refuses_an_infinite_timeout_naming_the_flag(tmp_path, capsys, value):
+    from paratune.cli import main
+
+    code = main(["profile", f"--timeout={value}", "--device", "cpu", "--hardware", "cpu",
+                 "--world-sizes", "1", "--out", str(tmp_path / "c"), "--print-command"])
+    assert code == 2
+    assert capsys.readouterr().err == (
+        f"paratune profile: error: --timeout={float(value)}: must be a finite positive number "
+        "of seconds (a config that hangs must be stopped)\n")
+    assert not (tmp_path / "c").exists()

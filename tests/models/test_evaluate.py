@@ -102,3 +102,14 @@ def test_stall_figures_score_the_regime_probability(make_synthetic):
     assert right["stall_accuracy"] == pytest.approx(1.0)
     pred["pred_stall_prob"] = 0.0  # never stalls: right on the pipeline runs that did not
     assert metrics(frame, pred)["stall_accuracy"] == pytest.approx(1 - right["stall_share"])
+
+
+def test_cross_validation_shows_its_progress(synthetic, capsys):
+    """A bar of the fits (estimator and fold) on stderr; by default only on a terminal."""
+    estimators = {"analytical": AnalyticalBaseline, "pm": _small}
+    cross_validate(synthetic, split="random", n_splits=2, estimators=estimators, progress=True)
+    err = capsys.readouterr().err
+    assert "cross-validating" in err and "4/4" in err
+    assert "analytical fold1" in err and "pm fold2" in err
+    cross_validate(synthetic, split="random", n_splits=2, estimators=estimators)
+    assert capsys.readouterr().err == ""  # stderr is not a terminal here

@@ -444,11 +444,13 @@ def _gns_command(out, steps: int, *extra: str) -> list[str]:
 @pytest.mark.slow
 @pytest.mark.parametrize(("signame", "code", "said"), [("SIGINT", 130, "interrupted"),
                                                        ("SIGTERM", 143, "terminated")])
-def test_a_signal_ends_the_workers_and_leaves_a_resumable_run(tmp_path, capsys, signame,
-                                                              code, said):
+def test_a_signal_ends_the_workers_and_leaves_a_resumable_run(tmp_path, capsys, monkeypatch,
+                                                              signame, code, said):
     """kill -INT or -TERM of `paratune gns` (as schedulers send) stops the run at once: the
-    workers are ended, not waited for, and --resume continues from what they left. While it
-    runs, a second run on the same --out is refused."""
+    workers are ended, not waited for, it says how many steps are saved and how to resume,
+    and --resume continues from what they left. While it runs, a second run on the same
+    --out is refused. Both runs show their progress (step, loss, b_simple) on stderr; the
+    tracked one names its MLflow run."""
     import os
     import signal
     import subprocess
@@ -483,6 +485,7 @@ def test_a_signal_ends_the_workers_and_leaves_a_resumable_run(tmp_path, capsys, 
         _, stderr = run.communicate(timeout=30)
         assert run.returncode == code, stderr
         assert f"paratune gns: {said}" in stderr
+        assert "/100000 [" in stderr and "loss=" in stderr and "b_simple=" in stderr
         assert time.monotonic() - start < 20
         assert _wait_until(lambda: not any(_alive(pid) for pid in workers), 10)
     finally:
@@ -495,8 +498,22 @@ def test_a_signal_ends_the_workers_and_leaves_a_resumable_run(tmp_path, capsys, 
     assert out.read_text() == rows  # nothing writes any more
     steps = list(_rows(out)["step"])
     assert steps == list(range(1, len(steps) + 1))
-    assert main(_gns_command(out, len(steps) + 2, "--resume")) == 0
+    import json
+
+    from paratune.profiler.reconfigure import RUN_STATE_FILE
+
+    saved = int(json.loads((find_checkpoint(ckpt) / RUN_STATE_FILE).read_text())["step"])
+    assert saved >= 2
+    (hint,) = [line for line in stderr.splitlines() if line.startswith("paratune gns: stopped")]
+    assert f"{len(steps)} of 100000 steps are measured in {out}" in hint, hint
+    assert f"is at step {saved}: rerun the same command with --resume" in hint, hint
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    resumed = [c for c in _gns_command(out, len(steps) + 2, "--resume") if c != "--no-track"]
+    assert main(resumed) == 0
     assert list(_rows(out)["step"]) == list(range(1, len(steps) + 3))
+    captured = capsys.readouterr()
+    assert f"{len(steps) + 2}/{len(steps) + 2} [" in captured.err
+    assert "MLflow run " in captured.out
 
 
 def test_a_gns_run_that_fails_still_leaves_its_mlflow_run(tmp_path, monkeypatch, capsys):

@@ -149,7 +149,7 @@ def test_gns_command_checkpoints_by_default_so_resume_can_continue(tmp_path, mon
 
     jobs = []
 
-    def fake_run(job):
+    def fake_run(job, *, progress=False):
         jobs.append(job)
         pd.DataFrame([{c: 1 for c in gns.TRAJECTORY_COLUMNS}]).to_csv(job.out, index=False)
         return tmp_path / "t.csv"

@@ -240,6 +240,7 @@ def test_plan_opens_its_run_before_the_work(job, monkeypatch, tmp_path, capsys):
         params = run.data.params
         assert run.info.end_time is not None and run.info.run_name == "plan-llama3-8b-64xH100-80GB"
         assert params["model"] == "llama3-8b" and params["gpus"] == "64"
+        assert params["seq_len"] == "8192"
         assert params["hardware"] == "H100-80GB" and "gpu" not in params
         assert json.loads(params["global_batch_sizes"]) == [64, 128, 256, 512, 1024, 2048]
         assert params["trajectory"] == str(tmp_path / "trajectory.csv")
@@ -272,5 +273,66 @@ def test_hardware_is_the_same_flag_as_gpu(job, tmp_path, capsys, command):
     with pytest.raises(SystemExit):
         main([command, "--help"])
     usage = capsys.readouterr().out
-    assert "--gpu NAME" in usage.split("\n\n")[0]  # the usage line
+    assert "--gpu NAME" in " ".join(usage.split("\n\n")[0].split())  # the usage line
     assert "--hardware is the same flag" in " ".join(usage.split())
+
+
+def test_tune_shows_the_progress_of_its_trials(job, capsys):
+    """A bar of the trials on stderr (as profile shows its configs); --no-progress: none."""
+    assert main(job("tune", "--trials", "16", "--batch-size", "4")) == 0
+    captured = capsys.readouterr()
+    assert "tuning" in captured.err and "16/16" in captured.err
+    assert "best feasible" in captured.err and "tuning" not in captured.out
+    assert main(job("tune", "--trials", "16", "--batch-size", "4", "--output", "quiet",
+                    "--no-progress")) == 0
+    assert capsys.readouterr().err == ""
+
+
+def _hf_config(path, max_positions=131072):
+    path.write_text(json.dumps({
+        "model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 14336,
+        "vocab_size": 128256, "max_position_embeddings": max_positions}))
+    return path
+
+
+@pytest.mark.parametrize("command", ["tune", "plan"])
+def test_seq_len_is_a_flag_shown_in_the_output_and_warned_about_for_a_config_json(
+        job, tmp_path, capsys, caplog, command):
+    """A config.json's max_position_embeddings is not taken silently as the training
+    sequence length: a warning names it and --seq-len; --seq-len sets it (presets too), and
+    the output says which sequence length was planned for."""
+    _hf_config(tmp_path / "config.json")
+    extra = ["--search", "exhaustive"] if command == "tune" else ["--global-batch", "64:256"]
+    args = job(command, *extra)
+    args[args.index("--model") + 1] = "config.json"
+    with caplog.at_level("WARNING", logger="paratune.spec"):
+        assert main(args) == 0
+    assert "(131072 tokens per sequence)" in capsys.readouterr().out
+    (warning,) = [r.getMessage() for r in caplog.records if r.name == "paratune.spec"]
+    assert "max_position_embeddings=131072" in warning and "--seq-len" in warning
+    caplog.clear()
+    assert main([*args, "--seq-len", "4096", "--output", "short"]) == 0
+    assert "(4096 tokens per sequence)" in capsys.readouterr().out
+    assert not [r for r in caplog.records if r.name == "paratune.spec"]
+    preset = job(command, *extra, "--seq-len", "2048", "--output", "preset")
+    assert main(preset) == 0
+    assert "llama3-8b (2048 tokens per sequence)" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_info:
+        main(job(command, *extra, "--seq-len", "0"))
+    assert exit_info.value.code == 2
+    assert "argument --seq-len: must be an integer >= 1, not '0'" in capsys.readouterr().err
+
+
+def test_plan_says_where_it_wrote_and_its_mlflow_run(job, capsys):
+    tracked = [flag for flag in job("plan", "--global-batch", "64:2048") if flag != "--no-track"]
+    assert main(tracked) == 0
+    out = capsys.readouterr().out
+    assert "wrote out/plan.json" in out
+    run_id = _plan_runs()[0].info.run_id
+    assert f"MLflow run {run_id}: " in out
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    usage = " ".join(capsys.readouterr().out.split())
+    assert "--objective goodput" not in usage  # plan has no such flag
+    assert "PATH/plan.json" in usage

@@ -223,3 +223,57 @@ def test_odd_device_counts_give_a_valid_layout_of_every_device(closed_form, gpus
     for config in found.configs():
         config.validate(space.model, gpus)
     assert found.best.world_size == gpus
+
+
+def _table_rows(text: str) -> tuple[list[str], list[list[str]]]:
+    """Header and body rows of a :meth:`SearchResult.table` (split on runs of spaces)."""
+    lines = text.splitlines()
+    header = lines[1].split()
+    body = [line.split() for line in lines[3:] if line[:4].strip().isdigit()]
+    return header, body
+
+
+def test_the_table_labels_columns_for_what_they_hold(closed_form):
+    """Under the throughput objective there is no goodput or eff column and the ranked
+    (stall-weighted) throughput is named as such; under goodput, goodput is ranked tok/s x
+    eff; vs_best is shown only for feasible configs (never above 100%); the title names the
+    sequence length."""
+
+    class StallRisk:
+        def predict(self, frame):
+            out = closed_form.predict(frame)
+            point = out["pred_tokens_per_sec_per_gpu"].to_numpy()
+            out["pred_tokens_per_sec_per_gpu_expected"] = np.where(
+                frame["pp"].to_numpy() >= 4, point / 10, point)
+            return out
+
+    model = get_model("llama3-70b")
+    space = SearchSpace.build(model, 16, "H100", global_batch_sizes=[32])
+    result = exhaustive(StallRisk(), space, Objective())
+    ranked = result.ranked
+    assert ranked["feasible"].any() and not ranked["feasible"].all()
+    text = result.table(len(ranked))
+    header, body = _table_rows(text)
+    assert "goodput" not in header and "eff" not in header and "goodput" not in text
+    assert "(8192 tokens per sequence)" in text.splitlines()[0]
+    assert "by exp tok/s" in text.splitlines()[0]
+    assert "ranked by expected tokens/s (stall-weighted)" in text
+    assert header[-2:] == ["vs_best", "ok"] and len(body) == len(ranked)
+    for row, (_, config) in zip(body, ranked.iterrows()):
+        assert row[-1] == ("yes" if config["feasible"] else "NO")
+        if config["feasible"]:
+            assert 0 < float(row[-2].rstrip("%")) <= 100.0
+        else:
+            assert row[-2] == "-"
+    assert "ok NO: predicted not to run" in text
+    # the point throughput is not ranked: no "exp tok/s" column where the two agree
+    plain = exhaustive(closed_form, space, Objective())
+    assert "exp tok/s" not in plain.table(5) and "by tok/s" in plain.table(5)
+    # goodput: the column is the ranked throughput times the efficiency
+    space = SearchSpace.build(model, 16, "H100", global_batch_sizes=[32, 64])
+    good = exhaustive(closed_form, space, Objective(kind="goodput", b_noise=40))
+    header, body = _table_rows(good.table(5))
+    assert "goodput" in header and "eff" in header
+    for row in body:
+        tok, eff, goodput = (float(row[header.index(c)]) for c in ("tok/s", "eff", "goodput"))
+        assert goodput == pytest.approx(tok * eff, rel=1e-3)

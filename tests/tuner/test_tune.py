@@ -179,6 +179,7 @@ def test_tune_run_records_its_inputs_and_whether_the_study_resumed(closed_form, 
                           global_batch_sizes=[256])
     params = client.get_run(exhaustive_run.run_id).data.params
     assert params["search"] == "exhaustive" and params["sampler"] == ""
+    assert params["seq_len"] == "8192"
     assert float(params["memory_limit_gb"]) == pytest.approx(0.95 * 80, rel=0.01)
 
 
