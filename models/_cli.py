@@ -70,6 +70,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                           help="MLflow experiment name (default: %(default)s)")
     evaluate.add_argument("--no-track", "--no-mlflow", dest="no_track", action="store_true",
                           help="do not log to MLflow")
+    evaluate.add_argument("--no-progress", action="store_true",
+                          help="no progress bar of the fits (shown on a terminal's stderr)")
     evaluate.set_defaults(func=_evaluate, field_flags={"plot": "--plot"})
 
 
@@ -101,7 +103,8 @@ def _evaluate(args: argparse.Namespace) -> int:
     result, run_id = evaluate_model(args.data, split=args.split, baselines=args.baselines,
                                     n_estimators=args.n_estimators, plot=args.plot,
                                     folds=args.folds,
-                                    experiment=None if args.no_track else args.experiment)
+                                    experiment=None if args.no_track else args.experiment,
+                                    progress=False if args.no_progress else None)
     print(result.table())
     print(f"plot: {plot_path(args.plot)}")
     if run_id:

@@ -139,8 +139,8 @@ def _paths(data: Sequence[str | Path]) -> list[str]:
 
 def evaluate_model(data: Sequence[str | Path], *, split: str = "random", baselines: bool = False,
                    n_estimators: int | None = None, plot: str | Path | None = None,
-                   folds: int = 5, seed: int = 0, experiment: str | None = "paratune-evaluate"
-                   ) -> tuple[EvaluationResult, str | None]:
+                   folds: int = 5, seed: int = 0, experiment: str | None = "paratune-evaluate",
+                   progress: bool | None = None) -> tuple[EvaluationResult, str | None]:
     """Cross-validate the performance model (and optionally the baselines) on measurements.
 
     Args:
@@ -153,6 +153,8 @@ def evaluate_model(data: Sequence[str | Path], *, split: str = "random", baselin
         folds: Folds of the random split.
         seed: Seed of the random split.
         experiment: MLflow experiment; ``None`` skips tracking.
+        progress: Show a progress bar of the fits on stderr (``None``: where stderr is a
+            terminal).
 
     Returns:
         The :class:`EvaluationResult` and the MLflow run id (``None`` without tracking).
@@ -179,7 +181,7 @@ def evaluate_model(data: Sequence[str | Path], *, split: str = "random", baselin
                                                         "folds": folds, "seed": seed}))
         frame = load_measurements(data)
         result = cross_validate(frame, split=split, estimators=factories, n_splits=folds,
-                                random_state=seed)
+                                random_state=seed, progress=progress)
         if plot:
             plot_predictions(result, plot)
         if run is not None:

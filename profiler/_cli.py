@@ -19,6 +19,7 @@ _FIELD_FLAGS = {
     "measured_steps": "--steps",
     "timeout_s": "--timeout",
     "gpu": "--hardware",  # not in the hardware catalogue
+    "device": "--device",  # CUDA asked for where none is visible
 }
 
 

@@ -169,8 +169,10 @@ class CampaignSpec:
                               "initialisation, communicators, allocator growth)")
         if not isinstance(self.measured_steps, int) or self.measured_steps < 1:
             raise ConfigError("measured_steps", self.measured_steps, "must be an integer >= 1")
-        if not (isinstance(self.timeout_s, (int, float)) and self.timeout_s > 0):
-            raise ConfigError("timeout_s", self.timeout_s, "must be a positive number of seconds")
+        if not (isinstance(self.timeout_s, (int, float)) and not isinstance(self.timeout_s, bool)
+                and math.isfinite(self.timeout_s) and self.timeout_s > 0):
+            raise ConfigError("timeout_s", self.timeout_s,
+                              "must be a finite positive number of seconds")
         if self.device not in ("cpu", "cuda"):
             raise ConfigError("device", self.device, "must be cpu or cuda")
         if self.data not in ("synthetic", "text"):

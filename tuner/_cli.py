@@ -111,7 +111,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                       help="no progress bar of the trials (on stderr)")
     tune.set_defaults(func=_tune, field_flags={**_JOB_FIELD_FLAGS, "risk_quantile": "--risk",
                                                "batch_size": "--batch-size",
-                                               "n_trials": "--trials", "verify": "--verify"})
+                                               "n_trials": "--trials", "verify": "--verify",
+                                               "trajectory": "--gns"})
 
     plan = subparsers.add_parser(
         "plan", help="schedule training phases (batch, parallelism) from a B_noise trajectory",
@@ -142,7 +143,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                            "PATH/plan.json")
     plan.set_defaults(func=_plan, field_flags={
         **_JOB_FIELD_FLAGS, "max_segments": "--segments", "threshold": "--threshold",
-        "reconfig_cost_s": "--reconfig-cost-s", "batch_change_cost_s": "--batch-change-cost-s"})
+        "reconfig_cost_s": "--reconfig-cost-s", "batch_change_cost_s": "--batch-change-cost-s",
+        "trajectory": "--trajectory"})
 
 
 def _space(args: argparse.Namespace):

@@ -359,3 +359,18 @@ def test_path_errors_are_one_line_naming_the_path_and_flag(model_dir, synthetic,
     assert main(["predict", "--model", "file", "in.csv", "--out", "p.csv"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("paratune predict: error: ") and len(err.splitlines()) == 1
+
+
+def test_evaluate_no_progress_turns_the_terminal_bar_off(tmp_path, synthetic, capsys,
+                                                         monkeypatch):
+    import sys
+
+    data = tmp_path / "data.csv"
+    synthetic.to_csv(data, index=False)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)  # as on a terminal
+    args = ["evaluate", str(data), "--split", "model", "--n-estimators", "5", "--plot",
+            str(tmp_path / "p.png"), "--no-mlflow"]
+    assert main(args) == 0
+    assert "cross-validating" in capsys.readouterr().err
+    assert main([*args, "--no-progress"]) == 0
+    assert "cross-validating" not in capsys.readouterr().err

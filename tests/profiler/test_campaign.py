@@ -250,7 +250,8 @@ def test_profile_on_cuda_without_a_gpu_or_hardware_is_a_named_error(tmp_path, ca
     assert main(["profile", "--device", "cuda", "--out", str(tmp_path / "c"), "--no-track",
                  "--no-progress"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("paratune profile: error: ") and len(err.splitlines()) == 1
+    assert err.startswith("paratune profile: error: --device='cuda': ")
+    assert len(err.splitlines()) == 1
     assert "no CUDA device is visible" in err and "--device cpu" in err
     assert "--hardware" in err and "--print-command" in err
     assert not (tmp_path / "c").exists()
@@ -649,3 +650,9 @@ def test_materialise_names_every_machine_a_resumed_campaign_measured_on(tmp_path
         record.step_times_s = [0.1]
         append_record(single.journal(2), record)
     assert "fingerprints" not in materialise(single.root).card.notes
+
+
+@pytest.mark.parametrize("timeout", [float("inf"), float("nan"), 0, True])
+def test_campaign_timeout_must_be_a_finite_positive_number(timeout):
+    with pytest.raises(ConfigError, match=r"timeout_s=.*must be a finite positive number"):
+        _spec(timeout_s=timeout).validate()

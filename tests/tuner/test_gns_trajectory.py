@@ -204,7 +204,8 @@ def test_a_trajectory_with_only_its_header_is_named(tmp_path, capsys, command):
                  "--no-track", *extra])
     err = capsys.readouterr().err
     assert code == 2
-    assert err.startswith(f"paratune {command}: error: ") and "has no rows" in err
+    flag = "--gns" if command == "tune" else "--trajectory"
+    assert err.startswith(f"paratune {command}: error: {flag}=") and "has no rows" in err
     assert len(err.splitlines()) == 1
 
 
