@@ -91,6 +91,29 @@ def _catalogue_names(names: Any) -> np.ndarray:
     return F._lookup(names, canonical, dtype=object)
 
 
+def training_ranges(frame: pd.DataFrame) -> dict[str, dict[str, list[int]]]:
+    """Per device kind (catalogue name), the smallest and largest ``world_size``,
+    ``global_batch_size`` and tokens per step (global batch x sequence length) among the
+    runs that measured a step time: where a model's predictions interpolate."""
+    step = measured_step_time(frame)
+    timed = frame[np.isfinite(step)]
+    if timed.empty:
+        return {}
+    hardware = _catalogue_names(timed["hardware"].to_numpy())
+    world = (timed["world_size"] if "world_size" in timed.columns
+             else timed["dp"] * timed["tp"] * timed["pp"])
+    values = {"world_size": world.to_numpy(dtype=float),
+              "global_batch_size": timed["global_batch_size"].to_numpy(dtype=float),
+              "tokens_per_step": (timed["global_batch_size"].to_numpy(dtype=float)
+                                  * timed["seq_len"].to_numpy(dtype=float))}
+    out: dict[str, dict[str, list[int]]] = {}
+    for name in sorted(set(hardware)):
+        rows = hardware == name
+        out[str(name)] = {key: [int(np.nanmin(v[rows])), int(np.nanmax(v[rows]))]
+                          for key, v in values.items()}
+    return out
+
+
 def source_family(frame: pd.DataFrame) -> np.ndarray:
     """The measurement family of each row: the first ``_``-separated word of its source
     (``vtrain_ground_truth_single_node`` and ``vtrain_ground_truth_multi_node`` are one
@@ -380,6 +403,7 @@ class PerformanceModel(_Base):
         self.num_memory_rows_ = int(has_mem.sum())
         self.num_feasibility_rows_ = len(table)
         self.fingerprint_ = training_fingerprint(frame)
+        self.training_ranges_ = training_ranges(frame)
         sources = frame["source"].astype(str) if "source" in frame.columns else None
         self.sources_ = sorted(sources.unique().tolist()) if sources is not None else []
         return self
@@ -605,7 +629,7 @@ class PerformanceModel(_Base):
                          "num_memory_rows": self.num_memory_rows_,
                          "num_stall_rows": self.num_stall_rows_,
                          "num_feasibility_configs": self.num_feasibility_rows_,
-                         "sources": self.sources_},
+                         "sources": self.sources_, "ranges": self.training_ranges_},
         }
         atomic_write_text(path / _MANIFEST, json.dumps(manifest, indent=2, sort_keys=True))
         return path
@@ -712,6 +736,8 @@ class PerformanceModel(_Base):
         model.num_stall_rows_ = training["num_stall_rows"]
         model.num_feasibility_rows_ = training["num_feasibility_configs"]
         model.sources_ = training["sources"]
+        # a model saved before its training ranges were recorded has none
+        model.training_ranges_ = training.get("ranges", {})
         return model
 
 

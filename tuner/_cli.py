@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from pathlib import Path
 
@@ -227,7 +228,7 @@ def _plan(args: argparse.Namespace) -> int:
     from paratune.tuner._objective import Objective
     from paratune.tuner._plan import check_plan_options, plan_phases
     from paratune.tuner._space import SearchSpace, check_gpus
-    from paratune.tuner._tune import load_predictor, predictor_params
+    from paratune.tuner._tune import extrapolation_warnings, load_predictor, predictor_params
     from paratune.tuner.gns_trajectory import load_trajectory
 
     # everything that can be checked without the work is refused before a run is opened
@@ -248,6 +249,8 @@ def _plan(args: argparse.Namespace) -> int:
     objective = Objective(min_feasible_prob=args.min_feasible_prob,
                           memory_limit_gb=args.memory_limit_gb)
     predictor = load_predictor(args.predictor)  # a predictor that does not load opens no run
+    for message in extrapolation_warnings(predictor, space):
+        logging.getLogger("paratune.tuner").warning(message)
     with contextlib.ExitStack() as stack:
         run = None
         if not args.no_track:  # opened before the work: a failed or killed run keeps its record

@@ -103,6 +103,43 @@ def goodput_global_batches(model: ModelSpec, gpus: int, b_noise: float) -> list[
     return batches
 
 
+def extrapolation_warnings(predictor: Predictor, space: SearchSpace, *,
+                           factor: float = 4.0) -> list[str]:
+    """What a search asks of a performance model beyond the runs it was fitted on (by more
+    than ``factor``): another device kind, more or fewer devices, larger or smaller steps
+    in tokens. Its predictions there are extrapolations; empty where it interpolates or the
+    predictor records no training ranges."""
+    ranges = getattr(predictor, "training_ranges_", None)
+    if not ranges:
+        return []
+    hardware = space.hardware.name
+    if hardware not in ranges:
+        return [f"the performance model has no measured runs on {hardware} (only "
+                f"{', '.join(sorted(ranges))}): its predictions for {hardware} transfer from "
+                "those devices"]
+    seen = ranges[hardware]
+    batches = space.global_batch_sizes
+    asked = {"world_size": (space.world_size, space.world_size),
+             "tokens_per_step": (min(batches) * space.model.seq_len,
+                                 max(batches) * space.model.seq_len)}
+    what = {"world_size": ("devices", "--gpus"),
+            "tokens_per_step": ("tokens per step (global batch x sequence length)",
+                                "--global-batch or --seq-len")}
+    out = []
+    for key, (low, high) in asked.items():
+        if key not in seen:
+            continue
+        lo, hi = seen[key]
+        if high > factor * hi or low * factor < lo:
+            name, flags = what[key]
+            shown = f"{low}" if low == high else f"{low} to {high}"
+            out.append(f"this search asks for {shown} {name} on {hardware}; the performance "
+                       f"model was fitted on {lo} to {hi}: its predictions there are "
+                       f"extrapolations ({flags} to stay closer, or profile such runs and "
+                       "refit)")
+    return out
+
+
 def load_predictor(predictor: Predictor | str | Path) -> Predictor:
     """A predictor object, or one loaded from a saved model directory."""
     if isinstance(predictor, (str, Path)):
@@ -257,6 +294,8 @@ def tune(model: ModelSpec | str, gpus: int, gpu: HardwareSpec | str,
     with contextlib.ExitStack() as stack:
         run = None
         pred = load_predictor(predictor)  # a predictor that does not load opens no run
+        for message in extrapolation_warnings(pred, search_space):
+            logger.warning(message)
         if track:  # opened before the work, so a failure or an interrupt leaves its record
             run = _open_run(stack, search_space, obj, predictor_params(predictor, pred),
                             predictor_fingerprint=getattr(pred, "fingerprint_", None),

@@ -7,6 +7,7 @@ import pandas as pd
 import pytest
 
 from paratune import ModelFormatError
+from paratune.hardware import get_hardware
 from paratune.models import PerformanceModel, load_model
 from paratune.models._estimators import (
     OUTPUT_COLUMNS,
@@ -315,3 +316,18 @@ def test_a_damaged_booster_file_is_named_without_a_stack_trace(fitted, tmp_path,
     assert message.startswith(f"{booster}: ")
     assert "missing" in message if damage == "missing" else "corrupt" in message
     assert "\n" not in message and "Stack trace" not in message and "model.json:" not in message
+
+
+def test_the_training_ranges_are_recorded_and_saved(fitted, synthetic, tmp_path):
+    from paratune.models._data import measured_step_time
+
+    timed = synthetic[np.isfinite(measured_step_time(synthetic))]
+    ranges = fitted.training_ranges_
+    assert set(ranges) == set(timed["hardware"].map(lambda h: get_hardware(h).name))
+    for name, seen in ranges.items():
+        rows = timed[timed["hardware"].map(lambda h: get_hardware(h).name) == name]
+        assert seen["world_size"] == [int(rows["world_size"].min()),
+                                      int(rows["world_size"].max())]
+        tokens = rows["global_batch_size"] * rows["seq_len"]
+        assert seen["tokens_per_step"] == [int(tokens.min()), int(tokens.max())]
+    assert load_model(fitted.save(tmp_path / "m")).training_ranges_ == ranges

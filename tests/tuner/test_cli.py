@@ -54,13 +54,16 @@ def _write_trajectory(path, *, seq_len=None, seqs_per_step=256, measured_seq_len
     return path
 
 
-def test_plan_command(model_dir, tmp_path, capsys):
+def test_plan_command(model_dir, tmp_path, capsys, caplog):
     traj = _write_trajectory(tmp_path / "gns.csv", seq_len=8192)
     code = main(["plan", "--model", "llama3-8b", "--gpus", "64", "--hardware", "H100",
                  "--predictor", str(model_dir), "--trajectory", str(traj),
                  "--global-batch", "64:2048", "--output", str(tmp_path), "--no-track"])
     text = capsys.readouterr().out
     assert code == 0 and "Training phases" in text and "follow_critical" in text
+    # the public runs are all 256 x 4096 tokens per step: up to 2048 x 8192 is 16x beyond
+    warned = [r.getMessage() for r in caplog.records if "extrapolations" in r.getMessage()]
+    assert len(warned) == 1 and "524288 to 16777216 tokens per step" in warned[0]
     plan = json.loads((tmp_path / "plan.json").read_text())
     assert plan["total_time_s"] > 0 and plan["phases"]
     assert plan["total_time_s"] <= plan["baselines"]["fixed"]["time_s"] * (1 + 1e-12)

@@ -241,3 +241,27 @@ def test_a_refitted_predictor_starts_a_new_study_in_the_same_output(closed_form,
     # the same predictor again resumes its study
     again = tune("llama3-8b", 32, "H100", closed_form, track=False, **kwargs)
     assert again.search.study_name == refit.search.study_name
+
+
+def test_a_search_beyond_the_model_training_runs_is_warned_about(closed_form, caplog):
+    import logging
+
+    from paratune.tuner._tune import extrapolation_warnings
+
+    model = get_model("llama3-8b")  # seq_len 8192
+    closed_form.training_ranges_ = {"H100-80GB": {"world_size": [8, 64],
+                                                  "global_batch_size": [256, 256],
+                                                  "tokens_per_step": [2**20, 2**21]}}
+    inside = SearchSpace.build(model, 64, "H100", global_batch_sizes=[128, 256])
+    assert extrapolation_warnings(closed_form, inside) == []
+    larger = SearchSpace.build(model, 512, "H100", global_batch_sizes=[4096])
+    warned = extrapolation_warnings(closed_form, larger)
+    assert len(warned) == 2
+    assert "512 devices on H100-80GB" in warned[0] and "8 to 64" in warned[0]
+    assert "33554432 tokens per step" in warned[1] and "--global-batch" in warned[1]
+    other = SearchSpace.build(model, 64, "A100", global_batch_sizes=[256])
+    assert "no measured runs on A100-80GB" in extrapolation_warnings(closed_form, other)[0]
+    with caplog.at_level(logging.WARNING, logger="paratune.tuner"):
+        tune(model, 512, "H100", closed_form, global_batch_sizes=[4096], search="exhaustive",
+             track=False)
+    assert sum("extrapolations" in r.getMessage() for r in caplog.records) == 2
