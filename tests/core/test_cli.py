@@ -91,7 +91,7 @@ def test_missing_and_undecodable_inputs_are_named_errors(tmp_path, capsys, monke
 @pytest.mark.parametrize(("flags", "message"), [
     (["profile", "--warmup", "-1"], "--warmup=-1: must be an integer >= 0"),
     (["profile", "--steps", "0"], "--steps=0: must be an integer >= 1"),
-    (["profile", "--timeout", "0"], "--timeout=0.0: must be a positive number of seconds"),
+    (["profile", "--timeout", "0"], "--timeout=0.0: must be a finite positive number of seconds"),
     (["profile", "--hardware", "TPU-v9"], "--hardware='TPU-v9': is not a known device"),
     (["profile", "--resume"], "out='run': holds no campaign.json: nothing to resume"),
     (["gns", "--ema", "1.5"], "--ema=1.5: must be in [0, 1)"),

@@ -51,8 +51,7 @@ def test_fit_logs_to_mlflow(tmp_path, make_synthetic, mlflow_uri, capsys):
     out = capsys.readouterr().out
     assert "MLflow run" in out and "stalled pipelines learned as their own regime" in out
 
-    mlflow.set_tracking_uri(mlflow_uri)
-    runs = mlflow.search_runs(experiment_names=["paratune-fit"])
+    runs = mlflow.search_runs(experiment_names=["paratune-fit"])  # the store of the env
     assert len(runs) == 1
     assert runs["params.n_estimators"].iloc[0] == "10"
     assert json.loads(runs["params.data"].iloc[0]) == [str(data.resolve())]

@@ -123,7 +123,8 @@ def test_cli_names_the_missing_trajectory_seq_len(tmp_path, capsys, command):
                  "--no-track", *extra])
     err = capsys.readouterr().err
     assert code == 2
-    assert f"paratune {command}: error: trajectory=" in err
+    flag = "--gns" if command == "tune" else "--trajectory"
+    assert f"paratune {command}: error: {flag}=" in err
     assert "needs a seq_len column or --trajectory-seq-len" in err
 
 
