@@ -1,4 +1,4 @@
-"""Shared helpers of the tuner experiments: where the public measurements are, fitting."""
+"""Shared helpers of the experiments: where the public measurements are, and loading them."""
 
 from __future__ import annotations
 

@@ -11,7 +11,9 @@ differs from the winner at the next smaller batch.
     python experiments/batch_vs_parallelism.py [--data DIR] [--min-margin 2]
 
 Prints the full table, the per-model summary and the count of changes; writes
-``out/batch_vs_parallelism/*.csv`` and logs an MLflow run unless ``--no-mlflow``.
+``out/batch_vs_parallelism/*.csv`` and ``layouts_by_batch.png`` (per group, each layout's
+best throughput against the global batch: crossing lines are changes of winner) and logs
+an MLflow run unless ``--no-mlflow``.
 """
 
 from __future__ import annotations
@@ -23,6 +25,37 @@ from _public import public_data_dir
 
 from paratune._table import format_table
 from paratune.tracking import add_no_track_argument
+
+
+def _plot(raw):
+    """One panel per (model shape, GPU count): each layout's best tokens/s (over its
+    micro-batches) against the global batch."""
+    import math
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = list(raw.groupby(["layers", "hidden", "num_gpus"]))
+    cols = 3
+    fig, axes = plt.subplots(math.ceil(len(groups) / cols), cols, squeeze=False,
+                             figsize=(5 * cols, 3 * math.ceil(len(groups) / cols)))
+    for ax, ((layers, hidden, gpus), group) in zip(axes.flat, groups):
+        best = group.groupby(["layout", "global_batch"])["tokens_per_s"].max().reset_index()
+        for layout, line in best.groupby("layout"):
+            ax.plot(line["global_batch"], line["tokens_per_s"], marker="o", markersize=3,
+                    label=layout)
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"GPT L{layers} H{hidden}, {gpus} GPUs", fontsize=9)
+        ax.tick_params(labelsize=7)
+        ax.legend(fontsize=6)
+    for ax in list(axes.flat)[len(groups):]:
+        ax.set_visible(False)
+    fig.supxlabel("global batch (sequences)")
+    fig.supylabel("tokens/s, best micro-batch per layout")
+    fig.tight_layout()
+    return fig
 
 
 def main() -> None:
@@ -87,6 +120,8 @@ def main() -> None:
                         "flips_over_margin": sum(1 for r in real if r["flip"])})
     print(format_table(rows, title="Fastest measured layout per global batch (vTrain, A100)",
                        floatfmt=".4g"))
+    print("(gain_vs_prev_winner_pct inf: the previous batch's winning layout was not measured "
+          "at this batch)")
     print()
     print(format_table(summary, title="Winning layouts as the global batch grows",
                        floatfmt=".4g"))
@@ -102,6 +137,8 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     pd.DataFrame(rows).to_csv(args.out / "per_batch.csv", index=False)
     pd.DataFrame(summary).to_csv(args.out / "summary.csv", index=False)
+    figure = _plot(raw)
+    figure.savefig(args.out / "layouts_by_batch.png", dpi=90)
     if not args.no_mlflow:
         from paratune.hardware import get_hardware
         from paratune.tracking import start_script_run
@@ -115,6 +152,7 @@ def main() -> None:
                              "groups_flipping": flipping})
             run.log_table(pd.DataFrame(rows), "per_batch.csv")
             run.log_table(pd.DataFrame(summary), "summary.csv")
+            run.log_figure(figure, "layouts_by_batch.png")
 
 
 if __name__ == "__main__":

@@ -20,8 +20,16 @@ from paratune.tracking import add_no_track_argument
 
 
 def _public_dir(arg: str | None) -> Path:
+    """``--data`` (which must hold CSVs), else ``PARATUNE_PUBLIC_DATA``, else
+    ``../shared/data/public-gpu``; the last two may be missing (synthetic rows then)."""
+    if arg is not None:
+        path = Path(arg)
+        if not path.is_dir() or not any(path.glob("*.csv")):
+            raise SystemExit(f"--data {arg}: no CSV files there (leave --data out to train on "
+                             "synthetic rows where the public measurements are missing)")
+        return path
     default = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "public-gpu"
-    return Path(arg or os.environ.get("PARATUNE_PUBLIC_DATA", default))
+    return Path(os.environ.get("PARATUNE_PUBLIC_DATA", default))
 
 
 def _synthetic_rows(n: int):
@@ -120,7 +128,10 @@ def main() -> None:
 
     from paratune.models import PerformanceModel
 
-    train, source = _training_rows(_public_dir(args.data), 5000)
+    if args.threads < 1 or args.repeats < 1:
+        parser.error("--threads and --repeats must be at least 1")
+    data_dir = _public_dir(args.data)
+    train, source = _training_rows(data_dir, 5000)
     start, cpu = time.perf_counter(), time.process_time()
     model = PerformanceModel(n_jobs=args.threads).fit(train)
     fit_s, fit_cpu = time.perf_counter() - start, time.process_time() - cpu
@@ -148,19 +159,21 @@ def main() -> None:
     figures = {"fit_s": fit_s, "fit_cpu_s": fit_cpu, "predict_100k_s": predict_s,
                "predict_100k_cpu_s": min(cpus)}
     args.out.mkdir(parents=True, exist_ok=True)
-    pd.DataFrame([{"training_rows": source, "threads": args.threads, **figures}]).to_csv(
-        args.out / "bench.csv", index=False)
+    bench = pd.DataFrame([{"training_rows": source, "threads": args.threads,
+                           "repeats": args.repeats, **figures}])
+    bench.to_csv(args.out / "bench.csv", index=False)
     if not args.no_mlflow:
         from paratune.tracking import start_script_run
 
-        data_dir = _public_dir(args.data)
         with start_script_run(__file__) as run:
-            run.log_params({"threads": args.threads, "fit_rows": len(train),
+            run.log_params({"threads": args.threads, "repeats": args.repeats,
+                            "fit_rows": len(train),
                             "data": ([str(f.resolve()) for f in sorted(data_dir.glob("*.csv"))]
                                      if source != "synthetic" else []),
                             "training_rows": source, "seed": 0,
                             "predict_rows": len(configs), **model.get_params()})
             run.log_metrics(figures)
+            run.log_table(bench, "bench.csv")
 
 
 if __name__ == "__main__":

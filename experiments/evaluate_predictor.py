@@ -22,8 +22,8 @@ Writes the tables and predicted-vs-measured plots under --out and logs them to M
 (experiment ``paratune-experiments``, run ``evaluate_predictor``; each figure a metric
 ``<estimator>.<scenario>.<figure>_pct``, in percent).
 
-    python experiments/evaluate_predictor.py [--data DIR] [--out DIR] [--baselines]
-        [--fold-seeds 5]
+    python experiments/evaluate_predictor.py [--data DIR] [--out out/evaluate_predictor]
+        [--baselines] [--fold-seeds 5]
 """
 
 from __future__ import annotations
@@ -54,7 +54,8 @@ def _pick(result, *, estimator: str, source: str | None = None, held_out: str | 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", default=None, help="folder of the public CSVs")
-    parser.add_argument("--out", default="results/evaluate_predictor")
+    parser.add_argument("--out", default="out/evaluate_predictor",
+                        help="folder for the tables and plots (default: %(default)s)")
     parser.add_argument("--baselines", action="store_true",
                         help="also run the analytical, raw-config XGBoost and "
                              "HistGradientBoosting baselines")

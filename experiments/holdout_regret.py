@@ -17,11 +17,12 @@ vTrain), and the held-out Ultra-Scale rows scored with :func:`paratune.models._e
 * ``feasibility``: feasibility accuracy over the held-out configurations.
 
 It prints one row per split and estimator, then the mean, median, minimum and maximum over
-the splits, and logs both to MLflow (experiment ``paratune-experiments``, run
-``holdout_regret``).
+the splits; writes both (``per_split.csv``, ``summary.csv``, ``holdout_regret.txt``) and a
+plot of each split's figures (``per_split.png``) under ``--out``, and logs them to MLflow
+(experiment ``paratune-experiments``, run ``holdout_regret``) unless ``--no-mlflow``.
 
     python experiments/holdout_regret.py [--data DIR] [--seeds 10] [--test-size 0.3]
-        [--no-mlflow]
+        [--out out/holdout_regret] [--no-mlflow]
 """
 
 from __future__ import annotations
@@ -54,12 +55,38 @@ def score(estimator, train, test):
             "feasibility": chosen["feasibility_accuracy"]}
 
 
+def _plot(per_split, test_size: float):
+    """Each split's figures per estimator: one point per split, the median as a bar."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    estimators = list(dict.fromkeys(per_split["estimator"]))
+    fig, axes = plt.subplots(1, len(FIGURES), figsize=(3.2 * len(FIGURES), 4))
+    for ax, figure in zip(axes, FIGURES):
+        for i, name in enumerate(estimators):
+            values = per_split.loc[per_split["estimator"] == name, figure].to_numpy()
+            jitter = np.linspace(-0.15, 0.15, len(values)) if len(values) > 1 else [0.0]
+            ax.scatter(i + np.asarray(jitter), values, s=18, alpha=0.8)
+            ax.hlines(np.median(values), i - 0.25, i + 0.25, color="black")
+        ax.set_xticks(range(len(estimators)), estimators, rotation=15, fontsize=8)
+        ax.set_title(f"{figure} (%)")
+    fig.suptitle(f"Ultra-Scale held-out figures over {per_split['split'].nunique()} splits "
+                 f"({test_size:.0%} held out); bar: median")
+    fig.tight_layout()
+    return fig
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", default=None, help="folder of the public CSVs")
     parser.add_argument("--seeds", type=int, default=10, help="hold-out splits to score")
     parser.add_argument("--test-size", type=float, default=0.3,
                         help="share of the configurations held out per split")
+    parser.add_argument("--out", type=Path, default=Path("out/holdout_regret"),
+                        help="folder for the tables and the plot (default: %(default)s)")
     add_no_track_argument(parser)
     args = parser.parse_args()
     if args.seeds < 1:
@@ -105,6 +132,14 @@ def main() -> None:
     print(table)
     print()
     print(summary)
+    args.out.mkdir(parents=True, exist_ok=True)
+    text = table + "\n\n" + summary + "\n"
+    per_split.to_csv(args.out / "per_split.csv", index=False)
+    pd.DataFrame(summary_rows).to_csv(args.out / "summary.csv", index=False)
+    (args.out / "holdout_regret.txt").write_text(text)
+    figure = _plot(per_split, args.test_size)
+    figure.savefig(args.out / "per_split.png", dpi=110)
+    print(f"\ntables and plot in {args.out}")
 
     if not args.no_mlflow:
         from paratune.tracking import start_script_run
@@ -114,8 +149,10 @@ def main() -> None:
                             "seeds": list(range(args.seeds)), "test_size": args.test_size})
             run.log_metrics({f"{r['estimator']}_{k}_{r['over splits']}_pct": r[k]
                              for r in summary_rows for k in FIGURES})
-            run.log_text(table + "\n\n" + summary + "\n", "holdout_regret.txt")
-            run.log_text(per_split.to_csv(index=False), "holdout_regret.csv")
+            run.log_text(text, "holdout_regret.txt")
+            run.log_table(per_split, "per_split.csv")
+            run.log_table(pd.DataFrame(summary_rows), "summary.csv")
+            run.log_figure(figure, "per_split.png")
 
 
 if __name__ == "__main__":

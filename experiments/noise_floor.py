@@ -27,7 +27,13 @@ a systematic offset per cluster size. This script measures:
   the distribution of their time per micro-batch, by model size (a fixed cost per
   micro-batch, not a slower version of the normal step).
 
-    python experiments/noise_floor.py [--data DIR] [--no-mlflow]
+    python experiments/noise_floor.py [--data DIR] [--out out/noise_floor] [--no-mlflow]
+
+Prints the tables; writes them (``twins_by_nodes.csv``, ``twin_pairs.csv``,
+``error_budget.csv``, ``stalls.csv``, ``noise_floor.txt``) and two plots (``twins.png``: the
+twins' log ratio by cluster size; ``error_budget.png``: top-1 regret against the predictor's
+median APE) under ``--out``, and logs them to MLflow (experiment ``paratune-experiments``,
+run ``noise_floor``) unless ``--no-mlflow``.
 """
 
 from __future__ import annotations
@@ -119,9 +125,45 @@ def error_budget_regret(frame, mdape: float, *, seeds: int = 5, draws: int = 10,
     return float(np.mean(regrets)), float(np.mean(within))
 
 
+def _plots(pairs, budget: list[dict], run_noise_pct: float) -> dict:
+    """The twins' log ratio by cluster size, and the error budget's regret curve."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figures = {}
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    nodes = sorted(pairs["nodes"].unique())
+    ax.boxplot([100 * (np.exp(pairs.loc[pairs["nodes"] == n, "log_ratio"]) - 1) for n in nodes],
+               tick_labels=[str(n) for n in nodes], showfliers=True)
+    ax.axhline(0, color="grey", linewidth=1)
+    ax.set_yscale("symlog", linthresh=10)
+    ax.set_xlabel("nodes (8 H100 each)")
+    ax.set_ylabel("ZeRO-1 twin vs no sharding, step time (%)")
+    ax.set_title(f"{len(pairs)} twin layouts: run noise about {run_noise_pct:.0f}%")
+    fig.tight_layout()
+    figures["twins.png"] = fig
+
+    fig, ax = plt.subplots(figsize=(6, 4.5))
+    x = [b["predictor_mdape_pct"] for b in budget]
+    ax.plot(x, [b["regret_mean_pct"] for b in budget], marker="o")
+    ax.axhline(2, color="grey", linestyle="--", linewidth=1, label="regret target (2%)")
+    ax.axvline(run_noise_pct, color="tab:red", linestyle=":", linewidth=1,
+               label=f"implied run noise ({run_noise_pct:.1f}%)")
+    ax.set_xlabel("predictor median APE (%), independent log-normal errors")
+    ax.set_ylabel("mean top-1 regret (%)")
+    ax.legend()
+    fig.tight_layout()
+    figures["error_budget.png"] = fig
+    return figures
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", default=None, help="folder of the public CSVs")
+    parser.add_argument("--out", type=Path, default=Path("out/noise_floor"),
+                        help="folder for the tables and plots (default: %(default)s)")
     add_no_track_argument(parser)
     args = parser.parse_args()
 
@@ -201,6 +243,19 @@ def main() -> None:
     pipeline = frame[(frame["pp"] > 1) & np.isfinite(frame["step_time_s"])]
     print(f"\n{len(stalled)} of {len(pipeline)} successful pipeline runs are stalled.")
 
+    args.out.mkdir(parents=True, exist_ok=True)
+    text = table + "\n\n" + budget_table + "\n\n" + stall + "\n"
+    tables = {"twins_by_nodes.csv": pd.DataFrame(rows),
+              "twin_pairs.csv": pairs.drop(columns=["deviation"]),
+              "error_budget.csv": pd.DataFrame(budget), "stalls.csv": pd.DataFrame(stall_rows)}
+    for name, part in tables.items():
+        part.to_csv(args.out / name, index=False)
+    (args.out / "noise_floor.txt").write_text(text)
+    figures = _plots(pairs, budget, noise_all)
+    for name, figure in figures.items():
+        figure.savefig(args.out / name, dpi=110)
+    print(f"\ntables and plots in {args.out}")
+
     if not args.no_mlflow:
         from paratune.tracking import start_script_run
 
@@ -216,9 +271,11 @@ def main() -> None:
                                  float(np.median(stalled["s_per_microbatch"]))})
             run.log_metrics({f"error_budget_regret_pct_at_mdape_{row['predictor_mdape_pct']:g}":
                              row["regret_mean_pct"] for row in budget})
-            run.log_text(table + "\n\n" + budget_table + "\n\n" + stall + "\n",
-                         "noise_floor.txt")
-            run.log_text(pd.DataFrame(rows).to_csv(index=False), "twins_by_nodes.csv")
+            run.log_text(text, "noise_floor.txt")
+            for name, part in tables.items():
+                run.log_table(part, name)
+            for name, figure in figures.items():
+                run.log_figure(figure, name)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,10 @@
     python experiments/profile_campaign.py [--out out/profile_campaign] [--no-mlflow]
 
 A campaign directory that already holds a finished campaign is reused (its figures are read
-from ``figures.json``), so rerunning the script only redoes what is missing. Logs the
+from ``figures.json``), and an interrupted one resumes where it stopped, so rerunning the
+script only redoes what is missing (the wall time is then this run's, ``resumed`` says so).
+Writes ``repeatability.csv`` and ``figures.json`` under ``--out`` (each campaign's dataset
+under ``full/`` and ``repeat/``). Logs the
 figures and tables to MLflow (``MLFLOW_TRACKING_URI``, default ``./mlflow.db``; experiment
 ``paratune-experiments``, run ``profile_campaign``; each campaign also has its own run in
 ``paratune-profile``) unless ``--no-mlflow``.
@@ -23,6 +26,7 @@ import json
 import math
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -117,9 +121,9 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     full = _campaign(CampaignSpec(model=model, world_sizes=world_sizes), args.out / "full",
                      track=track)
-    print(format_table([full], ["valid", "skipped", "ok", "failed", "wall_s",
-                                "overhead_per_config_s", "worker_cpu_s", "load_average_before",
-                                "load_average_after"],
+    print(format_table([full], ["valid", "skipped", "ok", "failed", "measured_now", "resumed",
+                                "wall_s", "overhead_per_config_s", "worker_cpu_s",
+                                "load_average_before", "load_average_after"],
                        title=f"full campaign ({args.model}, world sizes {args.world_sizes})"))
     breakdown = _overhead_breakdown(args.out / "full")
     full.update(breakdown)
@@ -163,10 +167,16 @@ def main(argv: list[str] | None = None) -> int:
               f"{summary['ratio_median']:.3f}, range {summary['ratio_min']:.3f} .. "
               f"{summary['ratio_max']:.3f}")
     print(f"(script wall time {time.monotonic() - started:.0f} s)")
+    import pandas as pd
+
+    pd.DataFrame(rows, columns=["world_size", "config", "median_a_s", "median_b_s",
+                                "ratio_b_over_a", "p90_over_p10_a", "p90_over_p10_b"]).to_csv(
+        args.out / "repeatability.csv", index=False)
+    atomic_write_text(args.out / "figures.json", json.dumps(
+        {"full": full, "repeat": repeat, "repeatability": summary}, indent=1) + "\n")
+    print(f"tables in {args.out}")
 
     if track:
-        import pandas as pd
-
         from paratune.tracking import start_script_run
 
         with start_script_run(__file__, params={
@@ -177,9 +187,16 @@ def main(argv: list[str] | None = None) -> int:
             run.log_metrics({f"repeat_{k}": v for k, v in repeat.items()
                              if isinstance(v, (int, float))})
             run.log_metrics(summary)
-            run.log_table(pd.DataFrame(rows), "repeatability.csv")
+            run.log_artifact(args.out / "repeatability.csv")
+            run.log_artifact(args.out / "figures.json")
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    try:
+        raise SystemExit(main())
+    except KeyboardInterrupt:
+        # Measured configs are journaled: the same command resumes the campaign.
+        print("interrupted; run the same command again to resume the campaign where it "
+              "stopped", file=sys.stderr)
+        raise SystemExit(130) from None

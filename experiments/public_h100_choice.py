@@ -28,7 +28,8 @@ from paratune.tracking import add_no_track_argument
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--data", default=None)
     parser.add_argument("--n-estimators", type=int, default=300)
     parser.add_argument("--out", type=Path, default=Path("out/public_h100_choice"))

@@ -63,6 +63,16 @@ from paratune.tracking import add_no_track_argument
 ARMS = ("fixed", "batch", "coadapt", "plan")
 
 
+# Columns of the two printed views of the summary (summary.csv holds every column).
+WALL_COLUMNS = {"arm": "arm", "runs": "runs", "reached": "reached", "time_mean_s": "time_s",
+                "time_std_s": "std", "steps_mean": "steps", "switches_mean": "switches",
+                "gain_vs_best_baseline_pct": "gain_%", "time_with_pilot_mean_s": "+pilot_s",
+                "gain_with_pilot_pct": "+pilot gain_%"}
+MODELLED_COLUMNS = {"arm": "arm", "modelled_mean_s": "modelled_s", "modelled_std_s": "std",
+                    "modelled_gain_pct": "gain_%",
+                    "modelled_with_pilot_mean_s": "+pilot_s",
+                    "modelled_gain_with_pilot_pct": "+pilot gain_%"}
+
 SETTINGS_VERSION = 2
 """Version of ``settings.json`` and of the profile table (2: rows keyed by config and
 ``measure``)."""
@@ -372,7 +382,9 @@ def main(argv: list[str] | None = None) -> int:
     from _ttt_worker import Job, config_for
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=Path("runs/time_to_target"))
+    parser.add_argument("--out", type=Path, default=Path("out/time_to_target"),
+                        help="folder of the journaled runs, tables and plots "
+                             "(default: %(default)s)")
     parser.add_argument("--seeds", default="0,1,2", help="comma-separated seeds")
     parser.add_argument("--target", type=float, default=2.0, help="validation loss to reach")
     parser.add_argument("--lr", type=float, default=2e-3)
@@ -427,9 +439,17 @@ def main(argv: list[str] | None = None) -> int:
     results = [r for r in read_jsonl(out / "runs.jsonl") if r["arm"] in ARMS
                and r["seed"] in seeds]
     summary = summarise(results, profile, pilot)
-    print(format_table(summary.to_dict("records"),
-                       title=f"Time and steps to validation loss {args.target} "
-                             f"(mean, std over seeds {seeds})", floatfmt=".4g"))
+    # Two narrower views of the summary (summary.csv holds every column).
+    print(format_table(summary.to_dict("records"), list(WALL_COLUMNS), headers=WALL_COLUMNS,
+                       title=f"Wall time and steps to validation loss {args.target} (mean, "
+                             f"std over seeds {seeds}; gain: vs the better of fixed and "
+                             "batch; +pilot: with the pilot run the plan arm needs)",
+                       floatfmt=".4g"))
+    print(format_table(summary.to_dict("records"), list(MODELLED_COLUMNS),
+                       headers=MODELLED_COLUMNS,
+                       title="Modelled time to target (each config's steps priced at its "
+                             "profiled step time, plus the mean switch cost)",
+                       floatfmt=".4g"))
     cost = pilot_cost(pilot, profile)
     per_run = pd.DataFrame([{**{k: r[k] for k in ("name", "arm", "seed", "reached", "time_s",
                                                    "steps", "tokens", "num_switches",
@@ -437,7 +457,7 @@ def main(argv: list[str] | None = None) -> int:
                              "modelled_s": modelled_time(r, profile),
                              "pilot_s": cost["pilot_s"] if r["arm"] == "plan" else 0.0}
                             for r in results])
-    print(f"pilot run (needed by the plan arm, charged to it in *_with_pilot_*): "
+    print(f"pilot run (needed by the plan arm, charged to it in the +pilot columns): "
           f"{cost['pilot_s']:.1f} s wall, {cost['pilot_modelled_s']:.1f} s modelled")
     print(format_table(per_run.to_dict("records"), title="Runs", floatfmt=".4g"))
     figures = plots(results, pilot, out, args.target)
@@ -476,4 +496,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        # Finished runs (and the profile) are journaled under --out: a rerun resumes.
+        print("interrupted; the runs already finished are kept under --out: run the same "
+              "command again to resume", file=sys.stderr)
+        sys.exit(130)

@@ -30,7 +30,8 @@ from paratune.tracking import add_no_track_argument
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--data", default=None)
     parser.add_argument("--k", type=int, default=2, help="configs profiled per round")
     parser.add_argument("--tolerance", type=float, default=0.02)
@@ -39,6 +40,10 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("out/verify_loop"))
     add_no_track_argument(parser)
     args = parser.parse_args()
+    if args.k < 1 or args.max_profiled < 1:
+        parser.error("--k and --max-profiled must be at least 1")
+    if not 0 <= args.tolerance < 1:
+        parser.error("--tolerance must be in [0, 1)")
 
     import numpy as np
     import pandas as pd
@@ -104,9 +109,11 @@ def main() -> None:
                                    f"of the campaign best (K={args.k} per round)",
                        floatfmt=".3g"))
     loop = [r["loop_profiled"] for r in rows if r["loop_profiled"] == r["loop_profiled"]]
+    nan = float("nan")  # no campaign found within --max-profiled
     summary = {"campaigns": len(rows), "found": len(loop),
-               "loop_median": statistics.median(loop), "loop_mean": statistics.mean(loop),
-               "loop_max": max(loop),
+               "loop_median": statistics.median(loop) if loop else nan,
+               "loop_mean": statistics.mean(loop) if loop else nan,
+               "loop_max": max(loop) if loop else nan,
                "no_refit_median": statistics.median(r["no_refit_profiled"] for r in rows),
                "no_refit_mean": statistics.mean(r["no_refit_profiled"] for r in rows),
                "random_median": statistics.median(r["random_expected"] for r in rows),
@@ -123,6 +130,7 @@ def main() -> None:
                 "data": [str((data / name).resolve()) for name in (
                     "ultrascale_playbook_h100.csv", "ultrascale_playbook_h100_failed.csv")],
                 "hardware": "H100-80GB", "k": args.k, "tolerance": args.tolerance,
+                "max_profiled": args.max_profiled,
                 "n_estimators": args.n_estimators, "seed": 0}) as run:
             run.log_metrics(summary)
             run.log_table(pd.DataFrame(rows), "loop.csv")
