@@ -44,6 +44,22 @@ def test_bubble_fraction_by_schedule(schedule, virtual, expected):
     assert F.bubble_fraction(row(dp=2, micro_batch_size=4))[0] == 0
 
 
+def test_interleaved_bubble_follows_the_largest_chunk():
+    # 8 layers over pp=2 ranks x 3 virtual stages: chunks of 2, 2, 1, 1, 1, 1 layers (4 per
+    # rank); filling the pipeline takes pp-1 = 1 pass of a 2-layer chunk, half a rank's
+    # micro-batch, not (pp-1)/v = 1/3 of it
+    frame = row(pp=2, micro_batch_size=4, schedule="interleaved_1f1b", virtual_stages=3)
+    assert F.bubble_fraction(frame)[0] == pytest.approx(0.5 / (16 + 0.5))
+    parts = F.analytical_step_time(frame)
+    per_micro = (parts["compute_s"][0] + parts["tp_s"][0] + parts["pp_s"][0]) / 16
+    assert parts["bubble_s"][0] == pytest.approx(0.5 * per_micro)
+    # uneven stages without interleaving: pp-1 passes of the fullest stage, as before
+    deep = F.config_row(ModelSpec(name="t7", num_layers=7, hidden_size=1024, num_heads=8,
+                                  ffn_hidden_size=4096, vocab_size=32768, seq_len=2048),
+                        ParallelConfig(pp=2, micro_batch_size=4, global_batch_size=64), H100)
+    assert F.bubble_fraction(deep)[0] == pytest.approx(1 / (16 + 1))
+
+
 def test_tp_bytes_per_microbatch_and_node_crossing():
     frame = row(tp=4, pp=2, micro_batch_size=1)
     tensor = 1 * 2048 * 1024 * 2  # micro * seq * hidden * bf16
@@ -64,12 +80,26 @@ def test_pp_p2p_bytes_and_node_crossing():
     assert F.pp_crosses_nodes(row(pp=4, tp=2))[0] == 0  # 8 devices, one node
 
 
-@pytest.mark.parametrize(("sharding", "factor"), [("none", 2), ("zero1", 2), ("zero2", 2),
-                                                  ("zero3", 3)])
-def test_dp_reduction_bytes_by_sharding(sharding, factor):
-    frame = row(dp=4, micro_batch_size=1, sharding=sharding)
-    grads = SPEC.num_params * 2  # bf16, untied: both embeddings on the single stage
-    assert F.dp_reduction_bytes(frame)[0] == pytest.approx(factor * 3 / 4 * grads, rel=1e-6)
+# Bytes per parameter, times (dp-1)/dp: bf16 gradients (2) reduced, bf16 parameters (2)
+# gathered; dp=4 and micro-batch 1 of a global batch of 64 make 16 micro-batches per step.
+@pytest.mark.parametrize(("sharding", "pp", "per_param"), [
+    ("none", 1, 2 * 2),  # all-reduce of the gradients
+    ("zero1", 1, 2 + 2),  # reduce-scatter of the gradients, all-gather of the parameters
+    ("zero2", 1, 16 * (2 + 2)),  # both once per micro-batch (reduce-scattered per backward)
+    ("zero3", 1, 16 * (2 + 2 + 2)),  # and the parameters gathered again for the backward
+    ("none", 2, 2 * 2),
+    ("zero1", 2, 2 + 2),
+    ("zero2", 2, 2 + 2),  # pipelined: gradients accumulate unsharded, reduced once
+    ("zero3", 2, 2 + 16 * (2 + 2)),  # ... but parameters gathered every micro-batch
+])
+def test_dp_reduction_bytes_by_sharding(sharding, pp, per_param):
+    frame = row(dp=4, pp=pp, micro_batch_size=1, sharding=sharding)
+    if pp == 1:
+        params = SPEC.num_params  # untied: both embeddings on the single stage
+    else:  # the fullest rank: half the blocks, one embedding, the final norm
+        params = (SPEC.num_params - 2 * 32768 * 1024 - 1024) / 2 + 32768 * 1024 + 1024
+    assert F.dp_reduction_bytes(frame)[0] == pytest.approx(per_param * 3 / 4 * params,
+                                                           rel=1e-6)
     assert F.dp_crosses_nodes(frame)[0] == 0
     assert F.dp_crosses_nodes(row(dp=16, tp=1))[0] == 1
     assert F.dp_crosses_nodes(row(dp=4, tp=4))[0] == 1
@@ -95,10 +125,39 @@ def test_activation_memory_scales_with_micro_batch_tp_and_recompute():
     logits = tokens * 32768 * 4
     full = F.activation_memory_bytes(row(micro_batch_size=1, recompute="full"))[0]
     assert full - logits == pytest.approx(8 * tokens * 1024 * 2 + per_layer)
-    # 1F1B keeps pp micro-batches in flight on the first stage, GPipe all of them
+    # 1F1B keeps pp micro-batches in flight on the first stage
     f1b = F.activation_memory_bytes(row(pp=4, micro_batch_size=1))[0]
+    assert f1b == pytest.approx(4 * 2 * per_layer)
+
+
+def test_gpipe_last_rank_holds_every_micro_batch_and_its_logits():
+    # GPipe runs all 64 forwards before any backward: the first rank holds 64 micro-batches of
+    # its 2 layers, the last rank the same plus the 64 micro-batches' fp32 logits
+    tokens = 2048
+    per_layer = tokens * (18 * 1024 + 2 * 3 * 4096)
+    logits = tokens * 32768 * 4
     gpipe = F.activation_memory_bytes(row(pp=4, micro_batch_size=1, schedule="gpipe"))[0]
-    assert gpipe == pytest.approx(f1b * 64 / 4)
+    assert gpipe == pytest.approx(64 * (2 * per_layer + logits))
+
+
+def test_full_recompute_working_set_is_not_multiplied_by_micro_batches_in_flight():
+    # each micro-batch in flight stores its layers' inputs; the one layer being recomputed
+    # is materialised once, whatever the micro-batches in flight
+    tokens = 2048
+    per_layer = tokens * (18 * 1024 + 2 * 3 * 4096)
+    inputs = tokens * 1024 * 2
+    logits = tokens * 32768 * 4
+    first = F.activation_memory_bytes(row(pp=8, micro_batch_size=1, recompute="full"))[0]
+    # pp=8: one layer per rank, 8 micro-batches in flight on the first rank; the last rank's
+    # one micro-batch with its logits is the larger
+    assert first == pytest.approx(max(8 * inputs + per_layer, inputs + per_layer + logits))
+    assert first == pytest.approx(inputs + per_layer + logits)
+    # a small vocabulary: the first rank is the fuller
+    small = ModelSpec(name="v", num_layers=8, hidden_size=1024, num_heads=8,
+                      ffn_hidden_size=4096, vocab_size=256, seq_len=2048)
+    frame = F.config_row(small, ParallelConfig(pp=4, micro_batch_size=1, global_batch_size=64,
+                                               recompute="full"), H100)
+    assert F.activation_memory_bytes(frame)[0] == pytest.approx(4 * 2 * inputs + per_layer)
 
 
 def test_analytical_step_time_is_compute_plus_communication_with_bubble():
