@@ -513,8 +513,11 @@ def analytical_step_time(frame: pd.DataFrame | Columns) -> dict[str, np.ndarray]
     c = _cols(frame)
     stage_layers = c.layers_per_stage
     last_has_head = 1.0
-    per_token = 3.0 * _forward_flops_per_token(c, stage_layers, lm_head=last_has_head)
-    per_token = per_token * _recompute_factor(c)
+    # recomputation repeats the blocks' forward, not the output projection's (Megatron-LM's
+    # 96 B s l h^2 (1 + s/6h + V/16lh) under full recompute)
+    blocks = 3.0 * _forward_flops_per_token(c, stage_layers, lm_head=0.0)
+    head = 3.0 * 2.0 * c.vocab * c.hidden * last_has_head
+    per_token = blocks * _recompute_factor(c) + head
     tokens = c.micro * c.seq
     compute_mb = per_token * tokens / c.tp / c.peak_flops
     tp_bw = np.where(tp_crosses_nodes(c) > 0, c.inter_bw, c.intra_bw)

@@ -125,8 +125,9 @@ class ModelSpec:
 
         Forward: ``2 * matmul params + 4 * num_layers * seq_len * hidden`` (attention scores
         and their weighted sum, not halved for the causal mask). Training is three forwards
-        (forward, and a backward twice as expensive); ``recompute=True`` adds one more forward,
-        giving hardware FLOPs under full activation recomputation.
+        (forward, and a backward twice as expensive); ``recompute=True`` adds one more forward
+        of the transformer blocks (the output projection is not recomputed), giving hardware
+        FLOPs under full activation recomputation.
 
         Args:
             training: Count the backward pass too.
@@ -139,7 +140,10 @@ class ModelSpec:
         forward = 2.0 * self.num_matmul_params + attention
         if not training:
             return forward
-        return forward * (4.0 if recompute else 3.0)
+        if not recompute:
+            return 3.0 * forward
+        output_projection = 2.0 * self.vocab_size * self.hidden_size
+        return 3.0 * forward + (forward - output_projection)
 
     # ------------------------------------------------------------------ (de)serialisation
     def to_dict(self) -> dict[str, Any]:
