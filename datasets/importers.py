@@ -170,6 +170,8 @@ def is_public_csv(path: str | Path) -> bool:
     """Whether ``path`` looks like a CSV in the public format (by its header)."""
     try:
         header = header_and_body(Path(path))[0]
+    except NotUtf8Error:
+        raise  # not a CSV of any format: say so (file and line) rather than try another
     except (OSError, DatasetError):
         return False
     return {"tp", "pp", "dp", "num_gpus", "micro_batch", "global_batch"} <= set(header)
@@ -280,7 +282,8 @@ def read_public_csv(path: str | Path, *, seen: dict[tuple[tuple[str, str], ...],
             continue
         key = tuple(raw.items())
         if key in seen:
-            parsed.error = f"duplicate of {seen[key]} (every cell equal); imported once"
+            parsed.error = (f"duplicate of {seen[key]} (every cell equal): the same row "
+                            "twice is a copy, not a repeated measurement")
             continue
         seen[key] = f"{path}:{line}"
         try:

@@ -59,11 +59,15 @@ __all__ = [
     "source_family",
 ]
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 """Version of the saved-model directory format; loading another version fails (2: the
 layer-passes feature; 3: the data-parallel ring latency in the analytical estimate; 4: the
 step-time models for models not in the training data; 5: the stalled-pipeline regime; 6:
-model keys with every digit of the shapes, hardware names in their catalogue spelling)."""
+model keys with every digit of the shapes, hardware names in their catalogue spelling; 7: the
+analytical estimate's per-micro-batch ZeRO-2/3 traffic and latency, recompute working set
+and FLOPs, GPipe's last rank, largest-chunk pipeline fill and node-crossing tp groups, and the
+training ranges). A model learns corrections to the analytical estimate, so one fitted on
+another version's estimate would apply them to a different baseline."""
 PRED_TOKENS_Q10 = f"{PRED_TOKENS_PER_SEC_PER_GPU}_q10"
 PRED_TOKENS_Q90 = f"{PRED_TOKENS_PER_SEC_PER_GPU}_q90"
 PRED_STALL_PROB = "pred_stall_prob"

@@ -327,9 +327,13 @@ def bubble_fraction(frame: pd.DataFrame | Columns) -> np.ndarray:
 
 # ---------------------------------------------------------------------------------- comms
 def tp_crosses_nodes(frame: pd.DataFrame | Columns) -> np.ndarray:
-    """Whether a tensor-parallel group spans more than one node (1.0 / 0.0)."""
+    """Whether a tensor-parallel group spans more than one node (1.0 / 0.0): groups of
+    consecutive ranks stay inside nodes only when ``tp`` divides the node size (tp=6 on
+    8-device nodes puts its second group across two)."""
     c = _cols(frame)
-    return (c.tp > c.per_node).astype(float)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        crosses = (c.per_node > 0) & (np.mod(c.per_node, c.tp) != 0)
+    return crosses.astype(float)
 
 
 def dp_crosses_nodes(frame: pd.DataFrame | Columns) -> np.ndarray:
@@ -397,12 +401,15 @@ def dp_latency_s(frame: pd.DataFrame | Columns) -> np.ndarray:
     The gradients go in :data:`DP_BUCKET_BYTES` buckets; a ring collective over ``n`` nodes
     takes ``2 (n - 1)`` inter-node steps per bucket, each :data:`DP_HOP_LATENCY_S`. Zero
     inside one node and without data parallelism. This is what makes the reduction slower
-    than its bytes at link bandwidth as the cluster grows.
+    than its bytes at link bandwidth as the cluster grows. Shardings that communicate every
+    micro-batch (see :func:`dp_reduction_bytes`) pay it every micro-batch.
     """
     c = _cols(frame)
     buckets = np.ceil(_stage_gradient_bytes(c) / DP_BUCKET_BYTES)
     hops = 2.0 * (dp_nodes(c) - 1.0)
-    return np.where(c.dp > 1, buckets * hops * DP_HOP_LATENCY_S, 0.0)
+    per_micro = (c.sharding == 3) | ((c.sharding == 2) & (c.pp == 1))
+    rounds = np.where(per_micro, num_microbatches(c), 1.0)
+    return np.where(c.dp > 1, rounds * buckets * hops * DP_HOP_LATENCY_S, 0.0)
 
 
 def dp_reduction_bytes(frame: pd.DataFrame | Columns) -> np.ndarray:

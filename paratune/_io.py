@@ -166,7 +166,14 @@ def exclusive_lock(path: str | Path, *, field: str, value: str, what: str,
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    # 0o666 less the umask, as the files it guards: a group-writable dataset stays writable
+    # by the group; a lock file another user created (not writable here) is locked read-only
+    writable = True
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    except PermissionError:
+        fd = os.open(path, os.O_RDONLY)
+        writable = False
     try:
         deadline = time.monotonic() + wait_s
         try:
@@ -191,8 +198,9 @@ def exclusive_lock(path: str | Path, *, field: str, value: str, what: str,
                 path, exc.strerror or exc, what)
             yield
             return
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        if writable:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, str(os.getpid()).encode(), 0)
         yield
     finally:
         os.close(fd)  # releases the lock

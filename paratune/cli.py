@@ -345,7 +345,9 @@ def _run(args: argparse.Namespace, argv: Sequence[str],
               file=sys.stderr)
         return 2
     except UnicodeDecodeError as exc:
-        print(f"paratune {args.command}: error: {_not_utf8(exc, argv)}", file=sys.stderr)
+        # paratune's own (a DatasetError too) already names the file and line
+        message = str(exc) if isinstance(exc, ParatuneError) else _not_utf8(exc, argv)
+        print(f"paratune {args.command}: error: {message}", file=sys.stderr)
         return 2
     except ConfigError as exc:
         print(f"paratune {args.command}: error: {flag_message(exc, args)}", file=sys.stderr)

@@ -107,13 +107,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                       help="profile the top K configs for real (local hardware), add them to "
                            "the dataset, refit and report predicted vs measured")
     tune.add_argument("--dataset", type=Path, default=None,
-                      help="dataset that --verify adds its measurements to")
+                      help="measurements the predictor was fitted on, refitted with what "
+                           "--verify measures (a dataset directory or a public CSV)")
     tune.add_argument("--no-progress", action="store_true",
                       help="no progress bar of the trials (on stderr)")
     tune.set_defaults(func=_tune, field_flags={**_JOB_FIELD_FLAGS, "risk_quantile": "--risk",
                                                "batch_size": "--batch-size",
                                                "n_trials": "--trials", "verify": "--verify",
-                                               "trajectory": "--gns"})
+                                               "trajectory": "--gns",
+                                               "study_name": "--study-name",
+                                               "storage": "--storage"})
 
     plan = subparsers.add_parser(
         "plan", help="schedule training phases (batch, parallelism) from a B_noise trajectory",

@@ -285,10 +285,14 @@ def resolve_storage(storage: str | Path | None, default_dir: str | Path | None
         try:
             return optuna.storages.RDBStorage(text), _without_password(text)
         except ImportError as exc:  # a driver that is not installed (psycopg2, pymysql)
-            raise ConfigError("storage", text, f"needs a database driver: {exc}") from exc
+            raise ConfigError("storage", _without_password(text),
+                              f"needs a database driver: {exc}") from exc
         except Exception as exc:  # SQLAlchemy: unknown dialect, unreachable server
             first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            raise ConfigError("storage", text, f"is not a usable database URL ({first}); "
+            if parsed_password := _password_of(text):
+                first = first.replace(parsed_password, "***")
+            raise ConfigError("storage", _without_password(text),
+                              f"is not a usable database URL ({first}); "
                               "give sqlite:///FILE.db, another SQLAlchemy URL, or a "
                               "journal file path") from exc
     Path(text).parent.mkdir(parents=True, exist_ok=True)
@@ -314,10 +318,37 @@ def _without_password(url: str) -> str:
         return url
 
 
+def _password_of(url: str) -> str | None:
+    """The password in a database URL, if it has one (to mask it in driver messages)."""
+    from sqlalchemy.engine import make_url
+
+    try:
+        return make_url(url).password or None
+    except Exception:  # not a URL SQLAlchemy parses
+        return None
+
+
+def predictor_identity(predictor: Any) -> str | None:
+    """What makes a predictor's values its own, for a study to record: the training data's
+    fingerprint, the estimator's class and parameters and the paratune version (a refit on
+    the same data with other trees, or after an upgrade, values configs differently);
+    ``None`` for a predictor without a training fingerprint."""
+    fingerprint = getattr(predictor, "fingerprint_", None)
+    if fingerprint is None:
+        return None
+    from paratune import __version__
+
+    params = predictor.get_params() if hasattr(predictor, "get_params") else {}
+    key = json.dumps({"fingerprint": fingerprint, "class": type(predictor).__name__,
+                      "params": params, "version": __version__}, sort_keys=True, default=str)
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
 def default_study_name(space: SearchSpace, objective: Objective, sampler: str,
                        seed: int | None, predictor_fingerprint: str | None = None) -> str:
     """Same problem, same name: rerunning a command resumes its study, and a predictor
-    refitted on other data (another ``predictor_fingerprint``) starts a new one."""
+    refitted (another ``predictor_fingerprint``, see :func:`predictor_identity`) starts a new
+    one."""
     problem = {"space": space.to_dict(), "objective": objective.to_dict(),
                "sampler": sampler, "seed": seed}
     if predictor_fingerprint is not None:
@@ -378,7 +409,7 @@ def open_study(space: SearchSpace, objective: Objective, *, sampler: str = "tpe"
         study_name: Defaults to :func:`default_study_name`.
         storage_dir: Where the default journal goes.
         predictor_fingerprint: What identifies the predictor whose values the trials hold
-            (a performance model's ``fingerprint_``); ``None`` records and checks nothing.
+            (:func:`predictor_identity`); ``None`` records and checks nothing.
 
     Raises:
         ConfigError: ``study_name`` names a study of another space, objective or predictor
@@ -411,7 +442,7 @@ def open_study(space: SearchSpace, objective: Objective, *, sampler: str = "tpe"
         known = attrs.get("predictor_fingerprint")
         if known is not None and known != predictor_fingerprint and _finished(study):
             raise ConfigError("study_name", name,
-                              f"holds trials valued by another predictor (training data "
+                              f"holds trials valued by another predictor (identity "
                               f"{str(known)[:16]}, this one's {predictor_fingerprint[:16]}) "
                               f"in {where}; resuming it would rank stale values: give "
                               "another study_name or storage")
@@ -501,7 +532,7 @@ def optuna_search(predictor: Predictor, space: SearchSpace, objective: Objective
     start = time.perf_counter()
     study = open_study(space, objective, sampler=sampler, seed=seed, storage=storage,
                        study_name=study_name, storage_dir=storage_dir,
-                       predictor_fingerprint=getattr(predictor, "fingerprint_", None))
+                       predictor_fingerprint=predictor_identity(predictor))
     cache: dict[ParallelConfig, tuple[float, tuple[float, float]]] = {}
     params_of: dict[ParallelConfig, dict[str, Any]] = {}
     for trial in _finished(study):

@@ -22,7 +22,7 @@ from paratune.space import ConfigSpace
 from paratune.spec import ModelSpec, get_model
 from paratune.tuner._export import recommendation, write_recommendation
 from paratune.tuner._objective import Objective, ObjectiveKind
-from paratune.tuner._search import SearchResult, exhaustive, optuna_search
+from paratune.tuner._search import SearchResult, exhaustive, optuna_search, predictor_identity
 from paratune.tuner._space import SearchSpace, check_gpus
 
 if TYPE_CHECKING:
@@ -298,7 +298,7 @@ def tune(model: ModelSpec | str, gpus: int, gpu: HardwareSpec | str,
             logger.warning(message)
         if track:  # opened before the work, so a failure or an interrupt leaves its record
             run = _open_run(stack, search_space, obj, predictor_params(predictor, pred),
-                            predictor_fingerprint=getattr(pred, "fingerprint_", None),
+                            predictor_fingerprint=predictor_identity(pred),
                             gns=gns, storage=storage, study_name=study_name,
                             storage_dir=output, tracking_uri=tracking_uri, **options)
         study = None

@@ -84,7 +84,8 @@ def test_missing_and_undecodable_inputs_are_named_errors(tmp_path, capsys, monke
     assert capsys.readouterr().err == "paratune datasets: error: nosuch.csv: no such file\n"
     (tmp_path / "latin.csv").write_bytes("source,model\ncaf\xe9,x\n".encode("latin-1"))
     assert main(["datasets", "import", "latin.csv", "--out", "D"]) == 2
-    assert capsys.readouterr().err == "paratune datasets: error: latin.csv is not UTF-8 text\n"
+    assert capsys.readouterr().err == ("paratune datasets: error: latin.csv: line 2 is not "
+                                       "UTF-8 text (byte 0xe9); save the file as UTF-8\n")
     assert not (tmp_path / "D").exists()
 
 

@@ -80,3 +80,16 @@ def test_atomic_write_onto_a_directory_names_it(tmp_path):
         atomic_write_text(tmp_path / "out", "x")
     assert info.value.filename == str(tmp_path / "out")
     assert [p.name for p in tmp_path.iterdir()] == ["out"]
+
+
+def test_a_lock_file_gets_the_mode_its_umask_allows(tmp_path):
+    # a group-writable dataset's lock must be group-writable too, or a colleague's write fails
+    from paratune._io import exclusive_lock
+
+    old = os.umask(0o002)
+    try:
+        with exclusive_lock(tmp_path / ".lock", field="out", value="o", what="writing"):
+            pass
+    finally:
+        os.umask(old)
+    assert (tmp_path / ".lock").stat().st_mode & 0o777 == 0o664

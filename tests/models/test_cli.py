@@ -187,7 +187,8 @@ def test_predict_names_a_missing_or_undecodable_input(model_dir, tmp_path, capsy
                                          + PUBLIC_ROWS[0].replace("bf16", "caf\xe9")
                                          .encode("latin-1") + b"\n")
     assert main(["predict", "--model", str(model_dir), "latin.csv", "--out", "o.csv"]) == 2
-    assert capsys.readouterr().err == "paratune predict: error: latin.csv is not UTF-8 text\n"
+    assert capsys.readouterr().err == ("paratune predict: error: latin.csv: line 2 is not "
+                                       "UTF-8 text (byte 0xe9); save the file as UTF-8\n")
 
 
 def test_fit_refuses_an_out_that_is_a_file_before_fitting(tmp_path, synthetic, capsys):

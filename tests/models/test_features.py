@@ -190,6 +190,24 @@ def test_full_recompute_repeats_the_blocks_not_the_output_projection():
         (SPEC.flops_per_token(training=False) - head) * tokens_s)
 
 
+def test_tp_groups_cross_nodes_unless_tp_divides_the_node():
+    spec = SPEC.replace(num_heads=12, num_kv_heads=12, hidden_size=1152, vocab_size=32760)
+    crosses = [F.tp_crosses_nodes(F.config_row(spec, ParallelConfig(tp=tp, dp=24 // tp,
+                                                                     global_batch_size=48),
+                                               H100))[0] for tp in (2, 4, 6, 12)]
+    assert crosses == [0.0, 0.0, 1.0, 1.0]  # 6 fits in 8 devices but not in their layout
+
+
+def test_dp_latency_is_paid_every_micro_batch_where_the_reduction_is():
+    # dp=32, tp=2 spans 8 nodes; 4 micro-batches per step
+    kw = dict(dp=32, tp=2, micro_batch_size=1, global_batch_size=128)
+    once = F.dp_latency_s(row(**kw))[0]
+    assert once > 0
+    assert F.dp_latency_s(row(**kw, sharding="zero1"))[0] == pytest.approx(once)
+    assert F.dp_latency_s(row(**kw, sharding="zero2"))[0] == pytest.approx(4 * once)
+    assert F.dp_latency_s(row(**kw, sharding="zero3"))[0] == pytest.approx(4 * once)
+
+
 def test_dp_latency_counts_buckets_and_inter_node_ring_steps():
     # inside one node, or without data parallelism: no latency term
     assert F.dp_latency_s(row(dp=8, micro_batch_size=1, global_batch_size=64))[0] == 0

@@ -158,7 +158,7 @@ def job(closed_form, tmp_path, monkeypatch):
     ("tune", ["--space", "nosuch.yaml"], "--space='nosuch.yaml': no such file"),
     ("plan", ["--model", "config.json"], "--model='config.json': is not valid JSON"),
     ("tune", ["--storage", "nosuchdialect://x"],
-     "storage='nosuchdialect://x': is not a usable database URL"),
+     "--storage='nosuchdialect://x': is not a usable database URL"),
 ])
 def test_errors_name_the_flag_not_the_library_argument(job, tmp_path, capsys, command, flags,
                                                         message):
@@ -339,3 +339,16 @@ def test_plan_says_where_it_wrote_and_its_mlflow_run(job, capsys):
     usage = " ".join(capsys.readouterr().out.split())
     assert "--objective goodput" not in usage  # plan has no such flag
     assert "PATH/plan.json" in usage
+
+
+def test_study_errors_name_the_flags(job, capsys):
+    assert main(job("tune", "--study-name", "job", "--trials", "4")) == 0
+    capsys.readouterr()
+    other = [("32" if value == "64" else value) for value in job("tune", "--study-name", "job",
+                                                                 "--trials", "4")]
+    assert main(other) == 2
+    assert capsys.readouterr().err.startswith("paratune tune: error: --study-name='job': names "
+                                              "a study of another problem")
+    assert main(job("tune", "--storage", "nosuchdb://tuner:s3cret@db.example/x")) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("paratune tune: error: --storage=") and "s3cret" not in err

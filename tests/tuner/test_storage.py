@@ -172,3 +172,26 @@ def test_the_printed_storage_of_a_search_hides_the_password(tmp_path):
         "postgresql://tuner:***@db.example/studies"
     assert storage_text(None, tmp_path) == str(tmp_path / "study.journal")
     assert storage_text(None, None) is None
+
+
+def test_a_refit_with_other_parameters_is_another_predictor():
+    # same training data, other trees: its values differ, so its study must too
+    from paratune.models import PerformanceModel
+    from paratune.tuner._search import predictor_identity
+
+    a, b, same = (PerformanceModel(n_estimators=n) for n in (100, 200, 100))
+    for model in (a, b, same):
+        model.fingerprint_ = "f" * 64
+    assert predictor_identity(a) != predictor_identity(b)
+    assert predictor_identity(a) == predictor_identity(same)
+    assert predictor_identity(object()) is None
+
+
+@pytest.mark.parametrize("url", ["nosuchdb://tuner:s3cret@db.example/studies",
+                                 "postgresql+nosuchdriver://tuner:s3cret@db.example/studies"])
+def test_a_storage_error_masks_the_password(url):
+    from paratune.tuner._search import resolve_storage
+
+    with pytest.raises(ConfigError) as info:
+        resolve_storage(url, None)
+    assert "s3cret" not in str(info.value) and "***" in str(info.value)
