@@ -1122,6 +1122,10 @@ class _ProgressBar:
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        # the rows written since the last poll (an interrupt can land before the next one):
+        # the bar a stopped run leaves shows the step and loss it saved
+        with contextlib.suppress(Exception):
+            self.poll()
         self.bar.close()
 
     def poll(self) -> None:
