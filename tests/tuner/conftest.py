@@ -106,3 +106,17 @@ def closed_form() -> ClosedFormPredictor:
 def _tmp_mlflow(tmp_path, monkeypatch):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
+
+
+def run_with_trajectory(command: str, trajectory: Path, tmp_path: Path) -> tuple[int, str]:
+    """Run ``paratune tune`` (the trajectory as ``--gns``) or ``paratune plan`` (as
+    ``--trajectory``) of llama3-8b on 8 H100s, untracked; returns the exit code and the flag
+    that names the trajectory. The predictor does not exist: a trajectory error comes first."""
+    from paratune.cli import main
+
+    flag = "--gns" if command == "tune" else "--trajectory"
+    extra = ["--objective", "goodput", "--trials", "5"] if command == "tune" else []
+    code = main([command, "--model", "llama3-8b", "--gpus", "8", "--hardware", "H100",
+                 "--predictor", str(tmp_path / "no-model"), "--output", str(tmp_path / "o"),
+                 "--no-track", *extra, flag, str(trajectory)])
+    return code, flag

@@ -10,6 +10,7 @@ import pytest
 from paratune import ConfigError
 from paratune.tuner import effective_b_noise, load_trajectory
 from paratune.tuner._tune import resolve_gns
+from tests.tuner.conftest import run_with_trajectory
 
 
 def _rows():
@@ -190,21 +191,15 @@ def test_smoothing_window_must_be_a_positive_integer(tmp_path, bad):
 def test_a_trajectory_with_only_its_header_is_named(tmp_path, capsys, command):
     """A gns run stopped before its first step leaves the header alone: the error names the
     file and says it has no rows (not a numpy TypeError)."""
-    from paratune.cli import main
     from paratune.profiler.gns import TRAJECTORY_COLUMNS
 
     path = tmp_path / "gns.csv"
     path.write_text(",".join(TRAJECTORY_COLUMNS) + "\n")
     with pytest.raises(ConfigError, match=r"trajectory=.*gns.csv.*has no rows"):
         load_trajectory(path)
-    extra = (["--objective", "goodput", "--gns", str(path), "--trials", "5"]
-             if command == "tune" else ["--trajectory", str(path)])
-    code = main([command, "--model", "llama3-8b", "--gpus", "8", "--hardware", "H100",
-                 "--predictor", str(tmp_path / "no-model"), "--output", str(tmp_path / "o"),
-                 "--no-track", *extra])
+    code, flag = run_with_trajectory(command, path, tmp_path)
     err = capsys.readouterr().err
     assert code == 2
-    flag = "--gns" if command == "tune" else "--trajectory"
     assert err.startswith(f"paratune {command}: error: {flag}=") and "has no rows" in err
     assert len(err.splitlines()) == 1
 

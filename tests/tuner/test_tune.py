@@ -8,6 +8,7 @@ from mlflow.tracking import MlflowClient
 from paratune import ConfigError, get_model
 from paratune.space import ConfigSpace
 from paratune.tuner import SearchSpace, tune
+from tests.tuner.conftest import run_with_trajectory
 
 
 def test_tune_end_to_end_writes_winner_and_tracks_the_run(closed_form, tmp_path):
@@ -111,19 +112,12 @@ def test_cli_names_gpus_when_it_is_not_positive(closed_form, tmp_path, capsys, c
 
 @pytest.mark.parametrize("command", ["tune", "plan"])
 def test_cli_names_the_missing_trajectory_seq_len(tmp_path, capsys, command):
-    from paratune.cli import main
-
     traj = tmp_path / "old.csv"
     traj.write_text("step,tokens,loss,b_simple\n" + "".join(
         f"{s},{s * 2 * 4096},3.0,{50 + s}\n" for s in range(1, 30)))
-    extra = (["--objective", "goodput", "--gns", str(traj), "--trials", "5"]
-             if command == "tune" else ["--trajectory", str(traj)])
-    code = main([command, "--model", "llama3-8b", "--gpus", "8", "--hardware", "H100",
-                 "--predictor", str(tmp_path / "no-model"), "--output", str(tmp_path / "o"),
-                 "--no-track", *extra])
+    code, flag = run_with_trajectory(command, traj, tmp_path)
     err = capsys.readouterr().err
     assert code == 2
-    flag = "--gns" if command == "tune" else "--trajectory"
     assert f"paratune {command}: error: {flag}=" in err
     assert "needs a seq_len column or --trajectory-seq-len" in err
 
