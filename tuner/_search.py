@@ -37,6 +37,7 @@ SAMPLERS = ("tpe", "random", "gp", "qmc", "nsga2")
 """Optuna samplers selectable by name (``tpe`` is multivariate, grouped TPE)."""
 
 _CONFIG_ATTR = "config"
+_PROBLEM_ATTR = "problem"  # the space and objective a study searches
 _REASON_ATTR = "pruned_reason"
 
 
@@ -427,11 +428,15 @@ def open_study(space: SearchSpace, objective: Objective, *, sampler: str = "tpe"
         sampler=make_sampler(sampler, seed=seed))
     problem = _plain_json({"space": space.to_dict(), "objective": objective.to_dict()})
     attrs = study.user_attrs
-    if "space" not in attrs:
-        study.set_user_attr("space", problem["space"])
-        study.set_user_attr("objective", problem["objective"])
+    # One attribute, written in one storage operation: a process that joins the study
+    # while its creator is still recording it sees all of the problem or none of it.
+    stored = attrs.get(_PROBLEM_ATTR)
+    if stored is None and "space" in attrs and "objective" in attrs:  # earlier versions' two
+        stored = {"space": attrs["space"], "objective": attrs["objective"]}
+    if stored is None:
+        study.set_user_attr(_PROBLEM_ATTR, problem)
     else:
-        changed = _differences({k: attrs.get(k) for k in problem}, problem)
+        changed = _differences(stored, problem)
         if changed:
             shown = "; ".join(changed[:4]) + ("; ..." if len(changed) > 4 else "")
             raise ConfigError("study_name", name,

@@ -74,6 +74,36 @@ def test_two_processes_share_one_study(tmp_path):
     assert set(told) == pids  # both processes told trials into the one study
 
 
+OPENER = textwrap.dedent("""
+    import sys, time
+    from paratune import get_model
+    from paratune.tuner import Objective, SearchSpace
+    from paratune.tuner._search import open_study
+
+    space = SearchSpace.build(get_model("llama3-8b"), 64, "H100", global_batch_sizes="128:512")
+    time.sleep(max(0.0, {start} - time.time()))
+    for i in range({studies}):
+        open_study(space, Objective(kind="goodput", b_noise=300), storage={storage!r},
+                   study_name=f"fresh-{{i}}")
+""")
+
+
+@pytest.mark.slow
+def test_processes_opening_one_new_study_at_once_all_join_it(tmp_path):
+    """A worker that joined a study while its creator was still recording the problem used
+    to read half of it and refuse the study as "another problem" (the two workers of the
+    test above failed so, now and then)."""
+    storage = str(tmp_path / "study.journal")
+    start = time.time() + 8  # after every process has imported
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    workers = [subprocess.Popen(
+        [sys.executable, "-c", OPENER.format(start=start, studies=150, storage=storage)],
+        stderr=subprocess.PIPE, text=True, env=env) for _ in range(4)]
+    for w in workers:
+        _, err = w.communicate(timeout=120)
+        assert w.returncode == 0, err
+
+
 @pytest.mark.slow
 def test_killed_study_resumes_without_losing_trials(tmp_path, closed_form):
     storage = str(tmp_path / "study.journal")
