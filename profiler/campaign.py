@@ -912,9 +912,10 @@ def _run_campaign(spec: CampaignSpec, paths: CampaignPaths, meta: dict[str, Any]
                 for ws in spec.world_sizes)
     bar = None
     if progress:
-        from tqdm.auto import tqdm
+        from paratune._progress import progress_bar
 
-        bar = tqdm(total=total, unit="config", desc="profiling", dynamic_ncols=True)
+        bar = progress_bar(total=total, unit="config", enabled=True,
+                           desc=f"profiling ws={spec.world_sizes[0]}")
     state = _Progress(bar=bar)
     with _tracked(track, meta, spec, paths, resume) as run:
         try:

@@ -1093,7 +1093,7 @@ def run_gns(job: GNSJob, *, progress: bool = False) -> Path:
 
 
 class _ProgressBar:
-    """A tqdm bar of a run's steps, fed by the trajectory rows rank 0 appends (as
+    """A progress bar of a run's steps, fed by the trajectory rows rank 0 appends (as
     ``paratune profile`` shows its configs): step of total, loss, latest ``b_simple``
     and the time left. Reads only what was appended since the last poll."""
 
@@ -1107,11 +1107,11 @@ class _ProgressBar:
         self.bar: Any = None
 
     def __enter__(self) -> _ProgressBar:
-        from tqdm.auto import tqdm
+        from paratune._progress import progress_bar
 
         # a resumed run starts at its checkpoint's step (rows past it are measured again)
-        self.bar = tqdm(total=self.job.steps, initial=_checkpoint_step(self.job), unit="step",
-                        desc=f"gns {self.job.config.key()}", dynamic_ncols=True)
+        self.bar = progress_bar(total=self.job.steps, initial=_checkpoint_step(self.job),
+                                unit="step", desc=f"gns {self.job.config.key()}", enabled=True)
         # rows already there belong to the run being resumed: skipped until rank 0 has
         # cut them back to the checkpoint (a new file)
         with contextlib.suppress(FileNotFoundError):

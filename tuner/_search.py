@@ -575,11 +575,11 @@ def optuna_search(predictor: Predictor, space: SearchSpace, objective: Objective
 
 
 def _trial_bar(n_trials: int, done: int, study_name: str) -> Any:
-    """A tqdm bar of the study's finished trials (as ``paratune profile`` shows configs)."""
-    from tqdm.auto import tqdm
+    """A progress bar of the study's finished trials (as ``paratune profile`` shows configs)."""
+    from paratune._progress import progress_bar
 
-    bar = tqdm(total=n_trials, initial=min(done, n_trials), unit="trial", desc="tuning",
-               dynamic_ncols=True)
+    bar = progress_bar(total=n_trials, initial=min(done, n_trials), unit="trial", desc="tuning",
+                       enabled=True)
     if done:
         bar.set_postfix_str(f"resumed {study_name} at {done} trials", refresh=False)
     return bar
