@@ -1,8 +1,10 @@
 """Worker side of ``time_to_target.py``: profiling, the pilot run and the four arms.
 
 Everything here runs in each of the ``world_size`` gloo processes; rank 0 writes results.
-Runs are journaled (one JSON line per finished run, fsync'd), so a killed experiment
-resumes where it stopped and loses nothing already measured.
+Profiled measurements (each step time, each switch cost) and runs are journaled as they are
+made (one fsync'd JSON line each, in ``profile.jsonl`` and ``runs.jsonl``), so a killed
+experiment resumes where it stopped and loses nothing already measured (a run still going
+when it was killed starts again: a time to target is measured in one piece).
 """
 
 from __future__ import annotations
@@ -332,6 +334,69 @@ def time_measuring_steps(job: Job, config: ParallelConfig, device: torch.device,
     return slowest.tolist(), meter.mode
 
 
+PROFILE_JOURNAL = "profile.jsonl"
+"""Under ``--out``: each profiled measurement (a row of the step-time table, a switch cost) as
+it is made, one fsync'd JSON line with its ``id`` and ``measured_at`` (Unix time), so a killed
+profiling resumes where it stopped; ``profile.json`` is assembled from it at the end."""
+
+
+def step_id(config: ParallelConfig, measure: bool) -> str:
+    """Journal id of the step time of ``config``, noise-measuring or not."""
+    return f"step {config.key()} measure={int(measure)}"
+
+
+def switch_id(index: int, source: ParallelConfig, target: ParallelConfig) -> str:
+    """Journal id of the ``index``-th timed switch, ``source`` to ``target``."""
+    return f"switch {index} {source.key()} -> {target.key()}"
+
+
+def switch_plan() -> list[tuple[ParallelConfig, ParallelConfig]]:
+    """The timed layout switches, in order (each starts where the previous one ended)."""
+    first, second = config_for("dp4", 16), config_for("dp2-tp2", 32)
+    return [(first, second), (second, first), (first, second)]
+
+
+def profile_items(job: Job, world_size: int
+                  ) -> list[tuple[str, str, int, bool, ParallelConfig]]:
+    """The step times to measure, in table order: ``(id, layout, batch, measure, config)``;
+    the plain config of each valid (layout, batch), then its noise-measuring config where one
+    exists."""
+    items = []
+    for layout in LAYOUTS:
+        for batch in job.batches:
+            config = config_for(layout, batch)
+            if config.is_valid(job.model, world_size):
+                items.append((step_id(config, False), layout, batch, False, config))
+            measuring = measured_config_for(job.model, layout, batch, world_size=world_size)
+            if measuring is not None:
+                items.append((step_id(measuring, True), layout, batch, True, measuring))
+    return items
+
+
+def assemble_profile(job: Job, world_size: int, records: dict[str, dict[str, Any]]
+                     ) -> dict[str, Any] | None:
+    """``profile.json``'s content from journal ``records`` (by id), or ``None`` while a
+    measurement is missing. Journal-only fields (``id``, ``measured_at``) are left out."""
+    ids = ([item[0] for item in profile_items(job, world_size)]
+           + [switch_id(i, *pair) for i, pair in enumerate(switch_plan())])
+    if any(i not in records for i in ids):
+        return None
+    rows = [{k: v for k, v in records[i].items() if k not in ("id", "measured_at")}
+            for i in ids]
+    num_steps = len(ids) - len(switch_plan())
+    return {"table": rows[:num_steps], "switch_costs": rows[num_steps:]}
+
+
+def read_profile_journal(path: Path) -> dict[str, dict[str, Any]]:
+    """The measurements journaled in ``path`` by id (the first of each id; torn lines
+    skipped)."""
+    records: dict[str, dict[str, Any]] = {}
+    for record in read_jsonl(path):
+        if "id" in record:
+            records.setdefault(record["id"], record)
+    return records
+
+
 def profile(job: Job, device: torch.device) -> dict[str, Any]:
     """Step times of the configs the runs use, and the cost of a layout switch.
 
@@ -340,43 +405,77 @@ def profile(job: Job, device: torch.device) -> dict[str, Any]:
     the plan chooses from) and the noise-measuring config of :func:`measured_config_for`
     timed with the meter's step (``measure`` true; what the pilot and the batch and coadapt
     arms run, and what coadapt chooses layouts by).
+
+    Each measurement is journaled (:data:`PROFILE_JOURNAL`) by rank 0 as soon as it is made;
+    those already there (from a killed earlier profiling) are reused, not measured again.
     """
+    from paratune.profiler.mesh import build_mesh
     from paratune.profiler.reconfigure import RunState, reconfigure
     from paratune.profiler.trainer import Trainer, measure_config, synthetic_batch
 
-    table = []
-    for layout in LAYOUTS:
-        for batch in job.batches:
-            config = config_for(layout, batch)
-            if config.is_valid(job.model, dist.get_world_size()):
-                m = measure_config(job.model, config, hardware="cpu", device=device,
-                                   warmup_steps=2, measured_steps=job.profile_steps, seed=0)
-                table.append({"layout": layout, "batch": batch, "measure": False,
-                              "mode": "", "key": config.key(), "config": config.to_dict(),
-                              "step_time_s": _median(m.step_times_s),
-                              "peak_rss_gb": m.peak_rss_gb})
-            measuring = measured_config_for(job.model, layout, batch,
-                                            world_size=dist.get_world_size())
-            if measuring is not None:
-                times, mode = time_measuring_steps(job, measuring, device)
-                table.append({"layout": layout, "batch": batch, "measure": True,
-                              "mode": mode, "key": measuring.key(),
-                              "config": measuring.to_dict(), "step_time_s": _median(times),
-                              "peak_rss_gb": math.nan})
-    costs = []
-    first, second = config_for("dp4", 16), config_for("dp2-tp2", 32)
-    trainer = Trainer(job.model, first, device=device, seed=0, lr=job.lr)
-    trainer.step(synthetic_batch(job.model, 16, step=0))
-    state = RunState(config=first)
-    for target in (second, first, second):
-        trainer, state, cost = reconfigure(
-            trainer, state, target, checkpoint_dir=Path(job.out_dir) / "switch-checkpoint",
-            build_trainer=lambda c: Trainer(job.model, c, device=device, seed=0, lr=job.lr))
-        trainer.step(synthetic_batch(job.model, target.global_batch_size, step=1))
-        costs.append({"save_s": cost.save_s, "build_s": cost.build_s, "load_s": cost.load_s,
-                      "total_s": cost.total_s, "checkpoint_bytes": cost.checkpoint_bytes})
-    trainer.close()
-    return {"table": table, "switch_costs": costs}
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    journal = Path(job.out_dir) / PROFILE_JOURNAL
+    shared = [read_profile_journal(journal) if rank == 0 else None]
+    dist.broadcast_object_list(shared, src=0)  # every rank skips the same measurements
+    records: dict[str, dict[str, Any]] = shared[0]
+
+    def record(measurement_id: str, row: dict[str, Any]) -> None:
+        entry = {"id": measurement_id, "measured_at": time.time(), **row}
+        if rank == 0:
+            append_jsonl(journal, entry)
+        records[measurement_id] = entry
+
+    for measurement_id, layout, batch, measure, config in profile_items(job, world_size):
+        if measurement_id in records:
+            continue
+        if not measure:
+            m = measure_config(job.model, config, hardware="cpu", device=device,
+                               warmup_steps=2, measured_steps=job.profile_steps, seed=0)
+            record(measurement_id, {"layout": layout, "batch": batch, "measure": False,
+                                    "mode": "", "key": config.key(),
+                                    "config": config.to_dict(),
+                                    "step_time_s": _median(m.step_times_s),
+                                    "peak_rss_gb": m.peak_rss_gb})
+        else:
+            times, mode = time_measuring_steps(job, config, device)
+            record(measurement_id, {"layout": layout, "batch": batch, "measure": True,
+                                    "mode": mode, "key": config.key(),
+                                    "config": config.to_dict(),
+                                    "step_time_s": _median(times), "peak_rss_gb": math.nan})
+    switches = switch_plan()
+    missing = [i for i, pair in enumerate(switches) if switch_id(i, *pair) not in records]
+    if missing:
+        # A whole profiling has built every layout's mesh before its switches; a resumed
+        # one may not have: build them untimed so a switch does not pay for it.
+        for config in dict.fromkeys(c for pair in switches for c in pair):  # one order on
+            build_mesh(config, device.type)  # every rank (a set's differs between processes)
+
+        def build(c: ParallelConfig) -> Trainer:
+            return Trainer(job.model, c, device=device, seed=0, lr=job.lr)
+
+        checkpoint_dir = Path(job.out_dir) / "switch-checkpoint"
+        current = switches[missing[0]][0]
+        trainer = build(current)
+        trainer.step(synthetic_batch(job.model, current.global_batch_size, step=0))
+        state = RunState(config=current)
+        for i in missing:
+            source, target = switches[i]
+            if current != source:  # not where this switch starts: go there untimed
+                trainer, state, _ = reconfigure(trainer, state, source,
+                                                checkpoint_dir=checkpoint_dir,
+                                                build_trainer=build)
+            trainer, state, cost = reconfigure(trainer, state, target,
+                                               checkpoint_dir=checkpoint_dir,
+                                               build_trainer=build)
+            current = target
+            trainer.step(synthetic_batch(job.model, target.global_batch_size, step=1))
+            record(switch_id(i, source, target),
+                   {"save_s": cost.save_s, "build_s": cost.build_s, "load_s": cost.load_s,
+                    "total_s": cost.total_s, "checkpoint_bytes": cost.checkpoint_bytes})
+        trainer.close()
+    result = assemble_profile(job, world_size, records)
+    assert result is not None, "every measurement was just made or journaled"
+    return result
 
 
 def worker(rank: int, world_size: int, port: int, job: Job) -> None:
@@ -394,6 +493,8 @@ def worker(rank: int, world_size: int, port: int, job: Job) -> None:
             if rank == 0:
                 atomic_write_text(out / "profile.json", json.dumps(result, indent=1))
             dist.barrier()
+        if not job.runs:
+            return
         corpus = TextCorpus.from_stdlib(max_bytes=job.corpus_bytes)
         val = corpus.sequences(0, job.val_seqs, job.model.seq_len, seed=0, split="validation")
         evaluator = _Evaluator(job.model, val)

@@ -23,7 +23,10 @@ with the plan arm (``pilot_s``, ``time_with_pilot_mean_s``).
 
 ``--out`` is bound to the settings its runs were measured with (``settings.json``): a rerun
 into it with another ``--target``, ``--lr``, ``--batches``, ``--pilot-batch``, ... is refused,
-naming the setting, instead of reusing runs measured under the old one.
+naming the setting, instead of reusing runs measured under the old one. Every measurement is
+kept there as soon as it is made (each profiled step time and switch cost in
+``profile.jsonl``, each finished run in ``runs.jsonl``): a killed experiment, rerun with the
+same command, measures only what is missing. One experiment at a time may use an ``--out``.
 
 Run: ``python experiments/time_to_target.py`` (``--help`` for options). Prints the table of
 time and steps to target per arm (mean and spread over seeds) and logs everything to MLflow
@@ -35,6 +38,7 @@ plots are also written under ``--out``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import math
@@ -49,7 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import numpy as np
 import pandas as pd
 
-from paratune._io import atomic_write_text, read_jsonl
+from paratune._io import atomic_write_text, exclusive_lock, read_jsonl
 from paratune._table import format_table
 from paratune.predictor import (
     PRED_FEASIBLE_PROB,
@@ -75,7 +79,8 @@ MODELLED_COLUMNS = {"arm": "arm", "modelled_mean_s": "modelled_s", "modelled_std
 
 SETTINGS_VERSION = 2
 """Version of ``settings.json`` and of the profile table (2: rows keyed by config and
-``measure``)."""
+``measure``). The measurement journal ``profile.jsonl`` only adds a file (``profile.json``
+keeps its format), so a version-2 folder stays valid and is not refused."""
 
 
 def step_times(profile: dict[str, Any]) -> dict[tuple[str, bool], float]:
@@ -306,13 +311,17 @@ def check_settings(out: Path, settings: dict[str, Any]) -> None:
 
     Raises:
         ConfigError: a setting differs from the recorded one, or ``out`` holds runs or a
-            profile from before settings were recorded (nothing is changed either way).
+            profile (whole or partial) from before settings were recorded (nothing is
+            changed either way).
     """
+    from _ttt_worker import PROFILE_JOURNAL
+
     from paratune.errors import ConfigError
 
     path = out / "settings.json"
     if not path.exists():
-        stale = [name for name in ("runs.jsonl", "profile.json") if (out / name).exists()]
+        stale = [name for name in ("runs.jsonl", "profile.json", PROFILE_JOURNAL)
+                 if (out / name).exists()]
         if stale:
             raise ConfigError("out", str(out), f"holds {' and '.join(stale)} measured before "
                               "their settings were recorded (settings.json), so they cannot be "
@@ -379,7 +388,7 @@ def plots(results: list[dict[str, Any]], pilot: dict[str, Any], out: Path, targe
 
 
 def main(argv: list[str] | None = None) -> int:
-    from _ttt_worker import Job, config_for
+    from _ttt_worker import Job
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("out/time_to_target"),
@@ -409,16 +418,28 @@ def main(argv: list[str] | None = None) -> int:
                 batches=batches, gns_beta=0.9)
     from paratune.errors import ConfigError
 
-    try:
-        check_settings(out, experiment_settings(
-            args, model, batches, {"val_seqs": base["val_seqs"],
-                                   "gns_beta": base["gns_beta"],
-                                   "profile_steps": Job.profile_steps}))
-    except ConfigError as error:
-        parser.error(str(error))
+    with contextlib.ExitStack() as stack:
+        try:
+            stack.enter_context(exclusive_lock(
+                out / "experiment.lock", field="out", value=str(out),
+                what="running the time-to-target experiment into it"))
+            check_settings(out, experiment_settings(
+                args, model, batches, {"val_seqs": base["val_seqs"],
+                                       "gns_beta": base["gns_beta"],
+                                       "profile_steps": Job.profile_steps}))
+        except ConfigError as error:
+            parser.error(str(error))
+        return _run(args, model, batches, seeds, base, out)
+
+
+def _run(args: argparse.Namespace, model: Any, batches: list[int], seeds: list[int],
+         base: dict[str, Any], out: Path) -> int:
+    from _ttt_worker import Job, config_for
+
     started = time.perf_counter()
 
-    # 1. Step times of every (layout, batch), switch cost, and the pilot's B_noise trajectory.
+    # 1. Step times of every (layout, batch), switch cost, and the pilot's B_noise trajectory
+    # (a profiling killed earlier resumes from its journal: only what is missing is measured).
     pilot_run = {"name": "pilot", "arm": "pilot", "seed": 1000, "policy": "fixed",
                  "measure": True, "config": config_for("dp4", args.pilot_batch).to_dict()}
     if not (out / "profile.json").exists() or "pilot" not in {
@@ -499,7 +520,8 @@ if __name__ == "__main__":
     try:
         sys.exit(main())
     except KeyboardInterrupt:
-        # Finished runs (and the profile) are journaled under --out: a rerun resumes.
-        print("interrupted; the runs already finished are kept under --out: run the same "
-              "command again to resume", file=sys.stderr)
+        # Profiled measurements and finished runs are journaled under --out: a rerun resumes.
+        print("interrupted; the step times and switch costs measured and the runs already "
+              "finished are kept under --out: run the same command again to resume",
+              file=sys.stderr)
         sys.exit(130)

@@ -6,7 +6,11 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pandas as pd
@@ -160,6 +164,13 @@ def test_runs_measured_with_other_settings_are_not_reused(tmp_path):
     with pytest.raises(ConfigError, match="before their settings were recorded") as info:
         ttt.check_settings(old, _settings())
     assert info.value.field == "out" and not (old / "settings.json").exists()
+    # Likewise a partial profile (the measurement journal of a killed profiling).
+    partial = tmp_path / "partial"
+    partial.mkdir()
+    (partial / "profile.jsonl").write_text('{"id": "step dp4 measure=0"}\n')
+    with pytest.raises(ConfigError, match=r"holds profile\.jsonl measured before") as info:
+        ttt.check_settings(partial, _settings())
+    assert info.value.field == "out" and not (partial / "settings.json").exists()
 
 
 def test_the_script_refuses_other_settings_before_starting_any_process(tmp_path, monkeypatch,
@@ -179,6 +190,21 @@ def test_the_script_refuses_other_settings_before_starting_any_process(tmp_path,
                   "--corpus-mb", "4", "--no-mlflow"])
     assert info.value.code == 2
     assert "target=1.5" in capsys.readouterr().err
+
+
+def test_the_script_refuses_an_out_another_experiment_is_using(tmp_path, monkeypatch, capsys):
+    """Two experiments into one --out would measure the same things twice and interleave
+    their journals: the second is refused while the first holds the folder."""
+    from paratune._io import exclusive_lock
+
+    out = tmp_path / "out"
+    monkeypatch.setattr(ttt, "_spawn", lambda job: pytest.fail("started processes"))
+    with (exclusive_lock(out / "experiment.lock", field="out", value=str(out), what="running"),
+          pytest.raises(SystemExit) as info):
+        ttt.main(["--out", str(out), "--no-mlflow"])
+    assert info.value.code == 2
+    assert "is in use: another process" in capsys.readouterr().err
+    assert not (out / "settings.json").exists()
 
 
 @pytest.mark.slow
@@ -210,3 +236,79 @@ def _measuring_worker(rank, world_size, port, out):
             warmup_steps=1)
         if rank == 0:
             Path(out, "times.json").write_text(json.dumps({"times": times, "mode": mode}))
+
+
+
+_PROFILE_ONLY = """
+import sys
+sys.path.insert(0, sys.argv[1])
+from pathlib import Path
+import time_to_target as ttt
+from _ttt_worker import Job
+from paratune import get_model
+model = get_model("tiny").replace(name="tiny-text", num_layers=2, hidden_size=64, num_heads=4,
+                                  num_kv_heads=2, ffn_hidden_size=176, seq_len=64)
+ttt._spawn(Job(model=model, out_dir=sys.argv[2], target_loss=1.0, lr=1e-3, corpus_bytes=0,
+               val_seqs=1, eval_every_tokens=1, max_tokens=1, batches=[4], gns_beta=0.9,
+               profile=True, profile_steps=1))
+"""
+
+
+@pytest.mark.slow
+def test_a_killed_profiling_keeps_its_measurements_and_resumes(tmp_path):
+    """The experiment's profiling (its real worker, 4 gloo ranks) is killed with SIGKILL, all
+    its processes, right after it measured its first switch cost: what it measured is kept as
+    journaled (values and times) and the rerun measures only the rest, then writes the whole
+    profile. To keep this short, an earlier killed profiling has already journaled all step
+    times but the last (so the one killed here measures one step time, then switches)."""
+    from _ttt_worker import LAYOUTS, PROFILE_JOURNAL, Job, profile_items, read_profile_journal
+
+    from paratune._io import append_jsonl, read_jsonl
+
+    out = tmp_path / "out"
+    job = Job(model=_model(), out_dir=str(out), target_loss=1.0, lr=1e-3, corpus_bytes=0,
+              val_seqs=1, eval_every_tokens=1, max_tokens=1, batches=[4], gns_beta=0.9)
+    items = profile_items(job, 4)
+    journal = out / PROFILE_JOURNAL
+    for n, (measurement_id, layout, batch, measure, config) in enumerate(items[:-1]):
+        append_jsonl(journal, {"id": measurement_id, "measured_at": 1.0 + n, "layout": layout,
+                               "batch": batch, "measure": measure, "mode": "",
+                               "key": config.key(), "config": config.to_dict(),
+                               "step_time_s": 100.0 + n, "peak_rss_gb": 0.0})
+    command = [sys.executable, "-c", _PROFILE_ONLY, str(Path(ttt.__file__).parent), str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    first = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while (first.poll() is None and time.monotonic() < deadline
+               and not any(i.startswith("switch ") for i in read_profile_journal(journal))):
+            time.sleep(0.05)
+        assert first.poll() is None, first.stderr.read().decode()
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)  # the parent and its workers
+        first.wait()
+    kept_text = journal.read_text()
+    kept = read_profile_journal(journal)
+    assert items[-1][0] in kept and any(i.startswith("switch 0 ") for i in kept), list(kept)
+    assert not (out / "profile.json").exists()
+    assert len(kept) < len(items) + 3  # not all switches measured: the rerun has work left
+
+    rerun = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr
+    assert journal.read_text().startswith(kept_text)  # kept as it was: values and times
+    ids = [r["id"] for r in read_jsonl(journal)]
+    assert len(ids) == len(set(ids)) == len(items) + 3  # nothing measured twice
+    profile = json.loads((out / "profile.json").read_text())
+    # The whole profile in the shape the experiment reads, built from the kept measurements.
+    assert [r["key"] for r in profile["table"]] == [item[4].key() for item in items]
+    assert {r["layout"] for r in profile["table"]} == set(LAYOUTS)
+    assert all(set(r) == {"layout", "batch", "measure", "mode", "key", "config",
+                          "step_time_s", "peak_rss_gb"} for r in profile["table"])
+    assert [r["step_time_s"] for r in profile["table"]] == [
+        *(100.0 + n for n in range(len(items) - 1)), kept[items[-1][0]]["step_time_s"]]
+    switch_0 = next(r for i, r in kept.items() if i.startswith("switch 0 "))
+    assert profile["switch_costs"][0] == {k: v for k, v in switch_0.items()
+                                          if k not in ("id", "measured_at")}
+    assert len(profile["switch_costs"]) == 3
+    assert all(c["total_s"] > 0 for c in profile["switch_costs"])
