@@ -154,7 +154,10 @@ def find_checkpoint(path: str | Path) -> Path | None:
     aside and renaming the new one into place, the old one (``<path>.previous``).
     """
     path = Path(path)
-    for candidate in (path, _sibling(path, _PREVIOUS)):
+    # ``path`` once more at the end: a save that commits between the first two checks moves
+    # ``path`` aside (so it is absent), renames the new one into place and removes the old
+    # one (so ``previous`` is absent) while a complete checkpoint existed all along.
+    for candidate in (path, _sibling(path, _PREVIOUS), path):
         if _is_complete(candidate):
             return candidate
     return None

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -129,6 +130,33 @@ def test_switching_layouts_keeps_parameters_optimizer_state_and_data_position(tm
 def test_load_without_complete_checkpoint_fails_clearly(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"run_state\.json"):
         load_checkpoint(tmp_path, trainer=None)
+
+
+def test_a_checkpoint_committed_while_it_is_looked_up_is_found(tmp_path, monkeypatch):
+    """A save that committed between the lookup's two checks (``path`` moved aside, then the
+    new one renamed into place and the old one removed) made the lookup find neither while
+    a complete checkpoint existed at every instant (about once in 400,000 lookups against
+    back-to-back saves)."""
+    from paratune.profiler import reconfigure
+
+    path = tmp_path / "ckpt"
+    previous, staging = (path.with_name(path.name + s) for s in (".previous", ".saving"))
+    for directory in (previous, staging):  # mid-commit: path moved aside, staging complete
+        directory.mkdir()
+        (directory / reconfigure.RUN_STATE_FILE).write_text("{}")
+    real = reconfigure._is_complete
+    checked = []
+
+    def is_complete(candidate):
+        found = real(candidate)
+        checked.append(candidate)
+        if len(checked) == 1:  # the commit finishes right after the lookup checked path
+            staging.rename(path)
+            shutil.rmtree(previous)
+        return found
+
+    monkeypatch.setattr(reconfigure, "_is_complete", is_complete)
+    assert reconfigure.find_checkpoint(path) == path
 
 
 def test_run_state_rejects_unknown_format():
