@@ -32,6 +32,9 @@ WORKER = textwrap.dedent("""
             return super().predict(frame)
 
     space = SearchSpace.build(get_model("llama3-8b"), 64, "H100", global_batch_sizes="128:512")
+    if {together}:  # start the search when the test says every worker has imported
+        print("READY", flush=True)
+        sys.stdin.readline()
     result, study = optuna_search(Slow(), space, Objective(kind="goodput", b_noise=300),
                                   n_trials={n_trials}, seed={seed}, storage={storage!r},
                                   study_name="shared", batch_size=1)
@@ -43,12 +46,16 @@ def _space():
     return SearchSpace.build(get_model("llama3-8b"), 64, "H100", global_batch_sizes="128:512")
 
 
-def _worker(storage: str, *, n_trials: int, seed: int, delay: float) -> subprocess.Popen:
+def _worker(storage: str, *, n_trials: int, seed: int, delay: float,
+            together: bool = False) -> subprocess.Popen:
+    """A process searching the study ``shared`` in ``storage``; with ``together`` it prints
+    ``READY`` once imported and starts its search on a line from stdin."""
     code = WORKER.format(here=str(HERE), delay=delay, n_trials=n_trials, seed=seed,
-                         storage=storage)
+                         storage=storage, together=together)
     env = dict(os.environ, OMP_NUM_THREADS="1")
     return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env)
+                            stderr=subprocess.PIPE, text=True, env=env,
+                            stdin=subprocess.PIPE if together else subprocess.DEVNULL)
 
 
 def _finished(storage: str) -> list:
@@ -60,7 +67,15 @@ def _finished(storage: str) -> list:
 @pytest.mark.slow
 def test_two_processes_share_one_study(tmp_path):
     storage = str(tmp_path / "study.journal")
-    workers = [_worker(storage, n_trials=30, seed=seed, delay=0.01) for seed in (0, 1)]
+    workers = [_worker(storage, n_trials=30, seed=seed, delay=0.03, together=True)
+               for seed in (0, 1)]
+    # One worker runs all 30 trials in about a second: one that imports slower under load
+    # used to find the study full and tell none. Both start once both have imported.
+    for w in workers:
+        assert w.stdout.readline() == "READY\n", w.communicate(timeout=60)[1]
+    for w in workers:
+        w.stdin.write("go\n")
+        w.stdin.flush()
     outs = [w.communicate(timeout=120) for w in workers]
     for w, (out, err) in zip(workers, outs):
         assert w.returncode == 0, err
