@@ -59,12 +59,52 @@ def artifact_root(uri: str | None = None) -> Path | None:
         ``mlartifacts/`` beside the database file for ``sqlite:///PATH`` stores; ``None``
         for any other store (MLflow's own default applies there).
     """
-    uri = uri or default_tracking_uri()
+    database = _sqlite_file(uri or default_tracking_uri())
+    return None if database is None else database.resolve().parent / "mlartifacts"
+
+
+def _sqlite_file(uri: str) -> Path | None:
+    """The database file of a ``sqlite:///PATH`` tracking URI (``None``: another store)."""
     prefix = "sqlite:///"
     if not uri.startswith(prefix) or uri == prefix or ":memory:" in uri:
         return None
-    database = Path(uri[len(prefix):].split("?", 1)[0])
-    return database.resolve().parent / "mlartifacts"
+    return Path(uri[len(prefix):].split("?", 1)[0])
+
+
+_STORE_LOCK_WAIT_S = 120.0
+"""How long a process waits for another one to create the schema of a new SQLite store."""
+
+
+@contextlib.contextmanager
+def _store_opening(uri: str) -> Iterator[None]:
+    """Let one process at a time open a local SQLite store while the block runs.
+
+    MLflow creates the tables of a new SQLite store (its schema migrations) the first time a
+    process opens it; two processes doing that at once (``paratune tune`` workers sharing one
+    study, each tracked to ./mlflow.db) break each other's migration. The lock
+    (``<database>.lock`` beside it) makes the others wait until the first has done it; it is
+    released when the block ends, an error included. Other stores are not locked.
+
+    Raises:
+        ConfigError: another process held the lock for over :data:`_STORE_LOCK_WAIT_S`
+            (field ``tracking_uri``).
+    """
+    database = _sqlite_file(uri)
+    if database is None:
+        yield
+        return
+    from paratune._io import exclusive_lock
+
+    with contextlib.ExitStack() as held:
+        try:
+            held.enter_context(exclusive_lock(
+                database.with_name(database.name + ".lock"), field="tracking_uri", value=uri,
+                what="opening this MLflow tracking store", wait_s=_STORE_LOCK_WAIT_S))
+        except OSError as exc:  # no lock file possible there: MLflow says what it cannot do
+            logging.getLogger(__name__).warning(
+                "%s: cannot lock the store (%s); processes opening it at once may fail", uri,
+                exc.strerror or exc)
+        yield
 
 
 def _experiment_dir_name(name: str) -> str:
@@ -249,12 +289,14 @@ def start_run(experiment: str, *, run_name: str | None = None,
         logging.getLogger(name).setLevel(logging.WARNING)
     uri = tracking_uri or default_tracking_uri()
     with _tracking_uri_set(mlflow, uri):
-        if run_id is None:
-            _ensure_experiment(mlflow, experiment, uri)
-            mlflow.set_experiment(experiment)
-            active = mlflow.start_run(run_name=run_name, tags=source_tags())
-        else:
-            active = mlflow.start_run(run_id=run_id)
+        # the first access creates the schema of a new store: one process at a time
+        with _store_opening(uri):
+            if run_id is None:
+                _ensure_experiment(mlflow, experiment, uri)
+                mlflow.set_experiment(experiment)
+                active = mlflow.start_run(run_name=run_name, tags=source_tags())
+            else:
+                active = mlflow.start_run(run_id=run_id)
         tracked = TrackedRun(mlflow, active)
         error: BaseException | None = None
         try:

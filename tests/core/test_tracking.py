@@ -319,3 +319,78 @@ def test_search_regret_logs_the_space_it_searches(monkeypatch, tmp_path):
     assert params["world_sizes"] == [512, 1024] and params["samplers"] == ["tpe", "random"]
     assert params["data"] == [str(tmp_path / "ultrascale_playbook_h100.csv"),
                               str(tmp_path / "ultrascale_playbook_h100_failed.csv")]
+
+
+_OPEN_AT_ONCE = """
+import sys, time
+from pathlib import Path
+from paratune.tracking import start_run
+import mlflow, sqlalchemy  # imported before the start, as a running command has them
+uri, ready, go = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
+ready.touch()
+while not go.exists():
+    time.sleep(0.002)
+with start_run("paratune-tune", tracking_uri=uri) as run:
+    run.log_metrics({"x": 1.0})
+"""
+
+
+def test_processes_opening_their_first_run_at_once_share_a_new_sqlite_store(tmp_path):
+    """Several processes (``paratune tune`` workers sharing one study, each tracked to
+    ./mlflow.db) start a run in a store that does not exist yet at the same instant: one of
+    them creates the schema, the others wait for it, and every run is in the store."""
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    go = tmp_path / "go"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("MLFLOW_TRACKING_URI", None)
+    ready = [tmp_path / f"ready{i}" for i in range(3)]
+    procs = [subprocess.Popen([sys.executable, "-c", _OPEN_AT_ONCE, uri, str(r), str(go)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                              env=env, cwd=tmp_path) for r in ready]
+    try:
+        deadline = time.monotonic() + 60
+        while not all(r.exists() for r in ready) and time.monotonic() < deadline:
+            assert all(p.poll() is None for p in procs), [p.stderr.read() for p in procs]
+            time.sleep(0.01)
+        go.touch()  # all imported: they open their runs together
+        errors = [p.communicate(timeout=120)[1] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert [p.returncode for p in procs] == [0] * len(procs), "\n".join(errors)
+    client = MlflowClient(uri)
+    runs = client.search_runs([client.get_experiment_by_name("paratune-tune").experiment_id])
+    assert len(runs) == len(procs)
+    assert {r.info.status for r in runs} == {"FINISHED"}
+    assert all(r.data.metrics == {"x": 1.0} for r in runs)
+
+
+def test_opening_a_sqlite_store_waits_for_its_lock_and_always_lets_go(store, tmp_path,
+                                                                      monkeypatch):
+    """A process that cannot get the store's lock in time says which store; a run that
+    fails to open still lets go of the lock."""
+    import mlflow
+
+    from paratune import tracking
+    from paratune._io import exclusive_lock
+    from paratune.errors import ConfigError
+
+    lock = tmp_path / "mlflow.db.lock"
+    monkeypatch.setattr(tracking, "_STORE_LOCK_WAIT_S", 0.2)
+    with (exclusive_lock(lock, field="f", value="v", what="holding it"),
+          pytest.raises(ConfigError, match="tracking_uri=") as info,
+          start_run("paratune-test")):
+        pass
+    assert store in str(info.value) and "waited 0.2 s" in str(info.value)
+    with pytest.raises(mlflow.exceptions.MlflowException), start_run("paratune-test",
+                                                                     run_id="0" * 32):
+        pass
+    with exclusive_lock(lock, field="f", value="v", what="holding it"):  # free: no wait
+        pass
+    with start_run("paratune-test") as run:
+        pass
+    assert mlflow.get_run(run.run_id).info.status == "FINISHED"
