@@ -13,8 +13,12 @@ row with :data:`paratune.predictor.PREDICTION_COLUMNS`, the throughput quantiles
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import re
+import secrets
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -22,7 +26,7 @@ import numpy as np
 from sklearn.base import BaseEstimator
 
 from paratune import __version__
-from paratune._io import atomic_write_text
+from paratune._io import atomic_write_text, exclusive_lock
 from paratune.errors import DatasetError, ModelFormatError
 from paratune.models import features as F
 from paratune.models._data import (
@@ -75,6 +79,11 @@ PRED_ERROR = "pred_error"
 OUTPUT_COLUMNS = (*PREDICTION_COLUMNS, PRED_TOKENS_Q10, PRED_TOKENS_Q90, PRED_TOKENS_EXPECTED,
                   PRED_STALL_PROB, "analytical_step_time_s", PRED_ERROR)
 _MANIFEST = "model.json"
+_LOCK_FILE = ".model.lock"
+_LOCK_WAIT_S = 60.0
+_COMPONENT_FILE = re.compile(
+    r"^(throughput|throughput_refine|throughput_quantiles|memory|feasibility|stall_classifier"
+    r"|stall_time|stall_time_quantiles|transfer-.+|family-.+)\.json$")
 _TIME_COMPONENTS = ("throughput", "throughput_refine", "throughput_quantiles")
 _STALL_COMPONENTS = ("stall_classifier", "stall_time", "stall_time_quantiles")
 _TRANSFER_COLUMNS = np.asarray([F.FEATURE_NAMES.index(name) for name in F.TRANSFER_FEATURE_NAMES])
@@ -572,22 +581,27 @@ class PerformanceModel(_Base):
         """Write the model as a directory of XGBoost JSON files and a manifest.
 
         The manifest (``model.json``) holds the schema version, feature names, parameters,
-        the training-data fingerprint and the component files. Written file by file with
-        atomic replaces; a manifest already there goes first and the new one is written last,
-        so a half-written directory (also one saved over another model) does not load.
+        the training-data fingerprint, the component files and the SHA-256 of each. Written
+        file by file with atomic replaces; a manifest already there goes first and the new one
+        is written last, so a half-written directory (also one saved over another model) does
+        not load. The save holds the directory's lock (``.model.lock``) throughout: saves into
+        one directory take turns (the last one's model is what stays), and a :meth:`load`
+        waits for the save to end.
 
         Args:
             path: Directory (created if missing).
 
         Returns:
             The directory.
+
+        Raises:
+            ConfigError: another process kept the directory locked for over a minute.
         """
+        import os
+
         self._check_fitted()
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
-        # saving over another model: without its manifest the directory does not load until
-        # this one's manifest is written, never as a mixture of the two models' files
-        (path / _MANIFEST).unlink(missing_ok=True)
         components = {"throughput": self.throughput_, "throughput_refine": self.refine_,
                       "throughput_quantiles": self.quantile_,
                       "memory": self.memory_, "feasibility": self.feasibility_}
@@ -603,50 +617,103 @@ class PerformanceModel(_Base):
                 components[f"family-{family}-{name}"] = booster
             for name, booster in zip(_TIME_COMPONENTS, self.family_transfer_[family]):
                 components[f"family-{family}-transfer-{name}"] = booster
-        files = {}
-        for name, booster in components.items():
-            if booster is None:
-                continue
-            target = path / f"{name}.json"
-            tmp = path / f".{name}.tmp.json"
-            booster.save_model(str(tmp))
-            tmp.replace(target)
-            files[name] = target.name
         params = self.get_params()
         params["quantiles"] = list(params["quantiles"])
-        manifest = {
-            "kind": "paratune.PerformanceModel",
-            "schema_version": SCHEMA_VERSION,
-            "paratune_version": __version__,
-            "feature_names": list(F.FEATURE_NAMES),
-            "feasibility_feature_names": [*F.FEATURE_NAMES, "log2_pred_mem_fraction"],
-            "transfer_feature_names": list(F.TRANSFER_FEATURE_NAMES),
-            "seen_models": self.seen_models_,
-            "target": "log(measured_step_time_s / analytical_step_time_s)",
-            "stall_target": "log(measured_step_time_s / num_microbatches) of stalled runs",
-            "params": params,
-            "components": files,
-            "families": sorted(self.families_),
-            "hardware_family": self.hardware_family_,
-            "training": {"fingerprint_sha256": self.fingerprint_,
-                         "num_rows": self.num_train_rows_, "num_time_rows": self.num_time_rows_,
-                         "num_memory_rows": self.num_memory_rows_,
-                         "num_stall_rows": self.num_stall_rows_,
-                         "num_feasibility_configs": self.num_feasibility_rows_,
-                         "sources": self.sources_, "ranges": self.training_ranges_},
-        }
-        atomic_write_text(path / _MANIFEST, json.dumps(manifest, indent=2, sort_keys=True))
+        with _directory_lock(path, "saving"):
+            for leftover in path.glob(".*.tmp.json"):  # of a save killed part-way (not of
+                with contextlib.suppress(OSError):       # one in flight where flock is missing)
+                    if leftover.stat().st_mtime < time.time() - 60:
+                        leftover.unlink()
+            # saving over another model: without its manifest the directory does not load
+            # until this one's manifest is written, never as a mixture of the two models' files
+            (path / _MANIFEST).unlink(missing_ok=True)
+            files, digests = {}, {}
+            for name, booster in components.items():
+                if booster is None:
+                    continue
+                target = path / f"{name}.json"
+                # a name of its own (XGBoost picks the format from the .json suffix)
+                tmp = path / f".{name}.{secrets.token_hex(4)}.tmp.json"
+                try:
+                    booster.save_model(str(tmp))
+                    with open(tmp, "rb") as handle:
+                        digests[name] = hashlib.sha256(handle.read()).hexdigest()
+                        os.fsync(handle.fileno())
+                    tmp.replace(target)
+                except BaseException:
+                    tmp.unlink(missing_ok=True)
+                    raise
+                files[name] = target.name
+            manifest = {
+                "kind": "paratune.PerformanceModel",
+                "schema_version": SCHEMA_VERSION,
+                "paratune_version": __version__,
+                "feature_names": list(F.FEATURE_NAMES),
+                "feasibility_feature_names": [*F.FEATURE_NAMES, "log2_pred_mem_fraction"],
+                "transfer_feature_names": list(F.TRANSFER_FEATURE_NAMES),
+                "seen_models": self.seen_models_,
+                "target": "log(measured_step_time_s / analytical_step_time_s)",
+                "stall_target": "log(measured_step_time_s / num_microbatches) of stalled runs",
+                "params": params,
+                "components": files,
+                "component_sha256": digests,
+                "families": sorted(self.families_),
+                "hardware_family": self.hardware_family_,
+                "training": {"fingerprint_sha256": self.fingerprint_,
+                             "num_rows": self.num_train_rows_,
+                             "num_time_rows": self.num_time_rows_,
+                             "num_memory_rows": self.num_memory_rows_,
+                             "num_stall_rows": self.num_stall_rows_,
+                             "num_feasibility_configs": self.num_feasibility_rows_,
+                             "sources": self.sources_, "ranges": self.training_ranges_},
+            }
+            atomic_write_text(path / _MANIFEST, json.dumps(manifest, indent=2, sort_keys=True))
+            # the components of a model saved here before that this one lacks (a family, the
+            # stall regime): the directory holds this model's files alone
+            for file in path.glob("*.json"):
+                if (file.name not in files.values() and file.name != _MANIFEST
+                        and _COMPONENT_FILE.match(file.name)):
+                    file.unlink(missing_ok=True)
         return path
 
     @classmethod
     def load(cls, path: str | Path) -> PerformanceModel:
         """Load a directory written by :meth:`save`.
 
+        Holds the directory's lock while it reads (waiting up to a minute for a save there to
+        end), so a model being saved over loads as the old model or the new one. Where the
+        lock cannot be taken (a read-only directory without the lock file) the files are read
+        unlocked; either way each component must match the SHA-256 the manifest records, so
+        files of two saves never load as one model.
+
         Raises:
-            ModelFormatError: missing or corrupt files, another schema version, or feature
-                names that differ from this version's.
+            ModelFormatError: missing or corrupt files (or files another save changed), another
+                schema version, or feature names that differ from this version's.
+            ConfigError: another process kept the directory locked for over a minute.
         """
         path = Path(path)
+        if not ((path / _MANIFEST).is_file() or (path / _LOCK_FILE).is_file()):
+            # checked before locking: loading never creates a lock file where no model is
+            raise ModelFormatError(f"{path}: not a saved performance model (no {_MANIFEST})")
+        with contextlib.ExitStack() as stack:
+            try:
+                stack.enter_context(_directory_lock(path, "saving or loading"))
+                locked = True
+            except OSError:  # read-only: no lock file and none can be made, so no save either
+                locked = False
+            try:
+                return cls._load_files(path)
+            except _ChangedError:
+                if locked:
+                    raise
+            # unlocked, a save elsewhere may have rewritten a file since the manifest was
+            # read: read the directory once more before calling it corrupt
+            time.sleep(0.5)
+            return cls._load_files(path)
+
+    @classmethod
+    def _load_files(cls, path: Path) -> PerformanceModel:
+        """Read and check the manifest, then the model it describes."""
         manifest_path = path / _MANIFEST
         if not manifest_path.exists():
             raise ModelFormatError(f"{path}: not a saved performance model (no {_MANIFEST})")
@@ -683,17 +750,27 @@ class PerformanceModel(_Base):
         params["quantiles"] = tuple(params["quantiles"])
         model = cls(**params)
         files = manifest["components"]
+        # a model saved before the digests were recorded has none to check
+        digests = manifest.get("component_sha256") or {}
 
         def booster(name: str, kind: type) -> Any:
             if name not in files:
                 return None
             file = path / files[name]
-            if not file.is_file():
-                raise ModelFormatError(f"{file}: missing ({_MANIFEST} lists it as component "
-                                       f"{name!r}); refit the model or restore the file")
+            try:
+                data = file.read_bytes()
+            except (FileNotFoundError, IsADirectoryError):
+                raise _ChangedError(f"{file}: missing ({_MANIFEST} lists it as component "
+                                    f"{name!r}); refit the model or restore the file"
+                                    ) from None
+            if name in digests and hashlib.sha256(data).hexdigest() != digests[name]:
+                raise _ChangedError(f"{file}: corrupt: its content differs from the one "
+                                    f"{_MANIFEST} records (SHA-256) for component {name!r}: "
+                                    "changed after the save, or left by another save into "
+                                    f"{path}; save or refit the model again")
             obj = kind()
             try:
-                obj.load_model(str(file))
+                obj.load_model(bytearray(data))
             except (xgb.core.XGBoostError, OSError, ValueError, KeyError, TypeError) as exc:
                 what = "classifier" if kind is xgb.XGBClassifier else "regressor"
                 raise ModelFormatError(f"{file}: corrupt: not an XGBoost {what} "
@@ -743,6 +820,17 @@ class PerformanceModel(_Base):
         # a model saved before its training ranges were recorded has none
         model.training_ranges_ = training.get("ranges", {})
         return model
+
+
+class _ChangedError(ModelFormatError):
+    """A component file is missing or not the one the manifest records: another save may be
+    rewriting the directory (see :meth:`PerformanceModel.load`)."""
+
+
+def _directory_lock(path: Path, what: str) -> contextlib.AbstractContextManager[None]:
+    """The lock that saves into (and loads from) one model directory take turns on."""
+    return exclusive_lock(path / _LOCK_FILE, field="path", value=str(path),
+                          what=f"{what} a performance model there", wait_s=_LOCK_WAIT_S)
 
 
 _XGB_LOCATION = re.compile(r"^\[[\d:]+\] [^:]*:\d+: ")

@@ -10,7 +10,12 @@ import numpy as np
 
 from paratune.errors import ConfigError
 from paratune.models._data import load_measurements, measured_step_time
-from paratune.models._estimators import _MANIFEST, PerformanceModel, estimator_factories
+from paratune.models._estimators import (
+    _LOCK_FILE,
+    _MANIFEST,
+    PerformanceModel,
+    estimator_factories,
+)
 from paratune.models._evaluate import EvaluationResult, cross_validate, plot_predictions
 
 __all__ = ["evaluate_model", "fit_model", "plot_path"]
@@ -75,7 +80,9 @@ def fit_model(data: Sequence[str | Path], out: str | Path, *, n_estimators: int 
                    f"training-data fingerprint {model.fingerprint_[:16]}")
         if run is not None:
             run.log_metrics(fit_metrics)
-            run.log_artifact(out, artifact_path="model")
+            for file in sorted(Path(out).iterdir()):  # the model's files, not its lock
+                if file.is_file() and file.name != _LOCK_FILE:
+                    run.log_artifact(file, artifact_path="model")
             summary += f"\nMLflow run {run.run_id} (experiment {experiment})"
     return model, summary
 
@@ -87,8 +94,8 @@ def _check_out(out: Path, *, force: bool) -> None:
         raise ConfigError("out", str(out), "is a file; the model is written as a directory")
     if not out.is_dir() or not any(out.iterdir()):
         return
-    # model.json, or the first booster of a save that died before its manifest
-    if not any((out / name).is_file() for name in (_MANIFEST, "throughput.json")):
+    # model.json, or the lock or first booster of a save that died before its manifest
+    if not any((out / name).is_file() for name in (_MANIFEST, "throughput.json", _LOCK_FILE)):
         raise ConfigError("out", str(out), "is a directory with other files in it, not a "
                           "saved model; give a new or empty directory")
     if not force:

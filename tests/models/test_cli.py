@@ -59,7 +59,7 @@ def test_fit_logs_to_mlflow(tmp_path, make_synthetic, mlflow_uri, capsys):
     assert runs["metrics.num_time_rows"].iloc[0] > runs["metrics.num_stall_rows"].iloc[0] > 0
     client = mlflow.tracking.MlflowClient()
     names = [a.path for a in client.list_artifacts(runs["run_id"].iloc[0], "model")]
-    assert "model/model.json" in names
+    assert "model/model.json" in names and "model/.model.lock" not in names
 
 
 def test_predict_public_csv_keeps_every_row_in_order(model_dir, tmp_path, capsys):
@@ -310,6 +310,13 @@ def test_fit_refuses_a_used_out_unless_it_holds_a_model_and_force_is_given(
     (tmp_path / "empty").mkdir()
     assert main([*fit[:3], str(tmp_path / "empty"), *fit[4:], "--no-track"]) == 0
     assert main([*fit, "--force"]) == 0
+    # a save killed before its first file leaves only the directory's lock: a model's place
+    killed = tmp_path / "killed"
+    killed.mkdir()
+    (killed / ".model.lock").write_text("")
+    assert main([*fit[:3], str(killed), *fit[4:], "--no-track"]) == 2
+    assert "already holds a saved model" in capsys.readouterr().err
+    assert main([*fit[:3], str(killed), *fit[4:], "--no-track", "--force"]) == 0
     (run,) = _runs(mlflow_uri, "paratune-fit")
     assert run.info.status == "FINISHED"
 

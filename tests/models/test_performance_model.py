@@ -1,6 +1,9 @@
 from __future__ import annotations
 
 import json
+import re
+import time
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -41,7 +44,7 @@ def test_learns_the_hidden_ratio_and_keeps_row_order(fitted, make_synthetic):
 
 def test_save_load_roundtrip_is_json_and_identical(fitted, synthetic, tmp_path):
     fitted.save(tmp_path / "m")
-    files = sorted(p.name for p in (tmp_path / "m").iterdir())
+    files = sorted(p.name for p in (tmp_path / "m").iterdir() if p.name != ".model.lock")
     assert "model.json" in files and all(f.endswith(".json") for f in files)
     manifest = json.loads((tmp_path / "m" / "model.json").read_text())
     assert manifest["schema_version"] == SCHEMA_VERSION and manifest["feature_names"]
@@ -331,3 +334,172 @@ def test_the_training_ranges_are_recorded_and_saved(fitted, synthetic, tmp_path)
         tokens = rows["global_batch_size"] * rows["seq_len"]
         assert seen["tokens_per_step"] == [int(tokens.min()), int(tokens.max())]
     assert load_model(fitted.save(tmp_path / "m")).training_ranges_ == ranges
+
+
+# ------------------------------------------------------------- saves and loads side by side
+_SAVER = """
+import sys, time
+from pathlib import Path
+from paratune.models import load_model
+
+models = [load_model(src) for src in sys.argv[1].split(",")]
+ready, others, rounds = Path(sys.argv[3]), sys.argv[4].split(","), int(sys.argv[5])
+pause_s = float(sys.argv[6])
+ready.touch()
+while not all(Path(other).exists() for other in others):  # start together
+    time.sleep(0.001)
+for i in range(rounds):
+    for j, out in enumerate(sys.argv[2].split(",")):
+        models[(i + j) % len(models)].save(out)
+        time.sleep(pause_s)
+"""
+
+
+def _start_saver(sources, outs, ready, others, rounds, pause_s=0.0):
+    """A process that loads the models saved in ``sources``, waits for ``others`` to exist
+    (after creating ``ready``), then saves them into each of ``outs`` in turn, ``rounds``
+    times, ``pause_s`` apart."""
+    import subprocess
+    import sys
+
+    return subprocess.Popen([sys.executable, "-c", _SAVER, ",".join(map(str, sources)),
+                             ",".join(map(str, outs)), str(ready),
+                             ",".join(map(str, others)), str(rounds), str(pause_s)],
+                            stderr=subprocess.PIPE, text=True)
+
+
+@pytest.fixture(scope="module")
+def two_models(fitted, synthetic, tmp_path_factory):
+    """Two different fitted models saved in directories of their own, and what each predicts:
+    the second has per-family boosters the first lacks."""
+    other = synthetic.assign(hardware="A100-80GB", source="otherlab_cluster")
+    second = PerformanceModel(n_estimators=20, aux_estimators=10, min_family_rows=50,
+                              n_jobs=1).fit(pd.concat([synthetic, other], ignore_index=True))
+    configs = synthetic[list(CONFIG_COLUMNS)]
+    check = pd.concat([configs.head(4),
+                       configs.head(2).assign(model_name="twice-as-deep",
+                                              num_layers=configs["num_layers"].head(2) * 2),
+                       configs.head(2).assign(hardware="A100-80GB")], ignore_index=True)
+    root = tmp_path_factory.mktemp("two")
+    models = {"first": fitted, "second": second}
+    return {name: (model.save(root / name), model.num_train_rows_,
+                   _signature(model, check)) for name, model in models.items()}, check
+
+
+def _signature(model, check):
+    return model.predict(check)[list(PREDICTION_COLUMNS)].to_numpy(dtype=float)
+
+
+def _which(path, two_models):
+    """The name of the saved model that ``path`` loads as, exactly (AssertionError: neither)."""
+    saved, check = two_models
+    model = load_model(path)
+    got = _signature(model, check)
+    for name, (_, rows, expected) in saved.items():
+        if model.num_train_rows_ == rows and np.allclose(got, expected, rtol=1e-6,
+                                                         equal_nan=True):
+            return name
+    raise AssertionError(f"{path} loads as a mixture of two models")
+
+
+def test_concurrent_saves_into_one_directory_leave_one_complete_model(two_models, tmp_path):
+    saved, _ = two_models
+    sources = [saved["first"][0], saved["second"][0]]
+    outs = [tmp_path / f"m{i}" for i in range(4)]
+    ready = [tmp_path / "ready0", tmp_path / "ready1"]
+    # both processes save into the same directories at the same moments, in opposite orders
+    savers = [_start_saver(sources, outs, ready[0], [ready[1]], 5),
+              _start_saver(sources[::-1], outs, ready[1], [ready[0]], 5)]
+    errors = [saver.communicate(timeout=120)[1] for saver in savers]
+    assert [saver.returncode for saver in savers] == [0, 0], "\n".join(errors)
+    for out in outs:
+        _which(out, two_models)
+        manifest = json.loads((out / "model.json").read_text())
+        visible = {p.name for p in out.iterdir() if not p.name.startswith(".")}
+        assert visible == {"model.json", *manifest["components"].values()}
+        assert not [p.name for p in out.iterdir() if ".tmp" in p.name]
+
+
+def test_a_load_during_saves_gets_one_whole_model(two_models, tmp_path):
+    saved, _ = two_models
+    out = tmp_path / "m"
+    PerformanceModel.load(saved["first"][0]).save(out)
+    ready, go = tmp_path / "ready", tmp_path / "go"
+    writer = _start_saver([saved["first"][0], saved["second"][0]], [out], ready, [go], 40,
+                          pause_s=0.01)
+    while not ready.exists() and writer.poll() is None:
+        time.sleep(0.01)
+    go.touch()
+    seen = []
+    while writer.poll() is None:
+        seen.append(_which(out, two_models))
+    assert writer.wait() == 0, writer.stderr.read()
+    assert len(seen) >= 5 and set(seen) == {"first", "second"}, seen
+
+
+def test_a_booster_file_of_another_save_is_detected(two_models, tmp_path):
+    saved, _ = two_models
+    out = PerformanceModel.load(saved["first"][0]).save(tmp_path / "m")
+    (out / "throughput.json").write_bytes((saved["second"][0] / "throughput.json").read_bytes())
+    with pytest.raises(ModelFormatError, match=rf"^{re.escape(str(out / 'throughput.json'))}: "
+                                               r"corrupt.*differs"):
+        load_model(out)
+
+
+def test_a_read_only_model_directory_still_loads(two_models):
+    import shutil
+    import tempfile
+
+    saved, _ = two_models
+    with tempfile.TemporaryDirectory() as root:
+        root = Path(root)
+        root.chmod(0o755)  # the unprivileged user below reads it
+        saved_dir = PerformanceModel.load(saved["first"][0]).save(root / "saved")
+        copied = root / "copied"  # the model files alone, as a copy of the *.json files
+        copied.mkdir()
+        for file in saved_dir.glob("*.json"):
+            shutil.copy(file, copied / file.name)
+        dirs = [saved_dir, copied]
+        before = {directory: sorted(directory.iterdir()) for directory in dirs}
+        for directory in dirs:
+            for file in directory.iterdir():
+                file.chmod(0o444)
+            directory.chmod(0o555)
+        try:
+            for directory in dirs:
+                assert _load_unprivileged(directory, two_models) == "first"
+                assert sorted(directory.iterdir()) == before[directory]
+        finally:
+            for directory in dirs:
+                directory.chmod(0o755)
+
+
+def _load_unprivileged(directory, two_models):
+    """:func:`_which` of ``directory`` by a user who cannot write there (root cannot be kept
+    out by permissions: a forked child drops to ``nobody`` first)."""
+    import os
+
+    if os.geteuid() != 0:
+        assert not os.access(directory, os.W_OK)
+        return _which(directory, two_models)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        code = 1
+        try:
+            os.close(read)
+            os.setgid(65534)
+            os.setuid(65534)
+            assert not os.access(directory, os.W_OK)
+            os.write(write, _which(directory, two_models).encode())
+            code = 0
+        except BaseException as exc:
+            os.write(write, f"{type(exc).__name__}: {exc}".encode())
+        finally:
+            os._exit(code)
+    os.close(write)
+    with os.fdopen(read) as pipe:
+        said = pipe.read()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, said
+    return said
