@@ -474,32 +474,47 @@ def test_a_read_only_model_directory_still_loads(two_models):
                 directory.chmod(0o755)
 
 
+UNPRIVILEGED_LOAD = """
+import json, os, sys
+import pandas as pd
+from paratune.models import load_model
+from paratune.predictor import PREDICTION_COLUMNS
+
+warm, target, check_csv = sys.argv[1:4]
+check = pd.read_csv(check_csv)
+load_model(warm).predict(check)  # every lazy import done before the privileges go
+os.setgid(65534)
+os.setuid(65534)
+assert not os.access(target, os.W_OK), "the directory is writable"
+pred = load_model(target).predict(check)[list(PREDICTION_COLUMNS)].to_numpy(dtype=float)
+print(json.dumps({"rows": load_model(target).num_train_rows_, "pred": pred.tolist()}))
+"""
+
+
 def _load_unprivileged(directory, two_models):
-    """:func:`_which` of ``directory`` by a user who cannot write there (root cannot be kept
-    out by permissions: a forked child drops to ``nobody`` first)."""
+    """:func:`_which` of ``directory`` by a user who cannot write there. Root cannot be kept
+    out by permissions: a fresh interpreter imports what it needs, then drops to ``nobody``
+    (a forked child of this process could deadlock on the thread pools it inherits)."""
     import os
+    import subprocess
+    import sys
+    import tempfile
 
     if os.geteuid() != 0:
         assert not os.access(directory, os.W_OK)
         return _which(directory, two_models)
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: never returns into pytest
-        code = 1
-        try:
-            os.close(read)
-            os.setgid(65534)
-            os.setuid(65534)
-            assert not os.access(directory, os.W_OK)
-            os.write(write, _which(directory, two_models).encode())
-            code = 0
-        except BaseException as exc:
-            os.write(write, f"{type(exc).__name__}: {exc}".encode())
-        finally:
-            os._exit(code)
-    os.close(write)
-    with os.fdopen(read) as pipe:
-        said = pipe.read()
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0, said
-    return said
+    saved, check = two_models
+    with tempfile.TemporaryDirectory() as scratch:
+        check_csv = Path(scratch) / "check.csv"
+        check.to_csv(check_csv, index=False)
+        done = subprocess.run(
+            [sys.executable, "-c", UNPRIVILEGED_LOAD, str(saved["second"][0]), str(directory),
+             str(check_csv)], capture_output=True, text=True, timeout=120,
+            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert done.returncode == 0, done.stderr
+    said = json.loads(done.stdout.strip().splitlines()[-1])
+    got = np.asarray(said["pred"], dtype=float)
+    for name, (_, rows, expected) in saved.items():
+        if said["rows"] == rows and np.allclose(got, expected, rtol=1e-6, equal_nan=True):
+            return name
+    raise AssertionError(f"{directory} loads as a mixture of two models")
