@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import os
 import re
 import secrets
 import time
@@ -595,10 +596,9 @@ class PerformanceModel(_Base):
             The directory.
 
         Raises:
-            ConfigError: another process kept the directory locked for over a minute.
+            ConfigError: another process kept the directory locked for over a minute, or its
+                lock file is another user's and unreadable.
         """
-        import os
-
         self._check_fitted()
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
@@ -620,8 +620,10 @@ class PerformanceModel(_Base):
         params = self.get_params()
         params["quantiles"] = list(params["quantiles"])
         with _directory_lock(path, "saving"):
-            for leftover in path.glob(".*.tmp.json"):  # of a save killed part-way (not of
-                with contextlib.suppress(OSError):       # one in flight where flock is missing)
+            # temporaries of a save killed part-way (not of one in flight where flock is
+            # missing): the boosters' and the manifest's (paratune._io's atomic writes)
+            for leftover in [*path.glob(".*.tmp.json"), *path.glob(f".{_MANIFEST}.*.tmp")]:
+                with contextlib.suppress(OSError):
                     if leftover.stat().st_mtime < time.time() - 60:
                         leftover.unlink()
             # saving over another model: without its manifest the directory does not load
@@ -696,11 +698,12 @@ class PerformanceModel(_Base):
             # checked before locking: loading never creates a lock file where no model is
             raise ModelFormatError(f"{path}: not a saved performance model (no {_MANIFEST})")
         with contextlib.ExitStack() as stack:
-            try:
-                stack.enter_context(_directory_lock(path, "saving or loading"))
-                locked = True
-            except OSError:  # read-only: no lock file and none can be made, so no save either
-                locked = False
+            locked = False  # where the lock cannot be had, the files are checked twice
+            lock = path / _LOCK_FILE
+            if not lock.exists() or os.access(lock, os.R_OK):  # else another user's, private
+                # read-only: no lock file and none can be made (nor a save there)
+                with contextlib.suppress(OSError):
+                    locked = stack.enter_context(_directory_lock(path, "saving or loading"))
             try:
                 return cls._load_files(path)
             except _ChangedError:

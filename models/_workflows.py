@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -80,9 +81,10 @@ def fit_model(data: Sequence[str | Path], out: str | Path, *, n_estimators: int 
                    f"training-data fingerprint {model.fingerprint_[:16]}")
         if run is not None:
             run.log_metrics(fit_metrics)
-            for file in sorted(Path(out).iterdir()):  # the model's files, not its lock
-                if file.is_file() and file.name != _LOCK_FILE:
-                    run.log_artifact(file, artifact_path="model")
+            # the model's files: not its lock, nor temporaries of a save killed there before
+            manifest = json.loads((Path(out) / _MANIFEST).read_text())
+            for name in [_MANIFEST, *sorted(manifest["components"].values())]:
+                run.log_artifact(Path(out) / name, artifact_path="model")
             summary += f"\nMLflow run {run.run_id} (experiment {experiment})"
     return model, summary
 

@@ -141,26 +141,28 @@ _WARNED: set[tuple[str, tuple[int, ...]]] = set()
 
 @contextlib.contextmanager
 def exclusive_lock(path: str | Path, *, field: str, value: str, what: str,
-                   wait_s: float = 0.0) -> Iterator[None]:
+                   wait_s: float = 0.0) -> Iterator[bool]:
     """Hold an exclusive advisory lock on ``path`` (created if missing) while the block runs.
 
     The lock (``flock``) belongs to this process and ends with it, killed or not, so a
-    dead run never leaves a stale lock behind. Where ``flock`` does not exist (not POSIX)
-    nothing is locked.
+    dead run never leaves a stale lock behind. Where ``flock`` does not exist (not POSIX,
+    some network file systems) nothing is locked; the block is told so (``with ... as
+    locked``).
 
     Args:
         wait_s: How long to wait for another holder to let go before giving up (0: give up
             at once, for work that must not run twice; more for short writes that take turns).
 
     Raises:
-        ConfigError: another process holds the lock (for over ``wait_s``); ``field``/``value``
-            name the input that points at the shared files, ``what`` says what that process
-            is doing.
+        ConfigError: another process holds the lock (for over ``wait_s``), or the lock file
+            is another user's and cannot be opened; ``field``/``value`` name the input that
+            points at the shared files, ``what`` says what that process is doing.
+        OSError: the lock file cannot be created (a read-only directory).
     """
     try:
         import fcntl
     except ImportError:  # no advisory locks on this platform
-        yield
+        yield False
         return
     from paratune.errors import ConfigError
 
@@ -172,7 +174,12 @@ def exclusive_lock(path: str | Path, *, field: str, value: str, what: str,
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
     except PermissionError:
-        fd = os.open(path, os.O_RDONLY)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except PermissionError:
+            raise ConfigError(field, value, f"its lock file {path} belongs to another user "
+                              "who does not let others read it; ask them to remove it or make "
+                              "it readable") from None
         writable = False
     try:
         deadline = time.monotonic() + wait_s
@@ -196,12 +203,12 @@ def exclusive_lock(path: str | Path, *, field: str, value: str, what: str,
             logging.getLogger(__name__).warning(
                 "%s: cannot lock (%s); nothing stops another process %s at the same time",
                 path, exc.strerror or exc, what)
-            yield
+            yield False
             return
         if writable:
             os.ftruncate(fd, 0)
             os.pwrite(fd, str(os.getpid()).encode(), 0)
-        yield
+        yield True
     finally:
         os.close(fd)  # releases the lock
 

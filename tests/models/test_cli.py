@@ -59,7 +59,8 @@ def test_fit_logs_to_mlflow(tmp_path, make_synthetic, mlflow_uri, capsys):
     assert runs["metrics.num_time_rows"].iloc[0] > runs["metrics.num_stall_rows"].iloc[0] > 0
     client = mlflow.tracking.MlflowClient()
     names = [a.path for a in client.list_artifacts(runs["run_id"].iloc[0], "model")]
-    assert "model/model.json" in names and "model/.model.lock" not in names
+    assert "model/model.json" in names and "model/throughput.json" in names
+    assert not [name for name in names if "/." in name]  # no lock, no temporaries
 
 
 def test_predict_public_csv_keeps_every_row_in_order(model_dir, tmp_path, capsys):
@@ -309,7 +310,14 @@ def test_fit_refuses_a_used_out_unless_it_holds_a_model_and_force_is_given(
     assert _runs(mlflow_uri, "paratune-fit") == []
     (tmp_path / "empty").mkdir()
     assert main([*fit[:3], str(tmp_path / "empty"), *fit[4:], "--no-track"]) == 0
+    (model / ".throughput.0badcafe.tmp.json").write_text("{")  # a save killed mid-write
     assert main([*fit, "--force"]) == 0
+    import mlflow
+
+    (run,) = _runs(mlflow_uri, "paratune-fit")
+    logged = [a.path for a in mlflow.MlflowClient(mlflow_uri).list_artifacts(run.info.run_id,
+                                                                            "model")]
+    assert "model/throughput.json" in logged and not [p for p in logged if "/." in p]
     # a save killed before its first file leaves only the directory's lock: a model's place
     killed = tmp_path / "killed"
     killed.mkdir()

@@ -459,12 +459,15 @@ def test_a_read_only_model_directory_still_loads(two_models):
         copied.mkdir()
         for file in saved_dir.glob("*.json"):
             shutil.copy(file, copied / file.name)
-        dirs = [saved_dir, copied]
+        private = root / "private"  # its lock file another user's, unreadable by the loader
+        shutil.copytree(saved_dir, private)
+        dirs = [saved_dir, copied, private]
         before = {directory: sorted(directory.iterdir()) for directory in dirs}
         for directory in dirs:
             for file in directory.iterdir():
                 file.chmod(0o444)
             directory.chmod(0o555)
+        (private / ".model.lock").chmod(0o600)
         try:
             for directory in dirs:
                 assert _load_unprivileged(directory, two_models) == "first"
