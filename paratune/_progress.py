@@ -18,7 +18,7 @@ from typing import IO, Any
 __all__ = ["LineProgress", "progress_bar"]
 
 
-def progress_bar(*, total: int | None, desc: str, unit: str, initial: int = 0,
+def progress_bar(*, total: int | None, desc: str, unit: str, initial: int = 0, postfix: str = "",
                  enabled: bool | None = None, stream: IO[str] | None = None,
                  interval_s: float = 30.0, clock: Callable[[], float] | None = None) -> Any:
     """A progress bar of ``total`` units of work, suited to where it is written.
@@ -28,6 +28,8 @@ def progress_bar(*, total: int | None, desc: str, unit: str, initial: int = 0,
         desc: What is being done, shown first (``set_description`` changes it).
         unit: The name of one unit (``config``, ``trial``).
         initial: Units already done (a resumed job).
+        postfix: Text shown after the counts from the first line on (``set_postfix_str``
+            changes it).
         enabled: ``True``: show progress (the bar on a terminal, lines elsewhere);
             ``False``: show nothing; ``None``: the bar on a terminal, nothing elsewhere.
         stream: Where to write; defaults to ``sys.stderr`` at the time of the call.
@@ -48,7 +50,8 @@ def progress_bar(*, total: int | None, desc: str, unit: str, initial: int = 0,
     if not interval_s >= 0:
         raise ValueError(f"interval_s={interval_s!r}: must be a number >= 0")
     if enabled is False:
-        return LineProgress(total=total, desc=desc, unit=unit, initial=initial, stream=None)
+        return LineProgress(total=total, desc=desc, unit=unit, initial=initial, stream=None,
+                            postfix=postfix)
     from tqdm.asyncio import tqdm as plain_tqdm
     from tqdm.auto import tqdm
 
@@ -56,8 +59,8 @@ def progress_bar(*, total: int | None, desc: str, unit: str, initial: int = 0,
     # tqdm.auto is the plain bar except in a Jupyter kernel, where it draws a widget
     if (stream is None and tqdm is not plain_tqdm) or _is_terminal(out):
         return tqdm(total=total, initial=initial, unit=unit, desc=desc, dynamic_ncols=True,
-                    file=stream, disable=False)
-    return LineProgress(total=total, desc=desc, unit=unit, initial=initial,
+                    postfix=postfix or None, file=stream, disable=False)
+    return LineProgress(total=total, desc=desc, unit=unit, initial=initial, postfix=postfix,
                         stream=out if enabled else None, interval_s=interval_s, clock=clock)
 
 
@@ -78,13 +81,13 @@ class LineProgress:
     """
 
     def __init__(self, *, total: int | None, desc: str, unit: str, initial: int = 0,
-                 stream: IO[str] | None, interval_s: float = 30.0,
+                 postfix: str = "", stream: IO[str] | None, interval_s: float = 30.0,
                  clock: Callable[[], float] | None = None) -> None:
         self.total = total
         self.n = initial
         self.desc = desc
         self.unit = unit
-        self.postfix = ""
+        self.postfix = postfix
         self.disable = stream is None
         self._stream = stream
         self._interval_s = interval_s

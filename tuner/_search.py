@@ -578,11 +578,9 @@ def _trial_bar(n_trials: int, done: int, study_name: str) -> Any:
     """A progress bar of the study's finished trials (as ``paratune profile`` shows configs)."""
     from paratune._progress import progress_bar
 
-    bar = progress_bar(total=n_trials, initial=min(done, n_trials), unit="trial", desc="tuning",
-                       enabled=True)
-    if done:
-        bar.set_postfix_str(f"resumed {study_name} at {done} trials", refresh=False)
-    return bar
+    return progress_bar(total=n_trials, initial=min(done, n_trials), unit="trial", desc="tuning",
+                        enabled=True,
+                        postfix=f"resumed {study_name} at {done} trials" if done else "")
 
 
 def _search_loop(study: optuna.Study, predictor: Predictor, space: SearchSpace,
