@@ -335,6 +335,7 @@ with start_run("paratune-tune", tracking_uri=uri) as run:
 """
 
 
+@pytest.mark.slow
 def test_processes_opening_their_first_run_at_once_share_a_new_sqlite_store(tmp_path):
     """Several processes (``paratune tune`` workers sharing one study, each tracked to
     ./mlflow.db) start a run in a store that does not exist yet at the same instant: one of

@@ -402,6 +402,7 @@ def _which(path, two_models):
     raise AssertionError(f"{path} loads as a mixture of two models")
 
 
+@pytest.mark.slow
 def test_concurrent_saves_into_one_directory_leave_one_complete_model(two_models, tmp_path):
     saved, _ = two_models
     sources = [saved["first"][0], saved["second"][0]]
@@ -420,6 +421,7 @@ def test_concurrent_saves_into_one_directory_leave_one_complete_model(two_models
         assert not [p.name for p in out.iterdir() if ".tmp" in p.name]
 
 
+@pytest.mark.slow
 def test_a_load_during_saves_gets_one_whole_model(two_models, tmp_path):
     saved, _ = two_models
     out = tmp_path / "m"
@@ -446,6 +448,7 @@ def test_a_booster_file_of_another_save_is_detected(two_models, tmp_path):
         load_model(out)
 
 
+@pytest.mark.slow
 def test_a_read_only_model_directory_still_loads(two_models):
     import shutil
     import tempfile

@@ -103,6 +103,23 @@ OPENER = textwrap.dedent("""
 """)
 
 
+def test_a_study_whose_problem_is_still_being_recorded_is_joined(tmp_path):
+    """A worker that joins a new study before its creator has recorded the problem finds
+    it unrecorded (or, from an earlier version's two writes, half recorded) and records it
+    itself, instead of refusing the study as another problem."""
+    import optuna
+
+    from paratune.tuner._search import resolve_storage
+
+    storage = str(tmp_path / "study.journal")
+    study = optuna.create_study(storage=resolve_storage(storage, None)[0], study_name="shared",
+                                direction="maximize")
+    study.set_user_attr("space", _space().to_dict())  # the objective not yet written
+    joined = open_study(_space(), Objective(kind="goodput", b_noise=300), storage=storage,
+                        study_name="shared")
+    assert joined.user_attrs["problem"]["objective"]["b_noise"] == 300
+
+
 @pytest.mark.slow
 def test_processes_opening_one_new_study_at_once_all_join_it(tmp_path):
     """A worker that joined a study while its creator was still recording the problem used
