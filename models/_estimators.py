@@ -596,8 +596,8 @@ class PerformanceModel(_Base):
             The directory.
 
         Raises:
-            ConfigError: another process kept the directory locked for over a minute, or its
-                lock file is another user's and unreadable.
+            ConfigError: another process kept the directory locked for over a minute.
+            OSError: the directory or its lock file cannot be written.
         """
         self._check_fitted()
         path = Path(path)
@@ -699,11 +699,10 @@ class PerformanceModel(_Base):
             raise ModelFormatError(f"{path}: not a saved performance model (no {_MANIFEST})")
         with contextlib.ExitStack() as stack:
             locked = False  # where the lock cannot be had, the files are checked twice
-            lock = path / _LOCK_FILE
-            if not lock.exists() or os.access(lock, os.R_OK):  # else another user's, private
-                # read-only: no lock file and none can be made (nor a save there)
-                with contextlib.suppress(OSError):
-                    locked = stack.enter_context(_directory_lock(path, "saving or loading"))
+            # OSError: a read-only directory without the lock file (nor a save there), or
+            # another user's private lock file
+            with contextlib.suppress(OSError):
+                locked = stack.enter_context(_directory_lock(path, "saving or loading"))
             try:
                 return cls._load_files(path)
             except _ChangedError:

@@ -154,10 +154,11 @@ def exclusive_lock(path: str | Path, *, field: str, value: str, what: str,
             at once, for work that must not run twice; more for short writes that take turns).
 
     Raises:
-        ConfigError: another process holds the lock (for over ``wait_s``), or the lock file
-            is another user's and cannot be opened; ``field``/``value`` name the input that
-            points at the shared files, ``what`` says what that process is doing.
-        OSError: the lock file cannot be created (a read-only directory).
+        ConfigError: another process holds the lock (for over ``wait_s``); ``field``/``value``
+            name the input that points at the shared files, ``what`` says what that process
+            is doing.
+        OSError: the lock file can be neither created nor read (a read-only directory,
+            another user's private file).
     """
     try:
         import fcntl
@@ -174,12 +175,7 @@ def exclusive_lock(path: str | Path, *, field: str, value: str, what: str,
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
     except PermissionError:
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except PermissionError:
-            raise ConfigError(field, value, f"its lock file {path} belongs to another user "
-                              "who does not let others read it; ask them to remove it or make "
-                              "it readable") from None
+        fd = os.open(path, os.O_RDONLY)
         writable = False
     try:
         deadline = time.monotonic() + wait_s

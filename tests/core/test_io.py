@@ -58,41 +58,6 @@ def test_a_filesystem_without_flock_runs_unlocked_with_a_warning(tmp_path, monke
         assert held is True
 
 
-PRIVATE_LOCK = """
-import os, sys
-from paratune._io import exclusive_lock
-from paratune.errors import ConfigError
-import fcntl  # imported while it can be read
-if os.geteuid() == 0:
-    os.setgid(65534)
-    os.setuid(65534)
-try:
-    with exclusive_lock(sys.argv[1], field="out", value="o", what="writing it"):
-        print("locked")
-except ConfigError as exc:
-    print(exc)
-"""
-
-
-def test_a_lock_file_another_user_keeps_private_is_a_clear_error():
-    """One user's lock file created under umask 077 (mode 0600) in a shared directory: a
-    colleague writing there got a bare PermissionError."""
-    import subprocess
-    import sys
-    import tempfile
-    from pathlib import Path
-
-    with tempfile.TemporaryDirectory() as shared:  # where the unprivileged user can go
-        Path(shared).chmod(0o777)
-        lock = Path(shared) / ".lock"
-        lock.write_text("")
-        lock.chmod(0o000 if os.geteuid() != 0 else 0o600)  # root's and private (or no one's)
-        done = subprocess.run([sys.executable, "-c", PRIVATE_LOCK, str(lock)],
-                              capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0, done.stderr
-    assert f"its lock file {lock} belongs to another user" in done.stdout
-
-
 @pytest.mark.parametrize("umask", [0o022, 0o002, 0o077])
 def test_atomic_writes_get_the_mode_open_gives_and_scripts_stay_executable(tmp_path, umask):
     """A dataset or model on a shared filesystem is as readable as any file written there:
