@@ -24,8 +24,8 @@ import torch
 from paratune.parallel import ParallelConfig
 from paratune.spec import ModelSpec
 
-__all__ = ["EquivalenceResult", "Layout", "compare", "free_port", "reference_step",
-           "reference_steps", "run_layouts"]
+__all__ = ["EquivalenceResult", "Layout", "compare", "free_port", "reference_optimizer",
+           "reference_step", "reference_steps", "reference_update", "run_layouts"]
 
 LR = 1e-3
 WEIGHT_DECAY = 0.1
@@ -87,7 +87,6 @@ def reference_steps(spec: ModelSpec, batches: list[torch.Tensor], *, seed: int,
         the values after the last step.
     """
     from paratune.profiler.model import build_model
-    from paratune.profiler.pipeline import cross_entropy_loss
 
     if not batches:
         raise ValueError("batches must hold at least one batch (one per step)")
@@ -95,20 +94,36 @@ def reference_steps(spec: ModelSpec, batches: list[torch.Tensor], *, seed: int,
     torch.set_default_dtype(dtype)
     try:
         model = build_model(spec, seed=seed)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY,
-                                      betas=(0.9, 0.95), eps=1e-8, foreach=False)
+        optimizer = reference_optimizer(model)
         losses = []
         for tokens in batches:
-            loss = cross_entropy_loss(model(tokens[:, :-1]), tokens[:, 1:])
-            loss.backward()
-            grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            losses.append(float(loss.detach()))
+            loss, grads = reference_update(model, optimizer, tokens)
+            losses.append(loss)
         params = {n: p.detach().clone() for n, p in model.named_parameters()}
     finally:
         torch.set_default_dtype(previous)
     return {"loss": losses[-1], "losses": losses, "grads": grads, "params": params}
+
+
+def reference_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
+    """The optimizer of the single-process reference (AdamW, :data:`LR`,
+    :data:`WEIGHT_DECAY`)."""
+    return torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY,
+                             betas=(0.9, 0.95), eps=1e-8, foreach=False)
+
+
+def reference_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                     tokens: torch.Tensor) -> tuple[float, dict[str, torch.Tensor]]:
+    """One full-batch step of the reference: the loss and every gradient (by parameter
+    name), then the optimizer's update."""
+    from paratune.profiler.pipeline import cross_entropy_loss
+
+    loss = cross_entropy_loss(model(tokens[:, :-1]), tokens[:, 1:])
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return float(loss.detach()), grads
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -175,9 +175,13 @@ def test_second_step_detects_lost_optimizer_state():
     """Control: a layout whose second step started from fresh Adam state (a ZeRO shard that
     lost its moments) must miss the parameter tolerance by orders of magnitude, although its
     first step and every gradient are exact."""
-    from paratune.profiler.equivalence import LR, WEIGHT_DECAY, compare, reference_steps
+    from paratune.profiler.equivalence import (
+        compare,
+        reference_optimizer,
+        reference_steps,
+        reference_update,
+    )
     from paratune.profiler.model import build_model
-    from paratune.profiler.pipeline import cross_entropy_loss
     from paratune.profiler.trainer import synthetic_batch
 
     batches = [synthetic_batch(_SPEC, _GB, step=step, seed=7) for step in range(STEPS)]
@@ -188,14 +192,8 @@ def test_second_step_detects_lost_optimizer_state():
         model = build_model(_SPEC, seed=7)
         losses = []
         for tokens in batches:  # a new optimizer each step: no state carried over
-            optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY,
-                                          betas=(0.9, 0.95), eps=1e-8)
-            loss = cross_entropy_loss(model(tokens[:, :-1]), tokens[:, 1:])
-            loss.backward()
-            grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            losses.append(float(loss.detach()))
+            loss, grads = reference_update(model, reference_optimizer(model), tokens)
+            losses.append(loss)
     finally:
         torch.set_default_dtype(previous)
     stateless = {"loss": losses[-1], "losses": losses, "grads": grads,
