@@ -82,11 +82,11 @@ OUTPUT_COLUMNS = (*PREDICTION_COLUMNS, PRED_TOKENS_Q10, PRED_TOKENS_Q90, PRED_TO
 _MANIFEST = "model.json"
 _LOCK_FILE = ".model.lock"
 _LOCK_WAIT_S = 60.0
-_COMPONENT_FILE = re.compile(
-    r"^(throughput|throughput_refine|throughput_quantiles|memory|feasibility|stall_classifier"
-    r"|stall_time|stall_time_quantiles|transfer-.+|family-.+)\.json$")
 _TIME_COMPONENTS = ("throughput", "throughput_refine", "throughput_quantiles")
 _STALL_COMPONENTS = ("stall_classifier", "stall_time", "stall_time_quantiles")
+_COMPONENT_FILE = re.compile(  # a booster file save writes (transfer and family ones by prefix)
+    rf"^({'|'.join((*_TIME_COMPONENTS, 'memory', 'feasibility', *_STALL_COMPONENTS))}"
+    r"|transfer-.+|family-.+)\.json$")
 _TRANSFER_COLUMNS = np.asarray([F.FEATURE_NAMES.index(name) for name in F.TRANSFER_FEATURE_NAMES])
 
 
