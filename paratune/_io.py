@@ -139,6 +139,10 @@ def read_jsonl(path: str | Path) -> Iterator[dict[str, Any]]:
 _WARNED: set[tuple[str, tuple[int, ...]]] = set()
 
 
+_UNLOCKABLE: set[str] = set()
+"""Lock files this process found it cannot lock (it has warned about each)."""
+
+
 @contextlib.contextmanager
 def exclusive_lock(path: str | Path, *, field: str, value: str, what: str,
                    wait_s: float = 0.0) -> Iterator[bool]:
@@ -147,7 +151,7 @@ def exclusive_lock(path: str | Path, *, field: str, value: str, what: str,
     The lock (``flock``) belongs to this process and ends with it, killed or not, so a
     dead run never leaves a stale lock behind. Where ``flock`` does not exist (not POSIX,
     some network file systems) nothing is locked; the block is told so (``with ... as
-    locked``).
+    locked``), and a warning is logged, once per lock file in a process.
 
     Args:
         wait_s: How long to wait for another holder to let go before giving up (0: give up
@@ -196,9 +200,12 @@ def exclusive_lock(path: str | Path, *, field: str, value: str, what: str,
         except OSError as exc:  # a filesystem without flock (some NFS, Lustre, FUSE mounts)
             import logging
 
-            logging.getLogger(__name__).warning(
-                "%s: cannot lock (%s); nothing stops another process %s at the same time",
-                path, exc.strerror or exc, what)
+            # once per lock file and process: a model loaded in a loop says it once
+            if str(path) not in _UNLOCKABLE:
+                _UNLOCKABLE.add(str(path))
+                logging.getLogger(__name__).warning(
+                    "%s: cannot lock (%s); nothing stops another process %s at the same "
+                    "time", path, exc.strerror or exc, what)
             yield False
             return
         if writable:

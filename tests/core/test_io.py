@@ -51,6 +51,10 @@ def test_a_filesystem_without_flock_runs_unlocked_with_a_warning(tmp_path, monke
         ran.append(held)
     assert ran == [False]  # the block is told it runs unlocked
     assert "cannot lock (No locks available)" in caplog.text
+    # the same lock again (a model loaded in a loop): told once is enough
+    with exclusive_lock(tmp_path / ".lock", field="out", value="o", what="profiling it") as held:
+        assert held is False
+    assert caplog.text.count("cannot lock") == 1
     with exclusive_lock(tmp_path / ".other", field="out", value="o", what="x") as held:
         assert held is False
     monkeypatch.undo()
