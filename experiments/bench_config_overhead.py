@@ -16,8 +16,6 @@ Writes ``out/config_overhead/config_overhead.csv`` and logs it to MLflow unless
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
 import statistics
 import tempfile
 import time
@@ -53,15 +51,12 @@ def layouts(world: int) -> list[ParallelConfig]:
 
 def _worker(rank: int, world: int, port: int, out_dir: str, warmup: int, measured: int,
             repeats: int) -> None:
-    import torch.distributed as dist
-
+    from paratune.profiler.gns import init_worker
     from paratune.profiler.mesh import closing_process_group
     from paratune.profiler.trainer import measure_config
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    init_worker(rank, world, port, "cpu")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=300))
     spec = get_model("tiny")
     rows = []
     with closing_process_group():
@@ -90,14 +85,10 @@ def main(argv: list[str] | None = None) -> int:
     add_no_track_argument(parser)
     args = parser.parse_args(argv)
 
-    import torch.multiprocessing as mp
-
-    from paratune.profiler.equivalence import free_port
+    from paratune.profiler.gns import spawn
 
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(_worker, args=(args.world_size, free_port(), out_dir, args.warmup,
-                                          args.measured, args.repeats),
-                           nprocs=args.world_size, join=True, start_method="spawn")
+        spawn(_worker, args.world_size, out_dir, args.warmup, args.measured, args.repeats)
         rows = torch.load(Path(out_dir) / "rows.pt", weights_only=False)
     print(format_table(rows, ["repeat", "layout", "mesh_s", "build_s", "teardown_s",
                               "overhead_s",

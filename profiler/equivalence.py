@@ -10,9 +10,6 @@ whatever the state, its second does not.
 
 from __future__ import annotations
 
-import datetime
-import os
-import socket
 import tempfile
 import traceback
 from dataclasses import dataclass, field
@@ -24,7 +21,7 @@ import torch
 from paratune.parallel import ParallelConfig
 from paratune.spec import ModelSpec
 
-__all__ = ["EquivalenceResult", "Layout", "compare", "free_port", "reference_optimizer",
+__all__ = ["EquivalenceResult", "Layout", "compare", "reference_optimizer",
            "reference_step", "reference_steps", "reference_update", "run_layouts"]
 
 LR = 1e-3
@@ -52,13 +49,6 @@ class EquivalenceResult:
     @property
     def ok(self) -> bool:
         return not self.error and not self.missing
-
-
-def free_port() -> int:
-    """A TCP port on localhost that is free right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def reference_step(spec: ModelSpec, tokens: torch.Tensor, *, seed: int, dtype: torch.dtype
@@ -167,14 +157,13 @@ def _worker(rank: int, world_size: int, port: int, jobs: list[tuple[ModelSpec, P
             seed: int, steps: int, dtype: torch.dtype, out_dir: str) -> None:
     import torch.distributed as dist
 
+    from paratune.profiler.gns import init_worker
     from paratune.profiler.mesh import closing_process_group
     from paratune.profiler.trainer import Trainer, synthetic_batch
 
+    init_worker(rank, world_size, port, "cpu")
     torch.set_num_threads(1)
     torch.set_default_dtype(dtype)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=120))
     with closing_process_group():
         for index, (spec, config) in enumerate(jobs):
             try:
@@ -219,9 +208,10 @@ def run_layouts(spec: ModelSpec, configs: list[Layout], *, world_size: int, seed
 
     Raises:
         ValueError: ``steps < 1``.
+        WorkerError: a process of the group died (a layout that raises is reported in its
+            result instead).
     """
-    import torch.multiprocessing as mp
-
+    from paratune.profiler.gns import spawn
     from paratune.profiler.trainer import synthetic_batch
 
     if steps < 1:
@@ -236,9 +226,7 @@ def run_layouts(spec: ModelSpec, configs: list[Layout], *, world_size: int, seed
                        for step in range(steps)]
             refs[key] = reference_steps(job_spec, batches, seed=seed, dtype=dtype)
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(_worker, args=(world_size, free_port(), jobs, seed, steps, dtype,
-                                             out_dir),
-                           nprocs=world_size, join=True, start_method="spawn")
+        spawn(_worker, world_size, jobs, seed, steps, dtype, out_dir)
         results = []
         for index, (job_spec, config) in enumerate(jobs):
             files = sorted(Path(out_dir).glob(f"{index}-*.pt"))

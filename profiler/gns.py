@@ -71,6 +71,8 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+_LOCALHOST = "127.0.0.1"
+
 
 class WorkerError(ParatuneError, RuntimeError):
     """A process started by :func:`spawn` raised or died; the message names the rank and
@@ -845,7 +847,8 @@ def _device_for(kind: str, rank: int, world_size: int) -> Any:
 
 
 def init_worker(rank: int, world_size: int, port: int, device: str = "auto") -> Any:
-    """Join a localhost process group (gloo on CPU, NCCL on CUDA); returns the device.
+    """Join a localhost process group (gloo on CPU, NCCL on CUDA) through the rendezvous
+    store that :func:`spawn` hosts on ``port``; returns the device.
 
     Called in a process started by :func:`spawn`, which has already tied the process's life
     to its parent's (see :func:`_die_with_parent`).
@@ -857,12 +860,13 @@ def init_worker(rank: int, world_size: int, port: int, device: str = "auto") -> 
     import torch.distributed as dist
 
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dev = _device_for(device, rank, world_size)
     backend = "nccl" if dev.type == "cuda" else "gloo"
-    dist.init_process_group(backend, rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=300),
-                            device_id=dev if dev.type == "cuda" else None)
+    timeout = datetime.timedelta(seconds=300)
+    # the rendezvous store is the one :func:`spawn` hosts on ``port``: every rank a client
+    store = dist.TCPStore(_LOCALHOST, port, is_master=False, timeout=timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                            timeout=timeout, device_id=dev if dev.type == "cuda" else None)
     return dev
 
 
@@ -913,7 +917,9 @@ def _end_workers(processes: Sequence[Any], *, grace_s: float = 10.0) -> None:
 
 def spawn(fn: Callable[..., Any], world_size: int, *args: Any,
           poll: Callable[[], None] | None = None, poll_s: float = 0.5) -> None:
-    """Run ``fn(rank, world_size, port, *args)`` in ``world_size`` fresh processes.
+    """Run ``fn(rank, world_size, port, *args)`` in ``world_size`` fresh processes; ``port``
+    is that of the group's rendezvous store, which this process hosts while they run (``fn``
+    joins the group with :func:`init_worker`).
 
     ``poll`` (if given) is called in this process every ``poll_s`` seconds while the
     workers run (to show their progress).
@@ -927,17 +933,21 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any,
     Raises:
         WorkerError: a worker raised or died.
     """
+    import datetime
     import multiprocessing
     import os
     import signal
-    import socket
     import threading
 
+    import torch.distributed as dist
     import torch.multiprocessing as mp
 
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = int(sock.getsockname()[1])
+    # This process hosts the group's rendezvous store on a port the kernel picks as the store
+    # binds it, and holds it until the workers end: no other program can take the port
+    # between its choice and its use, as with a port picked free and bound later by rank 0.
+    store = dist.TCPStore(_LOCALHOST, 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=300))
+    port = store.port
 
     def stop(signum: int, _frame: Any) -> None:
         raise Terminated(128 + signum)

@@ -339,6 +339,39 @@ def test_spawn_names_the_failed_rank_and_its_error(how, message):
         spawn(_failing_worker, 2, how)
 
 
+def _port_check_worker(rank: int, world_size: int, port: int, out: str) -> None:
+    import errno
+    import socket
+
+    import torch.distributed as dist
+
+    from paratune.profiler.gns import init_worker
+
+    # before this rank joins: whether another program could still bind the group's port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+            taken = "free"
+        except OSError as exc:
+            taken = "in use" if exc.errno == errno.EADDRINUSE else str(exc)
+    init_worker(rank, world_size, port, "cpu")
+    value = torch.tensor([float(rank + 1)])
+    dist.all_reduce(value)
+    dist.destroy_process_group()
+    with open(out, "w") as handle:
+        handle.write(f"{taken} {value.item():g}")
+
+
+def test_spawn_holds_the_rendezvous_port_before_any_worker_starts(tmp_path):
+    """The group's port is bound from before the workers start until they end, so no other
+    program can take it in between (a port picked free and bound later by rank 0 could be)."""
+    from paratune.profiler.gns import spawn
+
+    out = tmp_path / "port.txt"
+    spawn(_port_check_worker, 1, str(out))
+    assert out.read_text() == "in use 1"
+
+
 # ---------------------------------------------------------------------- process handling
 def _alive(pid: int) -> bool:
     """Whether ``pid`` runs (a zombie, dead but not yet reaped, does not)."""

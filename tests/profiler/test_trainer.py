@@ -1,8 +1,6 @@
 from __future__ import annotations
 
-import datetime
 import math
-import os
 import traceback
 from pathlib import Path
 
@@ -12,7 +10,7 @@ import torch.distributed as dist
 
 from paratune import ConfigError, Measurement, ParallelConfig, get_model
 from paratune.measurement import FINGERPRINT_FIELDS
-from paratune.profiler.equivalence import free_port, reference_step
+from paratune.profiler.equivalence import reference_step
 from paratune.profiler.mesh import build_mesh
 from paratune.profiler.trainer import Trainer, check_supported, measure_config, synthetic_batch
 from tests.profiler._dist import init_one_process_group, one_process_group
@@ -168,11 +166,11 @@ def test_closing_process_group_destroys_it_after_the_body(tmp_path, fails):
 
 
 # ---------------------------------------------------------------------- two processes
-def _two_rank_worker(rank: int, port: int, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _two_rank_worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
+    from paratune.profiler.gns import init_worker
+
+    init_worker(rank, world_size, port, "cpu")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=120))
     out: dict = {}
     try:
         # Local gradients (sync_grads=False), then the hand reduction.
@@ -218,11 +216,10 @@ def _two_rank_worker(rank: int, port: int, out_dir: str) -> None:
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
-    import torch.multiprocessing as mp
+    from paratune.profiler.gns import spawn
 
     out_dir = tmp_path_factory.mktemp("two_ranks")
-    mp.start_processes(_two_rank_worker, args=(free_port(), str(out_dir)), nprocs=2,
-                       join=True, start_method="spawn")
+    spawn(_two_rank_worker, 2, str(out_dir))
     outs = [torch.load(out_dir / f"{r}.pt", weights_only=False) for r in range(2)]
     for out in outs:
         assert "error" not in out, out["error"]
