@@ -21,9 +21,10 @@ the wall time; evaluation does not. Arms are interleaved seed by seed so driftin
 load hits all of them alike. The plan arm needs the pilot run: its wall time is reported
 with the plan arm (``pilot_s``, ``time_with_pilot_mean_s``).
 
-``--out`` is bound to the settings its runs were measured with (``settings.json``): a rerun
-into it with another ``--target``, ``--lr``, ``--batches``, ``--pilot-batch``, ... is refused,
-naming the setting, instead of reusing runs measured under the old one. Every measurement is
+``--out`` is bound to the settings its measurements were made with (``settings.json``, from
+the first measurement on): a rerun into it with another ``--target``, ``--lr``, ``--batches``,
+``--pilot-batch``, ... is refused, naming the setting, instead of reusing runs measured under
+the old one. Values no run can use are refused before anything is written. Every measurement is
 kept there as soon as it is made (each profiled step time and switch cost in
 ``profile.jsonl``, each finished run in ``runs.jsonl``): a killed experiment, rerun with the
 same command, measures only what is missing. One experiment at a time may use an ``--out``.
@@ -55,6 +56,7 @@ import pandas as pd
 
 from paratune._io import atomic_write_text, exclusive_lock, read_jsonl
 from paratune._table import format_table
+from paratune.cli import at_least
 from paratune.predictor import (
     PRED_FEASIBLE_PROB,
     PRED_PEAK_MEM_GB,
@@ -306,8 +308,8 @@ def experiment_settings(args: argparse.Namespace, model: Any, batches: list[int]
 
 
 def check_settings(out: Path, settings: dict[str, Any]) -> None:
-    """Bind ``out`` to ``settings``: record them on first use; refuse to continue into a
-    directory whose runs were measured with other settings, naming the first that differs.
+    """Bind ``out`` to ``settings``: record them until something is measured; then refuse to
+    continue into the directory with other settings, naming the first that differs.
 
     Raises:
         ConfigError: a setting differs from the recorded one, or ``out`` holds runs or a
@@ -319,13 +321,15 @@ def check_settings(out: Path, settings: dict[str, Any]) -> None:
     from paratune.errors import ConfigError
 
     path = out / "settings.json"
-    if not path.exists():
-        stale = [name for name in ("runs.jsonl", "profile.json", PROFILE_JOURNAL)
-                 if (out / name).exists()]
-        if stale:
-            raise ConfigError("out", str(out), f"holds {' and '.join(stale)} measured before "
-                              "their settings were recorded (settings.json), so they cannot be "
-                              "matched to this run's; use another --out or empty this one")
+    measured = [name for name in ("runs.jsonl", "profile.json", PROFILE_JOURNAL)
+                if (out / name).exists()]
+    if not path.exists() and measured:
+        raise ConfigError("out", str(out), f"holds {' and '.join(measured)} measured before "
+                          "their settings were recorded (settings.json), so they cannot be "
+                          "matched to this run's; use another --out or empty this one")
+    if not measured:
+        # nothing measured yet (a first run, or one that ended before its first
+        # measurement): these settings are the ones its measurements will be made with
         atomic_write_text(path, json.dumps(settings, indent=1))
         return
     recorded = json.loads(path.read_text())
@@ -387,6 +391,21 @@ def plots(results: list[dict[str, Any]], pilot: dict[str, Any], out: Path, targe
     return figures
 
 
+def _integers(minimum: int):
+    """An argparse ``type``: comma-separated integers no smaller than ``minimum``."""
+    def parse(text: str) -> list[int]:
+        try:
+            values = [int(part) for part in text.split(",") if part.strip()]
+        except ValueError:
+            values = []
+        if not values or min(values) < minimum:
+            raise argparse.ArgumentTypeError(
+                f"must be comma-separated integers >= {minimum}, not {text!r}")
+        return values
+
+    return parse
+
+
 def main(argv: list[str] | None = None) -> int:
     from _ttt_worker import Job
 
@@ -394,29 +413,45 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("out/time_to_target"),
                         help="folder of the journaled runs, tables and plots "
                              "(default: %(default)s)")
-    parser.add_argument("--seeds", default="0,1,2", help="comma-separated seeds")
-    parser.add_argument("--target", type=float, default=2.0, help="validation loss to reach")
-    parser.add_argument("--lr", type=float, default=2e-3)
-    parser.add_argument("--batches", default="4,8,16,32,64")
-    parser.add_argument("--pilot-batch", type=int, default=16)
-    parser.add_argument("--eval-every-tokens", type=int, default=4096)
-    parser.add_argument("--max-tokens", type=int, default=3_000_000)
-    parser.add_argument("--corpus-mb", type=float, default=4.0)
+    parser.add_argument("--seeds", type=_integers(0), default=[0, 1, 2],
+                        help="comma-separated seeds (default: 0,1,2)")
+    parser.add_argument("--target", type=at_least(1e-9, float), default=2.0,
+                        help="validation loss to reach")
+    parser.add_argument("--lr", type=at_least(1e-12, float), default=2e-3)
+    parser.add_argument("--batches", type=_integers(1), default=[4, 8, 16, 32, 64],
+                        help="comma-separated global batch sizes (default: 4,8,16,32,64)")
+    parser.add_argument("--pilot-batch", type=at_least(1), default=16)
+    parser.add_argument("--eval-every-tokens", type=at_least(1), default=4096)
+    parser.add_argument("--max-tokens", type=at_least(1), default=3_000_000)
+    parser.add_argument("--corpus-mb", type=at_least(1e-3, float), default=4.0)
     add_no_track_argument(parser)
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    seeds = [int(s) for s in args.seeds.split(",")]
-    batches = sorted(int(b) for b in args.batches.split(","))
+    seeds = args.seeds
+    batches = sorted(args.batches)
     model = get_model("tiny").replace(name="tiny-text", num_layers=2, hidden_size=64,
                                       num_heads=4, num_kv_heads=2, ffn_hidden_size=176,
                                       seq_len=64)
+    from _ttt_worker import LAYOUTS, config_for
+
+    from paratune.errors import ConfigError
+
+    # every layout runs every batch (and the pilot's dp4 its batch): refused here, before a
+    # process starts, rather than by a worker part-way through the profiling
+    for flag, values, layouts in (("--batches", batches, LAYOUTS),
+                                  ("--pilot-batch", [args.pilot_batch], ["dp4"])):
+        for batch, layout in itertools.product(values, layouts):
+            try:
+                config_for(layout, batch).validate(model, 4)
+            except ConfigError as error:
+                parser.error(f"argument {flag}: {batch} cannot run on the {layout} layout "
+                             f"of 4 processes: {error}")
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
     base = dict(model=model, out_dir=str(out), target_loss=args.target, lr=args.lr,
                 corpus_bytes=int(args.corpus_mb * (1 << 20)), val_seqs=64,
                 eval_every_tokens=args.eval_every_tokens, max_tokens=args.max_tokens,
                 batches=batches, gns_beta=0.9)
-    from paratune.errors import ConfigError
 
     with contextlib.ExitStack() as stack:
         try:

@@ -146,8 +146,13 @@ def _settings(**changes):
 def test_runs_measured_with_other_settings_are_not_reused(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
+    # Until something is measured, the latest settings are recorded: a run that ended before
+    # measuring anything (a worker refused its config) binds the directory to nothing.
+    ttt.check_settings(out, _settings(target=3.0))
+    assert json.loads((out / "settings.json").read_text())["target"] == 3.0
     ttt.check_settings(out, _settings())
     assert json.loads((out / "settings.json").read_text())["target"] == 2.0
+    (out / "profile.jsonl").write_text('{"id": "step dp4 measure=0"}\n')
     ttt.check_settings(out, _settings())  # same settings: continue
     for changes, field, mine, theirs in [
             (dict(target=1.5), "target", "1.5", "2.0"),
@@ -191,6 +196,25 @@ def test_the_script_refuses_other_settings_before_starting_any_process(tmp_path,
                   "--corpus-mb", "4", "--no-mlflow"])
     assert info.value.code == 2
     assert "target=1.5" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--batches", "0,4"], "argument --batches: must be comma-separated integers >= 1"),
+    (["--batches", "2,4"], "argument --batches: 2 cannot run on the dp4 layout"),
+    (["--pilot-batch", "6"], "argument --pilot-batch: 6 cannot run on the dp4 layout"),
+    (["--lr", "-1"], "argument --lr: must be a finite number"),
+])
+def test_the_script_refuses_bad_values_before_touching_out(tmp_path, monkeypatch, capsys,
+                                                           flags, message):
+    """A value no run can use is refused up front, naming the flag: not by a worker's
+    traceback after --out was created and bound to it."""
+    out = tmp_path / "out"
+    monkeypatch.setattr(ttt, "_spawn", lambda job: pytest.fail("started processes"))
+    with pytest.raises(SystemExit) as info:
+        ttt.main(["--out", str(out), *flags, "--no-mlflow"])
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
+    assert not out.exists()
 
 
 def test_the_script_refuses_an_out_another_experiment_is_using(tmp_path, monkeypatch, capsys):
