@@ -146,7 +146,10 @@ class Columns:
         self.global_batch = num("global_batch_size")
         self.virtual = np.maximum(num("virtual_stages", 1.0), 1.0)
         self.schedule = codes("schedule", _SCHEDULES, "1f1b")
+        # ZeRO-1 over a single data-parallel rank shards nothing: the same run as none (what
+        # every framework does), and so the same features, not a rarely-seen category
         self.sharding = codes("sharding", _SHARDING, "none")
+        self.sharding = np.where((self.sharding == 1) & (self.dp == 1), 0.0, self.sharding)
         self.recompute = codes("recompute", _RECOMPUTE, "none")
         hw = hardware_columns(frame["hardware"] if "hardware" in frame.columns
                               else np.full(self.n, "cpu"))

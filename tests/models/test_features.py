@@ -230,6 +230,19 @@ def test_features_are_finite_and_relative():
     assert (analytical["error"] == "").all()
 
 
+def test_zero1_over_one_data_parallel_rank_has_the_features_of_no_sharding():
+    """ZeRO-1 over dp=1 shards nothing: the same run as none, so the same features (a model
+    must not tell them apart by a category the measurements almost never hold)."""
+    for layout in (dict(tp=2, pp=4, micro_batch_size=2), dict(pp=8, micro_batch_size=1)):
+        plain, zero1 = (F.compute_features(row(**layout, sharding=s))[0]
+                        for s in ("none", "zero1"))
+        np.testing.assert_array_equal(zero1, plain)
+    # with data parallelism it shards the optimizer state: other features
+    plain, zero1 = (F.compute_features(row(dp=2, pp=4, micro_batch_size=2, sharding=s))[0]
+                    for s in ("none", "zero1"))
+    assert not np.array_equal(zero1, plain)
+
+
 def test_unknown_hardware_gives_nan_and_message():
     frame = row()
     frame["hardware"] = "TPU-v9"
