@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,17 +80,36 @@ HARDWARE: dict[str, HardwareSpec] = {
     )
 }
 
-_LOOKUP = {key.lower(): spec for spec in HARDWARE.values() for key in (spec.name, *spec.aliases)}
+# Words of vendor spellings ("NVIDIA A100-SXM4-80GB", "H100 80GB HBM3") that name the SXM
+# form factor or the memory type of the one part the catalogue has. PCIe and NVL parts are
+# slower and stay unknown.
+_IGNORED_WORDS = frozenset({"nvidia", "sxm", "sxm4", "sxm5", "hbm2", "hbm2e", "hbm3", "hbm3e"})
+
+
+def _normalise(name: str) -> str:
+    """Lower case, words joined by hyphens, ``80 GB`` as ``80gb``, :data:`_IGNORED_WORDS`
+    dropped: ``"NVIDIA A100-SXM4-80GB"`` -> ``"a100-80gb"``."""
+    text = re.sub(r"(\d+)[\s_-]*gb\b", r"\1gb", str(name).strip().lower())
+    words = [w for w in re.split(r"[\s_-]+", text) if w and w not in _IGNORED_WORDS]
+    return "-".join(words)
+
+
+_LOOKUP = {_normalise(key): spec for spec in HARDWARE.values()
+           for key in (spec.name, *spec.aliases)}
 
 
 def get_hardware(name: str) -> HardwareSpec:
-    """Resolve a catalogue entry by name or alias (case-insensitive).
+    """Resolve a catalogue entry by name or alias.
+
+    Case, spaces or underscores for hyphens, a leading ``NVIDIA`` and the SXM form-factor
+    and HBM memory-type words do not matter (``"NVIDIA H100 80GB HBM3"`` is ``H100-80GB``);
+    the memory size does (``A100-SXM4-40GB`` is ``A100-40GB``).
 
     Raises:
         ConfigError: the name is not in the catalogue.
     """
-    try:
-        return _LOOKUP[str(name).strip().lower()]
-    except KeyError:
-        known = ", ".join(sorted(HARDWARE))
-        raise ConfigError("gpu", name, f"is not a known device ({known})") from None
+    key = _normalise(name)
+    if key in _LOOKUP:
+        return _LOOKUP[key]
+    known = ", ".join(sorted(HARDWARE))
+    raise ConfigError("gpu", name, f"is not a known device ({known})")
