@@ -44,7 +44,9 @@ __all__ = [
     "header_and_body",
     "import_files",
     "is_public_csv",
+    "missing_public_columns",
     "parse_public_csv",
+    "public_header_problem",
     "public_row_config",
     "read_public_csv",
 ]
@@ -174,7 +176,34 @@ def is_public_csv(path: str | Path) -> bool:
         raise  # not a CSV of any format: say so (file and line) rather than try another
     except (OSError, DatasetError):
         return False
-    return {"tp", "pp", "dp", "num_gpus", "micro_batch", "global_batch"} <= set(header)
+    return not missing_public_columns(header)
+
+
+# The columns that mark a header as the public format (the config degrees and batch sizes).
+_PUBLIC_KEY_COLUMNS = ("num_gpus", "tp", "pp", "dp", "micro_batch", "global_batch")
+
+
+def missing_public_columns(header: Sequence[str]) -> list[str]:
+    """The columns of the public format's config (``num_gpus, tp, pp, dp, micro_batch,
+    global_batch``) that ``header`` lacks; empty for a public CSV."""
+    return [c for c in _PUBLIC_KEY_COLUMNS if c not in header]
+
+
+# Columns of the public format that paratune's own formats do not have (they say
+# ``hardware``, ``world_size``, ``micro_batch_size``, ``global_batch_size``, ``num_layers``).
+_PUBLIC_ONLY_COLUMNS = ("params_b", "layers", "hidden", "heads", "gpu", "num_gpus", "cp",
+                        "micro_batch", "global_batch", "zero_stage")
+
+
+def public_header_problem(header: Sequence[str]) -> str | None:
+    """Why a header that looks like the public format (it has a column only that format
+    has) is not one: ``"missing public column(s) ..."``; ``None`` for a public header or one
+    that does not look public."""
+    missing = missing_public_columns(header)
+    if not missing or not any(c in header for c in _PUBLIC_ONLY_COLUMNS):
+        return None
+    return (f"looks like the public measurement format but is missing public column(s) "
+            f"{', '.join(missing)} (it needs {', '.join(_PUBLIC_KEY_COLUMNS)})")
 
 
 def _read_text(path: Path) -> str:
@@ -459,6 +488,8 @@ def config_from_public(raw: dict[str, str], *, check_grad_accum: bool = True
         recompute = Recompute.SELECTIVE
     elif recompute_text in ("none", "no", "false", "0"):
         recompute = Recompute.NONE
+    elif recompute_text in ("yes", "true", "1"):
+        recompute = Recompute.FULL
     else:
         raise _Unmappable(f"recompute={raw['recompute']!r} is not none, full or selective")
     config = ParallelConfig(dp=dp, tp=tp, pp=pp, micro_batch_size=micro,
@@ -472,25 +503,21 @@ def public_row_config(raw: dict[str, str]) -> dict[str, Any]:
 
     Only the configuration is checked (not the metrics, nor a stated ``grad_accum`` that
     contradicts ``global_batch``): this is what a prediction needs.
-    An unknown ``gpu`` name is passed through (the predictor reports it per row), with the
-    ``nodes`` column or 8 devices per node.
 
     Raises:
-        ValueError: the configuration cannot be mapped (missing degrees, contradictions); the
-            message is the reason.
+        ValueError: the configuration cannot be mapped (missing degrees, contradictions, a
+            ``gpu`` the catalogue does not know); the message is the reason.
     """
     try:
         model = model_spec_from_public(raw)
-        config, num_gpus = config_from_public(raw, check_grad_accum=False)
+        config, _ = config_from_public(raw, check_grad_accum=False)
     except ConfigError as exc:
         raise ValueError(f"invalid {exc.field}={exc.value!r}: {exc.rule}") from None
     try:
         hardware = get_hardware(raw.get("gpu", ""))
-        name, per_node = hardware.name, hardware.devices_per_node
-    except ConfigError:
-        nodes = _integer(raw, "nodes", required=False)
-        name = raw.get("gpu", "")
-        per_node = max(num_gpus // nodes, 1) if nodes else 8
+    except ConfigError as exc:
+        raise ValueError(f"gpu={raw.get('gpu', '')!r} {exc.rule}") from None
+    name, per_node = hardware.name, hardware.devices_per_node
     row: dict[str, Any] = {"model_name": model.name}
     row.update({k: v for k, v in model.to_dict().items() if k != "name"})
     row.update(config.to_dict())

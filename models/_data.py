@@ -64,6 +64,11 @@ def load_measurements(paths: Sequence[str | Path]) -> pd.DataFrame:
                                "row" if len(problems) == 1 else "rows", shown, more)
             frame = pd.DataFrame([m.to_row() for m in records])
         elif path.suffix == ".csv":
+            from paratune.datasets.importers import header_and_body, public_header_problem
+
+            problem = public_header_problem(header_and_body(path)[0])
+            if problem:
+                raise DatasetError(f"{path}: {problem}")
             frame = pd.read_csv(path, comment=None)
         else:
             raise DatasetError(f"{path}: not a dataset directory, public CSV or parquet file")

@@ -30,17 +30,31 @@ _DEFAULTS: dict[str, Any] = {"model_name": "model", "num_kv_heads": np.nan,
                              "devices_per_node": np.nan}
 
 
-def _read_raw(path: Path) -> pd.DataFrame:
+def _read_raw(path: Path) -> tuple[pd.DataFrame, np.ndarray]:
+    """Every data row's cells as strings (padded to the header) and why each row cannot be
+    read as a row (empty, or more cells than the header; ``""`` elsewhere). Blank lines are
+    no rows, as pandas reads them."""
+    import csv
+
     import pandas as pd
 
     from paratune.datasets.importers import header_and_body
 
     header, body, _, _ = header_and_body(path)
-    import csv
-
-    rows = [cells + [""] * (len(header) - len(cells)) for cells in csv.reader(body)
-            if cells and any(c.strip() for c in cells)]
-    return pd.DataFrame([r[: len(header)] for r in rows], columns=header, dtype=object)
+    rows: list[list[str]] = []
+    errors: list[str] = []
+    for cells in csv.reader(body):
+        if not cells or (len(cells) == 1 and not cells[0].strip()):
+            continue
+        if not any(c.strip() for c in cells):
+            errors.append("empty row: every cell is empty")
+        elif len(cells) > len(header):
+            errors.append(f"has {len(cells)} cells but the header has {len(header)} columns")
+        else:
+            errors.append("")
+        rows.append((cells + [""] * (len(header) - len(cells)))[: len(header)])
+    raw = pd.DataFrame(rows, columns=header, dtype=object)
+    return raw, np.asarray(errors, dtype=object)
 
 
 def read_config_csv(path: str | Path) -> tuple[pd.DataFrame, pd.DataFrame, np.ndarray]:
@@ -57,18 +71,25 @@ def read_config_csv(path: str | Path) -> tuple[pd.DataFrame, pd.DataFrame, np.nd
         could not be read) and a message per row (empty where the row was read).
 
     Raises:
-        DatasetError: the file has neither format's required columns.
+        DatasetError: the file has neither format's required columns (a header that looks
+            like the public format is told which public columns it lacks).
     """
     import pandas as pd
 
-    from paratune.datasets.importers import is_public_csv, public_row_config
+    from paratune.datasets.importers import (
+        is_public_csv,
+        public_header_problem,
+        public_row_config,
+    )
 
     path = Path(path)
-    raw = _read_raw(path)
-    errors = np.full(len(raw), "", dtype=object)
+    raw, errors = _read_raw(path)
     rows: list[dict[str, Any]] = []
     if is_public_csv(path):
         for i, cells in enumerate(raw.to_dict("records")):
+            if errors[i]:
+                rows.append({})
+                continue
             try:
                 rows.append(public_row_config({k: str(v).strip() for k, v in cells.items()}))
             except ValueError as exc:
@@ -77,6 +98,9 @@ def read_config_csv(path: str | Path) -> tuple[pd.DataFrame, pd.DataFrame, np.nd
         configs = pd.DataFrame(rows, columns=list(CONFIG_COLUMNS))
         configs["source"] = raw["source"].to_numpy() if "source" in raw.columns else ""
         return raw, _fill_placeholders(configs, errors), errors
+    problem = public_header_problem(list(raw.columns))
+    if problem:
+        raise DatasetError(f"{path}: {problem}")
     missing = [c for c in _OWN_REQUIRED if c not in raw.columns]
     if missing:
         raise DatasetError(f"{path}: neither the public measurement format nor paratune's "
@@ -199,8 +223,9 @@ def predict_csv(model: Predictor, input_path: str | Path, output_path: str | Pat
 
     Returns:
         The input cells followed by the prediction columns and ``pred_error``, one row per
-        input row in order. Rows that could not be predicted have empty predictions and a
-        message.
+        input row in order (a row of empty cells included). Rows that could not be predicted
+        have empty predictions and a message. Input columns named like prediction columns
+        (a previous output) are replaced by the new predictions.
     """
     from paratune._io import atomic_write_text
     from paratune.models._estimators import PRED_ERROR
@@ -219,9 +244,16 @@ def predict_csv(model: Predictor, input_path: str | Path, output_path: str | Pat
     pred.loc[reading, numeric] = np.nan
     pred[PRED_ERROR] = np.where(reading, errors, pred[PRED_ERROR].astype(object))
     out = raw.reset_index(drop=True).copy()
+    stale = [c for c in pred.columns if c in out.columns]
+    if stale:  # a previous output fed back in: its predictions are replaced, not kept
+        import logging
+
+        logging.getLogger(__name__).warning(
+            "%s: replaced the input's prediction columns %s with new predictions", input_path,
+            ", ".join(stale))
+        out = out.drop(columns=stale)
     for column in pred.columns:
-        name = column if column not in out.columns else f"{column}_predicted"
-        out[name] = pred[column].to_numpy()
+        out[column] = pred[column].to_numpy()
     if output_path is not None:
         atomic_write_text(output_path, out.to_csv(index=False))
     return out

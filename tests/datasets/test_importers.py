@@ -210,3 +210,18 @@ def test_mixed_sources_in_one_import_keep_each_provenance(tmp_path):
     assert "no '# source:' provenance line in bare.csv" in report.summary()
     with pytest.raises(DatasetError, match="given twice"):
         import_files([ultra, tmp_path / "." / "rows.csv"], None)
+
+
+@pytest.mark.parametrize(("word", "recompute"), [
+    ("true", Recompute.FULL), ("Yes", Recompute.FULL), ("1", Recompute.FULL),
+    ("false", Recompute.NONE), ("no", Recompute.NONE), ("0", Recompute.NONE),
+    ("full", Recompute.FULL), ("selective", Recompute.SELECTIVE), ("", Recompute.NONE),
+])
+def test_recompute_takes_yes_and_no_words(tmp_path, word, recompute):
+    (m,), problems = parse_public_csv(_write(tmp_path, GOOD.replace(",256,0,,", f",256,0,{word},")))
+    assert not problems and m.config.recompute is recompute
+
+
+def test_recompute_refuses_other_words(tmp_path):
+    _, (problem,) = parse_public_csv(_write(tmp_path, GOOD.replace(",256,0,,", ",256,0,maybe,")))
+    assert problem.reason == "recompute='maybe' is not none, full or selective"

@@ -389,3 +389,81 @@ def test_evaluate_no_progress_turns_the_terminal_bar_off(tmp_path, synthetic, ca
     assert "cross-validating" in capsys.readouterr().err
     assert main([*args, "--no-progress"]) == 0
     assert "cross-validating" not in capsys.readouterr().err
+
+
+def _predict_public(model_dir, tmp_path, header: str, rows: list[str]) -> pd.DataFrame:
+    """``paratune predict`` of a public-format CSV; the output, as text."""
+    src = tmp_path / "public.csv"
+    src.write_text(header + "\n" + "\n".join(rows) + "\n")
+    out = tmp_path / "public_out.csv"
+    assert main(["predict", "--model", str(model_dir), str(src), "--out", str(out)]) == 0
+    return pd.read_csv(out, keep_default_na=False, dtype=str)
+
+
+def test_predict_keeps_an_all_empty_row_in_its_place(model_dir, synthetic, tmp_path):
+    """A row of empty cells is a row of the input (a blank line is not)."""
+    result = _predict_public(model_dir, tmp_path, PUBLIC_HEADER,
+                             [PUBLIC_ROWS[0], "," * 23, "", PUBLIC_ROWS[4]])
+    assert len(result) == 3 and result["dp"].tolist() == ["8", "", "8"]
+    assert result["pred_error"].tolist() == ["", "empty row: every cell is empty", ""]
+    assert result["pred_step_time_s"].iloc[1] == ""
+    frame = synthetic[list(CONFIG_COLUMNS)].head(3).astype(object)
+    frame.iloc[1] = ""
+    own = _predict_frame(model_dir, frame, tmp_path)
+    assert own["pred_error"].tolist() == ["", "empty row: every cell is empty", ""]
+    assert own["pred_step_time_s"].iloc[1] == ""
+
+
+def test_predict_refuses_a_row_with_more_cells_than_the_header(model_dir, tmp_path):
+    result = _predict_public(model_dir, tmp_path, PUBLIC_HEADER,
+                             [PUBLIC_ROWS[0] + ",extra", PUBLIC_ROWS[4]])
+    assert result["pred_error"].tolist() == ["has 25 cells but the header has 24 columns", ""]
+    assert result["pred_step_time_s"].iloc[0] == "" and float(result["pred_step_time_s"][1]) > 0
+    assert ",".join(result.iloc[0, :24]) == PUBLIC_ROWS[0]
+
+
+@pytest.mark.parametrize("dropped", [("num_gpus",), ("micro_batch", "global_batch")])
+def test_predict_names_the_missing_public_columns(model_dir, tmp_path, capsys, dropped):
+    names = PUBLIC_HEADER.split(",")
+    keep = [i for i, name in enumerate(names) if name not in dropped]
+    src = tmp_path / "in.csv"
+    src.write_text("\n".join(",".join(line.split(",")[i] for i in keep)
+                             for line in [PUBLIC_HEADER, PUBLIC_ROWS[0]]) + "\n")
+    assert main(["predict", "--model", str(model_dir), str(src), "--out",
+                 str(tmp_path / "o.csv")]) == 2
+    err = capsys.readouterr().err
+    assert f"missing public column(s) {', '.join(dropped)}" in err
+    assert "num_layers" not in err
+
+
+def test_predict_reads_vendor_gpu_names_and_names_the_gpu_column(model_dir, tmp_path):
+    def with_gpu(name: str) -> str:
+        return PUBLIC_ROWS[0].replace(",H100-80GB,", f",{name},")
+
+    result = _predict_public(model_dir, tmp_path, PUBLIC_HEADER, [
+        with_gpu("NVIDIA H100 80GB HBM3"), with_gpu("H100 SXM"), with_gpu("H100 PCIe"),
+        with_gpu("TPU-v9")])
+    errors = result["pred_error"].tolist()
+    assert errors[:2] == ["", ""]
+    assert result["pred_step_time_s"].iloc[0] == result["pred_step_time_s"].iloc[1] != ""
+    for i, name in ((2, "H100 PCIe"), (3, "TPU-v9")):
+        assert errors[i].startswith(f"gpu={name!r} is not a known device (")
+        assert result["pred_step_time_s"].iloc[i] == ""
+
+
+def test_predict_replaces_the_prediction_columns_of_its_input(model_dir, tmp_path, capsys,
+                                                              caplog):
+    first = _predict_public(model_dir, tmp_path, PUBLIC_HEADER, PUBLIC_ROWS[:2])
+    capsys.readouterr()
+    stale = first.copy()
+    stale["pred_step_time_s"] = "999"
+    stale["pred_error"] = "stale"
+    src = tmp_path / "again.csv"
+    stale.to_csv(src, index=False)
+    out = tmp_path / "again_out.csv"
+    assert main(["predict", "--model", str(model_dir), str(src), "--out", str(out)]) == 0
+    assert "predicted 1 of 2 rows" in capsys.readouterr().out
+    assert "replaced the input's prediction columns pred_step_time_s" in caplog.text
+    again = pd.read_csv(out, keep_default_na=False, dtype=str)
+    assert list(again.columns) == list(first.columns)
+    pd.testing.assert_frame_equal(again, first)

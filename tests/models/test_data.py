@@ -33,6 +33,16 @@ def test_rows_a_public_csv_cannot_map_are_reported_when_loading(tmp_path, caplog
     assert "public.csv: 1 row not used" in warned and "public.csv:4: dp*tp*pp" in warned
 
 
+def test_a_public_csv_missing_a_config_column_is_told_which(tmp_path):
+    names = HEADER.split(",")
+    keep = [i for i, name in enumerate(names) if name != "num_gpus"]
+    path = tmp_path / "public.csv"
+    path.write_text("\n".join(",".join(line.split(",")[i] for i in keep)
+                              for line in [HEADER, GOOD]) + "\n")
+    with pytest.raises(DatasetError, match=r"missing public column\(s\) num_gpus \(it needs"):
+        load_measurements([path])
+
+
 def _dataset_file(tmp_path):
     record = Measurement(model=get_model("tiny"), config=ParallelConfig(dp=2, global_batch_size=8),
                          hardware="cpu", step_times_s=[0.1, 0.12])
