@@ -16,8 +16,8 @@ from paratune.predictor import CONFIG_COLUMNS
 if TYPE_CHECKING:
     import pandas as pd
 
-__all__ = ["config_identity", "feasibility_table", "load_measurements", "measured_memory_gb",
-           "measured_step_time", "training_fingerprint"]
+__all__ = ["canonical_order", "config_identity", "feasibility_table", "load_measurements",
+           "measured_memory_gb", "measured_step_time", "training_fingerprint"]
 
 logger = logging.getLogger(__name__)
 
@@ -144,9 +144,22 @@ def feasibility_table(frame: pd.DataFrame) -> pd.DataFrame:
     return table.drop_duplicates("_identity").drop(columns="_identity").reset_index(drop=True)
 
 
+_IDENTITY = (*CONFIG_COLUMNS, "status", "step_time_s", "peak_mem_reserved_gb",
+             "peak_mem_allocated_gb")
+"""The configuration columns and outcomes that identify a training row."""
+
+
 def training_fingerprint(frame: pd.DataFrame) -> str:
     """SHA-256 of the configuration columns and outcomes a model was fitted on."""
-    cols = [c for c in (*CONFIG_COLUMNS, "status", "step_time_s", "peak_mem_reserved_gb",
-                        "peak_mem_allocated_gb") if c in frame.columns]
+    cols = [c for c in _IDENTITY if c in frame.columns]
     text = frame[cols].astype(str).sort_values(cols).to_csv(index=False)
     return hashlib.sha256(text.encode()).hexdigest()
+
+
+def canonical_order(frame: pd.DataFrame) -> pd.DataFrame:
+    """The rows of ``frame`` in an order that does not depend on how they were given (which
+    files, in which order): sorted by the columns of :func:`training_fingerprint`, then by
+    source. Boosters that sample rows by position then fit the same model on the same data."""
+    cols = [c for c in (*_IDENTITY, "source") if c in frame.columns]
+    keys = frame[cols].astype(str).reset_index(drop=True)
+    return frame.iloc[keys.sort_values(cols, kind="stable").index].reset_index(drop=True)

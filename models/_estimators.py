@@ -31,6 +31,7 @@ from paratune._io import atomic_write_text, exclusive_lock
 from paratune.errors import DatasetError, ModelFormatError
 from paratune.models import features as F
 from paratune.models._data import (
+    canonical_order,
     feasibility_table,
     measured_memory_gb,
     measured_step_time,
@@ -335,7 +336,9 @@ class PerformanceModel(_Base):
         """Fit on measurement rows (:meth:`paratune.Measurement.to_row` columns).
 
         Args:
-            frame: Successful and failed measurements.
+            frame: Successful and failed measurements, in any order: the rows are put in a
+                canonical order first, so the same rows (the same fingerprint) give the same
+                model whichever files they came from, in whichever order.
 
         Returns:
             ``self``.
@@ -347,6 +350,7 @@ class PerformanceModel(_Base):
         import xgboost as xgb
 
         self._check_quantiles()
+        frame = canonical_order(frame)
         c = F.Columns(frame)
         X, analytical = F.compute_features(c)
         usable = np.asarray(analytical["error"] == "") & np.isfinite(
@@ -518,6 +522,10 @@ class PerformanceModel(_Base):
                 bounds[rows] = q[:, [0, -1]]
         step = base * np.exp(ratio)
         lo = base * np.exp(np.minimum(bounds[:, 0], ratio))
+        # the learned lower bound knows no physics: no step on an accelerator is faster than
+        # its model FLOPs at the device's peak (100% MFU)
+        peak = np.where(c.accelerator, F.model_flops_per_device(c) / c.peak_flops, 0.0)
+        lo = np.minimum(np.maximum(lo, peak), step)
         hi = base * np.exp(np.maximum(bounds[:, -1], ratio))
         expected = step
         # without a learned stalled regime the model cannot tell its probability: NaN, as

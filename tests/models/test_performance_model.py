@@ -42,6 +42,42 @@ def test_learns_the_hidden_ratio_and_keeps_row_order(fitted, make_synthetic):
     assert ((prob >= 0.5) == ok).mean() > 0.9
 
 
+def test_the_same_rows_in_another_order_fit_the_same_model(fitted, synthetic):
+    """Boosters sample rows by position: without a canonical order, the same data listed in
+    other files or another order (the same training fingerprint) fitted another model."""
+    shuffled = synthetic.sample(frac=1.0, random_state=3)
+    again = PerformanceModel(**SMALL, n_jobs=1).fit(shuffled)
+    assert again.fingerprint_ == fitted.fingerprint_
+    pd.testing.assert_frame_equal(again.predict(synthetic), fitted.predict(synthetic))
+
+
+def test_no_throughput_quantile_exceeds_the_device_peak(public_dir):
+    """The learned lower time bound is a ratio with no physics of its own: on layouts far
+    from the measurements (an 80B model on 8 GPUs) it read up to twice the H100's peak."""
+    from paratune import ModelSpec, ParallelConfig
+    from paratune.models import features as F
+    from paratune.models import load_measurements
+
+    frame = load_measurements([public_dir / "ultrascale_playbook_h100.csv",
+                               public_dir / "ultrascale_playbook_h100_failed.csv"])
+    model = PerformanceModel(n_jobs=1).fit(frame)
+    h100 = get_hardware("H100")
+    shapes = [ModelSpec(name="80B", num_layers=80, hidden_size=8192, num_heads=64,
+                        ffn_hidden_size=28672, vocab_size=131072, seq_len=4096),
+              ModelSpec(name="8B", num_layers=32, hidden_size=4096, num_heads=32,
+                        ffn_hidden_size=14336, vocab_size=131072, seq_len=4096)]
+    rows = pd.concat([F.config_row(spec, ParallelConfig(dp=8, micro_batch_size=micro,
+                                                        global_batch_size=256, sharding=zero),
+                                   h100)
+                      for spec in shapes for micro in (1, 4, 16) for zero in ("none", "zero1")],
+                     ignore_index=True)
+    pred = model.predict(rows)
+    flops_per_token = F.model_flops_per_device(rows) * rows["world_size"] / (
+        rows["global_batch_size"] * rows["seq_len"])
+    mfu = pred[PRED_TOKENS_Q90] * flops_per_token / h100.peak_flops
+    assert (mfu <= 1.0 + 1e-9).all(), mfu.max()
+
+
 def test_save_load_roundtrip_is_json_and_identical(fitted, synthetic, tmp_path):
     fitted.save(tmp_path / "m")
     files = sorted(p.name for p in (tmp_path / "m").iterdir() if p.name != ".model.lock")
