@@ -121,6 +121,7 @@ def main() -> None:
         add("Ultra-Scale unseen configs", row, "regret_within_5pct", "-")
         add("Ultra-Scale unseen configs", row, "regret_q10_mean", "-")
         add("Ultra-Scale unseen configs", row, "feasibility_accuracy", ">= 95")
+        add("Ultra-Scale unseen configs", row, "mdape_mem", "-")
         stalls = name == "performance_model"  # the one predictor with a stalled regime
         if stalls:
             add("Ultra-Scale unseen configs", row, "stall_share", "-")
@@ -148,6 +149,7 @@ def main() -> None:
         row = _pick(results["model"], estimator=name, held_out=":8B")
         add("Ultra-Scale 8B held out (larger model)", row, "mdape", "<= 25")
         add("Ultra-Scale 8B held out (larger model)", row, "feasibility_accuracy", ">= 90")
+        add("Ultra-Scale 8B held out (larger model)", row, "mdape_mem", "-")
         if stalls:
             add("Ultra-Scale 8B held out (larger model)", row, "stall_share", "-")
             add("Ultra-Scale 8B held out (larger model)", row, "stall_accuracy", "-")

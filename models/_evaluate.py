@@ -28,7 +28,12 @@ import numpy as np
 
 from paratune.errors import ConfigError, DatasetError
 from paratune.models import features as F
-from paratune.models._data import config_identity, feasibility_table, measured_step_time
+from paratune.models._data import (
+    config_identity,
+    feasibility_table,
+    measured_memory_gb,
+    measured_step_time,
+)
 from paratune.predictor import PRED_TOKENS_EXPECTED
 
 if TYPE_CHECKING:
@@ -114,7 +119,9 @@ def metrics(frame: pd.DataFrame, predictions: pd.DataFrame) -> dict[str, float]:
         ``pred_tokens_per_sec_per_gpu``), ``regret_within_5pct``
         (the share of those groups whose choice is within 5% of their best),
         ``regret_q10_mean`` (the same for the choice by the 10th-percentile throughput,
-        where predicted), ``feasibility_accuracy``, ``n_configs``, and where the predictor
+        where predicted), ``mdape_mem`` (median absolute percentage error of the predicted
+        peak memory, over the runs that report one), ``feasibility_accuracy``,
+        ``n_configs``, and where the predictor
         gives ``pred_stall_prob``: ``stall_share`` (the measured pipeline runs that stalled)
         and ``stall_accuracy`` (the share of them whose regime the probability called right,
         at 0.5; NaN otherwise).
@@ -173,6 +180,13 @@ def metrics(frame: pd.DataFrame, predictions: pd.DataFrame) -> dict[str, float]:
     # the risk-averse choice (highest 10th-percentile throughput), as the tuner can make it
     out["regret_q10_mean"] = float(np.mean(cautious_regrets)) if cautious_regrets else np.nan
     out["spearman_group"] = float(np.nanmean(rhos)) if np.isfinite(rhos).any() else np.nan
+    # peak memory, where both the run and the predictor say it
+    mem = measured_memory_gb(frame)
+    pred_mem = (np.asarray(predictions["pred_peak_mem_gb"], dtype=float)
+                if "pred_peak_mem_gb" in predictions.columns else np.full(len(frame), np.nan))
+    has_mem = np.isfinite(mem) & np.isfinite(pred_mem) & (mem > 0)
+    out["mdape_mem"] = (float(np.median(np.abs(pred_mem[has_mem] / mem[has_mem] - 1.0)))
+                        if has_mem.any() else np.nan)
     prob = np.asarray(predictions["pred_feasible_prob"], dtype=float)
     table = feasibility_table(frame.assign(_prob=prob).reset_index(drop=True))
     known = np.isfinite(table["_prob"].to_numpy())
@@ -212,7 +226,8 @@ class EvaluationResult:
         for row in self.summary + self.by_fold:
             shown = {k: row[k] for k in ("estimator", "source", "held_out") if k in row}
             for key in ("mape", "mdape", "mape_step", "regret_mean", "regret_median",
-                        "regret_q10_mean", "feasibility_accuracy", "stall_accuracy"):
+                        "regret_q10_mean", "feasibility_accuracy", "stall_accuracy",
+                        "mdape_mem"):
                 shown[key] = 100.0 * row.get(key, np.nan)
             shown["spearman"] = row["spearman"]
             shown["n"] = int(row["n"])
@@ -221,10 +236,11 @@ class EvaluationResult:
                    "regret_mean": "regret%", "regret_median": "regret median%",
                    "regret_q10_mean": "regret(q10)%",
                    "feasibility_accuracy": "feasible acc%",
-                   "stall_accuracy": "stall acc%", "spearman": "Spearman"}
+                   "stall_accuracy": "stall acc%", "mdape_mem": "memory MdAPE%",
+                   "spearman": "Spearman"}
         columns = ["estimator", "source", "held_out", "n", "mape", "mdape", "mape_step",
                    "spearman", "regret_mean", "regret_median", "regret_q10_mean",
-                   "feasibility_accuracy", "stall_accuracy"]
+                   "feasibility_accuracy", "stall_accuracy", "mdape_mem"]
         return format_table(rows, columns, headers=headers, floatfmt=".3g",
                             title=f"split={self.split}: tokens/s per device vs measured")
 

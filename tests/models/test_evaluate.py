@@ -30,6 +30,12 @@ def test_metrics_on_known_predictions(synthetic):
     assert figures["regret_median"] == pytest.approx(0.0)
     assert figures["regret_within_5pct"] == pytest.approx(1.0)
     assert figures["feasibility_accuracy"] == pytest.approx(1.0)
+    assert np.isnan(figures["mdape_mem"])  # no memory predicted: no figure
+    measured_mem = synthetic["peak_mem_reserved_gb"].to_numpy(dtype=float)
+    assert np.isfinite(measured_mem).any()
+    pred["pred_peak_mem_gb"] = measured_mem * 1.1
+    assert metrics(synthetic, pred)["mdape_mem"] == pytest.approx(0.1)
+    pred = pred.drop(columns="pred_peak_mem_gb")
     # ranking the worst configuration first gives a positive regret
     pred["pred_step_time_s"] = 1.0 / pred["pred_step_time_s"]
     worst_first = metrics(synthetic, pred)
