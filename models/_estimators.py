@@ -65,15 +65,16 @@ __all__ = [
     "source_family",
 ]
 
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 """Version of the saved-model directory format; loading another version fails (2: the
 layer-passes feature; 3: the data-parallel ring latency in the analytical estimate; 4: the
 step-time models for models not in the training data; 5: the stalled-pipeline regime; 6:
 model keys with every digit of the shapes, hardware names in their catalogue spelling; 7: the
 analytical estimate's per-micro-batch ZeRO-2/3 traffic and latency, recompute working set
 and FLOPs, GPipe's last rank, largest-chunk pipeline fill and node-crossing tp groups, and the
-training ranges). A model learns corrections to the analytical estimate, so one fitted on
-another version's estimate would apply them to a different baseline."""
+training ranges; 8: the memory correction on its own features, with monotone directions). A
+model learns corrections to the analytical estimate, so one fitted on another version's
+estimate would apply them to a different baseline."""
 PRED_TOKENS_Q10 = f"{PRED_TOKENS_PER_SEC_PER_GPU}_q10"
 PRED_TOKENS_Q90 = f"{PRED_TOKENS_PER_SEC_PER_GPU}_q90"
 PRED_STALL_PROB = "pred_stall_prob"
@@ -89,6 +90,7 @@ _COMPONENT_FILE = re.compile(  # a booster file save writes (transfer and family
     rf"^({'|'.join((*_TIME_COMPONENTS, 'memory', 'feasibility', *_STALL_COMPONENTS))}"
     r"|transfer-.+|family-.+)\.json$")
 _TRANSFER_COLUMNS = np.asarray([F.FEATURE_NAMES.index(name) for name in F.TRANSFER_FEATURE_NAMES])
+_MEMORY_COLUMNS = np.asarray([F.FEATURE_NAMES.index(name) for name in F.MEMORY_FEATURE_NAMES])
 
 
 def _catalogue_names(names: Any) -> np.ndarray:
@@ -254,7 +256,12 @@ class PerformanceModel(_Base):
       upper time quantile is the stalled time where the probability exceeds the upper
       quantile's tail. All three come, like the step-time models, on all features and on the
       transfer features;
-    * peak memory: ``analytical * exp(m(x))`` where memory was measured;
+    * peak memory: ``analytical * exp(m(x))`` where memory was measured, ``m`` on the
+      features of :data:`~paratune.models.features.MEMORY_FEATURE_NAMES` and held to the
+      directions of :data:`~paratune.models.features.MEMORY_MONOTONE` (a larger micro-batch
+      does not need less memory, nor ZeRO-1 more than no sharding; the absolute-error
+      objective refits leaf values after the constrained split, which can bend that by about
+      a percent);
     * feasibility: an XGBoost classifier on the features and the predicted memory fraction,
       trained on successful and failed runs (a configuration that ran at least once is
       feasible); without failed runs in the data, a soft threshold on predicted memory.
@@ -405,8 +412,11 @@ class PerformanceModel(_Base):
         self.memory_ = None
         if has_mem.sum() >= 10:
             y_mem = np.log(mem[has_mem] / analytical["memory_gb"][has_mem])
-            self.memory_ = _xgb_regressor(self._booster_params(aux=True),
-                                          objective="reg:absoluteerror").fit(X[has_mem], y_mem)
+            monotone = "({})".format(",".join(str(F.MEMORY_MONOTONE.get(name, 0))
+                                              for name in F.MEMORY_FEATURE_NAMES))
+            self.memory_ = _xgb_regressor(
+                self._booster_params(aux=True), objective="reg:absoluteerror",
+                monotone_constraints=monotone).fit(X[has_mem][:, _MEMORY_COLUMNS], y_mem)
 
         table = feasibility_table(frame[usable].reset_index(drop=True))
         labels = table["feasible"].to_numpy()
@@ -479,7 +489,7 @@ class PerformanceModel(_Base):
     def _memory_gb(self, X: np.ndarray, analytical: dict[str, Any]) -> np.ndarray:
         if self.memory_ is None:
             return analytical["memory_gb"]
-        return analytical["memory_gb"] * np.exp(self.memory_.predict(X))
+        return analytical["memory_gb"] * np.exp(self.memory_.predict(X[:, _MEMORY_COLUMNS]))
 
     def _feasibility_matrix(self, frame: pd.DataFrame) -> np.ndarray:
         c = F.Columns(frame)
@@ -661,6 +671,7 @@ class PerformanceModel(_Base):
                 "feature_names": list(F.FEATURE_NAMES),
                 "feasibility_feature_names": [*F.FEATURE_NAMES, "log2_pred_mem_fraction"],
                 "transfer_feature_names": list(F.TRANSFER_FEATURE_NAMES),
+                "memory_feature_names": list(F.MEMORY_FEATURE_NAMES),
                 "seen_models": self.seen_models_,
                 "target": "log(measured_step_time_s / analytical_step_time_s)",
                 "stall_target": "log(measured_step_time_s / num_microbatches) of stalled runs",
@@ -739,7 +750,8 @@ class PerformanceModel(_Base):
             raise ModelFormatError(f"{manifest_path}: schema_version={version!r} but this "
                                    f"paratune reads schema_version={SCHEMA_VERSION}; refit it")
         if (manifest.get("feature_names") != list(F.FEATURE_NAMES)
-                or manifest.get("transfer_feature_names") != list(F.TRANSFER_FEATURE_NAMES)):
+                or manifest.get("transfer_feature_names") != list(F.TRANSFER_FEATURE_NAMES)
+                or manifest.get("memory_feature_names") != list(F.MEMORY_FEATURE_NAMES)):
             raise ModelFormatError(f"{manifest_path}: feature_names differ from this paratune's "
                                    "features; refit the model")
         try:

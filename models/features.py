@@ -578,6 +578,22 @@ TRANSFER_FEATURE_NAMES: tuple[str, ...] = tuple(
     name for name in FEATURE_NAMES if name not in MODEL_SIZE_FEATURES)
 """The features of the step-time model for models not in the training data."""
 
+MEMORY_FEATURE_NAMES: tuple[str, ...] = tuple(
+    name for name in FEATURE_NAMES
+    if not name.startswith("frac_") and name not in (
+        "log2_microbatches", "log10_layer_passes_per_s", "log10_flops_per_byte_inter",
+        "log10_flops_per_byte_intra"))
+"""The features of the peak-memory correction: sizes, shapes and layout, not the step's mix
+of compute and communication or its micro-batches per step. Those move with the micro-batch
+and let a learned correction fall faster than the memory it corrects rises (a larger
+micro-batch predicted to need less memory)."""
+
+MEMORY_MONOTONE: dict[str, int] = {"log2_tokens_per_micro": 1, "mem_fraction": 1,
+                                   "log2_dp_mem_share": 1, "sharding": -1}
+"""Directions the memory correction keeps (``+1``: never falls as the feature grows, ``-1``:
+never rises): with the estimate it corrects, predicted memory grows with the micro-batch and
+shrinks with sharding, whatever the few measurements near a layout say."""
+
 
 def model_keys(frame: pd.DataFrame | Columns) -> np.ndarray:
     """The architecture of each row as a string (layers, widths, heads, vocabulary): rows with
