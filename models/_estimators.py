@@ -260,8 +260,8 @@ class PerformanceModel(_Base):
       features of :data:`~paratune.models.features.MEMORY_FEATURE_NAMES` and held to the
       directions of :data:`~paratune.models.features.MEMORY_MONOTONE` (a larger micro-batch
       does not need less memory, nor ZeRO-1 more than no sharding; the absolute-error
-      objective refits leaf values after the constrained split, which can bend that by about
-      a percent);
+      objective refits leaf values after the constrained split, and the memory fraction
+      moves with the micro-batch too, which can bend that by a few percent);
     * feasibility: an XGBoost classifier on the features and the predicted memory fraction,
       trained on successful and failed runs (a configuration that ran at least once is
       feasible); without failed runs in the data, a soft threshold on predicted memory.

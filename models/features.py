@@ -588,11 +588,12 @@ of compute and communication or its micro-batches per step. Those move with the 
 and let a learned correction fall faster than the memory it corrects rises (a larger
 micro-batch predicted to need less memory)."""
 
-MEMORY_MONOTONE: dict[str, int] = {"log2_tokens_per_micro": 1, "mem_fraction": 1,
-                                   "log2_dp_mem_share": 1, "sharding": -1}
+MEMORY_MONOTONE: dict[str, int] = {"log2_tokens_per_micro": 1, "sharding": -1}
 """Directions the memory correction keeps (``+1``: never falls as the feature grows, ``-1``:
 never rises): with the estimate it corrects, predicted memory grows with the micro-batch and
-shrinks with sharding, whatever the few measurements near a layout say."""
+shrinks with sharding, whatever the few measurements near a layout say. (Holding the
+memory-fraction and optimizer-share features too made the correction worse on a model
+larger than any trained on.)"""
 
 
 def model_keys(frame: pd.DataFrame | Columns) -> np.ndarray:
