@@ -17,7 +17,7 @@ def public_data_dir() -> Path:
     return Path(os.environ.get("PARATUNE_PUBLIC_DATA", REPO.parent / "shared/data/public-gpu"))
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def public_dir() -> Path:
     path = public_data_dir()
     if not (path / "ultrascale_playbook_h100.csv").exists():

@@ -53,17 +53,12 @@ def test_the_same_rows_in_another_order_fit_the_same_model(fitted, synthetic):
 
 
 @pytest.fixture(scope="module")
-def public_fitted():
+def public_fitted(public_dir):
     """The performance model fitted on the Ultra-Scale sweep (successful and failed runs)."""
     from paratune.models import load_measurements
 
-    from .conftest import public_data_dir
-
-    path = public_data_dir()
-    if not (path / "ultrascale_playbook_h100.csv").exists():
-        pytest.skip(f"public GPU measurements not found at {path}")
-    frame = load_measurements([path / "ultrascale_playbook_h100.csv",
-                               path / "ultrascale_playbook_h100_failed.csv"])
+    frame = load_measurements([public_dir / "ultrascale_playbook_h100.csv",
+                               public_dir / "ultrascale_playbook_h100_failed.csv"])
     return PerformanceModel(n_jobs=1).fit(frame)
 
 
