@@ -77,7 +77,7 @@ def read_config_csv(path: str | Path) -> tuple[pd.DataFrame, pd.DataFrame, np.nd
     import pandas as pd
 
     from paratune.datasets.importers import (
-        is_public_csv,
+        missing_public_columns,
         public_header_problem,
         public_row_config,
     )
@@ -85,7 +85,8 @@ def read_config_csv(path: str | Path) -> tuple[pd.DataFrame, pd.DataFrame, np.nd
     path = Path(path)
     raw, errors = _read_raw(path)
     rows: list[dict[str, Any]] = []
-    if is_public_csv(path):
+    # the header as read above (is_public_csv would read the file again)
+    if not missing_public_columns(list(raw.columns)):
         for i, cells in enumerate(raw.to_dict("records")):
             if errors[i]:
                 rows.append({})
