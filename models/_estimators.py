@@ -91,6 +91,8 @@ _COMPONENT_FILE = re.compile(  # a booster file save writes (transfer and family
     r"|transfer-.+|family-.+)\.json$")
 _TRANSFER_COLUMNS = np.asarray([F.FEATURE_NAMES.index(name) for name in F.TRANSFER_FEATURE_NAMES])
 _MEMORY_COLUMNS = np.asarray([F.FEATURE_NAMES.index(name) for name in F.MEMORY_FEATURE_NAMES])
+_MEMORY_MONOTONE = "({})".format(",".join(str(F.MEMORY_MONOTONE.get(name, 0))
+                                          for name in F.MEMORY_FEATURE_NAMES))
 
 
 def _catalogue_names(names: Any) -> np.ndarray:
@@ -412,11 +414,9 @@ class PerformanceModel(_Base):
         self.memory_ = None
         if has_mem.sum() >= 10:
             y_mem = np.log(mem[has_mem] / analytical["memory_gb"][has_mem])
-            monotone = "({})".format(",".join(str(F.MEMORY_MONOTONE.get(name, 0))
-                                              for name in F.MEMORY_FEATURE_NAMES))
             self.memory_ = _xgb_regressor(
                 self._booster_params(aux=True), objective="reg:absoluteerror",
-                monotone_constraints=monotone).fit(X[has_mem][:, _MEMORY_COLUMNS], y_mem)
+                monotone_constraints=_MEMORY_MONOTONE).fit(X[has_mem][:, _MEMORY_COLUMNS], y_mem)
 
         table = feasibility_table(frame[usable].reset_index(drop=True))
         labels = table["feasible"].to_numpy()
@@ -534,8 +534,8 @@ class PerformanceModel(_Base):
         lo = base * np.exp(np.minimum(bounds[:, 0], ratio))
         # the learned lower bound knows no physics: no step on an accelerator is faster than
         # its model FLOPs at the device's peak (100% MFU)
-        peak = np.where(c.accelerator, F.model_flops_per_device(c) / c.peak_flops, 0.0)
-        lo = np.minimum(np.maximum(lo, peak), step)
+        lo = np.minimum(np.maximum(lo, np.where(c.accelerator, F.step_time_at_mfu(c), 0.0)),
+                        step)
         hi = base * np.exp(np.maximum(bounds[:, -1], ratio))
         expected = step
         # without a learned stalled regime the model cannot tell its probability: NaN, as
@@ -849,7 +849,7 @@ class _ChangedError(ModelFormatError):
     rewriting the directory (see :meth:`PerformanceModel.load`)."""
 
 
-def _directory_lock(path: Path, what: str) -> contextlib.AbstractContextManager[None]:
+def _directory_lock(path: Path, what: str) -> contextlib.AbstractContextManager[bool]:
     """The lock that saves into (and loads from) one model directory take turns on."""
     return exclusive_lock(path / _LOCK_FILE, field="path", value=str(path),
                           what=f"{what} a performance model there", wait_s=_LOCK_WAIT_S)

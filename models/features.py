@@ -43,6 +43,8 @@ __all__ = [
     "DP_BUCKET_BYTES",
     "DP_HOP_LATENCY_S",
     "FEATURE_NAMES",
+    "MEMORY_FEATURE_NAMES",
+    "MEMORY_MONOTONE",
     "MEMORY_OVERHEAD_GB",
     "MODEL_SIZE_FEATURES",
     "STALL_MAX_MFU",
@@ -70,6 +72,7 @@ __all__ = [
     "pp_p2p_bytes_per_microbatch",
     "stall_floor_s",
     "stalled_pipeline",
+    "step_time_at_mfu",
     "tp_bytes_per_microbatch",
     "tp_crosses_nodes",
 ]
@@ -281,9 +284,17 @@ def stall_floor_s(frame: pd.DataFrame | Columns) -> np.ndarray:
     over :data:`STALL_MIN_SECONDS_PER_MICROBATCH` per micro-batch and under
     :data:`STALL_MAX_MFU` (NaN where the hardware is unknown)."""
     c = _cols(frame)
+    return np.maximum(STALL_MIN_SECONDS_PER_MICROBATCH * num_microbatches(c),
+                      step_time_at_mfu(c, STALL_MAX_MFU))
+
+
+def step_time_at_mfu(frame: pd.DataFrame | Columns, mfu: float = 1.0) -> np.ndarray:
+    """The step time at which a run reaches ``mfu`` of its device's peak: its model FLOPs
+    per device over ``mfu`` times the peak (1: no step can be faster; NaN where the hardware
+    is unknown)."""
+    c = _cols(frame)
     with np.errstate(divide="ignore", invalid="ignore"):
-        return np.maximum(STALL_MIN_SECONDS_PER_MICROBATCH * num_microbatches(c),
-                          model_flops_per_device(c) / (STALL_MAX_MFU * c.peak_flops))
+        return model_flops_per_device(c) / (mfu * c.peak_flops)
 
 
 def _forward_flops_per_token(c: Columns, layers: np.ndarray, *, lm_head: np.ndarray | float

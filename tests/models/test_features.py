@@ -310,6 +310,13 @@ def test_stalled_pipeline_needs_a_pipeline_an_accelerator_slow_micro_batches_and
     assert F.stalled_pipeline(large, 10 * busy).all()  # 5% of peak: stalled
 
 
+def test_step_time_at_mfu_is_the_model_flops_at_that_share_of_the_peak():
+    frame = row(dp=2, tp=2, pp=2, micro_batch_size=2)
+    at_peak = F.model_flops_per_device(frame)[0] / H100.peak_flops
+    assert F.step_time_at_mfu(frame)[0] == pytest.approx(at_peak)
+    assert F.step_time_at_mfu(frame, 0.5)[0] == pytest.approx(2 * at_peak)
+
+
 def test_stall_floor_is_the_fastest_step_the_stalled_regime_admits():
     from paratune.predictor import config_frame
 
