@@ -79,6 +79,9 @@ MODELLED_COLUMNS = {"arm": "arm", "modelled_mean_s": "modelled_s", "modelled_std
                     "modelled_with_pilot_mean_s": "+pilot_s",
                     "modelled_gain_with_pilot_pct": "+pilot gain_%"}
 
+WORLD_SIZE = 4
+"""The gloo processes every run and profiling uses."""
+
 SETTINGS_VERSION = 2
 """Version of ``settings.json`` and of the profile table (2: rows keyed by config and
 ``measure``). The measurement journal ``profile.jsonl`` only adds a file (``profile.json``
@@ -123,7 +126,7 @@ def _spawn(job: Any) -> None:
 
     from paratune.profiler.gns import spawn
 
-    spawn(worker, 4, job)
+    spawn(worker, WORLD_SIZE, job)
 
 
 def _pilot_loss_at(curve: list[dict[str, Any]], tokens: float) -> float:
@@ -407,7 +410,9 @@ def _integers(minimum: int):
 
 
 def main(argv: list[str] | None = None) -> int:
-    from _ttt_worker import Job
+    from _ttt_worker import LAYOUTS, Job, config_for
+
+    from paratune.errors import ConfigError
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("out/time_to_target"),
@@ -432,20 +437,16 @@ def main(argv: list[str] | None = None) -> int:
     model = get_model("tiny").replace(name="tiny-text", num_layers=2, hidden_size=64,
                                       num_heads=4, num_kv_heads=2, ffn_hidden_size=176,
                                       seq_len=64)
-    from _ttt_worker import LAYOUTS, config_for
-
-    from paratune.errors import ConfigError
-
     # every layout runs every batch (and the pilot's dp4 its batch): refused here, before a
     # process starts, rather than by a worker part-way through the profiling
     for flag, values, layouts in (("--batches", batches, LAYOUTS),
                                   ("--pilot-batch", [args.pilot_batch], ["dp4"])):
         for batch, layout in itertools.product(values, layouts):
             try:
-                config_for(layout, batch).validate(model, 4)
+                config_for(layout, batch).validate(model, WORLD_SIZE)
             except ConfigError as error:
                 parser.error(f"argument {flag}: {batch} cannot run on the {layout} layout "
-                             f"of 4 processes: {error}")
+                             f"of {WORLD_SIZE} processes: {error}")
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
     base = dict(model=model, out_dir=str(out), target_loss=args.target, lr=args.lr,

@@ -72,6 +72,8 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _LOCALHOST = "127.0.0.1"
+_GROUP_TIMEOUT_S = 300.0
+"""How long a local group's rendezvous and collectives wait for a rank."""
 
 
 class WorkerError(ParatuneError, RuntimeError):
@@ -862,7 +864,7 @@ def init_worker(rank: int, world_size: int, port: int, device: str = "auto") -> 
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     dev = _device_for(device, rank, world_size)
     backend = "nccl" if dev.type == "cuda" else "gloo"
-    timeout = datetime.timedelta(seconds=300)
+    timeout = datetime.timedelta(seconds=_GROUP_TIMEOUT_S)
     # the rendezvous store is the one :func:`spawn` hosts on ``port``: every rank a client
     store = dist.TCPStore(_LOCALHOST, port, is_master=False, timeout=timeout)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
@@ -946,7 +948,7 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any,
     # binds it, and holds it until the workers end: no other program can take the port
     # between its choice and its use, as with a port picked free and bound later by rank 0.
     store = dist.TCPStore(_LOCALHOST, 0, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=300))
+                          timeout=datetime.timedelta(seconds=_GROUP_TIMEOUT_S))
     port = store.port
 
     def stop(signum: int, _frame: Any) -> None:
