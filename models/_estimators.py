@@ -65,7 +65,7 @@ __all__ = [
     "source_family",
 ]
 
-SCHEMA_VERSION = 8
+SCHEMA_VERSION = 9
 """Version of the saved-model directory format; loading another version fails (2: the
 layer-passes feature; 3: the data-parallel ring latency in the analytical estimate; 4: the
 step-time models for models not in the training data; 5: the stalled-pipeline regime; 6:
@@ -257,7 +257,10 @@ class PerformanceModel(_Base):
       the expected step time weighs the two by the probability (the tuner ranks by it); the
       upper time quantile is the stalled time where the probability exceeds the upper
       quantile's tail. All three come, like the step-time models, on all features and on the
-      transfer features;
+      transfer features. Stalling belongs to how a framework runs its pipelines: a
+      measurement family with at least ``min_stall_rows`` pipeline runs, none of them
+      stalled, keeps a stall probability of 0 (``stall_free_families_``, by a row's source,
+      else by its hardware) also on layouts it was not measured on;
     * peak memory: ``analytical * exp(m(x))`` where memory was measured, ``m`` on the
       features of :data:`~paratune.models.features.MEMORY_FEATURE_NAMES` and held to the
       directions of :data:`~paratune.models.features.MEMORY_MONOTONE` (a larger micro-batch
@@ -279,7 +282,8 @@ class PerformanceModel(_Base):
         min_family_rows: Timed rows a measurement family (see :func:`source_family`) needs
             for its own step-time model when the data mixes families.
         min_stall_rows: Stalled pipeline runs the data needs for the stalled regime to be
-            learned (with fewer, they train the step-time model like any other run).
+            learned (with fewer, they train the step-time model like any other run); also
+            the pipeline runs, none stalled, that tell a family free of the regime.
         subsample: Row subsampling per tree.
         colsample_bytree: Feature subsampling per tree.
         min_child_weight: Minimum hessian in a leaf.
@@ -376,6 +380,9 @@ class PerformanceModel(_Base):
         # learn the stalled one apart.
         stalled = has_time & F.stalled_pipeline(c, step)
         pipeline = has_time & (c.pp > 1) & c.accelerator
+        families = source_family(frame)
+        hardware = _catalogue_names(frame["hardware"])
+        timed = has_time.copy()
         self.stall_ = self.stall_transfer_ = None
         # the classifier needs pipeline runs of both regimes; the step-time models some
         # runs that did not stall
@@ -386,13 +393,27 @@ class PerformanceModel(_Base):
             self.stall_transfer_ = self._fit_stall(X[:, transfer], pipeline, stalled, per_micro)
             has_time = has_time & ~stalled
         self.num_stall_rows_ = int(stalled.sum()) if self.stall_ is not None else 0
+        # Stalling is a property of how a framework runs its pipelines (of nanotron's in the
+        # public H100 sweep), not of pipelines as such: a family (see :func:`source_family`)
+        # with enough pipeline runs and not one stalled does not show the regime, and its
+        # configurations are not given another family's stall probability where they leave
+        # the layouts it was measured on (more nodes, deeper pipelines).
+        self.pipeline_runs_ = {str(f): [int((pipeline & (families == f)).sum()),
+                                        int((stalled & (families == f)).sum())]
+                               for f in np.unique(families[pipeline])}
+        self.stall_free_families_ = sorted(
+            f for f, (runs, stalls) in self.pipeline_runs_.items()
+            if self.stall_ is not None and runs >= self.min_stall_rows and stalls == 0)
+        # a row without a source: by its hardware, where every run on it is of such a family
+        self.stall_free_hardware_ = sorted(
+            str(name) for name in np.unique(hardware[timed])
+            if np.isin(families[timed & (hardware == name)], self.stall_free_families_).all())
         self.throughput_, self.refine_, self.quantile_ = self._fit_time(X[has_time],
                                                                         y[has_time])
         self.transfer_ = self._fit_time(X[has_time][:, transfer], y[has_time])
         # One step-time model per measurement family (framework and cluster of a source) with
         # enough rows: a family's quirks (e.g. one framework's pathological pipeline runs)
         # must not leak into another's extrapolation, which the analytical estimate carries.
-        families = source_family(frame)
         self.families_ = {}
         self.family_transfer_ = {}
         if len(np.unique(families[has_time])) > 1:
@@ -402,7 +423,6 @@ class PerformanceModel(_Base):
                     self.families_[str(family)] = self._fit_time(X[rows], y[rows])
                     self.family_transfer_[str(family)] = self._fit_time(X[rows][:, transfer],
                                                                         y[rows])
-        hardware = _catalogue_names(frame["hardware"])
         self.hardware_family_ = {}
         for name in np.unique(hardware[has_time]):
             seen = np.unique(families[has_time & (hardware == name)])
@@ -486,6 +506,21 @@ class PerformanceModel(_Base):
             out = np.where(known, families, out)
         return out
 
+    def _stall_free(self, frame: pd.DataFrame) -> np.ndarray:
+        """Which rows belong to a family whose pipelines did not stall in the training data:
+        by the row's source where its family was in the training data, else by its hardware
+        (see ``stall_free_hardware_``)."""
+        out = np.zeros(len(frame), dtype=bool)
+        if not self.stall_free_families_:
+            return out
+        if "hardware" in frame.columns:
+            out = np.isin(_catalogue_names(frame["hardware"]), self.stall_free_hardware_)
+        if "source" in frame.columns:
+            families = source_family(frame)
+            known = np.isin(families, list(self.pipeline_runs_))
+            out = np.where(known, np.isin(families, self.stall_free_families_), out)
+        return out
+
     def _memory_gb(self, X: np.ndarray, analytical: dict[str, Any]) -> np.ndarray:
         if self.memory_ is None:
             return analytical["memory_gb"]
@@ -542,7 +577,8 @@ class PerformanceModel(_Base):
         # from predictors that do not model it (not 0, which would claim it never stalls)
         prob = np.full(len(X), np.nan)
         if self.stall_ is not None:
-            prob, stall, stall_lo, stall_hi = self._stall(c, X, seen)
+            prob, stall, stall_lo, stall_hi = self._stall(c, X, seen,
+                                                          self._stall_free(frame))
             # a stalled run is by definition slower than the stall thresholds, and no faster
             # than the same configuration not stalling: for a model larger than any trained
             # on, the learned cost per micro-batch alone can fall below its normal step
@@ -575,14 +611,15 @@ class PerformanceModel(_Base):
         return {"step": step, "step_lo": lo, "step_hi": hi, "step_expected": expected,
                 "stall_prob": prob, "memory": memory, "feasible": feasible}
 
-    def _stall(self, c: F.Columns, X: np.ndarray, seen: np.ndarray
+    def _stall(self, c: F.Columns, X: np.ndarray, seen: np.ndarray, stall_free: np.ndarray
                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """Probability of the stalled regime, and the median, lower and upper quantiles of
-        the step time in it (zero probability and NaN times off pipelines)."""
+        the step time in it (zero probability and NaN times off pipelines and on the
+        ``stall_free`` rows)."""
         n = len(X)
         prob = np.zeros(n)
         per_micro = np.full((n, 3), np.nan)
-        pipeline = (c.pp > 1) & c.accelerator
+        pipeline = (c.pp > 1) & c.accelerator & ~stall_free
         for known in (True, False):
             rows = pipeline & (seen == known)
             if not rows.any():
@@ -680,11 +717,14 @@ class PerformanceModel(_Base):
                 "component_sha256": digests,
                 "families": sorted(self.families_),
                 "hardware_family": self.hardware_family_,
+                "stall_free_families": self.stall_free_families_,
+                "stall_free_hardware": self.stall_free_hardware_,
                 "training": {"fingerprint_sha256": self.fingerprint_,
                              "num_rows": self.num_train_rows_,
                              "num_time_rows": self.num_time_rows_,
                              "num_memory_rows": self.num_memory_rows_,
                              "num_stall_rows": self.num_stall_rows_,
+                             "pipeline_runs_and_stalls_by_family": self.pipeline_runs_,
                              "num_feasibility_configs": self.num_feasibility_rows_,
                              "sources": self.sources_, "ranges": self.training_ranges_},
             }
@@ -831,12 +871,16 @@ class PerformanceModel(_Base):
             model.families_[family] = time_models(f"family-{family}-")
             model.family_transfer_[family] = time_models(f"family-{family}-transfer-")
         model.hardware_family_ = dict(manifest.get("hardware_family", {}))
+        model.stall_free_families_ = [str(f) for f in manifest["stall_free_families"]]
+        model.stall_free_hardware_ = [str(h) for h in manifest["stall_free_hardware"]]
         training = manifest["training"]
         model.fingerprint_ = training["fingerprint_sha256"]
         model.num_train_rows_ = training["num_rows"]
         model.num_time_rows_ = training["num_time_rows"]
         model.num_memory_rows_ = training["num_memory_rows"]
         model.num_stall_rows_ = training["num_stall_rows"]
+        model.pipeline_runs_ = {str(f): [int(n) for n in v] for f, v in
+                                training["pipeline_runs_and_stalls_by_family"].items()}
         model.num_feasibility_rows_ = training["num_feasibility_configs"]
         model.sources_ = training["sources"]
         # a model saved before its training ranges were recorded has none

@@ -301,6 +301,68 @@ def test_stalled_pipelines_are_learned_as_a_regime_of_their_own(make_synthetic, 
         all_stalled["step_time_s"].notna().sum())
 
 
+def test_a_family_whose_pipelines_never_stalled_is_not_given_the_stalled_regime(
+        make_synthetic, tmp_path):
+    from paratune.models import features as F
+    from paratune.models._estimators import PRED_STALL_PROB
+
+    stalling = make_synthetic(stalls=True)
+    # another framework's cluster, measured on one node only: many pipelines, none stalled
+    calm = make_synthetic(seed=2, n_per_model=120)
+    calm = calm[calm["world_size"] <= 8].assign(hardware="A100-80GB",
+                                                source="otherlab_cluster")
+    model = PerformanceModel(n_estimators=40, aux_estimators=20, min_family_rows=50,
+                             min_stall_rows=20, n_jobs=1).fit(
+        pd.concat([stalling, calm], ignore_index=True))
+    runs, stalls = model.pipeline_runs_["otherlab"]
+    assert runs >= model.min_stall_rows and stalls == 0
+    assert model.pipeline_runs_["synthetic"][1] == model.num_stall_rows_ > 0
+    assert model.stall_free_families_ == ["otherlab"]
+    assert model.stall_free_hardware_ == ["A100-80GB"]
+    # deep pipelines over many nodes, the layouts that stall in the other family
+    deep = make_synthetic(seed=3, n_per_model=80)
+    deep = deep[(deep["pp"] >= 4) & (deep["world_size"] > 8)
+                & (deep["status"] == "ok")][list(CONFIG_COLUMNS)].reset_index(drop=True)
+    assert len(deep) >= 10
+    there = model.predict(deep.assign(source="synthetic"))
+    assert (there[PRED_STALL_PROB] > 0.5).mean() > 0.8
+    here = model.predict(deep.assign(hardware="A100-80GB", source="otherlab_cluster"))
+    assert (here[PRED_STALL_PROB] == 0).all()
+    # the normal regime's time: near the family's ratio to the analytical estimate, far
+    # below the stalled regime's
+    calm_ok = calm[calm["status"] == "ok"]
+    learned = np.median(calm_ok["step_time_s"]
+                        / F.analytical_step_time(calm_ok)["step_time_s"])
+    ratio = here["pred_step_time_s"] / here["analytical_step_time_s"]
+    assert ratio.between(learned / 1.5, learned * 1.5).all()
+    a100 = deep.assign(hardware="A100-80GB")
+    assert (here["pred_step_time_s"] < F.stall_floor_s(a100)).all()
+    np.testing.assert_allclose(here["pred_tokens_per_sec_per_gpu_expected"],
+                               here["pred_tokens_per_sec_per_gpu"], rtol=1e-9)
+    # without a source, the hardware tells the family; an unknown source on the stalling
+    # family's hardware is not taken for the calm family
+    np.testing.assert_array_equal(
+        model.predict(deep.assign(hardware="A100-80GB"))[PRED_STALL_PROB], 0.0)
+    unknown = model.predict(deep.assign(source="newlab_cluster"))[PRED_STALL_PROB]
+    assert (unknown > 0.5).mean() > 0.8
+    # a known source decides over the hardware: the stalling family's runs on an A100
+    assert (model.predict(deep.assign(hardware="A100-80GB", source="synthetic"))[
+        PRED_STALL_PROB] > 0).any()
+    # it survives a save / load
+    back = load_model(model.save(tmp_path / "m"))
+    assert back.stall_free_families_ == ["otherlab"]
+    assert back.pipeline_runs_ == model.pipeline_runs_
+    np.testing.assert_allclose(
+        back.predict(deep.assign(hardware="A100-80GB"))["pred_step_time_s"],
+        model.predict(deep.assign(hardware="A100-80GB"))["pred_step_time_s"], rtol=1e-6)
+    # too few pipeline runs to tell: the family keeps the learned probability
+    cautious = PerformanceModel(n_estimators=20, aux_estimators=10, min_family_rows=50,
+                                min_stall_rows=runs + 1, n_jobs=1)
+    cautious.fit(pd.concat([stalling, calm], ignore_index=True))
+    assert cautious.stall_ is not None and cautious.stall_free_families_ == []
+    assert (cautious.predict(deep.assign(hardware="A100-80GB"))[PRED_STALL_PROB] > 0).any()
+
+
 def test_unknown_option_value_gets_error_naming_the_field(fitted, synthetic):
     frame = synthetic[list(CONFIG_COLUMNS)].head(3).copy()
     frame.loc[frame.index[0], "sharding"] = "zero-1"
