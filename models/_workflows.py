@@ -59,7 +59,8 @@ def fit_model(data: Sequence[str | Path], out: str | Path, *, n_estimators: int 
         model.fit(frame)
         model.save(out)
         if run is not None:
-            run.log_params({"fingerprint": model.fingerprint_, "sources": model.sources_})
+            run.log_params({"fingerprint": model.fingerprint_, "sources": model.sources_,
+                            "stall_free_families": model.stall_free_families_})
         pred = model.predict(frame)
         step = measured_step_time(frame)
         ok = np.isfinite(step) & np.isfinite(pred["pred_step_time_s"].to_numpy(float))
@@ -73,6 +74,9 @@ def fit_model(data: Sequence[str | Path], out: str | Path, *, n_estimators: int 
                        "num_feasibility_configs": float(model.num_feasibility_rows_)}
         stalls = (f", {model.num_stall_rows_} of them stalled pipelines learned as their own "
                   "regime" if model.num_stall_rows_ else "")
+        if model.stall_free_families_:
+            stalls += (f", not applied to {', '.join(model.stall_free_families_)}, whose "
+                       "pipeline runs never stalled")
         summary = (f"fitted on {len(frame)} rows ({model.num_time_rows_} timed{stalls}, "
                    f"{model.num_memory_rows_} with memory, {model.num_feasibility_rows_} "
                    f"configurations for feasibility) -> {out}\n"

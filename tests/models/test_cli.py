@@ -56,6 +56,7 @@ def test_fit_logs_to_mlflow(tmp_path, make_synthetic, mlflow_uri, capsys):
     assert runs["params.n_estimators"].iloc[0] == "10"
     assert json.loads(runs["params.data"].iloc[0]) == [str(data.resolve())]
     assert runs["params.seed"].iloc[0] == "0" and len(runs["params.fingerprint"].iloc[0]) == 64
+    assert json.loads(runs["params.stall_free_families"].iloc[0]) == []  # its one family stalls
     assert runs["metrics.num_time_rows"].iloc[0] > runs["metrics.num_stall_rows"].iloc[0] > 0
     client = mlflow.tracking.MlflowClient()
     names = [a.path for a in client.list_artifacts(runs["run_id"].iloc[0], "model")]
