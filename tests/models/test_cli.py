@@ -212,6 +212,22 @@ def test_fit_names_both_formats_for_a_csv_in_neither(tmp_path, capsys):
     assert "missing status, step_time_s, model_name, num_layers, hidden_size and" in err
 
 
+def test_fit_says_why_a_public_csv_gives_no_row(tmp_path, capsys):
+    header_only = tmp_path / "empty.csv"
+    header_only.write_text("# source: test\n" + PUBLIC_HEADER + "\n")
+    assert main(["fit", str(header_only), "--out", str(tmp_path / "m"), "--no-mlflow"]) == 2
+    assert capsys.readouterr().err == (f"paratune fit: error: {header_only}: no usable row "
+                                       "(nothing below its header)\n")
+    # configurations without a measurement or a failure: each left out, with its reason
+    unmeasured = tmp_path / "configs.csv"
+    unmeasured.write_text(PUBLIC_HEADER + "\n" + PUBLIC_ROWS[0] + "\n")
+    assert main(["fit", str(unmeasured), "--out", str(tmp_path / "m"), "--no-mlflow"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"paratune fit: error: {unmeasured}: no usable row (each was left "
+                          f"out: {unmeasured}:2: no status and no step_time_s")
+    assert "neither the public measurement format" not in err
+
+
 def test_predict_own_format_takes_empty_optional_cells_and_any_case(model_dir, synthetic,
                                                                    tmp_path):
     frame = synthetic[list(CONFIG_COLUMNS)].head(3).astype(object)
