@@ -149,7 +149,8 @@ class ImportReport:
     def summary(self) -> str:
         """A few human-readable lines: counts, then every problem with its line number."""
         counts = ", ".join(f"{k}={v}" for k, v in sorted(self.status_counts.items()))
-        lines = [f"imported {self.num_records} of {self.num_rows} rows ({counts})"
+        lines = [f"imported {self.num_records} of {self.num_rows} rows"
+                 + (f" ({counts})" if counts else "")
                  + (f" into {self.out_dir}" if self.out_dir else "")]
         if self.duplicates:
             lines.append(f"{len(self.duplicates)} configurations are recorded both ok and failed;"
@@ -625,7 +626,8 @@ def import_files(paths: Sequence[str | Path] | Iterable[str | Path],
 
     Raises:
         DatasetError: no files, a file given twice, or a file that is a directory, unreadable,
-            not UTF-8 or not in the public format (the message names the file).
+            not UTF-8 or not in the public format (the message names the file); with
+            ``out_dir``, no row that can be imported (nothing is written).
         FileNotFoundError: a file does not exist.
     """
     report = ImportReport(out_dir=str(out_dir) if out_dir is not None else None)
@@ -658,6 +660,13 @@ def import_files(paths: Sequence[str | Path] | Iterable[str | Path],
     report.duplicates = sorted(f"{k[1]} {k[3]}" for k, v in by_identity.items()
                                if "ok" in v and len(v) > 1)
     report.num_records = len(records)
+    if out_dir is not None and not records:
+        # an empty dataset would only fail later, where the fit or evaluation reads it
+        shown = "; ".join(str(p) for p in report.problems[:3])
+        more = f"; and {len(report.problems) - 3} more" if len(report.problems) > 3 else ""
+        raise DatasetError("import: no row to import, nothing written" + (
+            f" (each was left out: {shown}{more})" if report.problems
+            else " (nothing below the files' headers)"))
     if out_dir is not None:
         from paratune.datasets import write_dataset
 

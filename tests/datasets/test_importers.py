@@ -142,6 +142,22 @@ def test_import_writes_a_dataset(tmp_path):
     assert len(back.frame) == 1 and back.frame["status"].iloc[0] == "ok"
 
 
+def test_import_with_no_usable_row_writes_nothing_and_says_why(tmp_path, capsys):
+    bad = _write(tmp_path, GOOD.replace(",8,1,1,8,", ",8,1,1,4,"))  # 1*1*4 != 8
+    with pytest.raises(DatasetError, match=r"^import: no row to import, nothing written "
+                                           rf"\(each was left out: {bad}:3: dp\*tp\*pp"):
+        import_files([bad], tmp_path / "ds")
+    assert not (tmp_path / "ds").exists()
+    # parsing alone still reports, without counts it does not have
+    report = import_files([bad], None)
+    assert report.num_records == 0 and report.summary().startswith("imported 0 of 1 rows\n")
+    empty = _write(tmp_path)
+    assert main(["datasets", "import", str(empty), "--out", str(tmp_path / "ds")]) == 2
+    assert capsys.readouterr().err.endswith(
+        "no row to import, nothing written (nothing below the files' headers)\n")
+    assert not (tmp_path / "ds").exists()
+
+
 def test_bom_crlf_quotes_and_line_breaks_keep_line_numbers(tmp_path):
     bad = GOOD.replace(",8,1,1,8,", ",8,1,1,4,")
     quoted = GOOD.replace("nodes=1;grad_accum=16;gpu_mem_gb=50.2", '"a, b\r\nc"')
