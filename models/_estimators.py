@@ -72,7 +72,8 @@ step-time models for models not in the training data; 5: the stalled-pipeline re
 model keys with every digit of the shapes, hardware names in their catalogue spelling; 7: the
 analytical estimate's per-micro-batch ZeRO-2/3 traffic and latency, recompute working set
 and FLOPs, GPipe's last rank, largest-chunk pipeline fill and node-crossing tp groups, and the
-training ranges; 8: the memory correction on its own features, with monotone directions). A
+training ranges; 8: the memory correction on its own features, with monotone directions; 9:
+the families whose pipelines never stalled, kept out of the stalled regime). A
 model learns corrections to the analytical estimate, so one fitted on another version's
 estimate would apply them to a different baseline."""
 PRED_TOKENS_Q10 = f"{PRED_TOKENS_PER_SEC_PER_GPU}_q10"
