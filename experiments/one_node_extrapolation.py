@@ -1,0 +1,113 @@
+"""From one node to many: how well the model predicts a cluster after seeing one node of it.
+
+A profiling campaign often has one node to measure on, and the question is how the job runs
+on many. The public H100 sweep answers it: the model is fitted on every public measurement
+except the Ultra-Scale runs on more than one node (so on its 8-GPU runs and on vTrain), and
+predicts those runs, per cluster size. Printed per size:
+
+* ``mdape``: median absolute percentage error of tokens/s per GPU over all timed runs;
+* ``mdape_no_pp``: the same over the runs without a pipeline (no stalled regime);
+* ``bias_not_stalled``: the median ratio of predicted to measured step time over the runs
+  that did not stall (1: no systematic error; over 1: predicted too slow);
+* ``stalled``: the share of the size's pipeline runs that stalled (none of the 8-GPU runs
+  the model saw did, so it cannot know the regime: those runs are its misses);
+
+once with the default model and once with ``--min-family-rows`` low enough that the 8-GPU
+Ultra-Scale runs get a step-time model of their own (the situation of a family measured on
+one node only).
+
+    python experiments/one_node_extrapolation.py [--data DIR] [--out out/one_node_extrapolation]
+        [--no-mlflow]
+
+Writes ``one_node_extrapolation.csv`` and ``.txt`` under ``--out`` and logs them to MLflow
+(experiment ``paratune-experiments``, run ``one_node_extrapolation``) unless ``--no-mlflow``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _public import public_data_dir
+
+from paratune.tracking import add_no_track_argument
+
+FAMILY_ROWS = 50  # under the 8-GPU Ultra-Scale runs' count, so they get their own model
+
+
+def figures(model, test) -> dict[str, float]:
+    """The figures of one cluster size (see the module docstring)."""
+    from paratune.models import features as F
+    from paratune.models._data import measured_step_time
+
+    step = measured_step_time(test)
+    timed = np.isfinite(step)
+    pred = model.predict(test)["pred_step_time_s"].to_numpy()
+    ape = np.abs(step / pred - 1)
+    flat = timed & (test["pp"].to_numpy() == 1)
+    stalled = F.stalled_pipeline(test, step)
+    pipeline = timed & (test["pp"].to_numpy() > 1)
+    calm = timed & ~stalled
+    return {"runs": int(timed.sum()), "mdape": 100 * float(np.median(ape[timed])),
+            "mdape_no_pp": 100 * float(np.median(ape[flat])) if flat.any() else np.nan,
+            "bias_not_stalled": float(np.median(pred[calm] / step[calm])),
+            "stalled": 100 * float(stalled[pipeline].mean()) if pipeline.any() else np.nan}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data", default=None, help="folder of the public CSVs")
+    parser.add_argument("--out", type=Path, default=Path("out/one_node_extrapolation"),
+                        help="folder for the tables (default: %(default)s)")
+    add_no_track_argument(parser)
+    args = parser.parse_args()
+
+    import pandas as pd
+
+    from paratune._table import format_table
+    from paratune.models import PerformanceModel, load_measurements
+    from paratune.models._estimators import source_family
+
+    data = public_data_dir(args.data)
+    files = sorted(data.glob("*.csv"))
+    frame = load_measurements(files)
+    ultra = source_family(frame) == "ultrascale"
+    world = frame["world_size"].to_numpy()
+    train = frame[~ultra | (world <= 8)]
+    rows = []
+    for label, family_rows in (("default", PerformanceModel().min_family_rows),
+                               ("own model for the 8-GPU runs", FAMILY_ROWS)):
+        model = PerformanceModel(min_family_rows=family_rows).fit(train)
+        for size in sorted(set(world[ultra & (world > 8)])):
+            rows.append({"model": label, "gpus": int(size),
+                         **figures(model, frame[ultra & (world == size)])})
+    table = format_table(rows, ["model", "gpus", "runs", "mdape", "mdape_no_pp",
+                                "bias_not_stalled", "stalled"], floatfmt=".3g",
+                         title="Ultra-Scale runs on 2 to 32 nodes, predicted by a model fitted "
+                               "without them (on the 8-GPU runs and vTrain); %, bias as a ratio")
+    print(table)
+    args.out.mkdir(parents=True, exist_ok=True)
+    pd.DataFrame(rows).to_csv(args.out / "one_node_extrapolation.csv", index=False)
+    (args.out / "one_node_extrapolation.txt").write_text(table + "\n")
+    print(f"\ntables in {args.out}")
+
+    if not args.no_mlflow:
+        from paratune.tracking import start_script_run
+
+        with start_script_run(__file__) as run:
+            run.log_params({"data": [str(p.resolve()) for p in files],
+                            "family_rows_own_model": FAMILY_ROWS})
+            for r in rows:
+                which = "default" if r["model"] == "default" else "own_model"
+                run.log_metrics({f"{key}_{r['gpus']}gpus_{which}": r[key]
+                                 for key in ("mdape", "mdape_no_pp", "bias_not_stalled")})
+            run.log_text(table, "one_node_extrapolation.txt")
+            run.log_table(pd.DataFrame(rows), "one_node_extrapolation.csv")
+
+
+if __name__ == "__main__":
+    main()
