@@ -138,11 +138,15 @@ def source_family(frame: pd.DataFrame) -> np.ndarray:
     """The measurement family of each row: the first ``_``-separated word of its source
     (``vtrain_ground_truth_single_node`` and ``vtrain_ground_truth_multi_node`` are one
     family, ``vtrain``); ``paratune`` where no source is recorded."""
+    import pandas as pd
+
     if "source" not in frame.columns:
         return np.full(len(frame), "paratune", dtype=object)
-    text = frame["source"].fillna("").astype(str).str.strip().str.lower()
+    # once per distinct source: a frame of 100,000 rows holds a handful
+    codes, sources = pd.factorize(frame["source"].fillna("").astype(str))
+    text = pd.Series(sources, dtype=object).str.strip().str.lower()
     family = text.str.split("_").str[0].replace("", "paratune")
-    return np.asarray(family, dtype=object)
+    return np.asarray(family, dtype=object)[codes]
 
 
 def _memory_rule(mem_gb: np.ndarray, capacity_gb: np.ndarray) -> np.ndarray:
@@ -491,33 +495,43 @@ class PerformanceModel(_Base):
 
         return pd.Series(F.model_keys(c)).isin(self.seen_models_).to_numpy()
 
-    def _route(self, frame: pd.DataFrame) -> np.ndarray:
-        """Family model per row: its source's family, else the one family its hardware was
-        measured in; ``""`` (the model fitted on everything) otherwise."""
-        out = np.full(len(frame), "", dtype=object)
+    @staticmethod
+    def _origin(frame: pd.DataFrame) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """Each row's hardware (catalogue spelling) and source family, ``None`` where the
+        frame has no such column: what :meth:`_route` and :meth:`_stall_free` go by."""
+        hardware = _catalogue_names(frame["hardware"]) if "hardware" in frame.columns else None
+        families = source_family(frame) if "source" in frame.columns else None
+        return hardware, families
+
+    def _route(self, n: int, hardware: np.ndarray | None, families: np.ndarray | None
+               ) -> np.ndarray:
+        """Family model per row (see :meth:`_origin`): its source's family, else the one
+        family its hardware was measured in; ``""`` (the model fitted on everything)
+        otherwise."""
+        import pandas as pd
+
+        out = np.full(n, "", dtype=object)
         if not self.families_:
             return out
-        if "hardware" in frame.columns:
-            hardware = _catalogue_names(frame["hardware"])
-            out = np.asarray([self.hardware_family_.get(h, "") for h in hardware],
-                             dtype=object)
-        if "source" in frame.columns:
-            families = source_family(frame)
+        if hardware is not None:
+            out = pd.Series(hardware, dtype=object).map(self.hardware_family_).fillna(
+                "").to_numpy(dtype=object)
+        if families is not None:
             known = np.isin(families, list(self.families_))
             out = np.where(known, families, out)
         return out
 
-    def _stall_free(self, frame: pd.DataFrame) -> np.ndarray:
-        """Which rows belong to a family whose pipelines did not stall in the training data:
-        by the row's source where its family was in the training data, else by its hardware
-        (see ``stall_free_hardware_``)."""
-        out = np.zeros(len(frame), dtype=bool)
+    def _stall_free(self, n: int, hardware: np.ndarray | None, families: np.ndarray | None
+                    ) -> np.ndarray:
+        """Which rows (see :meth:`_origin`) belong to a family whose pipelines did not stall
+        in the training data: by the row's source where its family was in the training
+        data, else by its hardware (see ``stall_free_hardware_``)."""
+        out = np.zeros(n, dtype=bool)
         if not self.stall_free_families_:
             return out
-        if "hardware" in frame.columns:
-            out = np.isin(_catalogue_names(frame["hardware"]), self.stall_free_hardware_)
-        if "source" in frame.columns:
-            families = source_family(frame)
+        if hardware is not None:
+            out = np.isin(hardware, self.stall_free_hardware_)
+        if families is not None:
             known = np.isin(families, list(self.pipeline_runs_))
             out = np.where(known, np.isin(families, self.stall_free_families_), out)
         return out
@@ -548,7 +562,10 @@ class PerformanceModel(_Base):
         base = analytical["step_time_s"]
         ratio = np.zeros(len(X))
         bounds = np.zeros((len(X), 2))
-        route = self._route(frame)
+        # a model of one family, with none held free of stalls, goes by neither
+        origin = (self._origin(frame) if self.families_ or self.stall_free_families_
+                  else (None, None))
+        route = self._route(len(X), *origin)
         seen = self._seen(c)
         for family in np.unique(route):
             for known in (True, False):
@@ -579,7 +596,7 @@ class PerformanceModel(_Base):
         prob = np.full(len(X), np.nan)
         if self.stall_ is not None:
             prob, stall, stall_lo, stall_hi = self._stall(c, X, seen,
-                                                          self._stall_free(frame))
+                                                          self._stall_free(len(X), *origin))
             # a stalled run is by definition slower than the stall thresholds, and no faster
             # than the same configuration not stalling: for a model larger than any trained
             # on, the learned cost per micro-batch alone can fall below its normal step
