@@ -41,6 +41,7 @@ __all__ = [
     "ImportReport",
     "NotUtf8Error",
     "ParsedRow",
+    "first_problems",
     "header_and_body",
     "import_files",
     "is_public_csv",
@@ -603,6 +604,12 @@ def _row_to_measurement(raw: dict[str, str]) -> Measurement:
 
 
 # ---------------------------------------------------------------------------------- import
+def first_problems(problems: Sequence[ImportProblem], shown: int = 3) -> str:
+    """The first ``shown`` problems, ``; ``-joined, and how many more there are."""
+    text = "; ".join(str(p) for p in problems[:shown])
+    return text + (f"; and {len(problems) - shown} more" if len(problems) > shown else "")
+
+
 def _config_identity(m: Measurement) -> tuple[Any, ...]:
     return (m.source, m.model.name, m.hardware, m.config.key())
 
@@ -662,10 +669,8 @@ def import_files(paths: Sequence[str | Path] | Iterable[str | Path],
     report.num_records = len(records)
     if out_dir is not None and not records:
         # an empty dataset would only fail later, where the fit or evaluation reads it
-        shown = "; ".join(str(p) for p in report.problems[:3])
-        more = f"; and {len(report.problems) - 3} more" if len(report.problems) > 3 else ""
         raise DatasetError("import: no row to import, nothing written" + (
-            f" (each was left out: {shown}{more})" if report.problems
+            f" (each was left out: {first_problems(report.problems)})" if report.problems
             else " (nothing below the files' headers)"))
     if out_dir is not None:
         from paratune.datasets import write_dataset

@@ -41,7 +41,7 @@ def load_measurements(paths: Sequence[str | Path]) -> pd.DataFrame:
     """
     import pandas as pd
 
-    from paratune.datasets.importers import is_public_csv, parse_public_csv
+    from paratune.datasets.importers import first_problems, is_public_csv, parse_public_csv
 
     frames = []
     for path in map(Path, paths):
@@ -55,18 +55,17 @@ def load_measurements(paths: Sequence[str | Path]) -> pd.DataFrame:
             frame = _read_parquet_rows(path)
         elif is_public_csv(path):
             records, problems = parse_public_csv(path)
-            shown = "; ".join(str(p) for p in problems[:3])
-            more = f"; and {len(problems) - 3} more" if len(problems) > 3 else ""
             if not records:
                 # a public CSV all of whose rows were left out is not another format
                 raise DatasetError(f"{path}: no usable row" + (
-                    f" (each was left out: {shown}{more})" if problems
+                    f" (each was left out: {first_problems(problems)})" if problems
                     else " (nothing below its header)"))
             if problems:
                 # the rows are left out, not guessed; say so where the fit or evaluation runs
-                logger.warning("%s: %d %s not used: %s%s (`paratune datasets import` lists "
+                logger.warning("%s: %d %s not used: %s (`paratune datasets import` lists "
                                "each with its line and reason)", path, len(problems),
-                               "row" if len(problems) == 1 else "rows", shown, more)
+                               "row" if len(problems) == 1 else "rows",
+                               first_problems(problems))
             frame = pd.DataFrame([m.to_row() for m in records])
         elif path.suffix == ".csv":
             from paratune.datasets.importers import header_and_body, public_header_problem
