@@ -387,7 +387,7 @@ class PerformanceModel(_Base):
         pipeline = has_time & (c.pp > 1) & c.accelerator
         families = source_family(frame)
         hardware = _catalogue_names(frame["hardware"])
-        timed = has_time.copy()
+        timed = has_time  # has_time is rebound below, never changed in place
         self.stall_ = self.stall_transfer_ = None
         # the classifier needs pipeline runs of both regimes; the step-time models some
         # runs that did not stall
