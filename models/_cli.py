@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from paratune.cli import at_least
+from paratune.tracking import add_track_flag
 
 __all__ = ["register"]
 
@@ -26,8 +27,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                           "its quantile, stall, memory and feasibility boosters get a quarter, "
                           "10 to 100 (default: the model's defaults, 500 and 100)")
     fit.add_argument("--experiment", default="paratune-fit", help="MLflow experiment name")
-    fit.add_argument("--no-track", "--no-mlflow", dest="no_track", action="store_true",
-                     help="do not log to MLflow")
+    add_track_flag(fit)
     fit.set_defaults(func=_fit, field_flags={"out": "--out"})
 
     predict = subparsers.add_parser(
@@ -68,8 +68,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                           help="folds of the random split (at least 2)")
     evaluate.add_argument("--experiment", default="paratune-evaluate",
                           help="MLflow experiment name (default: %(default)s)")
-    evaluate.add_argument("--no-track", "--no-mlflow", dest="no_track", action="store_true",
-                          help="do not log to MLflow")
+    add_track_flag(evaluate)
     evaluate.add_argument("--no-progress", action="store_true",
                           help="no progress bar of the fits (shown on a terminal's stderr)")
     evaluate.set_defaults(func=_evaluate, field_flags={"plot": "--plot"})

@@ -157,6 +157,8 @@ def _world_sizes(text: str) -> tuple[int, ...]:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
+    from paratune.tracking import add_track_flag
+
     parser = subparsers.add_parser(
         "quickstart", help="profile, fit, tune and verify on this CPU (no GPU, no data)",
         description=__doc__)
@@ -170,7 +172,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--steps", type=int, default=5, help="timed steps per config")
     parser.add_argument("--verify", type=int, default=1,
                         help="top configs to profile again after tuning (default: %(default)s)")
-    parser.add_argument("--no-track", action="store_true", help="do not log to MLflow")
+    add_track_flag(parser)
     parser.set_defaults(func=_run, field_flags={"warmup_steps": "--warmup",
                                                 "measured_steps": "--steps",
                                                 "verify": "--verify", "gpus": "--gpus"})

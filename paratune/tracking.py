@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import pandas as pd
 
-__all__ = ["EXPERIMENTS", "TrackedRun", "add_no_track_argument", "artifact_root",
+__all__ = ["EXPERIMENTS", "TrackedRun", "add_no_track_argument", "add_track_flag", "artifact_root",
            "default_tracking_uri", "end_status", "source_tags", "start_run", "start_script_run",
            "ui_command"]
 
@@ -334,6 +334,13 @@ def _tracking_uri_set(mlflow_module: Any, uri: str) -> Iterator[None]:
             os.environ.pop(_URI_VARIABLE, None)
         else:
             os.environ[_URI_VARIABLE] = env
+
+
+def add_track_flag(parser: Any, help: str = "do not log to MLflow") -> None:
+    """The ``--no-track`` flag of a ``paratune`` command, stored as ``no_track``;
+    ``--no-mlflow`` (as in the ``experiments/`` scripts) is an alias."""
+    parser.add_argument("--no-track", "--no-mlflow", dest="no_track", action="store_true",
+                        help=f"{help} (--no-mlflow is an alias)")
 
 
 def add_no_track_argument(parser: Any) -> None:

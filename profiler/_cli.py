@@ -8,6 +8,7 @@ import math
 from pathlib import Path
 
 from paratune.cli import at_least
+from paratune.tracking import add_track_flag
 
 __all__ = ["register"]
 
@@ -89,7 +90,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                              "$MASTER_ADDR:29500)")
     parser.add_argument("--slurm", action="store_true",
                         help="print srun command lines for a SLURM allocation")
-    parser.add_argument("--no-track", action="store_true", help="do not log to MLflow")
+    add_track_flag(parser)
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.set_defaults(func=_profile, field_flags=_FIELD_FLAGS)
 

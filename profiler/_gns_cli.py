@@ -7,6 +7,7 @@ import contextlib
 from pathlib import Path
 
 from paratune.cli import at_least
+from paratune.tracking import add_track_flag
 
 __all__ = ["DEFAULT_CHECKPOINT_EVERY", "register"]
 
@@ -122,7 +123,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                              "--precondition, --ema, --corpus-mb)")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                         help="device to train on (auto: cuda when available)")
-    parser.add_argument("--no-track", action="store_true", help="do not log to MLflow")
+    add_track_flag(parser)
     parser.add_argument("--no-progress", action="store_true",
                         help="no progress bar (step, loss, latest b_simple, time left)")
     parser.set_defaults(func=_gns, field_flags=_FIELD_FLAGS)

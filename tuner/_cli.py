@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from paratune.cli import StoreWithAliases, at_least
+from paratune.tracking import add_track_flag
 
 __all__ = ["register"]
 
@@ -49,7 +50,7 @@ def _add_job(parser: argparse.ArgumentParser, *, default_batch: str) -> None:
                         help="feasibility threshold on the predicted probability of running")
     parser.add_argument("--memory-limit-gb", type=float, default=None,
                         help="memory limit per device (default 95%% of the device's)")
-    parser.add_argument("--no-track", action="store_true", help="do not record an MLflow run")
+    add_track_flag(parser, "do not record an MLflow run")
 
 
 def _add_trajectory_seq_len(parser: argparse.ArgumentParser) -> None:

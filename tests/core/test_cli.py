@@ -59,6 +59,23 @@ def test_every_argument_has_help_without_markup():
     assert markup == []
 
 
+def test_every_command_that_logs_to_mlflow_takes_both_spellings_of_its_opt_out():
+    """``--no-track`` (the commands') and ``--no-mlflow`` (the experiments' scripts) are one
+    flag wherever a command logs to MLflow."""
+    from paratune.cli import build_parser
+
+    spellings = {}
+    for command, parser in _parsers(build_parser()):
+        for action in parser._actions:
+            names = sorted({"--no-track", "--no-mlflow"} & set(action.option_strings))
+            if names:
+                spellings[command] = names
+                assert action.dest == "no_track", command
+    assert {"profile", "gns", "tune", "plan", "fit", "evaluate", "quickstart"} <= {
+        c.split()[-1] for c in spellings}
+    assert all(s == ["--no-mlflow", "--no-track"] for s in spellings.values()), spellings
+
+
 def test_quickstart_help_reads_as_plain_text(capsys):
     with pytest.raises(SystemExit):
         main(["quickstart", "--help"])
