@@ -152,6 +152,11 @@ def find_checkpoint(path: str | Path) -> Path | None:
 
     That is ``path`` itself, or, when a save was killed between moving the old checkpoint
     aside and renaming the new one into place, the old one (``<path>.previous``).
+
+    A save running meanwhile in another process removes ``<path>.previous`` once its new
+    checkpoint is in place, so what this returns is only safe to read while no save runs:
+    ``paratune gns`` holds its output's lock (:func:`paratune._io.exclusive_lock`) across its
+    saves and loads, so none of its own runs alongside another's.
     """
     path = Path(path)
     # ``path`` once more at the end: a save that commits between the first two checks moves
