@@ -35,14 +35,16 @@ def test_options_vary_only_where_they_matter():
 
 
 def test_tp_within_node_skips_cross_node_tp():
+    # 32 kv heads: tp=16 divides every sharded dimension, so only the node size rules it out
+    model = get_model("llama3-8b").replace(num_kv_heads=32)
     space = ConfigSpace(global_batch_sizes=[256], micro_batch_sizes=[1])
-    result = space.enumerate(get_model("llama3-8b"), 16, devices_per_node=8)
-    assert all(c.tp <= 8 for c in result.valid)
-    assert any("devices_per_node=8" in reason for _, reason in result.skipped)
-    loose = space.replace(tp_within_node=False).enumerate(get_model("llama3-8b"), 16,
-                                                          devices_per_node=8)
-    assert any(c.tp == 16 for c in loose.valid) is False  # tp=16 cannot divide 8 kv heads
-    assert len(loose.valid) >= len(result.valid)
+    result = space.enumerate(model, 16, devices_per_node=8)
+    assert {c.tp for c in result.valid} == {1, 2, 4, 8}
+    assert any(c.tp == 16 and "tp=16 must divide devices_per_node=8" in reason
+               for c, reason in result.skipped)
+    loose = space.replace(tp_within_node=False).enumerate(model, 16, devices_per_node=8)
+    assert {c.tp for c in loose.valid} == {1, 2, 4, 8, 16}
+    assert set(result.valid) < set(loose.valid)
 
 
 def test_tp_within_node_needs_tp_to_divide_the_node():

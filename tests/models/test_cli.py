@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 
 import numpy as np
 import pandas as pd
@@ -176,6 +177,39 @@ def test_evaluate_prints_figures_and_writes_plot(tmp_path, synthetic, capsys):
         assert header in out
     assert "xgb_raw_config" in out and "hist_gradient_boosting" in out
     assert plot.exists()
+    rows = _table_rows(out)
+    estimators = ("performance_model", "analytical", "xgb_raw_config", "hist_gradient_boosting")
+    held_out = {f"synthetic:{m}" for m in synthetic["model_name"].unique()}
+    # a row over all runs and a row per held-out model for each estimator
+    assert sorted((r["estimator"], r["held_out"]) for r in rows) == sorted(
+        (e, h) for e in estimators for h in held_out | {""})
+    for r in rows:
+        for column in ("n", "MAPE%", "MdAPE%", "Spearman", "regret%", "feasible acc%"):
+            assert r[column] and np.isfinite(float(r[column])), (r["estimator"], r["held_out"],
+                                                                  column)
+    (overall,) = (r for r in rows if r["estimator"] == "performance_model" and not r["held_out"])
+    assert int(overall["n"]) == (synthetic["status"] == "ok").sum()
+    # about 6% median error and 1% regret on this data; a constant step time per held-out
+    # model scores about 50% and 60%
+    assert float(overall["MdAPE%"]) < 25
+    assert float(overall["Spearman"]) > 0.9
+    assert float(overall["regret%"]) < 10
+    assert 50 < float(overall["feasible acc%"]) <= 100
+
+
+def _table_rows(out: str) -> list[dict[str, str]]:
+    """The rows of the figures table ``paratune evaluate`` prints, as header -> cell text
+    (an empty cell for a figure that is not a number)."""
+    lines = out.splitlines()
+    rule = next(i for i, line in enumerate(lines) if line.startswith("---"))
+    spans = [m.span() for m in re.finditer(r"-+", lines[rule])]
+    headers = [lines[rule - 1][a:b].strip() for a, b in spans]
+    rows = []
+    for line in lines[rule + 1:]:
+        if not line.strip() or line.startswith("plot:"):
+            break
+        rows.append({h: line[a:b].strip() for h, (a, b) in zip(headers, spans)})
+    return rows
 
 
 def test_predict_names_a_missing_or_undecodable_input(model_dir, tmp_path, capsys,

@@ -44,15 +44,27 @@ def test_a_public_csv_missing_a_config_column_is_told_which(tmp_path):
 
 
 def _dataset_file(tmp_path):
-    record = Measurement(model=get_model("tiny"), config=ParallelConfig(dp=2, global_batch_size=8),
-                         hardware="cpu", step_times_s=[0.1, 0.12])
-    ds = write_dataset(tmp_path / "ds", [record])
+    records = [Measurement(model=get_model("tiny"),
+                           config=ParallelConfig(dp=dp, global_batch_size=8),
+                           hardware="cpu", step_times_s=times)
+               for dp, times in ((2, [0.1, 0.12]), (4, [0.3, 0.34]))]
+    ds = write_dataset(tmp_path / "ds", records)
     return next(ds.path.glob("*.parquet")), ds.frame
+
+
+def _assert_same_runs(loaded, frame):
+    """The loaded rows are the written runs: same layouts, same measured step times."""
+    pd.testing.assert_frame_equal(
+        loaded[["dp", "step_time_s"]].sort_values("dp").reset_index(drop=True),
+        frame[["dp", "step_time_s"]].sort_values("dp").reset_index(drop=True),
+        check_dtype=False)
 
 
 def test_a_dataset_parquet_file_is_checked_like_a_dataset(tmp_path):
     path, frame = _dataset_file(tmp_path)
-    assert len(load_measurements([path])) == 1
+    assert frame["dp"].tolist() == [2, 4]
+    assert frame["step_time_s"].tolist() == pytest.approx([0.11, 0.32])  # medians
+    _assert_same_runs(load_measurements([path]), frame)
     # a damaged copy is refused, not read as whatever rows survive
     damaged = tmp_path / "damaged.parquet"
     damaged.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
@@ -61,4 +73,4 @@ def test_a_dataset_parquet_file_is_checked_like_a_dataset(tmp_path):
     # plain measurement rows written by pandas (no card) still load
     plain = tmp_path / "plain.parquet"
     frame.to_parquet(plain)
-    assert len(load_measurements([plain])) == 1 and isinstance(frame, pd.DataFrame)
+    _assert_same_runs(load_measurements([plain]), frame)

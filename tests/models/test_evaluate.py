@@ -87,10 +87,26 @@ def test_unknown_split_is_named(synthetic):
         cross_validate(synthetic, split="time")
 
 
-def test_plot_is_written(synthetic, tmp_path):
+def test_plot_is_written_with_every_measured_run(synthetic, tmp_path, monkeypatch):
+    import matplotlib.pyplot as plt
+
     result = cross_validate(synthetic, split="random", n_splits=2, estimators={"pm": _small})
+    (summary,) = result.summary
+    # about 2% on this data (see test_random_split_beats_the_raw_config_baseline)
+    assert np.isfinite(summary["mdape"]) and summary["mdape"] < 0.25
+    assert np.isfinite(summary["spearman"]) and summary["spearman"] > 0.9
+    closed = []
+    close = plt.close
+    monkeypatch.setattr(plt, "close", lambda fig=None: (closed.append(fig), close(fig)))
     path = plot_predictions(result, tmp_path / "p.png")
     assert path.stat().st_size > 1000
+    # the figure's points: one per successful run, (measured, predicted) tokens/s per device
+    (fig,) = closed
+    points = np.concatenate([np.asarray(c.get_offsets()) for c in fig.axes[0].collections])
+    assert len(points) == (synthetic["status"] == "ok").sum()
+    assert np.isfinite(points).all() and (points > 0).all()
+    measured, predicted = points.T
+    assert np.median(np.abs(predicted / measured - 1)) < 0.25
 
 
 def test_stall_figures_score_the_regime_probability(make_synthetic):

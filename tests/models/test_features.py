@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import pandas as pd
 import pytest
@@ -268,13 +266,45 @@ def test_model_keys_keep_every_digit():
     assert keys[0] != keys[1] and "V1048576" in keys[0]
 
 
-def test_features_are_vectorised():
-    one = row(dp=2, tp=2, micro_batch_size=2)
-    frame = one.loc[np.zeros(20000, dtype=int)].reset_index(drop=True)
-    start = time.perf_counter()
-    X, _ = F.compute_features(frame)
-    assert X.shape[0] == 20000
-    assert time.perf_counter() - start < 5  # loose: a per-row loop would take minutes
+def test_features_of_a_mixed_frame_are_those_of_its_rows_one_by_one():
+    """Each row's features depend on that row alone: a frame of varied layouts, options,
+    models and devices gets the rows it would get one configuration at a time."""
+    layouts = [
+        (SPEC, dict(dp=2, tp=2, micro_batch_size=2), "H100", None),
+        (SPEC, dict(dp=4, pp=2, micro_batch_size=1, sharding="zero3", recompute="full"),
+         "A100-40GB", None),
+        (SPEC, dict(tp=4, pp=2, micro_batch_size=4, schedule="gpipe"), "B200", 4),
+        (SPEC, dict(dp=2, pp=4, micro_batch_size=1, schedule="interleaved_1f1b",
+                    virtual_stages=2, sharding="zero1"), "H200", None),
+        (SPEC, dict(dp=8, micro_batch_size=2, sharding="zero2", recompute="selective"),
+         "cpu", None),
+        (get_model("llama3.2-1b", seq_len=4096),
+         dict(dp=4, tp=8, pp=2, micro_batch_size=1, global_batch_size=256), "H100", 8),
+        (SPEC, dict(dp=2, tp=2, micro_batch_size=2), "H100", None),  # unknown hardware below
+    ]
+    frame = pd.concat([F.config_row(model, ParallelConfig(**{"global_batch_size": 64, **cfg}),
+                                    hw, devices_per_node=per_node)
+                       for model, cfg, hw, per_node in layouts], ignore_index=True)
+    frame.loc[len(layouts) - 1, "hardware"] = "TPU-v9"
+    X, analytical = F.compute_features(frame)
+    singles = [F.compute_features(frame.iloc[[i]]) for i in range(len(frame))]
+    assert X.shape == (len(frame), len(F.FEATURE_NAMES))
+    np.testing.assert_allclose(X, np.vstack([x for x, _ in singles]), rtol=1e-6,
+                               equal_nan=True)
+    assert set(analytical) == set(singles[0][1])
+    for key, values in analytical.items():
+        stacked = np.concatenate([part[key] for _, part in singles])
+        if values.dtype == object:  # the messages
+            assert list(values) == list(stacked), key
+        else:
+            np.testing.assert_allclose(values, stacked, rtol=1e-12, equal_nan=True,
+                                       err_msg=key)
+    # the rows are really different configurations, and only the last lacks figures
+    known = X[:-1]
+    assert len(np.unique(known, axis=0)) == len(known)
+    assert np.isfinite(analytical["step_time_s"][:-1]).all()
+    assert np.isnan(analytical["step_time_s"][-1])
+    assert analytical["error"][-1].startswith("hardware='TPU-v9'")
 
 
 def test_model_keys_name_the_architecture_not_the_label():
