@@ -239,6 +239,19 @@ class NotUtf8Error(DatasetError, UnicodeDecodeError):
         return self.message
 
 
+def _comment(line: str) -> str:
+    """The ``#`` comment a line holds, or ``""``: a line starting with ``#``, or one quoted
+    whole as a spreadsheet or ``csv.writer`` writes a one-cell comment that has commas
+    (``"# source: a, b"``)."""
+    if line.startswith("#"):
+        return line.strip()
+    if line.startswith('"#'):
+        cells = next(csv.reader([line]), [])
+        if len(cells) == 1 or not any(c.strip() for c in cells[1:]):
+            return cells[0].strip()
+    return ""
+
+
 def header_and_body(path: Path) -> tuple[list[str], list[str], int, str]:
     """Header cells, the remaining lines, the line number of the header and the provenance.
 
@@ -256,9 +269,9 @@ def header_and_body(path: Path) -> tuple[list[str], list[str], int, str]:
     lines = io.StringIO(_read_text(path), newline="").readlines()
     comments: list[str] = []
     start = 0
-    while start < len(lines) and (not lines[start].strip() or lines[start].startswith("#")):
-        comment = lines[start].lstrip("#").strip()
-        if lines[start].startswith("#") and comment and comment not in comments:
+    while start < len(lines) and (not lines[start].strip() or _comment(lines[start])):
+        comment = _comment(lines[start]).lstrip("#").strip()
+        if comment and comment not in comments:
             comments.append(comment)
         start += 1
     if start >= len(lines):
@@ -335,6 +348,8 @@ def _layout_problem(cells: list[str], header: list[str], line: int, last: int) -
         return f"a '#' comment line after the header is not a data row{more}"
     if [c.strip() for c in cells] == header:
         return "repeats the header (were two files joined into one?)"
+    if len(cells) > len(header) and not any(c.strip() for c in cells[len(header):]):
+        cells = cells[:len(header)]  # a trailing separator, as spreadsheets export
     if len(cells) != len(header):
         span = (f" (its cells span lines {line}-{last}: a quote not closed on its line?)"
                 if last > line else "")
@@ -520,6 +535,13 @@ def public_row_config(raw: dict[str, str]) -> dict[str, Any]:
     except ConfigError as exc:
         raise ValueError(f"gpu={raw.get('gpu', '')!r} {exc.rule}") from None
     name, per_node = hardware.name, hardware.devices_per_node
+    try:
+        nodes = _integer(raw, "nodes", required=False)
+    except _Unmappable as exc:
+        raise ValueError(str(exc)) from None
+    if nodes is not None and hardware.num_nodes(config.world_size) != nodes:
+        raise ValueError(f"nodes={nodes} contradicts num_gpus={config.world_size} on "
+                         f"{per_node}-GPU nodes")
     row: dict[str, Any] = {"model_name": model.name}
     row.update({k: v for k, v in model.to_dict().items() if k != "name"})
     row.update(config.to_dict())

@@ -32,8 +32,9 @@ _DEFAULTS: dict[str, Any] = {"model_name": "model", "num_kv_heads": np.nan,
 
 def _read_raw(path: Path) -> tuple[pd.DataFrame, np.ndarray]:
     """Every data row's cells as strings (padded to the header) and why each row cannot be
-    read as a row (empty, or more cells than the header; ``""`` elsewhere). Blank lines are
-    no rows, as pandas reads them."""
+    read as a row (empty, or more cells than the header, not counting empty ones after it as
+    a trailing separator leaves; ``""`` elsewhere). Blank lines are no rows, as pandas reads
+    them."""
     import csv
 
     import pandas as pd
@@ -48,7 +49,7 @@ def _read_raw(path: Path) -> tuple[pd.DataFrame, np.ndarray]:
             continue
         if not any(c.strip() for c in cells):
             errors.append("empty row: every cell is empty")
-        elif len(cells) > len(header):
+        elif len(cells) > len(header) and any(c.strip() for c in cells[len(header):]):
             errors.append(f"has {len(cells)} cells but the header has {len(header)} columns")
         else:
             errors.append("")

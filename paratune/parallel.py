@@ -150,8 +150,12 @@ class ParallelConfig:
             model: The model; shape rules are checked when given.
             world_size: Devices available; ``dp * tp * pp`` must equal it when given.
             runnable: Also check the limits of paratune's own trainer (torch's 1F1B schedule
-                needs at least ``pp`` micro-batches); ``False`` checks only what any
-                framework needs, e.g. for predicting a layout run elsewhere.
+                needs at least ``pp`` micro-batches, ``tp`` must divide the vocabulary, a
+                pipeline stage needs a decoder layer); ``False`` checks only what any
+                framework needs, e.g. for predicting a layout run elsewhere (Megatron-LM pads
+                the vocabulary to a multiple of ``tp``; nanotron places the embedding, the
+                final norm and the head in pipeline stages of their own, so a layout may have
+                more stages than layers).
 
         Raises:
             ConfigError: naming the field, the value and the rule broken.
@@ -186,13 +190,14 @@ class ParallelConfig:
                               f"(num_microbatches={self.num_microbatches})")
         if model is None:
             return
-        for field_name, size in (("num_heads", model.num_heads),
-                                 ("num_kv_heads", model.num_kv_heads),
-                                 ("ffn_hidden_size", model.ffn_hidden_size),
-                                 ("vocab_size", model.vocab_size)):
+        shapes = [("num_heads", model.num_heads), ("num_kv_heads", model.num_kv_heads),
+                  ("ffn_hidden_size", model.ffn_hidden_size)]
+        if runnable:
+            shapes.append(("vocab_size", model.vocab_size))
+        for field_name, size in shapes:
             if size % self.tp:
                 raise ConfigError("tp", self.tp, f"must divide {field_name}={size}")
-        if model.num_layers < self.num_stages:
+        if runnable and model.num_layers < self.num_stages:
             raise ConfigError("pp", self.pp,
                               f"pp*virtual_stages = {self.num_stages} pipeline stages need at "
                               f"least as many layers (num_layers={model.num_layers})")

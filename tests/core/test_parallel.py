@@ -42,6 +42,17 @@ def test_runnable_false_skips_only_the_trainers_own_limits():
     # the rules every framework has still hold
     with pytest.raises(ConfigError, match="must divide num_heads=8"):
         ParallelConfig(tp=3).validate(get_model("tiny"), 3, runnable=False)
+    # a vocabulary tp does not divide (Megatron-LM pads it) and more pipeline stages than
+    # layers (nanotron gives the embedding and the head stages of their own) run elsewhere
+    odd_vocab = get_model("tiny").replace(vocab_size=1001)
+    ParallelConfig(tp=2).validate(odd_vocab, 2, runnable=False)
+    with pytest.raises(ConfigError, match="must divide vocab_size=1001"):
+        ParallelConfig(tp=2).validate(odd_vocab, 2)
+    deep = ParallelConfig(pp=4, micro_batch_size=1, global_batch_size=4)
+    shallow = get_model("tiny").replace(num_layers=3)
+    deep.validate(shallow, 4, runnable=False)
+    with pytest.raises(ConfigError, match="need at least as many layers"):
+        deep.validate(shallow, 4)
 
 
 def test_bad_enum_value_lists_choices():

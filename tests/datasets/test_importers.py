@@ -171,6 +171,23 @@ def test_bom_crlf_quotes_and_line_breaks_keep_line_numbers(tmp_path):
     assert "contradicts num_gpus=8" in rows[1].error
 
 
+def test_a_trailing_separator_and_a_quoted_comment_line_are_read_as_spreadsheets_write_them(
+        tmp_path):
+    """A spreadsheet ends each row with a separator after the last column, and csv.writer
+    quotes a one-cell comment that holds commas."""
+    path = tmp_path / "sheet.csv"
+    path.write_text('"# source: a sweep, its table 3"\n' + HEADER + ",\n" + GOOD + ",\n"
+                    + GOOD_ZERO1 + ",,\n")
+    rows, provenance = read_public_csv(path)
+    assert provenance == "source: a sweep, its table 3"
+    assert [r.error for r in rows] == ["", ""]
+    assert [r.measurement.config.sharding.value for r in rows] == ["none", "zero1"]
+    # a cell with a value beyond the header is still no trailing separator
+    path.write_text(HEADER + "\n" + GOOD + ",x\n")
+    rows, _ = read_public_csv(path)
+    assert rows[0].error == "has 29 cells but the header has 28 columns"
+
+
 @pytest.mark.parametrize(("lines", "line", "reason"), [
     ([GOOD + ",1,2"], 3, "has 30 cells but the header has 28 columns"),
     ([",".join(GOOD.split(",")[:20])], 3, "has 20 cells but the header has 28 columns"),

@@ -473,6 +473,43 @@ def test_predict_refuses_a_row_with_more_cells_than_the_header(model_dir, tmp_pa
     assert ",".join(result.iloc[0, :24]) == PUBLIC_ROWS[0]
 
 
+def test_predict_takes_a_trailing_separator_and_a_quoted_comment_line(model_dir, tmp_path):
+    src = tmp_path / "sheet.csv"
+    src.write_text('"# source: a sweep, its table 3"\n' + PUBLIC_HEADER + ",\n"
+                   + PUBLIC_ROWS[0] + ",\n" + PUBLIC_ROWS[4] + ",,\n")
+    out = tmp_path / "out.csv"
+    assert main(["predict", "--model", str(model_dir), str(src), "--out", str(out)]) == 0
+    result = pd.read_csv(out, keep_default_na=False, dtype=str)
+    plain = _predict_public(model_dir, tmp_path, PUBLIC_HEADER, [PUBLIC_ROWS[0], PUBLIC_ROWS[4]])
+    assert result["pred_error"].tolist() == ["", ""]
+    assert result["pred_step_time_s"].tolist() == plain["pred_step_time_s"].tolist()
+
+
+def test_predict_says_where_nodes_contradict_num_gpus(model_dir, tmp_path):
+    rows = [PUBLIC_ROWS[0] + ",2", PUBLIC_ROWS[0] + ",4", PUBLIC_ROWS[0] + ","]  # 16 GPUs
+    result = _predict_public(model_dir, tmp_path, PUBLIC_HEADER + ",nodes", rows)
+    assert result["pred_error"].tolist() == [
+        "", "nodes=4 contradicts num_gpus=16 on 8-GPU nodes", ""]
+    assert result["pred_step_time_s"].iloc[1] == ""
+    assert result["pred_step_time_s"].iloc[0] == result["pred_step_time_s"].iloc[2] != ""
+
+
+def test_predict_own_format_takes_layouts_other_frameworks_run(model_dir, synthetic, tmp_path):
+    """Layouts measured elsewhere are predicted: a vocabulary tp does not divide (Megatron-LM
+    pads it), more pipeline stages than layers (nanotron's embedding and head stages)."""
+    frame = synthetic[list(CONFIG_COLUMNS)].head(2).astype(object)
+    first, second = frame.index
+    frame.loc[first, ["vocab_size", "tp", "dp", "pp"]] = [128257, 2, 1, 1]
+    frame.loc[second, ["num_layers", "tp", "dp", "pp"]] = [2, 1, 1, 4]
+    for row in (first, second):
+        frame.loc[row, "world_size"] = frame.loc[row, "tp"] * frame.loc[row, "pp"]
+        frame.loc[row, "global_batch_size"] = 4 * frame.loc[row, "micro_batch_size"]
+        frame.loc[row, "num_microbatches"] = 4
+    result = _predict_frame(model_dir, frame, tmp_path)
+    assert result["pred_error"].tolist() == ["", ""]
+    assert (result["pred_step_time_s"].astype(float) > 0).all()
+
+
 @pytest.mark.parametrize("dropped", [("num_gpus",), ("micro_batch", "global_batch")])
 def test_predict_names_the_missing_public_columns(model_dir, tmp_path, capsys, dropped):
     names = PUBLIC_HEADER.split(",")
