@@ -65,7 +65,7 @@ __all__ = [
     "source_family",
 ]
 
-SCHEMA_VERSION = 9
+SCHEMA_VERSION = 10
 """Version of the saved-model directory format; loading another version fails (2: the
 layer-passes feature; 3: the data-parallel ring latency in the analytical estimate; 4: the
 step-time models for models not in the training data; 5: the stalled-pipeline regime; 6:
@@ -73,7 +73,8 @@ model keys with every digit of the shapes, hardware names in their catalogue spe
 analytical estimate's per-micro-batch ZeRO-2/3 traffic and latency, recompute working set
 and FLOPs, GPipe's last rank, largest-chunk pipeline fill and node-crossing tp groups, and the
 training ranges; 8: the memory correction on its own features, with monotone directions; 9:
-the families whose pipelines never stalled, kept out of the stalled regime). A
+the families whose pipelines never stalled, kept out of the stalled regime; 10: the models
+each family's step-time model has seen, and family names fit for file names). A
 model learns corrections to the analytical estimate, so one fitted on another version's
 estimate would apply them to a different baseline."""
 PRED_TOKENS_Q10 = f"{PRED_TOKENS_PER_SEC_PER_GPU}_q10"
@@ -134,18 +135,22 @@ def training_ranges(frame: pd.DataFrame) -> dict[str, dict[str, list[int]]]:
     return out
 
 
-def source_family(frame: pd.DataFrame) -> np.ndarray:
-    """The measurement family of each row: the first ``_``-separated word of its source
-    (``vtrain_ground_truth_single_node`` and ``vtrain_ground_truth_multi_node`` are one
-    family, ``vtrain``); ``paratune`` where no source is recorded."""
+def source_family(frame: pd.DataFrame, *, missing: str = "paratune") -> np.ndarray:
+    """The measurement family of each row: the first ``_``-separated word of its source,
+    lower case, any run of characters other than letters, digits, ``.`` and ``-`` made one
+    ``-`` (``vtrain_ground_truth_single_node`` and ``vtrain_ground_truth_multi_node`` are one
+    family, ``vtrain``; a family names files of a saved model); ``missing`` where no source
+    is recorded (paratune's own measurements name theirs)."""
     import pandas as pd
 
     if "source" not in frame.columns:
-        return np.full(len(frame), "paratune", dtype=object)
+        return np.full(len(frame), missing, dtype=object)
     # once per distinct source: a frame of 100,000 rows holds a handful
-    codes, sources = pd.factorize(frame["source"].fillna("").astype(str))
+    source = frame["source"]
+    codes, sources = pd.factorize(source.astype(object).where(source.notna(), "").astype(str))
     text = pd.Series(sources, dtype=object).str.strip().str.lower()
-    family = text.str.split("_").str[0].replace("", "paratune")
+    family = (text.str.split("_").str[0].str.replace(r"[^a-z0-9.\-]+", "-", regex=True)
+              .str.strip("-").replace("", missing))
     return np.asarray(family, dtype=object)[codes]
 
 
@@ -421,11 +426,17 @@ class PerformanceModel(_Base):
         # must not leak into another's extrapolation, which the analytical estimate carries.
         self.families_ = {}
         self.family_transfer_ = {}
+        # a family's model has seen the models measured in that family only: another
+        # family's shape goes to its transfer model, as an unseen model does
+        self.family_seen_ = {}
+        keys = F.model_keys(c)
         if len(np.unique(families[has_time])) > 1:
             for family in np.unique(families[has_time]):
                 rows = has_time & (families == family)
                 if rows.sum() >= self.min_family_rows:
                     self.families_[str(family)] = self._fit_time(X[rows], y[rows])
+                    self.family_seen_[str(family)] = sorted(
+                        str(k) for k in np.unique(keys[rows]))
                     self.family_transfer_[str(family)] = self._fit_time(X[rows][:, transfer],
                                                                         y[rows])
         self.hardware_family_ = {}
@@ -489,18 +500,14 @@ class PerformanceModel(_Base):
                                   ).fit(X[stalled], per_micro[stalled])
         return classifier, median, quantile
 
-    def _seen(self, c: F.Columns) -> np.ndarray:
-        """Which rows are configurations of a model in the training data."""
-        import pandas as pd
-
-        return pd.Series(F.model_keys(c)).isin(self.seen_models_).to_numpy()
-
     @staticmethod
     def _origin(frame: pd.DataFrame) -> tuple[np.ndarray | None, np.ndarray | None]:
-        """Each row's hardware (catalogue spelling) and source family, ``None`` where the
-        frame has no such column: what :meth:`_route` and :meth:`_stall_free` go by."""
+        """Each row's hardware (catalogue spelling) and source family (``""`` for a row
+        without a source, which goes by its hardware), ``None`` where the frame has no such
+        column: what :meth:`_route` and :meth:`_stall_free` go by."""
         hardware = _catalogue_names(frame["hardware"]) if "hardware" in frame.columns else None
-        families = source_family(frame) if "source" in frame.columns else None
+        families = (source_family(frame, missing="") if "source" in frame.columns
+                    else None)
         return hardware, families
 
     def _route(self, n: int, hardware: np.ndarray | None, families: np.ndarray | None
@@ -559,6 +566,8 @@ class PerformanceModel(_Base):
     # ------------------------------------------------------------------ predict
     def _predict_arrays(self, frame: pd.DataFrame, c: F.Columns, X: np.ndarray,
                         analytical: dict[str, Any]) -> dict[str, np.ndarray]:
+        import pandas as pd
+
         base = analytical["step_time_s"]
         ratio = np.zeros(len(X))
         bounds = np.zeros((len(X), 2))
@@ -566,10 +575,15 @@ class PerformanceModel(_Base):
         origin = (self._origin(frame) if self.families_ or self.stall_free_families_
                   else (None, None))
         route = self._route(len(X), *origin)
-        seen = self._seen(c)
+        # configurations of a model in the training data (of any family, for the stalled
+        # regime; of the row's family, for its family's step-time model)
+        keys = F.model_keys(c)
+        seen = pd.Series(keys).isin(self.seen_models_).to_numpy()
         for family in np.unique(route):
+            in_family = (seen if not family
+                         else pd.Series(keys).isin(self.family_seen_[family]).to_numpy())
             for known in (True, False):
-                rows = (route == family) & (seen == known)
+                rows = (route == family) & (in_family == known)
                 if not rows.any():
                     continue
                 if known:
@@ -734,6 +748,7 @@ class PerformanceModel(_Base):
                 "components": files,
                 "component_sha256": digests,
                 "families": sorted(self.families_),
+                "family_seen_models": self.family_seen_,
                 "hardware_family": self.hardware_family_,
                 "stall_free_families": self.stall_free_families_,
                 "stall_free_hardware": self.stall_free_hardware_,
@@ -888,6 +903,8 @@ class PerformanceModel(_Base):
         for family in manifest.get("families", []):
             model.families_[family] = time_models(f"family-{family}-")
             model.family_transfer_[family] = time_models(f"family-{family}-transfer-")
+        model.family_seen_ = {str(f): [str(k) for k in keys]
+                              for f, keys in manifest["family_seen_models"].items()}
         model.hardware_family_ = dict(manifest.get("hardware_family", {}))
         model.stall_free_families_ = [str(f) for f in manifest["stall_free_families"]]
         model.stall_free_hardware_ = [str(h) for h in manifest["stall_free_hardware"]]

@@ -205,6 +205,40 @@ def test_each_measurement_family_gets_its_own_step_time_model(synthetic, tmp_pat
                                pred["pred_step_time_s"].to_numpy(), rtol=1e-6)
 
 
+def test_a_family_is_named_fit_for_files_and_rows_without_a_source_go_by_hardware(
+        synthetic, tmp_path):
+    """A source may hold any text; a row whose source is empty is of no known family (not of
+    paratune's own measurements); a family's full-feature model is for the models it
+    measured, another family's shape gets its transfer model."""
+    from paratune.models import features as F
+
+    ok = (synthetic["status"] == "ok").to_numpy()
+    deeper = synthetic[ok].assign(num_layers=synthetic.loc[ok, "num_layers"] * 2,
+                                  hardware="A100-80GB", source="Other Lab/run 3_a100")
+    deeper["step_time_s"] = F.analytical_step_time(deeper)["step_time_s"] * 4
+    own = synthetic[ok].assign(hardware="cpu", source="paratune")
+    own["step_time_s"] = F.analytical_step_time(own)["step_time_s"] * 900
+    both = pd.concat([synthetic, deeper, own], ignore_index=True)
+    model = PerformanceModel(n_estimators=40, aux_estimators=10, min_family_rows=50,
+                             n_jobs=1).fit(both)
+    assert sorted(model.families_) == ["other-lab-run-3", "paratune", "synthetic"]
+    back = load_model(model.save(tmp_path / "m"))  # the family's name makes file names
+    h100 = synthetic.loc[ok, list(CONFIG_COLUMNS)]
+    named = back.predict(h100.assign(source="synthetic"))
+    for unnamed in (h100.assign(source=""), h100.assign(source=np.nan), h100):
+        np.testing.assert_allclose(back.predict(unnamed)["pred_step_time_s"],
+                                   named["pred_step_time_s"], rtol=1e-6)
+    # the deeper model, measured only on the A100s, is another model to the H100s' family
+    shape = deeper[list(CONFIG_COLUMNS)].assign(hardware="H100-80GB", source="synthetic")
+    pred = back.predict(shape)
+    X, _ = F.compute_features(shape)
+    transfer = X[:, [F.FEATURE_NAMES.index(n) for n in F.TRANSFER_FEATURE_NAMES]]
+    median, refine, _ = back.family_transfer_["synthetic"]
+    np.testing.assert_allclose((pred["pred_step_time_s"] / pred["analytical_step_time_s"]),
+                               np.exp(median.predict(transfer) + refine.predict(transfer)),
+                               rtol=1e-5)
+
+
 def test_a_model_not_in_the_training_data_uses_the_transfer_features(fitted, synthetic,
                                                                      tmp_path):
     from paratune.models import features as F
