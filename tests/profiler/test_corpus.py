@@ -55,17 +55,20 @@ def test_batches_are_addressed_by_position(corpus):
 
 
 def test_one_epoch_visits_every_window_once():
-    corpus = TextCorpus.from_texts(["abcdefghij" * 10], ["xyz" * 20])
+    # Ten windows of 10 bytes, each starting with its own digit (so all differ).
+    corpus = TextCorpus.from_texts(["".join(f"{i}abcdefghi" for i in range(10))], ["xyz" * 20])
     seq = 9
     num = corpus.num_windows(seq)
     assert num == 101 // 10
     epoch = corpus.sequences(0, num, seq, seed=1)
     starts = sorted(bytes(row.tolist()) for row in epoch)
     stream = corpus.train.tobytes()
+    assert starts == [f"{i}abcdefghi".encode() for i in range(num)]
     assert starts == sorted(stream[i * 10:(i + 1) * 10] for i in range(num))
     # The next epoch is another permutation of the same windows.
     nxt = corpus.sequences(num, num, seq, seed=1)
     assert sorted(bytes(r.tolist()) for r in nxt) == starts
+    assert not torch.equal(nxt, epoch)
     assert corpus.sequences(0, 2, seq, split="validation").shape == (2, 10)
 
 

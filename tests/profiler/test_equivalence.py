@@ -22,12 +22,14 @@ dp2 tp2                    -            none   none        2    GQA, 2 q heads p
 pp2 tp2                    1f1b         -      none        4
 pp2 dp2                    1f1b         none   none        4
 pp2 dp2                    1f1b         zero3  full        3    odd micro-batch count
+pp2 dp2                    1f1b         zero1  none        4
 dp4                        -            zero3  none        2
 dp4                        -            zero2  none        2
 dp2 tp2                    -            zero2  full        2
 dp4                        -            zero1  none        1
 pp2 dp2                    interl. v2   none   selective   4    4 stages on 2 ranks
 pp2 dp2                    interl. v2   zero2  none        4
+pp2 dp2                    interl. v2   zero1  none        4
 pp2 tp2                    interl. v2   -      full        8
 pp4                        gpipe        -      none        4
 dp4 (GPT)                  -            zero3  none        2    tied, GELU, 1 kv/rank
@@ -65,6 +67,8 @@ LAYOUTS = [
     # full recompute inside pipeline stages.
     ParallelConfig(pp=2, dp=2, micro_batch_size=1, global_batch_size=6, sharding="zero3",
                    recompute="full"),
+    # ZeRO-1 inside pipeline stages: each stage's optimizer state sharded over its dp ranks.
+    ParallelConfig(pp=2, dp=2, micro_batch_size=1, global_batch_size=_GB, sharding="zero1"),
     ParallelConfig(dp=4, micro_batch_size=1, global_batch_size=_GB, sharding="zero3"),
     # ZeRO-2 without pipelining: parameters kept unsharded and gradients accumulated over the
     # two micro-batches, reduce-scattered once.
@@ -77,6 +81,9 @@ LAYOUTS = [
     # Two FSDP roots (virtual stages) per rank.
     ParallelConfig(pp=2, dp=2, micro_batch_size=1, global_batch_size=_GB,
                    schedule="interleaved_1f1b", virtual_stages=2, sharding="zero2"),
+    # ZeRO-1 over two virtual stages per rank.
+    ParallelConfig(pp=2, dp=2, micro_batch_size=1, global_batch_size=_GB,
+                   schedule="interleaved_1f1b", virtual_stages=2, sharding="zero1"),
     ParallelConfig(pp=2, tp=2, micro_batch_size=1, global_batch_size=_GB,
                    schedule="interleaved_1f1b", virtual_stages=2, recompute="full"),
     ParallelConfig(pp=4, micro_batch_size=2, global_batch_size=_GB, schedule="gpipe"),

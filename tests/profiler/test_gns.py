@@ -62,8 +62,20 @@ def test_two_batch_estimate_matches_closed_form(seed):
     assert truth == pytest.approx((DIM * (0.64 + 1) + 0.64) / 0.64)
     assert est.b_simple == pytest.approx(truth, rel=0.15)
     assert est.g2_ema == pytest.approx(float(delta.norm() ** 2), rel=0.15)
-    # The big-batch gradient is left in .grad: the mean of the small ones, near G = delta.
-    assert model.weight.grad.shape == (1, DIM)
+    # The big-batch gradient is left in .grad: the mean of the small ones, whose squared norm
+    # is the big-batch norm the estimate uses. One more step, replayed one batch at a time.
+    state = gen.get_state()
+    fns = [_backward_fn(model, gen, w_star, b_small) for _ in range(num_small)]
+    _, big = micro_batch_gradients(list(model.parameters()), fns)
+    left = model.weight.grad.clone()
+    gen.set_state(state)
+    grads = []
+    for fn in [_backward_fn(model, gen, w_star, b_small) for _ in range(num_small)]:
+        model.weight.grad = None
+        fn()
+        grads.append(model.weight.grad.clone())
+    torch.testing.assert_close(left, torch.stack(grads).mean(0), rtol=1e-12, atol=0)
+    assert big == pytest.approx(float(left.square().sum()), rel=1e-12)
 
 
 def test_adam_preconditioned_estimate_matches_closed_form():
@@ -165,6 +177,7 @@ def test_3d_parallel_estimate_equals_single_process_on_same_batches():
             assert step["estimate"]["b_simple"] == pytest.approx(ref_step["b_simple"], rel=1e-7)
     # Real text has gradient noise: a positive, finite estimate; the loss falls.
     assert all(math.isfinite(r[-1]["estimate"]["b_simple"]) for r in got)
+    assert all(r[-1]["estimate"]["b_simple"] > 0 for r in got)
     assert got[0][-1]["loss"] < got[0][0]["loss"]
     # Preconditioning changes the measured quantity.
     assert reference[2][-1]["big_sqnorm"] != pytest.approx(reference[0][-1]["big_sqnorm"],
@@ -514,12 +527,12 @@ def test_a_signal_ends_the_workers_and_leaves_a_resumable_run(tmp_path, capsys, 
         workers = _children(run.pid)
         assert len(workers) >= 2
         run.send_signal(getattr(signal, signame))
-        start = time.monotonic()
+        # Ended, not waited for: the workers had 100000 steps to go, so a run that waited
+        # for them would not end within this timeout.
         _, stderr = run.communicate(timeout=30)
         assert run.returncode == code, stderr
         assert f"paratune gns: {said}" in stderr
         assert "/100000 [" in stderr and "loss=" in stderr and "b_simple=" in stderr
-        assert time.monotonic() - start < 20
         assert _wait_until(lambda: not any(_alive(pid) for pid in workers), 10)
     finally:
         if run.poll() is None:

@@ -140,10 +140,36 @@ def test_legacy_rows_count_and_are_upgraded_when_truncated(tmp_path):
     assert list(frame["step"]) == [1, 2] and list(frame["seq_len"]) == [32, 32]
 
 
-def test_gns_command_checkpoints_by_default_so_resume_can_continue(tmp_path, monkeypatch,
-                                                                    capsys):
+@pytest.mark.slow
+def test_gns_command_checkpoints_by_default_so_resume_can_continue(tmp_path):
     """`--resume` alone used to find nothing: no checkpoint was saved unless
-    --checkpoint-every was given."""
+    --checkpoint-every was given. A run without it saves one (at its last step at the
+    latest), and the same command with --resume and more steps continues from it."""
+    from paratune.cli import main
+    from paratune.profiler.reconfigure import RUN_STATE_FILE, find_checkpoint
+
+    out, ckpt = tmp_path / "t.csv", tmp_path / "t-checkpoint"
+    base = ["gns", "--model", "tiny", "--seq-len", "32", "--corpus-mb", "0.25",
+            "--config", "mb=2,gb=4", "--device", "cpu", "--no-track", "--no-progress",
+            "--out", str(out)]
+    assert main([*base, "--steps", "2"]) == 0
+    found = find_checkpoint(ckpt)
+    assert found is not None
+    assert json.loads((found / RUN_STATE_FILE).read_text())["step"] == 2
+    first = out.read_text()
+    assert _steps(out) == [1, 2]
+
+    assert main([*base, "--steps", "3", "--resume"]) == 0
+    assert _steps(out) == [1, 2, 3]
+    # Continued, not restarted: steps 1-2 are the first run's rows as written (a fresh run
+    # measures them again, with other elapsed times), and step 3 is saved.
+    assert out.read_text().startswith(first)
+    assert json.loads((find_checkpoint(ckpt) / RUN_STATE_FILE).read_text())["step"] == 3
+
+
+def test_gns_command_saves_no_checkpoint_when_told_or_when_the_layout_cannot(tmp_path,
+                                                                           monkeypatch,
+                                                                           capsys):
     from paratune.cli import main
     from paratune.profiler import _gns_cli, gns
 

@@ -235,22 +235,47 @@ def test_the_script_refuses_an_out_another_experiment_is_using(tmp_path, monkeyp
 @pytest.mark.slow
 def test_measuring_steps_are_timed_with_the_meter(tmp_path):
     """time_measuring_steps runs NoiseScaleMeter steps (accumulate mode under tp) in a real
-    gloo group and returns one slowest-rank time per profiled step."""
+    gloo group and returns one slowest-rank time per profiled step: the same on every rank,
+    the longer of the ranks' own step times (rank 1 idles after each of its steps, where
+    rank 0 does not wait for it), not their sum."""
     from paratune.profiler.gns import spawn
 
     spawn(_measuring_worker, 2, str(tmp_path))
-    got = json.loads((tmp_path / "times.json").read_text())
-    assert got["mode"] == "accumulate"
-    assert len(got["times"]) == 3 and all(t > 0 for t in got["times"])
+    ranks = [json.loads((tmp_path / f"times-{rank}.json").read_text()) for rank in (0, 1)]
+    assert [got["mode"] for got in ranks] == ["accumulate"] * 2
+    times = ranks[0]["times"]
+    assert len(times) == 3 and ranks[1]["times"] == times
+    own = [got["own"][-3:] for got in ranks]  # the meter's steps, the warm-up step left out
+    for step, (time_s, own_0, own_1) in enumerate(zip(times, *own, strict=True)):
+        assert own_1 > own_0, step  # the ranks' own times differ
+        assert max(own_0, own_1) <= time_s < own_0 + own_1, step
+
+
+_IDLE_S = 0.2
 
 
 def _measuring_worker(rank, world_size, port, out):
     from _ttt_worker import Job, time_measuring_steps
 
     from paratune import ParallelConfig
+    from paratune.profiler import gns
     from paratune.profiler.gns import init_worker
     from paratune.profiler.mesh import closing_process_group
 
+    # Each rank's own duration of every meter step; rank 1 idles after its step's last
+    # collective, so its own time is the longer one.
+    own: list[float] = []
+    real_step = gns.NoiseScaleMeter.step
+
+    def step(self, *args, **kwargs):
+        begin = time.perf_counter()
+        result = real_step(self, *args, **kwargs)
+        if rank == 1:
+            time.sleep(_IDLE_S)
+        own.append(time.perf_counter() - begin)
+        return result
+
+    gns.NoiseScaleMeter.step = step
     device = init_worker(rank, world_size, port, "cpu")
     with closing_process_group():
         job = Job(model=_model(), out_dir=out, target_loss=1.0, lr=1e-3, corpus_bytes=0,
@@ -259,9 +284,8 @@ def _measuring_worker(rank, world_size, port, out):
         times, mode = time_measuring_steps(
             job, ParallelConfig(tp=2, micro_batch_size=2, global_batch_size=8), device,
             warmup_steps=1)
-        if rank == 0:
-            Path(out, "times.json").write_text(json.dumps({"times": times, "mode": mode}))
-
+        Path(out, f"times-{rank}.json").write_text(
+            json.dumps({"times": times, "mode": mode, "own": own}))
 
 
 _PROFILE_ONLY = """

@@ -58,28 +58,51 @@ def test_data_parallel_pipeline_stages_train_several_steps_like_one_process(shar
 @pytest.mark.parametrize("cuda", [False, True])
 def test_process_group_gets_the_device_set_first_and_nccl_its_device_id(monkeypatch, cuda):
     """On CUDA the rank's device is current before NCCL starts and is passed as
-    ``device_id``; on CPU gloo gets neither (the CUDA path is simulated)."""
+    ``device_id`` (simulated); on CPU a real gloo group is started from the launcher's
+    environment, with neither."""
     import torch
     import torch.distributed as dist
 
     from paratune.profiler import train
+    from paratune.profiler.launcher import free_port
 
     calls: list[tuple] = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     monkeypatch.setattr(torch.cuda, "set_device", lambda index: calls.append(("set", index)))
-    monkeypatch.setattr(dist, "init_process_group",
-                        lambda backend, **kw: calls.append(("init", backend, kw)))
-    monkeypatch.setenv("WORLD_SIZE", "8")
-    monkeypatch.setenv("LOCAL_RANK", "3")
-    train._init_process_group()
     if cuda:
+        monkeypatch.setattr(dist, "init_process_group",
+                            lambda backend, **kw: calls.append(("init", backend, kw)))
+        monkeypatch.setenv("WORLD_SIZE", "8")
+        monkeypatch.setenv("LOCAL_RANK", "3")
+        train._init_process_group()
         assert calls[0] == ("set", 3)
         (_, backend, kwargs), = calls[1:]
         assert backend == "nccl" and kwargs["device_id"] == torch.device("cuda", 3)
-    else:
-        (_, backend, kwargs), = calls
-        assert backend == "gloo" and "device_id" not in kwargs
+        return
+
+    real_init = dist.init_process_group
+
+    def recording_init(backend, **kwargs):
+        calls.append(("init", backend, kwargs))
+        return real_init(backend, **kwargs)
+
+    monkeypatch.setattr(dist, "init_process_group", recording_init)
+    for name, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
+                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}.items():
+        monkeypatch.setenv(name, value)
+    assert not dist.is_initialized()
+    try:
+        train._init_process_group()
+        assert dist.is_initialized()
+        assert dist.get_backend() == "gloo"
+        assert (dist.get_rank(), dist.get_world_size()) == (0, 1)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    (_, backend, kwargs), = calls  # no device was set
+    assert backend == "gloo" and "device_id" not in kwargs
+    assert "store" not in kwargs  # the rendezvous the environment names, not a local store
 
 
 def _num_gpus() -> int:
