@@ -102,6 +102,17 @@ def closed_form() -> ClosedFormPredictor:
     return ClosedFormPredictor()
 
 
+@pytest.fixture(scope="session")
+def saved_model(tmp_path_factory) -> Path:
+    """The directory of a small :class:`~paratune.models.PerformanceModel` fitted on synthetic
+    measurements of llama3 models (4096-token sequences) on H100s; needs no public data."""
+    from paratune.models import PerformanceModel
+    from tests.models.conftest import synthetic_measurements
+
+    model = PerformanceModel(n_estimators=40, aux_estimators=10, n_jobs=1, random_state=0)
+    return model.fit(synthetic_measurements()).save(tmp_path_factory.mktemp("pm") / "model")
+
+
 @pytest.fixture(autouse=True)
 def _tmp_mlflow(tmp_path, monkeypatch):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")

@@ -1,6 +1,7 @@
 """``paratune tune`` and ``paratune plan`` against a real PerformanceModel fitted on a slice of
-the public H100 measurements (skipped where the data is absent); their error messages against
-the closed-form predictor."""
+the public H100 measurements (skipped where the data is absent); their flags, messages and runs
+against a small PerformanceModel fitted on synthetic measurements, loaded from its saved
+directory as ``--predictor`` names it."""
 
 from __future__ import annotations
 
@@ -130,18 +131,18 @@ def test_tp_across_nodes_does_not_change_the_batch_searched(model_dir, tmp_path,
 
 
 @pytest.fixture
-def job(closed_form, tmp_path, monkeypatch):
-    """The ``tune`` or ``plan`` command line of llama3-8b on 64 H100s against the closed-form
-    predictor, run in ``tmp_path`` (so that messages name relative paths); ``trajectory.csv``
-    is a B_noise trajectory with its seq_len."""
-    monkeypatch.setattr("paratune.tuner._tune.load_predictor", lambda predictor: closed_form)
+def job(saved_model, tmp_path, monkeypatch):
+    """The ``tune`` or ``plan`` command line of llama3-8b on 64 H100s against a saved
+    PerformanceModel (fitted on synthetic measurements), loaded from its directory by the
+    command, run in ``tmp_path`` (so that messages name relative paths); ``trajectory.csv`` is
+    a B_noise trajectory with its seq_len."""
     monkeypatch.chdir(tmp_path)
     _write_trajectory(tmp_path / "trajectory.csv", seq_len=8192)
 
     def command(name, *flags):
         extra = ["--trajectory", "trajectory.csv"] if name == "plan" else []
         return [name, "--model", "llama3-8b", "--gpus", "64", "--hardware", "H100", "--predictor",
-                "model", "--output", "out", "--no-track", *extra, *flags]
+                str(saved_model), "--output", "out", "--no-track", *extra, *flags]
 
     return command
 
@@ -230,6 +231,8 @@ def test_plan_opens_its_run_before_the_work(job, monkeypatch, tmp_path, capsys):
         def predict(self, frame):
             raise KeyboardInterrupt
 
+    # an interrupt in the middle of the work: no saved model raises one, so the loaded
+    # predictor is replaced by one that does (the only stand-in of these command tests)
     with monkeypatch.context() as patch:
         patch.setattr("paratune.tuner._tune.load_predictor", lambda predictor: Interrupted())
         assert main([*tracked, "--reconfig-cost-s", "60"]) == 130

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -90,16 +91,19 @@ def test_two_processes_share_one_study(tmp_path):
 
 
 OPENER = textwrap.dedent("""
-    import sys, time
+    import os, sys, time
     from paratune import get_model
     from paratune.tuner import Objective, SearchSpace
     from paratune.tuner._search import open_study
 
     space = SearchSpace.build(get_model("llama3-8b"), 64, "H100", global_batch_sizes="128:512")
     time.sleep(max(0.0, {start} - time.time()))
-    for i in range({studies}):
-        open_study(space, Objective(kind="goodput", b_noise=300), storage={storage!r},
-                   study_name=f"fresh-{{i}}")
+    studies = [open_study(space, Objective(kind="goodput", b_noise=300), storage={storage!r},
+                          study_name=f"fresh-{{i}}") for i in range({studies})]
+    for study in studies:  # then one trial in each study this process opened
+        trial = study.ask()
+        trial.set_user_attr("worker", os.getpid())
+        study.tell(trial, 0.0)
 """)
 
 
@@ -134,6 +138,21 @@ def test_processes_opening_one_new_study_at_once_all_join_it(tmp_path):
     for w in workers:
         _, err = w.communicate(timeout=120)
         assert w.returncode == 0, err
+    # one study of each name, holding a trial of every process and the whole problem, as
+    # one process alone records it
+    from paratune.tuner._search import resolve_storage
+
+    problem = open_study(_space(), Objective(kind="goodput", b_noise=300),
+                         storage=str(tmp_path / "alone.journal"), study_name="alone").user_attrs
+    assert problem
+    store = resolve_storage(storage, None)[0]
+    studies = store.get_all_studies()
+    assert sorted(s.study_name for s in studies) == sorted(f"fresh-{i}" for i in range(150))
+    pids = sorted(w.pid for w in workers)
+    for study in studies:
+        assert study.user_attrs == problem, study.study_name
+        trials = store.get_all_trials(study._study_id, deepcopy=False)
+        assert sorted(t.user_attrs["worker"] for t in trials) == pids, study.study_name
 
 
 @pytest.mark.slow
@@ -161,13 +180,31 @@ def test_killed_study_resumes_without_losing_trials(tmp_path, closed_form):
     assert all(after[n] == p for n, p in before.items())  # nothing measured was lost
 
 
-def test_a_database_password_is_never_printed_or_logged(tmp_path):
+def test_a_database_password_is_never_printed_or_logged(tmp_path, saved_model, capsys, caplog):
+    from paratune.cli import main
     from paratune.tuner._search import _without_password, resolve_storage
 
     assert _without_password("postgresql://tuner:s3cret@db.example:5432/studies") == \
         "postgresql://tuner:***@db.example:5432/studies"
     url = f"sqlite:///{tmp_path / 'studies.db'}"
     assert resolve_storage(url, None)[1] == url  # nothing to mask
+    # a tracked tune against a database it cannot use (no driver, or no such server): the
+    # error names the URL with the password masked, and nothing shown or logged holds the
+    # password
+    with caplog.at_level(logging.DEBUG):
+        code = main(["tune", "--model", "llama3-8b", "--gpus", "32", "--hardware", "H100",
+                     "--predictor", str(saved_model), "--global-batch", "256", "--trials", "4",
+                     "--storage", "postgresql://tuner:s3cret@db.invalid:5432/studies",
+                     "--output", str(tmp_path / "out")])
+    captured = capsys.readouterr()
+    assert code == 2
+    assert captured.err.startswith(
+        "paratune tune: error: --storage='postgresql://tuner:***@db.invalid:5432/studies': ")
+    logged = [record.getMessage() for record in caplog.records]
+    assert "s3cret" not in captured.out + captured.err + caplog.text + "\n".join(logged)
+    # nor any file written (the MLflow store of this test, the output directory)
+    written = [path for path in tmp_path.rglob("*") if path.is_file()]
+    assert not [path for path in written if b"s3cret" in path.read_bytes()]
 
 
 def test_a_study_name_of_another_problem_is_refused(tmp_path, closed_form):
