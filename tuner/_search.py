@@ -286,8 +286,11 @@ def resolve_storage(storage: str | Path | None, default_dir: str | Path | None
         try:
             return optuna.storages.RDBStorage(text), _without_password(text)
         except ImportError as exc:  # a driver that is not installed (psycopg2, pymysql)
+            reason = str(exc)
+            if parsed_password := _password_of(text):
+                reason = reason.replace(parsed_password, "***")
             raise ConfigError("storage", _without_password(text),
-                              f"needs a database driver: {exc}") from exc
+                              f"needs a database driver: {reason}") from exc
         except Exception as exc:  # SQLAlchemy: unknown dialect, unreachable server
             first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             if parsed_password := _password_of(text):

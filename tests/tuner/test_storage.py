@@ -207,6 +207,24 @@ def test_a_database_password_is_never_printed_or_logged(tmp_path, saved_model, c
     assert not [path for path in written if b"s3cret" in path.read_bytes()]
 
 
+def test_a_driver_message_that_quotes_the_url_is_masked_too(monkeypatch):
+    """A database driver's import error may quote the URL it was given (the password
+    with it)."""
+    import optuna
+
+    from paratune.errors import ConfigError
+    from paratune.tuner._search import resolve_storage
+
+    def no_driver(url, *args, **kwargs):
+        raise ImportError(f"cannot connect to {url}: no module named 'psycopg2'")
+
+    monkeypatch.setattr(optuna.storages, "RDBStorage", no_driver)
+    with pytest.raises(ConfigError) as info:
+        resolve_storage("postgresql://tuner:s3cret@db.invalid:5432/studies", None)
+    assert "s3cret" not in str(info.value)
+    assert "cannot connect to postgresql://tuner:***@db.invalid" in str(info.value)
+
+
 def test_a_study_name_of_another_problem_is_refused(tmp_path, closed_form):
     """Reusing a study name for another job used to join its study: a search on 32 devices
     returned the 16-device winner of the earlier search as its best."""
