@@ -354,6 +354,16 @@ class PerformanceModel(_Base):
                 "min_child_weight": self.min_child_weight, "n_jobs": self.n_jobs,
                 "random_state": self.random_state}
 
+    def _classifier_params(self, labels: np.ndarray) -> dict[str, Any]:
+        """A classifier's booster parameters: ``min_child_weight`` counts rows for the
+        regressors (each weighs 1), but a row weighs ``p (1 - p)`` to a logistic booster, so
+        here it is scaled by that weight at the labels' base rate. Unscaled, a few failed
+        runs among many that ran (a small campaign: 17 out-of-memory configs in 180) could
+        share no leaf, and the classifier gave every config the base rate."""
+        rate = float(np.mean(labels))
+        return {**self._booster_params(aux=True),
+                "min_child_weight": self.min_child_weight * rate * (1.0 - rate)}
+
     # ------------------------------------------------------------------ fit
     def fit(self, frame: pd.DataFrame) -> PerformanceModel:
         """Fit on measurement rows (:meth:`paratune.Measurement.to_row` columns).
@@ -461,7 +471,7 @@ class PerformanceModel(_Base):
             Xf = self._feasibility_matrix(table)
             self.feasibility_ = xgb.XGBClassifier(
                 tree_method="hist", objective="binary:logistic",
-                **self._booster_params(aux=True)).fit(Xf, labels)
+                **self._classifier_params(labels)).fit(Xf, labels)
         self.num_train_rows_ = len(frame)
         self.num_time_rows_ = int(has_time.sum()) + self.num_stall_rows_
         self.num_memory_rows_ = int(has_mem.sum())

@@ -31,7 +31,7 @@ def fitted(synthetic):
 
 
 def test_learns_the_hidden_ratio_and_keeps_row_order(fitted, make_synthetic):
-    test = make_synthetic(seed=1, n_per_model=20)
+    test = make_synthetic(seed=1, n_per_model=60)
     pred = fitted.predict(test[list(CONFIG_COLUMNS)])
     assert list(pred.index) == list(test.index)
     ok = (test.status == "ok").to_numpy()
@@ -40,7 +40,11 @@ def test_learns_the_hidden_ratio_and_keeps_row_order(fitted, make_synthetic):
     assert (pred[PRED_TOKENS_Q10] <= pred["pred_tokens_per_sec_per_gpu"] + 1e-9).all()
     assert (pred[PRED_TOKENS_Q90] >= pred["pred_tokens_per_sec_per_gpu"] - 1e-9).all()
     prob = pred["pred_feasible_prob"].to_numpy()
-    assert ((prob >= 0.5) == ok).mean() > 0.9
+    # per class: about one config in ten runs out of memory, so a classifier that calls
+    # every config feasible would still be right 90% of the time overall
+    assert (~ok).sum() >= 10
+    assert (prob[~ok] < 0.5).mean() >= 0.8
+    assert (prob[ok] >= 0.5).mean() >= 0.9
 
 
 def test_the_same_rows_in_another_order_fit_the_same_model(fitted, synthetic):
@@ -476,6 +480,12 @@ def test_fits_cpu_runs_together_with_failed_gpu_runs(synthetic):
     assert model.feasibility_ is not None
     pred = model.predict(both[list(CONFIG_COLUMNS)])
     assert (pred["pred_error"] == "").all() and np.isfinite(pred["pred_step_time_s"]).all()
+    feasible = pred["pred_feasible_prob"].to_numpy()
+    on_cpu = (both["hardware"] == "cpu").to_numpy()
+    oom = (both["status"] != "ok").to_numpy()
+    assert np.isfinite(feasible).all()
+    assert (feasible[on_cpu] == 1.0).all()  # no memory limit is known for the CPU
+    assert (feasible[oom] < 0.5).mean() >= 0.8
 
 
 @pytest.mark.parametrize("damage", ["missing", "truncated", "not json", "a regressor"])
