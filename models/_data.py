@@ -70,10 +70,12 @@ def load_measurements(paths: Sequence[str | Path]) -> pd.DataFrame:
         elif path.suffix == ".csv":
             from paratune.datasets.importers import header_and_body, public_header_problem
 
-            problem = public_header_problem(header_and_body(path)[0])
+            header, _, header_line, _ = header_and_body(path)
+            problem = public_header_problem(header)
             if problem:
                 raise DatasetError(f"{path}: {problem}")
-            frame = pd.read_csv(path, comment=None)
+            # from the header on: '#' lines above it are comments, as in a public CSV
+            frame = pd.read_csv(path, comment=None, skiprows=header_line - 1)
         else:
             raise DatasetError(f"{path}: not a dataset directory, public CSV or parquet file")
         missing = [c for c in ("status", "step_time_s", *CONFIG_COLUMNS) if c not in frame.columns]

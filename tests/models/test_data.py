@@ -74,3 +74,15 @@ def test_a_dataset_parquet_file_is_checked_like_a_dataset(tmp_path):
     plain = tmp_path / "plain.parquet"
     frame.to_parquet(plain)
     _assert_same_runs(load_measurements([plain]), frame)
+
+
+def test_a_csv_of_measurement_rows_may_start_with_comment_lines(tmp_path, synthetic):
+    """'#' lines above the header are comments, as in a public CSV (not the header)."""
+    plain = tmp_path / "rows.csv"
+    synthetic.to_csv(plain, index=False)
+    noted = tmp_path / "noted.csv"
+    noted.write_text("# source: our cluster, week 3\n\n" + plain.read_text())
+    a = load_measurements([plain]).drop(columns="data_path")
+    b = load_measurements([noted]).drop(columns="data_path")
+    pd.testing.assert_frame_equal(a, b)
+    assert len(b) == len(synthetic)
