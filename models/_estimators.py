@@ -501,7 +501,7 @@ class PerformanceModel(_Base):
         import xgboost as xgb
 
         classifier = xgb.XGBClassifier(tree_method="hist", objective="binary:logistic",
-                                       **self._booster_params(aux=True)
+                                       **self._classifier_params(stalled[pipeline])
                                        ).fit(X[pipeline], stalled[pipeline])
         median = _xgb_regressor(self._booster_params(aux=True), objective="reg:absoluteerror"
                                 ).fit(X[stalled], per_micro[stalled])
