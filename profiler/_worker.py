@@ -58,6 +58,9 @@ __all__ = ["main"]
 FAULT_ENV = "PARATUNE_FAULT"
 PARENT_ENV = "PARATUNE_PARENT_PID"
 ATTEMPT_ENV = "PARATUNE_ATTEMPT"
+DIE_WITH_LAUNCHER_ENV = "PARATUNE_DIE_WITH_LAUNCHER"
+"""Set (to ``1``) by a campaign that starts torchrun itself: each rank then dies with the
+torchrun that started it, as the local launcher's ranks die with their parent."""
 _FAULT_KINDS = ("hang", "raise", "oom", "exit")
 FAIL_GRACE_S = 10.0
 """Longest wait, under torchrun, for the other ranks' outcomes after a config failed on this
@@ -104,11 +107,35 @@ def _inject(faults: list[tuple[str, str, int | None]], key: str, rank: int) -> N
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+_OOM_TEXTS = ("out of memory", "can't allocate memory", "cannot allocate memory")
+"""Lower-case fragments of the messages of allocation failures: CUDA's (``CUDA out of
+memory``) and the CPU allocator's (``DefaultCPUAllocator: can't allocate memory: you tried to
+allocate N bytes. Error code 12 (Cannot allocate memory)``)."""
+
+
 def is_oom(exc: BaseException) -> bool:
-    """Whether an exception is an out-of-memory failure."""
+    """Whether an exception is an out-of-memory failure, on a GPU or on the CPU: a
+    ``torch.OutOfMemoryError``, a ``MemoryError``, an ``OSError`` with ``ENOMEM``, or an
+    error whose message is an allocator's (the CPU allocator raises a plain
+    ``RuntimeError``); also when such a failure is the cause of the exception raised."""
+    import errno
+
     import torch
 
-    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen and len(seen) < 10:
+        seen.add(id(current))
+        if isinstance(current, (torch.OutOfMemoryError, MemoryError)):
+            return True
+        if isinstance(current, OSError) and current.errno == errno.ENOMEM:
+            return True
+        text = str(current).lower()
+        if any(fragment in text for fragment in _OOM_TEXTS):
+            return True
+        current = current.__cause__ or (None if current.__suppress_context__
+                                         else current.__context__)
+    return False
 
 
 class _Watchdog(threading.Thread):
@@ -211,6 +238,11 @@ def run_worker(plan_path: str | Path, *, attempt: str | None = None) -> int:
     parent_pid = int(supervised) if supervised else None
     if parent_pid is not None:
         _die_with_parent(parent_pid)
+    elif os.environ.get(DIE_WITH_LAUNCHER_ENV):
+        launcher = os.getppid()  # torchrun's agent
+        if launcher == 1:  # it is gone already
+            os._exit(1)
+        _die_with_parent(launcher)
     attempt = attempt or os.environ.get(ATTEMPT_ENV)
     timeout_s = float(plan["timeout_s"])
 

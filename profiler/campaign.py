@@ -21,6 +21,8 @@ import io
 import json
 import logging
 import math
+import os
+import signal
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -569,11 +571,11 @@ def _run_world_size_torchrun(paths: CampaignPaths, world_size: int, progress: _P
     """Run one world size's plan with ``torchrun --standalone`` on this machine (the same
     worker and restart path as on a cluster, without the parent's supervision), as
     ``python -m torch.distributed.run`` of the running interpreter."""
-    import os
     import shlex
     import subprocess
 
-    from paratune.profiler.launcher import torchrun_command
+    from paratune.profiler._worker import DIE_WITH_LAUNCHER_ENV
+    from paratune.profiler.launcher import dies_with_this_process, torchrun_command
 
     plan = read_plan(paths.plan(world_size))
     journal = paths.journal(world_size)
@@ -589,13 +591,18 @@ def _run_world_size_torchrun(paths: CampaignPaths, world_size: int, progress: _P
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone",
             *[a for a in shlex.split(command)[1:] if not a.startswith("--rdzv")]]
     env = dict(os.environ, **(extra_env or {}))
+    env[DIE_WITH_LAUNCHER_ENV] = "1"
     if plan["device"] == "cpu" and "OMP_NUM_THREADS" not in env:
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // world_size))
     paths.logs.mkdir(parents=True, exist_ok=True)
     log_path = paths.logs / f"torchrun-ws{world_size}-{time.strftime('%H%M%S')}.log"
     with open(log_path, "wb") as handle:
+        # torchrun gets SIGTERM when this process dies, even by kill -9 (it then ends its
+        # ranks, which also die with it), and has its own process group to be signalled as
+        # a whole
         proc = subprocess.Popen(argv, stdout=handle, stderr=subprocess.STDOUT, env=env,
-                                stdin=subprocess.DEVNULL)
+                                stdin=subprocess.DEVNULL, start_new_session=True,
+                                preexec_fn=dies_with_this_process(signal.SIGTERM))
         try:
             while proc.poll() is None:
                 time.sleep(0.2)
@@ -625,8 +632,87 @@ def _stop_torchrun(proc: Any, grace_s: float = 10.0) -> None:
     try:
         proc.wait(timeout=grace_s)
     except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)  # its own group (its session)
         proc.kill()
         proc.wait()
+
+
+_EARLIER_LAUNCH_WAIT_S = 30.0
+"""How long a run waits for the processes of an earlier launch of its campaign (ending after
+their parent died) before refusing to start its own."""
+
+
+def _campaign_processes(paths: CampaignPaths) -> list[int]:
+    """Processes on this machine, other than this one, running a plan of the campaign in
+    ``paths`` (``--plan DIR/plan-ws<N>.json`` on their command line): the ranks and the
+    torchrun of any launch, by this or another process, and a printed torchrun command run
+    here by hand."""
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return []
+    root = paths.root.resolve()
+    pids = []
+    for entry in proc.iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            argv = [os.fsdecode(a) for a in (entry / "cmdline").read_bytes().split(b"\0")]
+        except OSError:  # ended meanwhile, or not ours to read
+            continue
+        plans = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--plan"]
+        plans += [a.split("=", 1)[1] for a in argv if a.startswith("--plan=")]
+        for plan in plans:
+            path = Path(plan)
+            if not path.is_absolute():
+                try:
+                    path = Path(os.readlink(entry / "cwd")) / path
+                except OSError:
+                    continue
+            if path.name.startswith("plan-ws") and path.parent.resolve() == root:
+                pids.append(int(entry.name))
+                break
+    return sorted(pids)
+
+
+def _await_earlier_launches(paths: CampaignPaths, wait_s: float | None = None) -> None:
+    """Wait until no process of an earlier launch of this campaign runs on this machine.
+
+    The ranks of a campaign whose parent was killed die with it, but not at the same instant
+    (torchrun first ends its ranks); a run that launched meanwhile would measure the same
+    configs a second time, and both would append them to the journal.
+
+    Raises:
+        ConfigError: some are still running after ``wait_s`` (``out``; default
+            :data:`_EARLIER_LAUNCH_WAIT_S`).
+    """
+    deadline = time.monotonic() + (_EARLIER_LAUNCH_WAIT_S if wait_s is None else wait_s)
+    pids = _campaign_processes(paths)
+    if pids:
+        log.warning("waiting for %d processes of an earlier launch of %s to end (pids %s)",
+                    len(pids), paths.root, pids)
+    while pids and time.monotonic() < deadline:
+        time.sleep(0.2)
+        pids = _campaign_processes(paths)
+    if pids:
+        raise ConfigError("out", str(paths.root), f"processes of an earlier launch of this "
+                          f"campaign are still running (pids {', '.join(map(str, pids))}): "
+                          "end them before profiling it again")
+
+
+def _unfinished(paths: CampaignPaths, world_sizes: tuple[int, ...]
+                ) -> dict[int, set[str] | None]:
+    """The world sizes with configs still to measure: per world size, the keys of its plan
+    that its journal does not hold (``None`` for a world size without a plan yet)."""
+    left: dict[int, set[str] | None] = {}
+    for world_size in world_sizes:
+        if not paths.plan(world_size).exists():
+            left[world_size] = None
+            continue
+        keys = _plan_keys(paths, world_size) - journal_keys(paths.journal(world_size))
+        if keys:
+            left[world_size] = keys
+    return left
 
 
 # ---------------------------------------------------------------------- results
@@ -849,9 +935,12 @@ def run_campaign(spec: CampaignSpec, out: str | Path, *, resume: bool = False,
 
     Raises:
         ConfigError: bad spec, ``out`` already holds a campaign (without ``resume``) or
-            another process is profiling it,
-            more CUDA devices are asked for than this machine has, or on the CPU a config's
-            processes cannot fit in this machine's memory (``model``; nothing is started).
+            another process is profiling it, or processes of an earlier launch of it still
+            run on this machine (resuming, once they had time to end),
+            more CUDA devices are asked for than this machine has (unless resuming a
+            campaign whose every config is journaled: that only writes the dataset), or on
+            the CPU a config's processes cannot fit in this machine's memory (``model``;
+            nothing is started).
         CampaignError: a worker group repeatedly fails to start.
     """
     import resource
@@ -860,7 +949,11 @@ def run_campaign(spec: CampaignSpec, out: str | Path, *, resume: bool = False,
     children_before = resource.getrusage(resource.RUSAGE_CHILDREN)
     if launcher not in ("local", "torchrun"):
         raise ConfigError("launcher", launcher, "must be local or torchrun")
-    if spec.device == "cuda":
+    # resuming a campaign whose every config is journaled (e.g. one run on a cluster with
+    # the printed commands) only writes its dataset: it needs none of the devices
+    finished = resume and CampaignPaths(Path(out)).campaign.exists() and not _unfinished(
+        CampaignPaths(Path(out)), spec.world_sizes)
+    if spec.device == "cuda" and not finished:
         import torch
 
         available = torch.cuda.device_count()
@@ -917,9 +1010,14 @@ def _run_campaign(spec: CampaignSpec, paths: CampaignPaths, meta: dict[str, Any]
         bar = progress_bar(total=total, unit="config", enabled=True,
                            desc=f"profiling ws={spec.world_sizes[0]}")
     state = _Progress(bar=bar)
+    left = _unfinished(paths, spec.world_sizes)
+    if left and resume:  # under the lock: no later run can start a launch meanwhile
+        _await_earlier_launches(paths)
     with _tracked(track, meta, spec, paths, resume) as run:
         try:
             for world_size in spec.world_sizes:
+                if world_size not in left:  # every config journaled: nothing to launch
+                    continue
                 if bar is not None:
                     bar.set_description(f"profiling ws={world_size}")
                 hook = on_record or (lambda key: None)

@@ -15,14 +15,15 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
 from paratune.profiler._worker import ATTEMPT_ENV, PARENT_ENV
 
-__all__ = ["LocalGroup", "free_port", "launch_local", "restart_budget", "slurm_command",
-           "torchrun_command"]
+__all__ = ["LocalGroup", "dies_with_this_process", "free_port", "launch_local",
+           "restart_budget", "slurm_command", "torchrun_command"]
 
 WORKER_MODULE = "paratune.profiler._worker"
 
@@ -37,6 +38,30 @@ def restart_budget(num_configs: int) -> int:
     three for launches that fail before measuring anything, cover the whole plan.
     """
     return 2 * max(0, int(num_configs)) + 3
+
+
+def dies_with_this_process(sig: int = signal.SIGTERM) -> Callable[[], None] | None:
+    """A ``preexec_fn`` for :class:`subprocess.Popen` that has Linux send ``sig`` to the child
+    when this process dies, even by ``kill -9`` (``prctl(PR_SET_PDEATHSIG)``); the child ends
+    at once if this process died before it could ask. ``None`` where ``prctl`` does not exist.
+
+    libc is loaded here, in the parent: between ``fork`` and ``exec`` the child only calls it.
+    """
+    try:
+        import ctypes
+
+        prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+    pr_set_pdeathsig = 1
+
+    def preexec() -> None:
+        prctl(pr_set_pdeathsig, int(sig))
+        if os.getppid() != parent:
+            os._exit(1)
+
+    return preexec
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -116,7 +141,8 @@ def launch_local(plan_path: str | Path, world_size: int, *, attempt: str, log_di
     base[PARENT_ENV] = str(os.getpid())
     base[ATTEMPT_ENV] = attempt
     processes, logs, handles = [], [], []
-    command = [sys.executable, "-m", WORKER_MODULE, "--plan", str(plan_path)]
+    # the absolute path: a later run recognises the processes of this campaign by it
+    command = [sys.executable, "-m", WORKER_MODULE, "--plan", str(Path(plan_path).resolve())]
     for rank in range(world_size):
         env = dict(base, RANK=str(rank), LOCAL_RANK=str(rank))
         log = log_dir / f"{attempt}-rank{rank}.log"

@@ -656,3 +656,128 @@ def test_materialise_names_every_machine_a_resumed_campaign_measured_on(tmp_path
 def test_campaign_timeout_must_be_a_finite_positive_number(timeout):
     with pytest.raises(ConfigError, match=r"timeout_s=.*must be a finite positive number"):
         _spec(timeout_s=timeout).validate()
+
+
+def test_a_cpu_allocation_failure_is_recorded_as_oom():
+    """The CPU allocator's failure is a plain RuntimeError (``DefaultCPUAllocator: can't
+    allocate memory``), Python's a MemoryError: both are out-of-memory failures of the
+    config, as CUDA's OutOfMemoryError is, also as the cause of the error raised."""
+    import torch
+
+    from paratune.profiler._worker import is_oom
+
+    with pytest.raises(RuntimeError) as cpu:
+        torch.empty(2**62, dtype=torch.uint8)  # refused at once: nothing is allocated
+    assert "can't allocate memory" in str(cpu.value) and type(cpu.value) is RuntimeError
+    assert is_oom(cpu.value)
+    with pytest.raises(MemoryError) as python:
+        bytearray(2**62)
+    assert is_oom(python.value)
+    assert is_oom(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    with pytest.raises(RuntimeError) as wrapped:
+        try:
+            torch.empty(2**62, dtype=torch.uint8)
+        except RuntimeError as exc:
+            raise RuntimeError("building the model failed") from exc
+    assert is_oom(wrapped.value)
+    assert not is_oom(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+    assert not is_oom(ValueError("micro batch size must divide the global batch"))
+
+
+def test_resume_of_a_cuda_campaign_measured_elsewhere_writes_its_dataset_without_a_gpu(
+        tmp_path, monkeypatch, capsys):
+    """A campaign prepared with --print-command for CUDA and measured on a cluster: its
+    --resume on a machine without a GPU writes the dataset (nothing is left to launch),
+    while a resume with configs left still needs the GPUs."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    spec = _spec(device="cuda", hardware="H100-80GB")
+    out = tmp_path / "c"
+    torchrun_commands(spec, out)
+    paths = CampaignPaths(out)
+    plan = read_plan(paths.plan(2))
+    configs = [ParallelConfig.from_dict(c) for c in plan["configs"]]
+    assert len(configs) >= 2
+    for config in configs[:-1]:  # as rank 0 of the workers journals them
+        append_record(paths.journal(2), failure_record(plan, config, Status.OOM,
+                                                       "rank 0: OutOfMemoryError"))
+    with pytest.raises(ConfigError, match="no CUDA device is visible"):
+        run_campaign(spec, out, resume=True, track=False, progress=False)
+    append_record(paths.journal(2), failure_record(plan, configs[-1], Status.TIMEOUT,
+                                                   "no result within the per-config timeout"))
+    journal = paths.journal(2).read_text()
+    assert main(["profile", "--resume", "--out", str(out), "--no-track",
+                 "--no-progress"]) == 0
+    assert "nothing new to measure" in capsys.readouterr().out
+    dataset = read_dataset(out)
+    assert sorted(dataset.frame["status"]) == ["oom"] * (len(configs) - 1) + ["timeout"]
+    result = run_campaign(spec, out, resume=True, track=False, progress=False,
+                          launcher="torchrun")
+    assert result.num_measured == 0 and len(result.dataset) == len(configs)
+    assert paths.journal(2).read_text() == journal
+    assert not list(out.glob("logs/torchrun-*"))  # nothing was launched
+
+
+def _pretend_rank(plan: Path) -> subprocess.Popen:
+    """A process whose command line is that of a rank of ``plan``'s campaign."""
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "--plan",
+                             str(plan)], stdin=subprocess.DEVNULL)
+
+
+def test_a_resume_does_not_launch_beside_ranks_of_an_earlier_launch(tmp_path, monkeypatch):
+    """Ranks of an earlier launch still running on this machine (their parent killed, they
+    not yet ended) would measure the configs a second time beside the new group: a resume
+    waits for them to end, and refuses to launch when they do not."""
+    from paratune.profiler import campaign
+
+    paths, _ = prepare_campaign(_spec(), tmp_path / "c")
+    monkeypatch.setattr(campaign, "_EARLIER_LAUNCH_WAIT_S", 1.0, raising=False)
+    rank = _pretend_rank(paths.plan(2))
+    try:
+        with pytest.raises(ConfigError, match=r"out=.*earlier launch of this campaign are "
+                                              rf"still running \(pids {rank.pid}\)"):
+            run_campaign(_spec(), paths.root, resume=True, track=False, progress=False)
+    finally:
+        rank.kill()
+        rank.wait()
+    assert not paths.journal(2).exists() and not paths.logs.exists()  # nothing launched
+
+
+@pytest.mark.slow
+def test_kill_9_of_a_torchrun_campaign_ends_torchrun_and_its_ranks(tmp_path):
+    """torchrun and its ranks die with the campaign process, also when it is killed with
+    SIGKILL, so that no group of the killed run measures beside a resumed one."""
+    out = tmp_path / "c"
+    grid = tmp_path / "grid.json"
+    grid.write_text(json.dumps({"micro_batch_sizes": [2], "shardings": ["none"],
+                                "recomputes": ["none"], "pp_degrees": [1], "tp_degrees": [1]}))
+    key = "dp2-tp1-pp1-mb2-gb8-1f1b-v1-none-none"
+    command = [sys.executable, "-m", "paratune", "profile", "--launcher", "torchrun",
+               "--model", "tiny", "--world-sizes", "2", "--grid", str(grid), "--out", str(out),
+               "--warmup", "1", "--steps", "2", "--timeout", "60", "--device", "cpu",
+               "--no-track", "--no-progress"]
+    # every rank hangs in the config: the group is alive when the parent is killed
+    parent = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                              env=dict(os.environ, PARATUNE_FAULT=f"hang:{key}"))
+    events = [out / "events" / "ws2" / f"rank{rank}.jsonl" for rank in range(2)]
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and parent.poll() is None:
+            if all(e.exists() and '"start"' in e.read_text() for e in events):
+                break
+            time.sleep(0.1)
+        assert parent.poll() is None, parent.stderr.read().decode()
+        assert len(_workers_of(out)) == 3  # torchrun and two ranks
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+        deadline = time.monotonic() + 10
+        while _workers_of(out) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _workers_of(out) == []
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait()
+        for pid in _workers_of(out):
+            os.kill(pid, signal.SIGKILL)
