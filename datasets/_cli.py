@@ -28,7 +28,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     imp.add_argument("--out", required=True, metavar="DIR", help="dataset directory to write")
     imp.add_argument("--force", action="store_true",
                      help="replace the dataset already in --out (refused without it)")
-    imp.set_defaults(func=_import)
+    imp.set_defaults(func=_import, field_flags={"out": "--out"})
 
 
 def _show(args: argparse.Namespace) -> int:
@@ -42,15 +42,27 @@ def _show(args: argparse.Namespace) -> int:
 def _import(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from paratune.datasets._store import read_dataset, summarise_dataset
+    from paratune.datasets._store import (
+        DatasetExistsError,
+        holds_data,
+        keep_existing_data,
+        read_dataset,
+        summarise_dataset,
+    )
     from paratune.datasets.importers import import_files
-    from paratune.datasets.schema import CARD_FILE
     from paratune.errors import ConfigError
 
-    if (Path(args.out) / CARD_FILE).exists() and not args.force:
-        raise ConfigError("out", args.out, "already holds a dataset; pass --force to replace "
-                                           "it, or choose another directory")
-    report = import_files(args.files, args.out)
+    # a card.json, or a measurements-*.parquet file (a dataset whose card was removed)
+    exists = ConfigError("out", args.out, "already holds a dataset; pass --force to replace "
+                                          "it, or choose another directory")
+    if not args.force and holds_data(Path(args.out)):  # before reading the files
+        raise exists
+    try:
+        # decided again under the dataset's write lock: another import may write meanwhile
+        with keep_existing_data(not args.force):
+            report = import_files(args.files, args.out)
+    except DatasetExistsError:
+        raise exists from None
     print(report)
     print()
     print(summarise_dataset(read_dataset(args.out)))

@@ -5,19 +5,33 @@ Layout of a dataset directory::
     card.json                       the card (schema version, campaign, fingerprint, grid, ...)
     measurements-<id>.parquet       the rows; the card names it and carries its SHA-256
     .dataset.lock                   held (flock) by the process writing, if any
+    .dataset.pending                names the data file of a write in progress
 
 Writing puts a new, uniquely named parquet file in place first and then replaces
-``card.json`` (an atomic rename) to point at it; only then are older parquet files removed.
-A reader therefore sees the old dataset or the new one, never a mix, and a writer killed at
-any moment leaves the previous dataset readable. The card is also embedded in the parquet
-file's metadata, so a lone ``.parquet`` file is still a self-describing dataset.
-Writers of one directory take turns (the lock): without it, one writer's removal of older
-files could delete the file that another writer's card is about to name.
+``card.json`` (an atomic rename) to point at it; only then is the data file the previous
+card named removed. A reader therefore sees the old dataset or the new one, never a mix,
+and a writer killed at any moment leaves the previous dataset readable (the next write
+removes the data file the killed one placed, named by ``.dataset.pending``). Other
+``measurements-*.parquet`` files (a dataset whose card was removed, a copied file) are left
+alone: a directory holding one holds data, and :func:`write_dataset` replaces it only when
+told to. The card is also embedded in the parquet file's metadata, so a lone ``.parquet``
+file is still a self-describing dataset. Writers of one directory take turns (the lock):
+without it, one writer's removal of the previous data file could delete the file that
+another writer's card is about to name, and two writers that must not replace a dataset
+could both find the directory empty.
+
+Every row is checked before anything is written, by the rules its reader applies (the
+model shape and the layout, as :class:`~paratune.ModelSpec` and
+:class:`~paratune.ParallelConfig` check them, with ``world_size == dp*tp*pp``) and the
+ranges of the measured values; a row breaking one is refused, naming the row, the column
+and the rule.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import dataclasses
 import hashlib
 import json
 import math
@@ -44,14 +58,43 @@ if TYPE_CHECKING:
     import pandas as pd
     import pyarrow as pa
 
-__all__ = ["Dataset", "read_dataset", "read_datasets", "records_to_frame", "summarise_dataset",
-           "write_dataset"]
+__all__ = ["Dataset", "DatasetExistsError", "holds_data", "keep_existing_data", "read_dataset",
+           "read_datasets", "records_to_frame", "summarise_dataset", "write_dataset"]
 
 _CARD_META_KEY = b"paratune.card"
 _DATA_PREFIX = "measurements-"
 LOCK_FILE = ".dataset.lock"
 """Lock file inside a dataset directory, held while a write replaces the data and card."""
 _LOCK_TIMEOUT_S = 120.0
+_PENDING_FILE = ".dataset.pending"
+"""Names the data file a write placed before its card (removed once the card names it)."""
+
+_REPLACE_DEFAULT: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "paratune_datasets_replace", default=True)
+
+
+class DatasetExistsError(DatasetError):
+    """The directory already holds data (a card or a ``measurements-*.parquet`` file) and
+    the write was told not to replace it."""
+
+
+def holds_data(path: str | Path) -> bool:
+    """Whether directory ``path`` holds a dataset's card or any ``measurements-*.parquet``
+    file (a dataset without its card is still data: each such file reads on its own)."""
+    path = Path(path)
+    return (path / CARD_FILE).exists() or any(path.glob(f"{_DATA_PREFIX}*.parquet"))
+
+
+@contextlib.contextmanager
+def keep_existing_data(keep: bool = True) -> Iterator[None]:
+    """Within the block, :func:`write_dataset` calls that do not pass ``replace`` refuse to
+    replace data already in their directory (checked under the directory's write lock), as
+    ``replace=False`` does; for callers that reach the store through another function."""
+    token = _REPLACE_DEFAULT.set(not keep)
+    try:
+        yield
+    finally:
+        _REPLACE_DEFAULT.reset(token)
 
 
 @dataclass
@@ -90,20 +133,37 @@ def _fill_optional(frame: pd.DataFrame) -> None:
     import pandas as pd
 
     n = len(frame)
-    derived = {
-        "num_kv_heads": lambda f: f["num_heads"],
-        "world_size": lambda f: f["dp"] * f["tp"] * f["pp"],
-        "num_microbatches": lambda f: f["global_batch_size"] // (f["dp"] * f["micro_batch_size"]),
-    }
     for name, default in column_defaults().items():
         if name in frame.columns:
             continue
-        if name in derived:
-            frame[name] = derived[name](frame)
+        if name in _DERIVED:
+            frame[name] = _derived(frame, name)
         elif isinstance(default, list):
             frame[name] = pd.Series([[] for _ in range(n)], index=frame.index, dtype=object)
         else:
             frame[name] = pd.Series([default] * n, index=frame.index, dtype=object)
+
+
+_DERIVED = ("num_kv_heads", "world_size", "num_microbatches")
+
+
+def _derived(frame: pd.DataFrame, name: str) -> pd.Series:
+    """Column ``name`` of :data:`_DERIVED` computed from the others (missing where the
+    degrees it needs are not positive integers)."""
+    import pandas as pd
+
+    if name == "num_kv_heads":
+        return frame["num_heads"]
+    degrees = {c: pd.to_numeric(frame[c], errors="coerce")
+               for c in ("dp", "tp", "pp", "micro_batch_size", "global_batch_size")}
+    valid = pd.Series(True, index=frame.index)
+    for values in degrees.values():
+        valid &= values >= 1
+    if name == "world_size":
+        value = degrees["dp"] * degrees["tp"] * degrees["pp"]
+    else:
+        value = degrees["global_batch_size"] // (degrees["dp"] * degrees["micro_batch_size"])
+    return value if valid.all() else value.where(valid)
 
 
 def _normalise(frame: pd.DataFrame, where: str) -> pa.Table:
@@ -139,6 +199,9 @@ def _normalise(frame: pd.DataFrame, where: str) -> pa.Table:
         # object or (pandas 3) str columns: "" is a missing number
         if kind in ("int64", "float64") and not pd.api.types.is_numeric_dtype(frame[name]):
             frame[name] = frame[name].astype(object).replace("", None)
+    for name in ("world_size", "num_microbatches"):  # an empty cell is derived too
+        if frame[name].isna().any():
+            frame[name] = frame[name].fillna(_derived(frame, name))
     standard = list(column_types())
     extra_names = [c for c in frame.columns if c not in column_types()]
     extra_types: dict[str, pa.DataType] = {}
@@ -150,8 +213,8 @@ def _normalise(frame: pd.DataFrame, where: str) -> pa.Table:
             raise DatasetError(f"{where}: column {name!r} has no single type ({exc})") from None
     schema = arrow_schema(extra_types)
     try:
-        return pa.Table.from_pandas(frame[standard + extra_names], schema=schema,
-                                    preserve_index=False)
+        table = pa.Table.from_pandas(frame[standard + extra_names], schema=schema,
+                                     preserve_index=False)
     except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
         column = next((c for c in standard if c in str(exc)), None)
         for name in standard:  # find the offending column for a precise message
@@ -163,11 +226,148 @@ def _normalise(frame: pd.DataFrame, where: str) -> pa.Table:
                 break
         raise DatasetError(f"{where}: column {column!r} does not fit type "
                            f"{column_types().get(column or '', '?')} ({exc})") from None
+    _check_rows(table, where)
+    return table
+
+
+# Measured values: (columns, rule, check on a float array; a missing value is not checked).
+_VALUE_RULES: tuple[tuple[tuple[str, ...], str, Any], ...] = (
+    (("step_time_s", "step_time_mean_s", "step_time_p10_s", "step_time_p90_s", "tokens_per_s",
+      "tokens_per_s_per_device"), "must be a positive finite number (empty where not known)",
+     lambda v: (v > 0) & (v < math.inf)),
+    (("step_time_std_s", "peak_mem_allocated_gb", "peak_mem_reserved_gb", "peak_rss_gb"),
+     "must be a non-negative finite number (empty where not known)",
+     lambda v: (v >= 0) & (v < math.inf)),
+    (("mfu",), "must be a fraction in [0, 1] (0.43 = 43%; empty where not known)",
+     lambda v: (v >= 0) & (v <= 1)),
+    (("warmup_steps", "measured_steps"), "must be a non-negative integer", lambda v: v >= 0),
+    (("devices_per_node",), "must be a positive integer", lambda v: v >= 1),
+)
+
+
+def _check_rows(table: pa.Table, where: str) -> None:
+    """Refuse a row its reader would refuse or misread: a model shape
+    :class:`~paratune.ModelSpec` refuses (checked once per distinct model), a layout
+    :class:`~paratune.ParallelConfig` refuses (``validate(model, runnable=False)``), a
+    ``world_size`` other than ``dp*tp*pp`` or ``num_microbatches`` other than
+    ``global_batch_size // (dp*micro_batch_size)``, or a measured value out of its range.
+
+    The layout rules are screened over all rows at once; only rows the screen flags are
+    built as objects, whose checks decide and word the error.
+
+    Raises:
+        DatasetError: ``<where>: row <i>: <column>=<value>: <rule>`` (rows counted from 0).
+    """
+    import numpy as np
+    import pyarrow.compute as pc
+
+    from paratune.errors import ConfigError
+    from paratune.parallel import ParallelConfig, Recompute, Schedule, Sharding
+    from paratune.spec import ModelSpec
+
+    if table.num_rows == 0:
+        return
+    model_fields = [f.name for f in dataclasses.fields(ModelSpec) if f.name not in ("name",
+                                                                                       "extra")]
+    config_fields = [f.name for f in dataclasses.fields(ParallelConfig)]
+    frame = table.select(["model_name", *model_fields, *config_fields, "world_size",
+                          "num_microbatches"]).to_pandas()
+
+    def plain(i: int, names: Sequence[str]) -> dict[str, Any]:
+        values = {}
+        for name in names:
+            value = frame[name].iat[i]
+            value = value.item() if hasattr(value, "item") else value
+            if isinstance(value, float) and value.is_integer():  # an int column with nulls
+                value = int(value)
+            values[name] = None if value is None or value != value else value
+        return values
+
+    def model_at(i: int) -> ModelSpec:
+        values = plain(i, ["model_name", *model_fields])
+        return ModelSpec(name=str(values.pop("model_name")), **values)
+
+    models = frame[["model_name", *model_fields]].drop_duplicates()
+    for i in models.index:
+        try:
+            model_at(int(i))
+        except ConfigError as exc:
+            raise DatasetError(f"{where}: row {i}: {exc}") from None
+
+    def numbers(name: str) -> np.ndarray:
+        return frame[name].to_numpy(dtype=float, na_value=math.nan)
+
+    dp, tp, pp, mbs, gbs, stages = (numbers(c) for c in (
+        "dp", "tp", "pp", "micro_batch_size", "global_batch_size", "virtual_stages"))
+    with np.errstate(all="ignore"):
+        suspect = np.zeros(table.num_rows, dtype=bool)
+        for values in (dp, tp, pp, mbs, gbs, stages):
+            suspect |= ~(values >= 1)
+        for name, kind in (("schedule", Schedule), ("sharding", Sharding),
+                           ("recompute", Recompute)):
+            suspect |= ~frame[name].isin([m.value for m in kind]).to_numpy()
+        microbatches = np.floor_divide(gbs, dp * mbs)
+        suspect |= np.mod(gbs, dp * mbs) != 0
+        interleaved = (frame["schedule"] == Schedule.INTERLEAVED_1F1B.value).to_numpy()
+        suspect |= interleaved & ((pp < 2) | (stages < 2) | (np.mod(microbatches, pp) != 0))
+        suspect |= ~interleaved & (stages != 1)
+        for name in ("num_heads", "num_kv_heads", "ffn_hidden_size"):
+            suspect |= np.mod(numbers(name), tp) != 0
+        suspect |= numbers("world_size") != dp * tp * pp
+        suspect |= numbers("num_microbatches") != microbatches
+    for i in np.flatnonzero(suspect):
+        _check_layout(int(i), model_at(int(i)), plain(int(i), [*config_fields, "world_size",
+                                                                "num_microbatches"]), where)
+
+    for names, rule, check in _VALUE_RULES:
+        for name in names:
+            values = table.column(name).to_numpy(zero_copy_only=False).astype(float)
+            with np.errstate(invalid="ignore"):
+                bad = ~(check(values) | np.isnan(values))
+            if bad.any():
+                i = int(np.flatnonzero(bad)[0])
+                raise DatasetError(f"{where}: row {i}: {name}={_number(values[i])!r}: {rule}")
+    times = table.column("step_times_s")
+    flat = pc.list_flatten(times).to_numpy(zero_copy_only=False).astype(float)
+    bad = ~((flat > 0) & (flat < math.inf))
+    if bad.any():
+        i = int(pc.list_parent_indices(times).to_numpy()[np.flatnonzero(bad)[0]])
+        raise DatasetError(f"{where}: row {i}: step_times_s={times[i].as_py()!r}: must hold "
+                           f"positive finite step times")
+
+
+def _number(value: float) -> int | float:
+    return int(value) if value.is_integer() else float(value)
+
+
+def _check_layout(i: int, model: Any, values: dict[str, Any], where: str) -> None:
+    """Check the layout of row ``i`` (its config fields, ``world_size`` and
+    ``num_microbatches``) as the reader will, on ``model``."""
+    from paratune.errors import ConfigError
+    from paratune.parallel import ParallelConfig
+
+    world_size = values.pop("world_size")
+    microbatches = values.pop("num_microbatches")
+    try:
+        config = ParallelConfig(**values)
+        if world_size != config.world_size:
+            raise ConfigError("world_size", world_size,
+                              f"must equal dp*tp*pp = {config.dp}*{config.tp}*{config.pp} = "
+                              f"{config.world_size}")
+        config.validate(model, runnable=False)
+        if microbatches != config.num_microbatches:
+            raise ConfigError("num_microbatches", microbatches,
+                              f"must equal global_batch_size // (dp*micro_batch_size) = "
+                              f"{config.global_batch_size} // ({config.dp}*"
+                              f"{config.micro_batch_size}) = {config.num_microbatches}")
+    except ConfigError as exc:
+        raise DatasetError(f"{where}: row {i}: {exc}") from None
 
 
 # ---------------------------------------------------------------------- write
 def write_dataset(path: str | Path, records_or_frame: Any, *,
-                  card: DatasetCard | Mapping[str, Any] | None = None) -> Dataset:
+                  card: DatasetCard | Mapping[str, Any] | None = None,
+                  replace: bool | None = None) -> Dataset:
     """Write measurements as a dataset directory, atomically.
 
     Args:
@@ -176,14 +376,23 @@ def write_dataset(path: str | Path, records_or_frame: Any, *,
             DataFrame with those columns.
         card: Provenance (a :class:`DatasetCard` or a dict of its fields); ``num_rows``,
             ``data_file`` and the schema version are filled in here.
+        replace: Whether to replace data already in ``path`` (a card, or any
+            ``measurements-*.parquet`` file), decided under the directory's write lock so that
+            of two writers that must not replace, one fails; ``None``: yes, unless inside
+            :func:`keep_existing_data`. Replacing removes the data file the previous card
+            named; other parquet files are kept.
 
     Returns:
         The dataset as written.
 
     Raises:
-        DatasetError: a required column is missing or empty, a status is unknown, or a value
-            does not fit its column's type (the message names the column); or another
-            process kept the directory's write lock too long.
+        DatasetError: a required column is missing or empty, a value does not fit its
+            column's type, or a row breaks a rule (a model shape or layout its reader refuses,
+            ``world_size`` other than ``dp*tp*pp``, an unknown status, schedule, sharding or
+            recompute, a time or rate not positive, ``mfu`` outside [0, 1]); the message names
+            the column, the rule and the row; or another process kept the directory's write
+            lock too long.
+        DatasetExistsError: ``replace`` is false and ``path`` already holds data.
         SchemaVersionError: ``path`` holds a dataset of a newer schema version.
     """
     import pandas as pd
@@ -217,15 +426,22 @@ def write_dataset(path: str | Path, records_or_frame: Any, *,
     card.data_sha256 = hashlib.sha256(data).hexdigest()
     # One writer at a time: a second writer's clean-up would otherwise delete the data file
     # that the first one's card is about to name.
+    if replace is None:
+        replace = _REPLACE_DEFAULT.get()
     with _write_lock(path):
         _refuse_newer_dataset(path)
         _remove_stale_temporaries(path)
+        if not replace and holds_data(path):
+            raise DatasetExistsError(f"{path}: already holds a dataset (a {CARD_FILE} or a "
+                                     f"{_DATA_PREFIX}*.parquet file); refused to replace it")
+        previous = _data_file_named(path / CARD_FILE)
+        atomic_write_text(path / _PENDING_FILE, card.data_file + "\n")
         atomic_write_bytes(path / card.data_file, data)
         atomic_write_text(path / CARD_FILE,
                           json.dumps(card.to_dict(), indent=2, default=str) + "\n")
-        for old in path.glob(f"{_DATA_PREFIX}*.parquet"):
-            if old.name != card.data_file:
-                old.unlink(missing_ok=True)
+        if previous and previous != card.data_file:
+            (path / previous).unlink(missing_ok=True)
+        (path / _PENDING_FILE).unlink(missing_ok=True)
     return Dataset(path=path, frame=_to_pandas(table), card=card)
 
 
@@ -261,12 +477,39 @@ def _refuse_newer_dataset(path: Path) -> None:
             f"upgrade paratune or write to another directory")
 
 
+def _data_file_named(file: Path) -> str | None:
+    """The data file a card (or a pending-write note) names, if it can be read and names a
+    ``measurements-*.parquet`` file of its directory."""
+    try:
+        text = file.read_text()
+    except (OSError, UnicodeDecodeError):
+        return None
+    if file.name == CARD_FILE:
+        try:
+            data = json.loads(text)
+        except ValueError:
+            return None
+        name = data.get("data_file") if isinstance(data, dict) else None
+    else:
+        name = text.strip()
+    if (isinstance(name, str) and name.startswith(_DATA_PREFIX) and name.endswith(".parquet")
+            and name == Path(name).name and "\\" not in name):
+        return name
+    return None
+
+
 def _remove_stale_temporaries(path: Path) -> None:
-    """Remove the temporary files of writes killed before their rename (under the lock, so
-    none belongs to a write in progress)."""
-    for pattern in (f".{_DATA_PREFIX}*.parquet.*.tmp", f".{CARD_FILE}.*.tmp"):
+    """Remove what writes killed before finishing left (under the lock, so none belongs to a
+    write in progress): temporary files, and a data file placed before its card was (named by
+    :data:`_PENDING_FILE`, and not by the card)."""
+    for pattern in (f".{_DATA_PREFIX}*.parquet.*.tmp", f".{CARD_FILE}.*.tmp",
+                    f".{_PENDING_FILE}.*.tmp"):
         for stale in path.glob(pattern):
             stale.unlink(missing_ok=True)
+    pending = _data_file_named(path / _PENDING_FILE)
+    if pending and pending != _data_file_named(path / CARD_FILE):
+        (path / pending).unlink(missing_ok=True)
+    (path / _PENDING_FILE).unlink(missing_ok=True)
 
 
 # ---------------------------------------------------------------------- read

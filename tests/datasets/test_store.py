@@ -408,3 +408,169 @@ def test_a_missing_card_points_at_the_self_describing_data_file(tmp_path):
     with pytest.raises(DatasetError, match=rf"no card\.json\); it holds {ds.card.data_file}"):
         read_dataset(tmp_path / "ds")
     assert len(read_dataset(tmp_path / "ds" / ds.card.data_file)) == 3
+
+
+# ---------------------------------------------------------------------- row rules
+@pytest.mark.parametrize("column, value, message", [
+    ("dp", 0, r"row 1: dp=0: must be a positive integer"),
+    ("schedule", "bogus", r"row 1: schedule='bogus': must be one of gpipe, 1f1b"),
+    ("sharding", "zero9", r"row 1: sharding='zero9': must be one of none, zero1"),
+    ("recompute", None, r"row 1: recompute=None: must be one of none, full, selective"),
+    ("world_size", 7, r"row 1: world_size=7: must equal dp\*tp\*pp = 1\*2\*1 = 2"),
+    ("num_microbatches", 3, r"row 1: num_microbatches=3: must equal global_batch_size // "),
+    ("global_batch_size", 7, r"row 1: global_batch_size=7: must be divisible by "
+                             r"dp\*micro_batch_size = 1\*2 = 2"),
+    ("virtual_stages", 2, r"row 1: virtual_stages=2: must be 1 unless"),
+    ("tp", 3, r"row 1: world_size=2: must equal dp\*tp\*pp = 1\*3\*1 = 3"),
+    ("num_heads", 3, r"row 1: num_heads=3: must divide hidden_size=128"),
+    ("step_time_s", -1.0, r"row 1: step_time_s=-1: must be a positive finite number"),
+    ("tokens_per_s", math.inf, r"row 1: tokens_per_s=inf: must be a positive finite number"),
+    ("tokens_per_s", 0.0, r"row 1: tokens_per_s=0: must be a positive finite number"),
+    ("peak_rss_gb", -0.5, r"row 1: peak_rss_gb=-0.5: must be a non-negative finite number"),
+    ("mfu", 43.0, r"row 1: mfu=43: must be a fraction in \[0, 1\]"),
+    ("step_times_s", [0.2, -0.3], r"row 1: step_times_s=\[0.2, -0.3\]: must hold positive"),
+])
+def test_a_row_its_reader_would_refuse_or_misread_is_not_written(tmp_path, column, value,
+                                                                 message):
+    path = tmp_path / "ds"
+    write_dataset(path, _records(), card={"campaign_id": "kept"})
+    frame = read_dataset(path).frame
+    ok = frame.copy()  # what the project writes: CPU rows with mfu 0 or empty, failed runs
+    ok.loc[0, "mfu"] = 0.0  # with no metrics (row 2), and 1.0 at most
+    ok.loc[1, "mfu"] = 1.0
+    write_dataset(tmp_path / "ok", ok)
+    bad = frame.copy()
+    bad[column] = bad[column].astype(object)
+    bad.at[1, column] = value
+    with pytest.raises(DatasetError, match=f"{path}: {message}"):
+        write_dataset(path, bad)
+    assert read_dataset(path).card.campaign_id == "kept"  # nothing was replaced
+
+
+def test_the_layout_rules_are_those_of_parallel_config(tmp_path):
+    # Every layout of a small grid: written exactly when ParallelConfig.validate (as for a
+    # layout run elsewhere) accepts it on the row's model; and the read rows agree.
+    from paratune.errors import ConfigError
+
+    model = get_model("tiny")
+    base = store.records_to_frame(_records()[:1])
+    rows, valid = [], []
+    for dp in (1, 2, 3):
+        for tp in (1, 2, 3):
+            for pp in (1, 2, 4):
+                for mbs, gbs in ((1, 4), (2, 4), (1, 6), (2, 16)):
+                    for schedule, stages in (("1f1b", 1), ("gpipe", 1), ("gpipe", 2),
+                                             ("interleaved_1f1b", 1), ("interleaved_1f1b", 2)):
+                        fields = dict(dp=dp, tp=tp, pp=pp, micro_batch_size=mbs,
+                                      global_batch_size=gbs, schedule=schedule,
+                                      virtual_stages=stages)
+                        try:
+                            ParallelConfig(**fields).validate(model, runnable=False)
+                            valid.append(True)
+                        except ConfigError:
+                            valid.append(False)
+                        rows.append({**base.iloc[0].to_dict(), **fields, "world_size": dp * tp * pp,
+                                     "num_microbatches": gbs // (dp * mbs)})
+    assert 0 < sum(valid) < len(valid)
+    table = pa.Table.from_pandas(pd.DataFrame(rows)[list(column_types())], schema=arrow_schema(),
+                                 preserve_index=False)
+    for i, ok in enumerate(valid):  # the typed rows, one at a time, as _normalise checks them
+        if ok:
+            store._check_rows(table.slice(i, 1), "x")
+        else:
+            with pytest.raises(DatasetError, match=r"x: row 0: \w+="):
+                store._check_rows(table.slice(i, 1), "x")
+    good = pd.DataFrame([r for r, ok in zip(rows, valid) if ok])
+    written = write_dataset(tmp_path / "ds", good)
+    assert len(read_dataset(tmp_path / "ds").measurements()) == len(written) == sum(valid)
+
+
+def test_an_empty_world_size_is_derived_not_kept(tmp_path):
+    frame = store.records_to_frame(_records())
+    frame["world_size"] = frame["world_size"].astype(object)
+    frame.loc[1, "world_size"] = None
+    frame.loc[2, "world_size"] = ""
+    write_dataset(tmp_path / "ds", frame)
+    assert read_dataset(tmp_path / "ds").frame["world_size"].tolist() == [2, 2, 2]
+    bad = frame.copy()
+    bad.loc[1, "world_size"] = 3
+    with pytest.raises(DatasetError, match=r"row 1: world_size=3: must equal dp\*tp\*pp"):
+        write_dataset(tmp_path / "bad", bad)
+
+
+# ---------------------------------------------------------------------- replacing data
+def _public_csv(path: Path, rows: int) -> Path:
+    lines = ["source,model,params_b,layers,hidden,heads,seq_len,gpu,num_gpus,tp,pp,dp,cp,"
+             "micro_batch,global_batch,zero_stage,recompute,tflops_per_gpu,mfu,tokens_per_sec,"
+             "step_time_s,tokens_per_sec_per_gpu,precision,notes"]
+    for i in range(rows):
+        lines.append(f"vtrain_ground_truth_single_node,GPT,,{2 + i % 40},1024,16,"
+                     f"{512 * (1 + i // 40 % 8)},A100,2,1,2,1,1,8,16,,full,,,,"
+                     f"{0.3 + i / 10000:.4f},,,")
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_two_concurrent_imports_into_one_directory_one_fails(tmp_path):
+    # Two processes import into the same --out at once: the check that --out holds no
+    # dataset is made under the dataset's write lock, so exactly one import writes and the
+    # other is refused; the dataset left is the winner's, complete.
+    sizes = {"a": 3000, "b": 2000}
+    out = tmp_path / "out"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = {name: subprocess.Popen(
+        [sys.executable, "-m", "paratune.cli", "datasets", "import",
+         str(_public_csv(tmp_path / f"{name}.csv", n)), "--out", str(out)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
+        for name, n in sizes.items()}
+    results = {name: (p.wait(120), p.stderr.read()) for name, p in procs.items()}
+    for p in procs.values():
+        p.stdout.close()
+        p.stderr.close()
+    winners = [name for name, (rc, _) in results.items() if rc == 0]
+    assert len(winners) == 1, results
+    loser = "b" if winners == ["a"] else "a"
+    rc, err = results[loser]
+    assert rc == 2 and f"--out={str(out)!r}: already holds a dataset; pass --force" in err, err
+    assert len(read_dataset(out)) == sizes[winners[0]]
+    assert len(_parquet_files(out)) == 1
+
+
+def test_a_directory_holding_a_data_file_without_its_card_is_not_replaced(tmp_path, capsys):
+    # A dataset whose card was removed still holds data (`datasets show` points at its
+    # parquet file): importing into it needs --force, and even then only the data file the
+    # previous card named is removed.
+    copy = tmp_path / "copy"
+    kept = write_dataset(copy, _records()).card.data_file
+    (copy / CARD_FILE).unlink()
+    source = _public_csv(tmp_path / "in.csv", 2)
+    assert main(["datasets", "import", str(source), "--out", str(copy)]) == 2
+    err = capsys.readouterr().err
+    assert "already holds a dataset; pass --force" in err
+    with pytest.raises(store.DatasetExistsError, match="already holds a dataset"):
+        write_dataset(copy, _records()[:1], replace=False)
+    assert len(read_dataset(copy / kept)) == 3
+    assert main(["datasets", "import", str(source), "--out", str(copy), "--force"]) == 0
+    assert len(read_dataset(copy)) == 2 and len(read_dataset(copy / kept)) == 3
+    previous = read_dataset(copy).card.data_file
+    # the data file of a write killed before its card (named by the pending-write note)
+    # goes with the next write; the stray file stays
+    (copy / "measurements-0123456789ab.parquet").write_bytes((copy / previous).read_bytes())
+    (copy / store._PENDING_FILE).write_text("measurements-0123456789ab.parquet\n")
+    write_dataset(copy, _records()[:1])
+    names = sorted(p.name for p in _parquet_files(copy))
+    assert names == sorted([kept, read_dataset(copy).card.data_file])
+    assert not (copy / store._PENDING_FILE).exists()
+
+
+def test_replace_false_refuses_a_dataset_under_the_lock(tmp_path):
+    path = tmp_path / "ds"
+    write_dataset(path, _records(), replace=False)  # an empty directory: written
+    card = (path / CARD_FILE).read_text()
+    with pytest.raises(store.DatasetExistsError, match=rf"{path}: already holds a dataset"):
+        write_dataset(path, _records()[:1], replace=False)
+    with store.keep_existing_data(), pytest.raises(store.DatasetExistsError):
+        write_dataset(path, _records()[:1])
+    assert (path / CARD_FILE).read_text() == card and len(_parquet_files(path)) == 1
+    write_dataset(path, _records()[:1])
+    assert len(read_dataset(path)) == 1 and len(_parquet_files(path)) == 1
