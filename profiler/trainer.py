@@ -641,6 +641,23 @@ def measure_config(model: ModelSpec, config: ParallelConfig, *, hardware: str,
         measurement.peak_mem_allocated_gb = alloc
         measurement.peak_mem_reserved_gb = reserved
     if hw.peak_flops:
-        measurement.mfu = (model.flops_per_token() * measurement.tokens_per_s
-                           / (world * hw.peak_flops))
+        measurement.mfu = model_flops_utilisation(
+            model.flops_per_token() * measurement.tokens_per_s / world, hw.peak_flops,
+            hw.name)
     return measurement
+
+
+def model_flops_utilisation(flops_per_s: float, peak_flops: float, hardware: str) -> float:
+    """Model FLOPs per second per device as a fraction of the device's peak; NaN, with a
+    warning, above 1: no device runs faster than its peak, so the peak is another device's
+    (the campaign was told the wrong ``--hardware``), and the fraction would be wrong. The
+    step times stay as measured."""
+    mfu = flops_per_s / peak_flops
+    if mfu > 1.0:
+        import logging
+
+        logging.getLogger(__name__).warning(
+            "%.3g model FLOP/s per device is %.2fx the peak of %s: is --hardware right? The "
+            "MFU is left empty", flops_per_s, mfu, hardware)
+        return math.nan
+    return mfu

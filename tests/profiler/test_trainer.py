@@ -462,3 +462,16 @@ def test_data_parallel_gradient_reductions_per_step(
                     (rank, key, many, one)
             else:  # zero3 regathers for every forward and backward
                 assert many["all_gather_single"] > one["all_gather_single"], (rank, key)
+
+
+def test_an_mfu_above_one_is_left_empty_with_a_warning(caplog):
+    """A device never runs faster than its peak: above it, the peak is another device's."""
+    import logging
+    import math
+
+    from paratune.profiler.trainer import model_flops_utilisation
+
+    assert model_flops_utilisation(400e12, 989e12, "H100-80GB") == pytest.approx(0.4044, 1e-3)
+    with caplog.at_level(logging.WARNING):
+        assert math.isnan(model_flops_utilisation(600e12, 312e12, "A100-80GB"))
+    assert "1.92x the peak of A100-80GB: is --hardware right?" in caplog.text
