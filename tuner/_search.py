@@ -300,7 +300,10 @@ def resolve_storage(storage: str | Path | None, default_dir: str | Path | None
                               "give sqlite:///FILE.db, another SQLAlchemy URL, or a "
                               "journal file path") from exc
     Path(text).parent.mkdir(parents=True, exist_ok=True)
-    return JournalStorage(JournalFileBackend(text)), text
+    # the absolute path: the journal's lock is a symbolic link to the journal, and a relative
+    # target would resolve from the link's own folder (nowhere): a lock left by a killed
+    # process could then never be found stale, and the next run would wait forever
+    return JournalStorage(JournalFileBackend(str(Path(text).resolve()))), text
 
 
 def storage_text(storage: str | Path | None, storage_dir: str | Path | None) -> str | None:
@@ -486,6 +489,15 @@ def _leaders(cache: dict[ParallelConfig, tuple[float, tuple[float, float]]], k: 
     return list(leaders.values())
 
 
+def _least_violating(cache: dict[ParallelConfig, tuple[float, tuple[float, float]]]
+                     ) -> list[ParallelConfig]:
+    """The config whose worst constraint is broken the least (an empty list for an empty
+    cache)."""
+    if not cache:
+        return []
+    return [min(cache, key=lambda cfg: (max(cache[cfg][1]), cfg.key()))]
+
+
 def optuna_search(predictor: Predictor, space: SearchSpace, objective: Objective, *,
                   n_trials: int = 200, sampler: str = "tpe", seed: int | None = 0,
                   storage: str | Path | None = None, study_name: str | None = None,
@@ -606,7 +618,10 @@ def _search_loop(study: optuna.Study, predictor: Predictor, space: SearchSpace,
         size = min(batch_size, n_trials - done)
         if done >= refine_from:
             if probes is None:
-                best = _leaders(cache, 1)
+                # around the best feasible config, or, where none was found, the one nearest
+                # to feasible: the probes (each layout with its least-memory knobs) are what
+                # finds a feasible config where the sampler found none
+                best = _leaders(cache, 1) or _least_violating(cache)
                 probes = ([pair for pair in space.probes(params_of[best[0]])
                            if pair[0] not in cache] if best else [])
             if not probes:

@@ -285,3 +285,20 @@ def test_the_table_labels_columns_for_what_they_hold(closed_form):
     for row in body:
         tok, eff, goodput = (float(row[header.index(c)]) for c in ("tok/s", "eff", "goodput"))
         assert goodput == pytest.approx(tok * eff, rel=1e-3)
+
+
+def test_a_search_whose_sampler_found_nothing_feasible_probes_the_least_memory_configs(
+        closed_form):
+    """Under a tight memory limit the sampler's draws may all run out of memory; the probes
+    (each layout with its least-memory knobs) are then taken around the config nearest to
+    feasible, and find the few that fit."""
+    space = SearchSpace.build(get_model("llama3-70b"), 64, "H100", global_batch_sizes=[128],
+                              space=ConfigSpace(micro_batch_sizes=(1, 2, 4, 8),
+                                                recomputes=("none", "selective", "full"),
+                                                virtual_stages=(2, 4)))
+    objective = Objective(memory_limit_gb=18)
+    full = exhaustive(closed_form, space, objective)
+    assert 0 < full.ranked["feasible"].sum() <= 10  # 10 of 2,448 fit
+    for seed in (0, 2):
+        found, _ = optuna_search(closed_form, space, objective, n_trials=100, seed=seed)
+        assert found.best_feasible, seed

@@ -180,6 +180,33 @@ def test_killed_study_resumes_without_losing_trials(tmp_path, closed_form):
     assert all(after[n] == p for n, p in before.items())  # nothing measured was lost
 
 
+@pytest.mark.slow
+def test_a_lock_left_by_a_killed_writer_of_a_relative_journal_path_is_released(tmp_path,
+                                                                               monkeypatch):
+    """A journal given as a relative path (the default output folder is one): the lock is
+    a symbolic link to the journal, and one left by a killed process must still be found
+    stale (Optuna releases it after its 30 s grace period) rather than spun on for ever."""
+    import optuna
+
+    from paratune.tuner._search import resolve_storage
+
+    monkeypatch.chdir(tmp_path)
+    storage, _ = resolve_storage("runs/study.journal", None)
+    optuna.create_study(study_name="s", storage=storage).enqueue_trial({"x": 1.0})
+    # a writer killed while holding the lock: the link stays, its holder is gone
+    storage._backend._lock.acquire()
+    lock = tmp_path / "runs" / "study.journal.lock"
+    assert lock.is_symlink() and lock.exists()  # a link that resolves: its age can be read
+    code = ("import optuna; from paratune.tuner._search import resolve_storage; "
+            "storage, _ = resolve_storage('runs/study.journal', None); "
+            "study = optuna.load_study(study_name='s', storage=storage); "
+            "study.tell(study.ask(), 1.0); print(len(study.trials))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split()[-1] == "1"
+
+
 def test_a_database_password_is_never_printed_or_logged(tmp_path, saved_model, capsys, caplog):
     from paratune.cli import main
     from paratune.tuner._search import _without_password, resolve_storage
