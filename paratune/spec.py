@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -186,32 +188,51 @@ class ModelSpec:
             raise ConfigError("path", str(path), "no such config.json") from None
         except json.JSONDecodeError as exc:
             raise ConfigError("path", str(path), f"is not valid JSON ({exc})") from None
+        if not isinstance(cfg, dict):
+            raise ConfigError("path", str(path), "must hold a JSON object of model settings")
 
-        def need(*keys: str) -> Any:
-            for key in keys:
-                if key in cfg and cfg[key] is not None:
-                    return cfg[key]
-            raise ConfigError(keys[0], None, f"missing from {path}")
+        def find(*keys: str) -> str | None:
+            """The first of ``keys`` present and not null (a null counts as absent)."""
+            return next((key for key in keys if cfg.get(key) is not None), None)
 
-        hidden = int(need("hidden_size", "n_embd", "d_model"))
-        layers = int(need("num_hidden_layers", "n_layer", "num_layers"))
-        heads = int(need("num_attention_heads", "n_head", "num_heads"))
+        def need(*keys: str) -> str:
+            key = find(*keys)
+            if key is None:
+                raise ConfigError(keys[0], None, f"missing (or null) from {path}")
+            return key
+
+        def integer(key: str) -> int:
+            return _hf_int(key, cfg[key], path)
+
+        def real(keys: tuple[str, ...], default: float) -> float:
+            key = find(*keys)
+            return default if key is None else _hf_float(key, cfg[key], path)
+
+        hidden = integer(need("hidden_size", "n_embd", "d_model"))
+        layers = integer(need("num_hidden_layers", "n_layer", "num_layers"))
+        heads = integer(need("num_attention_heads", "n_head", "num_heads"))
         experts = next((k for k in _MOE_KEYS if cfg.get(k)), None)
         if experts is not None:
             raise ConfigError(experts, cfg[experts], "mixture-of-experts models are not "
                               "modelled (every layer is taken as dense)")
-        head_dim = cfg.get("head_dim")
-        if head_dim is not None and int(head_dim) * heads != hidden:
-            raise ConfigError("head_dim", head_dim, f"must be hidden_size / "
+        if find("head_dim") is not None and integer("head_dim") * heads != hidden:
+            raise ConfigError("head_dim", cfg["head_dim"], f"must be hidden_size / "
                               f"num_attention_heads = {hidden}/{heads}: paratune's attention "
                               f"projects the hidden size onto the heads")
-        model_type = str(cfg.get("model_type", ""))
+        model_type = str(cfg.get("model_type") or "")
         gpt_like = model_type in {"gpt2", "gpt_neox", "gptj", "opt"} or "n_embd" in cfg
-        ffn = cfg.get("intermediate_size") or cfg.get("n_inner") or cfg.get("ffn_dim")
+        ffn_key = next((k for k in ("intermediate_size", "n_inner", "ffn_dim") if cfg.get(k)),
+                       None)
+        kv_key = find("num_key_value_heads")
+        tie = cfg.get("tie_word_embeddings")
+        if tie is None:
+            tie = gpt_like
+        elif not isinstance(tie, bool):
+            raise ConfigError("tie_word_embeddings", tie,
+                              f"must be true or false (a JSON boolean) in {path}")
         if seq_len is None:
-            key = next((k for k in ("max_position_embeddings", "n_positions", "seq_length")
-                        if cfg.get(k) is not None), None)
-            seq_len = need("max_position_embeddings", "n_positions", "seq_length")
+            key = need("max_position_embeddings", "n_positions", "seq_length")
+            seq_len = integer(key)
             logger.warning("%s gives no training sequence length: assuming %s=%s tokens per "
                            "sequence; give the one you train with (--seq-len N, or seq_len=N)",
                            path, key, seq_len)
@@ -220,16 +241,40 @@ class ModelSpec:
             num_layers=layers,
             hidden_size=hidden,
             num_heads=heads,
-            num_kv_heads=cfg.get("num_key_value_heads"),
-            ffn_hidden_size=int(ffn) if ffn else 4 * hidden,
-            vocab_size=int(need("vocab_size")),
+            num_kv_heads=None if kv_key is None else integer(kv_key),
+            ffn_hidden_size=4 * hidden if ffn_key is None else integer(ffn_key),
+            vocab_size=integer(need("vocab_size")),
             seq_len=int(seq_len),
-            tie_embeddings=bool(cfg.get("tie_word_embeddings", gpt_like)),
+            tie_embeddings=tie,
             mlp="gelu" if gpt_like else "swiglu",
-            rope_theta=float(cfg.get("rope_theta", 500000.0)),
-            norm_eps=float(cfg.get("rms_norm_eps", cfg.get("layer_norm_epsilon", 1e-5))),
+            rope_theta=real(("rope_theta",), 500000.0),
+            norm_eps=real(("rms_norm_eps", "layer_norm_epsilon"), 1e-5),
             extra={"hf_config": str(path)},
         )
+
+
+def _hf_int(key: str, value: Any, path: Path) -> int:
+    """A ``config.json`` value that must be a whole number (a JSON integer, an integral
+    number, or a string of digits)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str) and re.fullmatch(r"\s*[+-]?\d+\s*", value):
+        return int(value)
+    raise ConfigError(key, value, f"must be an integer in {path}")
+
+
+def _hf_float(key: str, value: Any, path: Path) -> float:
+    """A ``config.json`` value that must be a finite number."""
+    try:
+        number = (float(value) if isinstance(value, int | float | str)
+                  and not isinstance(value, bool) else math.nan)
+    except (ValueError, OverflowError):
+        number = math.nan
+    if not math.isfinite(number):
+        raise ConfigError(key, value, f"must be a finite number in {path}")
+    return number
 
 
 _MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")

@@ -31,7 +31,7 @@ from paratune.spec import ModelSpec
 if TYPE_CHECKING:
     import optuna
 
-__all__ = ["SearchSpace", "parse_batch_sizes"]
+__all__ = ["MAX_BATCH_SIZES", "SearchSpace", "parse_batch_sizes"]
 
 logger = logging.getLogger(__name__)
 
@@ -56,29 +56,26 @@ def check_gpus(gpus: object) -> int:
     return int(number)
 
 
+MAX_BATCH_SIZES = 64
+"""The most global batch sizes one search takes."""
+
+
 def parse_batch_sizes(text: str | int | Sequence[int]) -> tuple[int, ...]:
     """Global batch sizes from a list or a range expression.
 
-    Accepted forms: ``512``; ``"256,512,1024"``; ``"256:2048"`` (powers of two from 256 to
-    2048); ``"256:2048:x2"`` (geometric, factor 2); ``"256:1024:256"`` (arithmetic step).
+    Accepted forms: ``512``; ``"256,512,1024"``; ``"256:2048"`` (the powers of two from the
+    smallest one >= 256 up to 2048: ``"100:1000"`` is 128, 256, 512); ``"256:2048:x2"``
+    (geometric from ``lo``, factor 2: ``"96:1024:x2"`` is 96, 192, 384, 768);
+    ``"256:1024:256"`` (arithmetic step from ``lo``). At most :data:`MAX_BATCH_SIZES` sizes.
 
     Raises:
-        ConfigError: ``global_batch_sizes`` is malformed or empty.
+        ConfigError: ``global_batch_sizes`` is malformed, empty or longer than
+            :data:`MAX_BATCH_SIZES`.
     """
     if isinstance(text, str):
         match = _RANGE.match(text)
         if match:
-            lo, hi = int(match.group(1)), int(match.group(2))
-            geometric = match.group(4) is None or match.group(3) == "x"
-            step = int(match.group(4) or 2)
-            if lo < 1 or hi < lo or step < (2 if geometric else 1):
-                raise ConfigError("global_batch_sizes", text,
-                                  "a range lo:hi[:step|:xfactor] needs 1 <= lo <= hi and "
-                                  "step >= 1 (factor >= 2)")
-            values, v = [], lo
-            while v <= hi:
-                values.append(v)
-                v = v * step if geometric else v + step
+            values = _batch_range(text, match)
         else:
             try:
                 values = [int(v) for v in text.replace(" ", "").split(",") if v]
@@ -98,7 +95,49 @@ def parse_batch_sizes(text: str | int | Sequence[int]) -> tuple[int, ...]:
         raise ConfigError("global_batch_sizes", text, "must list at least one batch size")
     if any(v < 1 for v in values):
         raise ConfigError("global_batch_sizes", text, "batch sizes must be positive")
-    return tuple(sorted(set(values)))
+    values = sorted(set(values))
+    if len(values) > MAX_BATCH_SIZES:
+        raise ConfigError("global_batch_sizes", text, _too_many(len(values)))
+    return tuple(values)
+
+
+def _too_many(count: int) -> str:
+    return (f"gives {count} batch sizes; at most {MAX_BATCH_SIZES} are searched (narrow the "
+            "range or take a larger step)")
+
+
+def _batch_range(text: str, match: re.Match[str]) -> list[int]:
+    """The sizes of a range ``lo:hi``, ``lo:hi:xF`` or ``lo:hi:STEP`` (see
+    :func:`parse_batch_sizes`), counted before they are built."""
+    lo, hi = int(match.group(1)), int(match.group(2))
+    factor = match.group(3) == "x"
+    step = int(match.group(4)) if match.group(4) is not None else None
+    if lo < 1 or hi < lo or (step is not None and step < (2 if factor else 1)):
+        raise ConfigError("global_batch_sizes", text,
+                          "a range lo:hi[:step|:xfactor] needs 1 <= lo <= hi and "
+                          "step >= 1 (factor >= 2)")
+    if step is None:  # lo:hi: the powers of two in [lo, hi]
+        first = 1 << (lo - 1).bit_length()
+        if first > hi:
+            raise ConfigError("global_batch_sizes", text,
+                              f"a range lo:hi is the powers of two from lo to hi, and there "
+                              f"is none between {lo} and {hi} (list the sizes instead)")
+        count = hi.bit_length() - first.bit_length() + 1
+        if count > MAX_BATCH_SIZES:
+            raise ConfigError("global_batch_sizes", text, _too_many(count))
+        return [first << i for i in range(count)]
+    if not factor:  # lo:hi:STEP: arithmetic
+        count = (hi - lo) // step + 1
+        if count > MAX_BATCH_SIZES:
+            raise ConfigError("global_batch_sizes", text, _too_many(count))
+        return [lo + i * step for i in range(count)]
+    values, v = [], lo  # lo:hi:xF: geometric from lo (at most log2(hi) terms)
+    while v <= hi:
+        values.append(v)
+        v *= step
+    if len(values) > MAX_BATCH_SIZES:
+        raise ConfigError("global_batch_sizes", text, _too_many(len(values)))
+    return values
 
 
 _MEMORY_KNOBS = ("micro_batch_size_index", "schedule", "sharding_index", "recompute_index")

@@ -37,6 +37,11 @@ REQUIRED_COLUMNS = ("step", "tokens", "b_simple")
 """Columns every trajectory must have; ``loss``, ``seq_len`` and the estimator's parts
 ``g2_ema, trace_ema`` are optional."""
 
+_WHOLE_BATCH_RTOL = 1e-6
+_WHOLE_BATCH_ATOL = 1e-2
+"""How far (relative, and at most in sequences) the reference run's sequences per step may
+be from a whole number, for the rounding of token counts written as floats."""
+
 _NEEDS_SEQ_LEN = ("needs a seq_len column or --trajectory-seq-len N: the tokens per sequence "
                   "of the run that measured it, to convert its b_simple (in that run's "
                   "sequences) to the planned model's sequences")
@@ -107,11 +112,15 @@ class Trajectory:
         seq_len = self.measured_seq_len()
         per_step = self.reference_batch_tokens()
         batch = per_step / seq_len
-        if batch < 1 - 1e-6 or abs(batch - round(batch)) > 1e-3 * max(1.0, batch):
+        # Only rounding noise of the written token counts is forgiven: a millionth of the
+        # batch, and at most a hundredth of a sequence, so no real remainder passes.
+        tolerance = min(_WHOLE_BATCH_RTOL * max(1.0, batch), _WHOLE_BATCH_ATOL)
+        if batch < 1 - tolerance or abs(batch - round(batch)) > tolerance:
             raise ConfigError("seq_len", seq_len,
-                              f"must divide the {per_step:g} tokens per step of trajectory "
-                              f"{self.source!r} into whole sequences (is it the measuring "
-                              "run's tokens per sequence?)")
+                              f"must divide the {per_step:.10g} tokens per step of trajectory "
+                              f"{self.source!r} into whole sequences ({per_step:.10g} / "
+                              f"{seq_len} = {batch:.10g}; is it the measuring run's tokens "
+                              "per sequence?)")
         return batch
 
     def to_rows(self) -> list[dict[str, float]]:

@@ -157,3 +157,65 @@ def test_profile_refuses_an_infinite_timeout_naming_the_flag(tmp_path, capsys, v
         f"paratune profile: error: --timeout={float(value)}: must be a finite positive number "
         "of seconds (a config that hangs must be stopped)\n")
     assert not (tmp_path / "c").exists()
+
+
+def test_a_null_in_config_json_counts_as_absent(tmp_path):
+    nulls = dict.fromkeys(("rope_theta", "rms_norm_eps", "tie_word_embeddings",
+                           "num_key_value_heads", "head_dim", "intermediate_size"))
+    spec = get_model(_hf_config(tmp_path / "config.json", **nulls), seq_len=2048)
+    assert (spec.rope_theta, spec.norm_eps, spec.tie_embeddings) == (500000.0, 1e-5, False)
+    assert (spec.num_kv_heads, spec.ffn_hidden_size) == (4, 4 * 256)
+
+
+def test_a_null_norm_eps_falls_back_to_the_layer_norm_key(tmp_path):
+    path = _hf_config(tmp_path / "config.json", rms_norm_eps=None, layer_norm_epsilon=1e-6)
+    assert get_model(path, seq_len=2048).norm_eps == 1e-6
+
+
+@pytest.mark.parametrize("key", ["hidden_size", "vocab_size", "max_position_embeddings"])
+def test_a_required_key_that_is_null_is_named(tmp_path, key):
+    path = _hf_config(tmp_path / "config.json", **{key: None})
+    with pytest.raises(ConfigError, match=rf"^{key}=None: missing \(or null\) from ") as info:
+        get_model(path)
+    assert info.value.field == key
+
+
+@pytest.mark.parametrize(("key", "value", "rule"), [
+    ("hidden_size", "abc", "must be an integer"),
+    ("num_hidden_layers", 2.5, "must be an integer"),
+    ("num_attention_heads", True, "must be an integer"),
+    ("vocab_size", [256], "must be an integer"),
+    ("intermediate_size", "wide", "must be an integer"),
+    ("num_key_value_heads", "two", "must be an integer"),
+    ("head_dim", "sixty-four", "must be an integer"),
+    ("max_position_embeddings", "long", "must be an integer"),
+    ("rope_theta", "abc", "must be a finite number"),
+    ("rope_theta", True, "must be a finite number"),
+    ("rms_norm_eps", {"eps": 1e-5}, "must be a finite number"),
+    ("rms_norm_eps", 1e400, "must be a finite number"),  # json writes Infinity
+    ("tie_word_embeddings", "false", "must be true or false"),
+    ("tie_word_embeddings", 0, "must be true or false"),
+])
+def test_a_config_json_value_of_the_wrong_type_is_named(tmp_path, key, value, rule):
+    path = _hf_config(tmp_path / "config.json", **{key: value})
+    with pytest.raises(ConfigError, match=rf"^{key}=.*: {rule}.* in .*config.json") as info:
+        get_model(path)
+    assert info.value.field == key
+
+
+def test_config_json_numbers_must_be_whole_but_may_be_written_as_strings(tmp_path):
+    path = _hf_config(tmp_path / "config.json", num_hidden_layers=2.5)
+    with pytest.raises(ConfigError, match=r"^num_hidden_layers=2.5: must be an integer"):
+        get_model(path, seq_len=2048)  # not truncated to 2
+    path = _hf_config(tmp_path / "config.json", hidden_size="256", num_hidden_layers=2.0,
+                      rope_theta="10000", rms_norm_eps=1e-6, tie_word_embeddings=True)
+    spec = get_model(path, seq_len=2048)
+    assert (spec.hidden_size, spec.num_layers) == (256, 2)
+    assert (spec.rope_theta, spec.norm_eps, spec.tie_embeddings) == (10000.0, 1e-6, True)
+
+
+def test_a_config_json_that_is_not_an_object_is_named(tmp_path):
+    (tmp_path / "config.json").write_text("[1, 2]")
+    with pytest.raises(ConfigError, match="must hold a JSON object") as info:
+        get_model(tmp_path / "config.json")
+    assert info.value.field == "path"

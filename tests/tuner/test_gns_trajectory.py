@@ -105,6 +105,34 @@ def test_bad_seq_len_is_a_named_error(tmp_path):
         load_trajectory(_write_csv(tmp_path / "mixed.csv", rows))
 
 
+
+def _rows_at(tokens_per_step, seq_len, *, noise=0.0, n=10):
+    return [{"step": s, "tokens": s * tokens_per_step + (noise if s % 2 else 0.0),
+             "loss": 5 - s / 10, "b_simple": 100.0 + s, "seq_len": seq_len}
+            for s in range(1, n + 1)]
+
+
+def test_seq_len_must_divide_a_large_batch_exactly(tmp_path):
+    # 524,288 tokens per step are 524.288 sequences of 1000 tokens: not the measuring run's
+    wrong = load_trajectory(_write_csv(tmp_path / "wrong.csv", _rows_at(524288, 1000)))
+    with pytest.raises(ConfigError, match=r"seq_len=1000: must divide the 524288 tokens per "
+                                          r"step .* into whole sequences"):
+        wrong.reference_batch()
+    right = load_trajectory(_write_csv(tmp_path / "right.csv", _rows_at(524288, 4096)))
+    assert right.reference_batch() == 128
+    # token counts written with float rounding noise still divide
+    path = tmp_path / "noisy.csv"
+    rows = _rows_at(524288, 4096, noise=1e-7)
+    path.write_text("step,tokens,loss,b_simple,seq_len\n" + "".join(
+        f"{r['step']},{r['tokens']!r},{r['loss']},{r['b_simple']},{r['seq_len']}\n"
+        for r in rows))
+    assert "524288.0000001" in path.read_text()
+    assert load_trajectory(path).reference_batch() == pytest.approx(128)
+    # a batch of many short sequences: a remainder of one token is still refused
+    odd = load_trajectory(_write_csv(tmp_path / "odd.csv", _rows_at(2 * 1_000_001 + 1, 2)))
+    with pytest.raises(ConfigError, match=r"seq_len=2: must divide"):
+        odd.reference_batch()
+
 def test_non_positive_estimates_are_clamped_and_counted(tmp_path, caplog):
     rows = _gns_rows(128)
     valid = [r["b_simple"] for r in rows]

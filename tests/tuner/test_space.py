@@ -182,3 +182,49 @@ def test_batch_sizes_no_layout_reaches_are_named(caplog):
     with pytest.raises(ConfigError, match="dp\\*micro_batch_size must divide"):
         SearchSpace.build(get_model("llama3-8b"), 16, "H100", space=only_dp,
                           global_batch_sizes=[8, 24])
+
+
+def test_a_range_is_the_powers_of_two_within_it():
+    assert parse_batch_sizes("100:1000") == (128, 256, 512)  # not 100 doubled
+    assert parse_batch_sizes("96:1024") == (128, 256, 512, 1024)
+    assert parse_batch_sizes("3:4") == (4,)
+    assert parse_batch_sizes("256:4096") == (256, 512, 1024, 2048, 4096)
+    assert parse_batch_sizes("1:1") == (1,) and parse_batch_sizes("1:7") == (1, 2, 4)
+
+
+def test_a_range_with_a_factor_or_a_step_starts_at_lo_not_at_a_power_of_two():
+    assert parse_batch_sizes("96:1024") != parse_batch_sizes("96:1024:x2")
+    assert parse_batch_sizes("96:1024:x2") == (96, 192, 384, 768)  # :xF multiplies from lo
+    assert parse_batch_sizes("256:4096:x2") == parse_batch_sizes("256:4096")
+    assert parse_batch_sizes("256:1024:256") == (256, 512, 768, 1024)  # :STEP adds from lo
+    assert parse_batch_sizes("100:110:3") == (100, 103, 106, 109)
+
+
+def test_a_range_without_a_power_of_two_is_named():
+    with pytest.raises(ConfigError, match=r"^global_batch_sizes='100:120': .*powers of two"):
+        parse_batch_sizes("100:120")
+
+
+def test_too_many_batch_sizes_are_refused_before_they_are_built():
+    assert len(parse_batch_sizes("1:64:1")) == 64
+    assert len(parse_batch_sizes(f"1:{2 ** 63}")) == 64
+    rule = r"gives {} batch sizes; at most 64 are searched"
+    for text, count in [("1:1000:1", 1000), (f"1:{2 ** 64}", 65), (f"1:{3 ** 64}:x3", 65),
+                        (",".join(str(v) for v in range(1, 66)), 65),
+                        ("1:100000000:1", 100_000_000)]:
+        with pytest.raises(ConfigError, match=r"^global_batch_sizes=.*: " + rule.format(count)):
+            parse_batch_sizes(text)
+    with pytest.raises(ConfigError, match=rule.format(65)):
+        parse_batch_sizes(list(range(1, 66)))
+
+
+def test_the_command_line_names_global_batch_for_too_many_sizes(tmp_path, monkeypatch, capsys):
+    from paratune.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    argv = ["tune", "--model", "llama3-8b", "--gpus", "64", "--hardware", "H100",
+            "--predictor", str(tmp_path / "absent"), "--output", "out", "--no-track"]
+    assert main([*argv, "--global-batch", "1:1000:1"]) == 2
+    assert capsys.readouterr().err.startswith(
+        "paratune tune: error: --global-batch='1:1000:1': gives 1000 batch sizes; "
+        "at most 64 are searched")
