@@ -20,6 +20,9 @@ _JOB_FIELD_FLAGS = {
     "global_batch_sizes": "--global-batch",
     "grid": "--space",
     "seq_len": "--trajectory-seq-len",
+    "gpus": "--gpus",
+    "min_feasible_prob": "--min-feasible-prob",
+    "memory_limit_gb": "--memory-limit-gb",
 }
 
 
@@ -38,8 +41,8 @@ def _add_job(parser: argparse.ArgumentParser, *, default_batch: str) -> None:
                         help="directory of a fitted performance model (paratune fit)")
     parser.add_argument("--global-batch", dest="global_batch", default=None,
                         help="global batch sizes in sequences: 512, 256,512,1024, or a range "
-                             "256:4096 (powers of two), 256:4096:x2, 256:1024:256 (default: "
-                             f"{default_batch})")
+                             "256:4096 (powers of two), 256:4096:x2, 256:1024:256; at most "
+                             f"64 sizes (default: {default_batch})")
     parser.add_argument("--space", type=Path, default=None,
                         help="YAML/TOML/JSON file of the options to search (ConfigSpace fields)")
     parser.add_argument("--devices-per-node", type=at_least(1), default=None,
@@ -117,7 +120,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                                                "n_trials": "--trials", "verify": "--verify",
                                                "trajectory": "--gns",
                                                "study_name": "--study-name",
-                                               "storage": "--storage"})
+                                               "storage": "--storage", "b0": "--b0",
+                                               "gns": "--gns", "sampler": "--sampler"})
 
     plan = subparsers.add_parser(
         "plan", help="schedule training phases (batch, parallelism) from a B_noise trajectory",

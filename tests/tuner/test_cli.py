@@ -355,3 +355,23 @@ def test_study_errors_name_the_flags(job, capsys):
     assert main(job("tune", "--storage", "nosuchdb://tuner:s3cret@db.example/x")) == 2
     err = capsys.readouterr().err
     assert err.startswith("paratune tune: error: --storage=") and "s3cret" not in err
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--min-feasible-prob", "2"], "--min-feasible-prob=2.0: must be a probability in [0, 1]"),
+    (["--memory-limit-gb", "-1"], "--memory-limit-gb=-1.0: must be a positive number of GB"),
+    (["--b0", "0"], "--b0=0.0: the reference batch must be a positive, finite number"),
+    (["--gns", "nan"], "--gns=nan: must be a positive, finite number of sequences"),
+    (["--sampler", "foo"], "--sampler='foo': must be one of tpe, random"),
+])
+def test_tune_errors_name_the_flag_typed(tmp_path, saved_model, capsys, flags, message):
+    code = main(["tune", "--model", "tiny", "--gpus", "4", "--gpu", "H100", "--predictor",
+                 str(saved_model), "--no-track", "--output", str(tmp_path / "out"), *flags])
+    assert code == 2
+    assert capsys.readouterr().err.startswith(f"paratune tune: error: {message}")
+
+
+def test_tune_names_gpus_for_a_world_of_none(saved_model, capsys):
+    assert main(["tune", "--model", "tiny", "--gpus", "0", "--gpu", "H100", "--predictor",
+                 str(saved_model), "--no-track"]) == 2
+    assert "paratune tune: error: --gpus=0: must be a positive integer" in capsys.readouterr().err
