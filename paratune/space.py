@@ -13,7 +13,7 @@ import itertools
 import json
 import numbers
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 from typing import Any
@@ -23,6 +23,9 @@ from paratune.parallel import ParallelConfig, Recompute, Schedule, Sharding
 from paratune.spec import ModelSpec
 
 __all__ = ["ConfigSpace", "SpaceEnumeration", "divisors", "factorisations"]
+
+DEFAULT_GLOBAL_BATCH_SIZES = (8,)
+"""The global batch sizes of a space that does not give its own."""
 
 
 def divisors(n: int) -> list[int]:
@@ -76,8 +79,10 @@ def _as_tuple(value: Any, cast: Any, name: str) -> tuple:
 class ConfigSpace:
     """Which configurations to consider; every field is a list of allowed values."""
 
-    global_batch_sizes: tuple[int, ...] = (8,)
-    """Global batch sizes, in sequences (stored sorted, without repeats)."""
+    global_batch_sizes: tuple[int, ...] | None = None
+    """Global batch sizes, in sequences (stored sorted, without repeats). Left out (or
+    ``None``): :data:`DEFAULT_GLOBAL_BATCH_SIZES`, with :attr:`global_batch_sizes_given`
+    false, so that a tuner search picks batches sized for the job instead."""
     micro_batch_sizes: tuple[int, ...] = (1, 2, 4)
     """Micro-batch sizes, in sequences per data-parallel rank (stored sorted, without
     repeats)."""
@@ -99,8 +104,14 @@ class ConfigSpace:
     size."""
     tp_within_node: bool = True
     """Keep every tensor-parallel group inside one node (tp divides the devices per node)."""
+    global_batch_sizes_given: bool = field(default=True, init=False, compare=False, repr=False)
+    """Whether ``global_batch_sizes`` was given (as an argument, or as a key of a space file
+    or mapping) rather than left to its default; set by the constructor."""
 
     def __post_init__(self) -> None:
+        if self.global_batch_sizes is None:
+            object.__setattr__(self, "global_batch_sizes", DEFAULT_GLOBAL_BATCH_SIZES)
+            object.__setattr__(self, "global_batch_sizes_given", False)
         conv = {
             "global_batch_sizes": int, "micro_batch_sizes": int, "schedules": Schedule,
             "virtual_stages": int, "shardings": Sharding, "recomputes": Recompute,
@@ -196,6 +207,8 @@ class ConfigSpace:
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
         for f in dataclasses.fields(self):
+            if not f.init:  # derived, not an option
+                continue
             value = getattr(self, f.name)
             if isinstance(value, tuple):
                 value = [v.value if hasattr(v, "value") else v for v in value]
@@ -204,7 +217,9 @@ class ConfigSpace:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ConfigSpace:
-        names = {f.name for f in dataclasses.fields(cls)}
+        """A space from a mapping of field -> values; a field left out takes its default
+        (``global_batch_sizes`` left out is recorded in :attr:`global_batch_sizes_given`)."""
+        names = {f.name for f in dataclasses.fields(cls) if f.init}
         unknown = sorted(set(data) - names)
         if unknown:
             raise ConfigError(unknown[0], data[unknown[0]],
@@ -238,4 +253,8 @@ class ConfigSpace:
         return cls.from_dict(data)
 
     def replace(self, **changes: Any) -> ConfigSpace:
+        """A copy with ``changes``; a default ``global_batch_sizes`` stays a default unless
+        changed."""
+        if not self.global_batch_sizes_given:
+            changes.setdefault("global_batch_sizes", None)
         return dataclasses.replace(self, **changes)

@@ -4,7 +4,8 @@ launches.
 Run it with torchrun (one process per device), e.g.::
 
     torchrun --standalone --nproc-per-node=4 -m paratune.profiler.train \\
-        --model tiny --config '{"dp": 2, "tp": 2, "global_batch_size": 8}' --steps 50
+        --model tiny --seq-len 128 --config '{"dp": 2, "tp": 2, "global_batch_size": 8}' \\
+        --steps 50
 
 Without torchrun's environment it runs as a single process. It trains on real text (the
 byte-level corpus of Python's own sources) or on random tokens, and prints the loss and the
@@ -22,7 +23,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["TrainReport", "main", "train"]
+__all__ = ["TrainReport", "main", "parse_args", "resolve_model", "train"]
 
 
 @dataclass
@@ -33,16 +34,35 @@ class TrainReport:
     final_loss: float
     mean_step_time_s: float
     tokens_per_s: float
+    global_batch_size: int
+    """Sequences per step."""
+    seq_len: int
+    """Tokens per sequence."""
 
 
-def train(model_name: str, config_json: str, *, steps: int, data: str = "text", seed: int = 0,
-          lr: float = 3e-4, log_every: int = 10, out: object = None) -> TrainReport:
+def resolve_model(model_name: str, seq_len: int | None = None):  # -> ModelSpec (lazy import)
+    """The model trained: a preset by name or a Hugging Face ``config.json`` path, at
+    ``seq_len`` tokens per sequence (default: the preset's, or the ``config.json``'s
+    ``max_position_embeddings``).
+
+    Raises:
+        ConfigError: an unknown preset, an unreadable ``config.json`` or a bad ``seq_len``.
+    """
+    from paratune.spec import get_model
+
+    return get_model(model_name, seq_len=seq_len)
+
+
+def train(model_name: str, config_json: str, *, steps: int, seq_len: int | None = None,
+          data: str = "text", seed: int = 0, lr: float = 3e-4, log_every: int = 10,
+          out: object = None) -> TrainReport:
     """Train inside an initialised process group of ``config.world_size`` ranks.
 
     Args:
         model_name: A preset name or a Hugging Face ``config.json`` path.
         config_json: The :class:`~paratune.ParallelConfig` as JSON.
         steps: Optimizer steps to run.
+        seq_len: Tokens per sequence (default: the model's, see :func:`resolve_model`).
         data: ``"text"`` (real text) or ``"synthetic"`` (uniform random tokens).
         seed: Initialisation and data seed.
         lr: AdamW learning rate.
@@ -61,13 +81,12 @@ def train(model_name: str, config_json: str, *, steps: int, data: str = "text", 
     from paratune.errors import ConfigError
     from paratune.parallel import ParallelConfig
     from paratune.profiler.trainer import Trainer, _synchronize, synthetic_batch
-    from paratune.spec import get_model
 
     if data not in ("text", "synthetic"):
         raise ConfigError("data", data, "must be text or synthetic")
     if steps < 1:
         raise ConfigError("steps", steps, "must be a positive integer")
-    spec = get_model(model_name)
+    spec = resolve_model(model_name, seq_len)
     try:
         config = ParallelConfig.from_dict(json.loads(config_json))
     except json.JSONDecodeError as exc:
@@ -111,7 +130,8 @@ def train(model_name: str, config_json: str, *, steps: int, data: str = "text", 
     timed = times[1:] or times  # the first step pays one-off costs
     mean = sum(timed) / len(timed)
     return TrainReport(steps=steps, final_loss=loss, mean_step_time_s=mean,
-                       tokens_per_s=tokens_per_step / mean)
+                       tokens_per_s=tokens_per_step / mean,
+                       global_batch_size=config.global_batch_size, seq_len=spec.seq_len)
 
 
 def _device() -> object:
@@ -148,10 +168,17 @@ def _init_process_group() -> None:
     dist.init_process_group(backend, **kwargs)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The trainer's command line (``sys.argv[1:]`` by default); exits 2 naming a bad
+    option."""
+    from paratune.cli import at_least
+
     parser = argparse.ArgumentParser(prog="python -m paratune.profiler.train",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, help="preset name or config.json path")
+    parser.add_argument("--seq-len", type=at_least(1), default=None, metavar="TOKENS",
+                        help="tokens per sequence (default: the preset's, or a config.json's "
+                             "max_position_embeddings, with a warning)")
     parser.add_argument("--config", required=True, help="ParallelConfig as JSON")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--data", choices=("text", "synthetic"), default="text")
@@ -160,7 +187,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--log-every", type=int, default=10)
     parser.add_argument("--hardware", default=None,
                         help="device kind, recorded for reference (e.g. H100)")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
 
     from paratune.errors import ConfigError
     from paratune.profiler.mesh import closing_process_group
@@ -168,13 +199,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     _init_process_group()
     try:
         with closing_process_group():
-            report = train(args.model, args.config, steps=args.steps, data=args.data,
-                           seed=args.seed, lr=args.lr, log_every=args.log_every)
+            report = train(args.model, args.config, steps=args.steps, seq_len=args.seq_len,
+                           data=args.data, seed=args.seed, lr=args.lr,
+                           log_every=args.log_every)
     except ConfigError as exc:
         print(f"paratune.profiler.train: error: {exc}", file=sys.stderr)
         return 2
     if int(os.environ.get("RANK", "0")) == 0:
-        print(f"done: {report.steps} steps, final loss {report.final_loss:.4f}, "
+        print(f"done: {report.steps} steps of {report.global_batch_size} x "
+              f"{report.seq_len} tokens, final loss {report.final_loss:.4f}, "
               f"{report.tokens_per_s:,.0f} tokens/s (mean step {report.mean_step_time_s:.3f} s)")
     return 0
 

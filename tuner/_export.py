@@ -28,10 +28,10 @@ from paratune._io import atomic_write_text
 from paratune.errors import ConfigError
 from paratune.hardware import HardwareSpec
 from paratune.parallel import ParallelConfig, Recompute, Schedule, Sharding
-from paratune.spec import ModelSpec
+from paratune.spec import MODEL_PRESETS, ModelSpec, get_model
 
 __all__ = ["megatron_args", "recommendation", "torchrun_command", "torchtitan_toml",
-           "write_recommendation"]
+           "trainer_model_args", "write_recommendation"]
 
 PROFILER_MODULE = "paratune.profiler.train"
 """Module torchrun starts for paratune's own workload (one training job, one config)."""
@@ -84,6 +84,35 @@ def _launch_shape(world_size: int, devices_per_node: int) -> tuple[int, int]:
     return nodes, world_size // nodes
 
 
+def trainer_model_args(model: ModelSpec) -> list[str]:
+    """``--model`` and ``--seq-len`` with which paratune's trainer builds ``model``.
+
+    ``--model`` is the Hugging Face ``config.json`` the spec was read from (as an absolute
+    path), else the preset's name; ``--seq-len`` is the spec's sequence length, which a
+    preset or a ``config.json`` does not carry (a preset has its own, a ``config.json`` its
+    ``max_position_embeddings``). The pair is checked by resolving it as the trainer does.
+
+    Raises:
+        ConfigError: ``model``: neither a preset nor read from a ``config.json``, or of
+            another shape than the one the pair resolves to (changed since it was read, or
+            its ``config.json`` changed), so no ``--model`` of the trainer names it;
+            ``model`` or ``path``: its ``config.json`` is gone or no longer reads.
+    """
+    source = model.extra.get("hf_config")
+    if source is not None:
+        source = str(Path(source).resolve())
+    elif model.name.lower() in MODEL_PRESETS:
+        source = model.name
+    else:
+        raise ConfigError("model", model.name, "is neither a preset nor read from a "
+                          "config.json, so paratune's trainer (--model) cannot build it")
+    resolved = get_model(source, seq_len=model.seq_len)
+    if resolved.replace(name=model.name) != model:  # the name is a label only
+        raise ConfigError("model", model.name, f"differs in shape from what --model {source} "
+                          f"builds, so paratune's trainer (--model) cannot build it")
+    return ["--model", source, "--seq-len", str(model.seq_len)]
+
+
 def torchrun_command(model: ModelSpec, config: ParallelConfig, hardware: HardwareSpec, *,
                      devices_per_node: int | None = None, steps: int = 20,
                      module: str = PROFILER_MODULE) -> str:
@@ -93,10 +122,15 @@ def torchrun_command(model: ModelSpec, config: ParallelConfig, hardware: Hardwar
     ranks on nodes of 8 devices: 2 nodes of 6). Multi-node jobs need ``MASTER_ADDR`` set and
     the command run on every node (``NODE_RANK`` is read by torchrun's c10d rendezvous).
 
+    The trainer builds the model from ``--model`` and ``--seq-len`` (see
+    :func:`trainer_model_args`).
+
     Raises:
         ConfigError: ``devices_per_node``: the ranks cannot be spread evenly over the fewest
-            nodes that hold them (e.g. 5 ranks on nodes of 4).
+            nodes that hold them (e.g. 5 ranks on nodes of 4); ``model`` or ``path``: the
+            trainer cannot build the model (see :func:`trainer_model_args`).
     """
+    model_args = trainer_model_args(model)
     nodes, per_node = _launch_shape(config.world_size,
                                     devices_per_node or hardware.devices_per_node)
     args = ["torchrun", f"--nnodes={nodes}", f"--nproc-per-node={per_node}"]
@@ -105,7 +139,7 @@ def torchrun_command(model: ModelSpec, config: ParallelConfig, hardware: Hardwar
                  "--rdzv-id=paratune"]
     else:
         args += ["--standalone"]
-    args += ["-m", module, "--model", model.name,
+    args += ["-m", module, *model_args,
              "--hardware", hardware.name, "--steps", str(steps),
              "--config", json.dumps(config.to_dict(), sort_keys=True)]
     return " ".join(a if a.startswith(("--rdzv-endpoint", "$")) else shlex.quote(a)

@@ -219,8 +219,9 @@ def tune(model: ModelSpec | str, gpus: int, gpu: HardwareSpec | str,
             :func:`resolve_gns`).
         b0: Reference batch of the Pollux efficiency (default: smallest batch searched).
         global_batch_sizes: Batch list or range (``"256:2048"``); overrides the space's.
-        space: A :class:`ConfigSpace` or a YAML/TOML/JSON file of one. Without a space
-            and without ``global_batch_sizes`` the batch is :func:`default_global_batch`, or
+        space: A :class:`ConfigSpace` or a YAML/TOML/JSON file of one. Where neither
+            ``global_batch_sizes`` nor the space gives the batches (no space, or one that
+            leaves ``global_batch_sizes`` out) the batch is :func:`default_global_batch`, or
             for ``goodput`` with a ``gns`` the range of :func:`goodput_global_batches`.
         devices_per_node: Node size (default: the catalogue's).
         tp_within_node: Override the space's ``tp_within_node``.
@@ -260,15 +261,15 @@ def tune(model: ModelSpec | str, gpus: int, gpu: HardwareSpec | str,
     spec = get_model(model) if isinstance(model, str) else model
     hw = get_hardware(gpu) if isinstance(gpu, str) else gpu
     b_noise = resolve_gns(gns, seq_len=spec.seq_len, trajectory_seq_len=trajectory_seq_len)
-    if global_batch_sizes is None and space is None:
+    if isinstance(space, (str, Path)):
+        space = ConfigSpace.from_file(space)
+    space = space or ConfigSpace()
+    if global_batch_sizes is None and not space.global_batch_sizes_given:
         # goodput trades throughput against statistical efficiency over the batch: search a
         # range around B_noise; otherwise one batch of about 2**20 tokens
         global_batch_sizes = (goodput_global_batches(spec, gpus, b_noise)
                               if objective == "goodput" and b_noise is not None
                               else default_global_batch(spec, gpus))
-    if isinstance(space, (str, Path)):
-        space = ConfigSpace.from_file(space)
-    space = space or ConfigSpace()
     if tp_within_node is not None:
         space = space.replace(tp_within_node=tp_within_node)
     search_space = SearchSpace.build(spec, gpus, hw, space=space,

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from paratune import ConfigError, Schedule, Sharding, get_model
+from paratune import ConfigError, Recompute, Schedule, Sharding, get_model
 from paratune.space import ConfigSpace, factorisations
 
 
@@ -75,6 +75,30 @@ def test_space_from_yaml_and_bad_values(tmp_path):
         ConfigSpace.from_dict({"micro_batch_size": [1]})
     with pytest.raises(ConfigError, match="micro_batch_sizes=0"):
         ConfigSpace(micro_batch_sizes=[0])
+
+
+def test_a_space_records_whether_it_was_given_its_global_batch_sizes(tmp_path):
+    recompute_only = tmp_path / "grid.yaml"
+    recompute_only.write_text("recomputes: [full]\n")
+    space = ConfigSpace.from_file(recompute_only)
+    assert space.global_batch_sizes == (8,) and not space.global_batch_sizes_given
+    assert space.recomputes == (Recompute.FULL,)
+    # a default stays a default through other changes, and a round trip keeps the options
+    assert not space.replace(tp_within_node=False).global_batch_sizes_given
+    assert space.replace(global_batch_sizes=[16]).global_batch_sizes_given
+    assert not ConfigSpace().global_batch_sizes_given
+    assert not ConfigSpace.from_dict({}).global_batch_sizes_given
+    assert ConfigSpace.from_dict(space.to_dict()) == space
+    assert "global_batch_sizes_given" not in space.to_dict()
+    with pytest.raises(ConfigError, match="global_batch_sizes_given=False: is not a space field"):
+        ConfigSpace.from_dict({"global_batch_sizes_given": False})
+    # given, even when it is the default value
+    given = tmp_path / "grid.json"
+    given.write_text('{"global_batch_sizes": [8], "recomputes": ["full"]}')
+    for explicit in (ConfigSpace.from_file(given), ConfigSpace(global_batch_sizes=(8,))):
+        assert explicit.global_batch_sizes_given
+        assert explicit.replace(tp_within_node=False).global_batch_sizes_given
+    assert ConfigSpace.from_file(given) == space  # the same options either way
 
 
 def test_integer_options_are_stored_sorted_without_repeats():

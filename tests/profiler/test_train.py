@@ -131,3 +131,57 @@ def test_torchrun_trains_data_parallel_on_two_gpus():
                 "--steps", "2", "--log-every", "1", "--data", "synthetic", nproc=2)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert len(_losses(proc.stdout)) == 2
+
+
+def _tiny_hf_config(directory) -> str:
+    """A Hugging Face config.json of the tiny preset's shape, with a long context."""
+    directory.mkdir(parents=True)
+    path = directory / "config.json"
+    path.write_text(json.dumps({
+        "model_type": "llama", "hidden_size": 128, "num_hidden_layers": 4,
+        "num_attention_heads": 8, "num_key_value_heads": 4, "intermediate_size": 352,
+        "vocab_size": 256, "max_position_embeddings": 4096, "rope_theta": 10000.0}))
+    return str(path)
+
+
+def test_seq_len_sets_the_tokens_per_sequence_of_a_preset_and_a_config_json(tmp_path):
+    from paratune import get_model
+    from paratune.profiler.train import parse_args, resolve_model
+
+    path = _tiny_hf_config(tmp_path / "byte-llama")
+    for name, seq_len in (("tiny", 48), (path, 48), ("tiny", None)):
+        args = parse_args(["--model", name, "--config", "{}",
+                           *(["--seq-len", str(seq_len)] if seq_len else [])])
+        assert args.seq_len == seq_len
+        assert resolve_model(args.model, args.seq_len) == get_model(name, seq_len=seq_len)
+    assert resolve_model(path, 48).seq_len == 48
+    assert resolve_model("tiny").seq_len == get_model("tiny").seq_len == 128
+    # a real run: sequences of the length given
+    proc = _run("--model", path, "--seq-len", "32", "--config",
+                json.dumps({"global_batch_size": 2}), "--steps", "2", "--log-every", "1",
+                "--data", "synthetic")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert len(_losses(proc.stdout)) == 2
+    assert proc.stdout.splitlines()[-1].startswith("done: 2 steps of 2 x 32 tokens")
+    bad = _run("--model", "tiny", "--seq-len", "0", "--config", "{}")
+    assert bad.returncode == 2
+    assert "argument --seq-len: must be an integer >= 1, not '0'" in bad.stderr
+
+
+@pytest.mark.slow
+def test_the_exported_torchrun_command_trains_the_model_tuned(tmp_path):
+    import shlex
+
+    from paratune import ParallelConfig, get_hardware, get_model
+    from paratune.tuner import recommendation
+
+    model = get_model(_tiny_hf_config(tmp_path / "byte-llama"), seq_len=32)
+    rec = recommendation(model, ParallelConfig(global_batch_size=2), get_hardware("cpu"))
+    argv = shlex.split(rec["launch"]["torchrun"])
+    assert argv[0] == "torchrun" and "--standalone" in argv
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", *argv[1:],
+                           "--log-every", "5"], capture_output=True, text=True, env=env,
+                          timeout=300, cwd=tmp_path.parent)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.splitlines()[-1].startswith("done: 20 steps of 2 x 32 tokens")

@@ -9,6 +9,7 @@ import pytest
 import yaml
 
 from paratune import ConfigError, ParallelConfig, get_hardware, get_model
+from paratune.space import ConfigSpace
 from paratune.tuner import megatron_args, recommendation, torchrun_command, torchtitan_toml
 from paratune.tuner._export import write_recommendation
 
@@ -343,3 +344,84 @@ def test_no_torchrun_command_for_a_layout_the_trainer_cannot_run(tmp_path):
     assert rec["launch"]["torchrun"] is None
     assert any("no torchrun command: sharding='zero1'" in n for n in rec["launch"]["notes"])
     assert "--use-distributed-optimizer" in rec["launch"]["megatron_args"]
+
+
+def _launched_model(command: str):
+    """The model paratune's trainer builds from an exported torchrun command: its options
+    read back by the trainer's own command line and model resolution."""
+    from paratune.profiler import train
+
+    argv = shlex.split(command)
+    start = argv.index("-m")
+    assert argv[start + 1] == "paratune.profiler.train"
+    args = train.parse_args(argv[start + 2:])
+    return train.resolve_model(args.model, args.seq_len), args
+
+
+def test_torchrun_launches_a_preset_at_the_sequence_length_tuned():
+    model = get_model("llama3-8b", seq_len=2048)
+    cfg = ParallelConfig(dp=4, tp=2, global_batch_size=64)
+    rec = recommendation(model, cfg, H100)
+    launched, args = _launched_model(rec["launch"]["torchrun"])
+    assert launched == model and launched.seq_len == 2048
+    assert ParallelConfig.from_dict(json.loads(args.config)) == cfg
+    # the same sequence length as the other exports
+    assert "--seq-length 2048" in rec["launch"]["megatron_args"]
+    assert tomllib.loads(rec["launch"]["torchtitan_toml"])["training"]["seq_len"] == 2048
+    # a preset at its own length
+    assert _launched_model(torchrun_command(MODEL, cfg, H100))[0] == MODEL
+
+
+def _write_hf_config(directory) -> None:
+    directory.mkdir(parents=True)
+    (directory / "config.json").write_text(json.dumps({
+        "model_type": "llama", "hidden_size": 2048, "num_hidden_layers": 16,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 8192,
+        "vocab_size": 128256, "max_position_embeddings": 131072, "rope_theta": 500000.0,
+        "rms_norm_eps": 1e-5, "tie_word_embeddings": True}))
+
+
+def test_torchrun_launches_a_config_json_model_as_tuned(closed_form, tmp_path, monkeypatch):
+    from paratune.tuner import tune
+
+    monkeypatch.chdir(tmp_path)
+    _write_hf_config(tmp_path / "my-llama")
+    for given in ("my-llama/config.json", "my-llama", str(tmp_path / "my-llama")):
+        model = get_model(given, seq_len=4096)  # `paratune tune --model X --seq-len 4096`
+        assert model.name == "my-llama" and model.seq_len == 4096
+        command = recommendation(model, ParallelConfig(dp=8, global_batch_size=64),
+                                 H100)["launch"]["torchrun"]
+        launched, args = _launched_model(command)
+        assert launched == model and args.seq_len == 4096
+        assert args.model == str(tmp_path / "my-llama" / "config.json")
+    # the command a tuning run writes, run from another directory
+    out = tmp_path / "out"
+    tune(model, 8, "H100", closed_form, search="exhaustive", track=False, output_dir=out,
+         space=ConfigSpace(recomputes=("none",), micro_batch_sizes=(1,)))
+    command = (out / "torchrun.sh").read_text().splitlines()[1]
+    monkeypatch.chdir(out)
+    assert _launched_model(command)[0] == model
+
+
+def test_no_torchrun_command_for_a_model_the_trainer_cannot_build(tmp_path):
+    from paratune import ModelSpec
+
+    cfg = ParallelConfig(dp=8, global_batch_size=64)
+    custom = ModelSpec(name="mine", num_layers=4, hidden_size=256, num_heads=8,
+                       ffn_hidden_size=688, vocab_size=256, seq_len=512)
+    for model, rule in ((custom, "model='mine': is neither a preset nor read from a "
+                                 "config.json"),
+                        (MODEL.replace(num_layers=16), "model='llama3-8b': differs in shape "
+                                                       "from what --model llama3-8b builds")):
+        with pytest.raises(ConfigError, match=re.escape(rule)):
+            torchrun_command(model, cfg, H100)
+        rec = recommendation(model, cfg, H100)
+        assert rec["launch"]["torchrun"] is None
+        assert any(note.startswith(f"no torchrun command: {rule}")
+                   for note in rec["launch"]["notes"])
+    # a config.json that is gone since the model was read from it
+    _write_hf_config(tmp_path / "gone")
+    model = get_model(tmp_path / "gone", seq_len=1024)
+    (tmp_path / "gone" / "config.json").unlink()
+    with pytest.raises(ConfigError, match=r"model=.*gone/config\.json': is neither a preset"):
+        torchrun_command(model, cfg, H100)

@@ -7,7 +7,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 from optuna.trial import TrialState
 
-from paratune import ConfigError, get_model
+from paratune import ConfigError, Recompute, get_model
 from paratune.space import ConfigSpace
 from paratune.tuner import SearchSpace, tune
 from tests.tuner.conftest import run_with_trajectory
@@ -111,6 +111,42 @@ def test_goodput_without_batches_searches_around_b_noise(closed_form):
         goodput_global_batches(model, 64, -1)
 
 
+def test_a_space_file_that_leaves_out_the_batches_searches_the_default_ones(closed_form,
+                                                                             tmp_path):
+    from paratune.tuner._tune import goodput_global_batches
+
+    model = get_model("llama3-8b")
+    recompute_only = tmp_path / "recompute.yaml"
+    recompute_only.write_text("recomputes: [full]\n")
+    one_batch = tmp_path / "one.yaml"
+    one_batch.write_text("recomputes: [full]\nglobal_batch_sizes: [256]\n")
+    batches = tmp_path / "batches.toml"
+    batches.write_text('recomputes = ["full"]\nglobal_batch_sizes = [64, 256]\n')
+
+    def searched(space, **kwargs):
+        result = tune(model, 64, "H100", closed_form, space=space, search="exhaustive",
+                      track=False, **kwargs)
+        if space is not None:
+            assert result.search.space.space.recomputes == (Recompute.FULL,)
+        return result.search.space.global_batch_sizes
+
+    # a file (as the CLI reads it, or its path) that only restricts recompute: the batch
+    # searched without any space, not the space's default of 8
+    default = searched(None)
+    assert default == (128,)
+    for space in (recompute_only, str(recompute_only), ConfigSpace.from_file(recompute_only)):
+        assert searched(space) == default
+        assert searched(space, objective="goodput", gns=2000) == tuple(
+            goodput_global_batches(model, 64, 2000))
+    # a file that gives the batches keeps them; an explicit batch wins over both
+    goodput = {"objective": "goodput", "gns": 2000}
+    for path, kwargs, given in ((one_batch, {}, (256,)), (batches, goodput, (64, 256))):
+        assert searched(path, **kwargs) == given
+        assert searched(ConfigSpace.from_file(path), **kwargs) == given
+        assert searched(recompute_only, global_batch_sizes=[512], **kwargs) == (512,)
+        assert searched(path, global_batch_sizes="512", **kwargs) == (512,)
+
+
 def test_gpus_may_be_a_numpy_integer():
     assert SearchSpace.build(get_model("llama3-8b"), np.int64(16), "H100").world_size == 16
 
@@ -127,7 +163,7 @@ def test_cli_names_gpus_when_it_is_not_positive(closed_form, tmp_path, capsys, c
                  "--no-track", *extra])
     err = capsys.readouterr().err
     assert code == 2
-    assert err == f"paratune {command}: error: gpus={int(gpus)}: must be a positive integer\n"
+    assert err == f"paratune {command}: error: --gpus={int(gpus)}: must be a positive integer\n"
 
 
 @pytest.mark.parametrize("command", ["tune", "plan"])
