@@ -159,9 +159,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def _space(args: argparse.Namespace):
     """The space file's options (``None`` without one: the library defaults apply).
 
-    ``--tp-across-nodes`` is not folded in here: a space built for it would stand in for
-    "no space given" and change the defaults (``tune`` picks the global batch only when
-    neither a space nor a batch is given); it travels as ``tp_within_node`` instead.
+    ``--tp-across-nodes`` travels as ``tp_within_node`` rather than being folded in here: the
+    space stays the file's (``tune`` and ``plan`` pick the global batches where neither
+    ``--global-batch`` nor the file gives them).
     """
     from paratune.space import ConfigSpace
 
@@ -250,9 +250,12 @@ def _plan(args: argparse.Namespace) -> int:
     options = _space(args)
     if args.tp_across_nodes:
         options = (options or ConfigSpace()).replace(tp_within_node=False)
+    # --global-batch, else the space file's batches, else the range the trajectory spans
+    batches = args.global_batch
+    if batches is None and not (options is not None and options.global_batch_sizes_given):
+        batches = _default_plan_batches(trajectory, args.gpus, seq_len=model.seq_len)
     space = SearchSpace.build(model, args.gpus, args.hardware, space=options,
-                              global_batch_sizes=args.global_batch or _default_plan_batches(
-                                  trajectory, args.gpus, seq_len=model.seq_len),
+                              global_batch_sizes=batches,
                               devices_per_node=args.devices_per_node)
     objective = Objective(min_feasible_prob=args.min_feasible_prob,
                           memory_limit_gb=args.memory_limit_gb)

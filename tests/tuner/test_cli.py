@@ -375,3 +375,22 @@ def test_tune_names_gpus_for_a_world_of_none(saved_model, capsys):
     assert main(["tune", "--model", "tiny", "--gpus", "0", "--gpu", "H100", "--predictor",
                  str(saved_model), "--no-track"]) == 2
     assert "paratune tune: error: --gpus=0: must be a positive integer" in capsys.readouterr().err
+
+
+def test_plan_searches_the_batches_of_its_space_file(job, tmp_path, capsys):
+    """A space file's global_batch_sizes are the plan's batches, as they are tune's; without
+    them (or with --global-batch) the plan's own choice stands."""
+    import re
+
+    (tmp_path / "space.yaml").write_text("global_batch_sizes: [64, 128]\n")
+    (tmp_path / "recompute.yaml").write_text("recomputes: [full]\n")
+
+    def searched(*flags):
+        capsys.readouterr()
+        assert main(job("plan", *flags)) == 0
+        return re.search(r"global batch sizes (.*)", capsys.readouterr().out).group(1)
+
+    assert searched("--space", "space.yaml") == "64, 128"
+    assert searched("--space", "space.yaml", "--global-batch", "256") == "256"
+    default = searched()
+    assert default.count(",") >= 2 and searched("--space", "recompute.yaml") == default
