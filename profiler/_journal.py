@@ -124,7 +124,13 @@ def plan_devices_per_node(plan: dict[str, Any]) -> int:
 
 def failure_record(plan: dict[str, Any], config: ParallelConfig, status: Status, error: str, *,
                    fingerprint: dict[str, Any] | None = None) -> Measurement:
-    """The record of a config that produced no measurement."""
+    """The record of a config that produced no measurement.
+
+    ``fingerprint`` is that of the machine that ran (or tried to run) the config; without
+    one the plan's is taken, which only a campaign measured on the machine that prepared it
+    has (see :func:`~paratune.profiler.campaign.prepare_campaign`), else the record's
+    fingerprint stays unknown.
+    """
     return Measurement(model=plan_model(plan), config=config, hardware=plan["hardware"],
                        devices_per_node=plan_devices_per_node(plan),
                        status=status, error=error[:4000], warmup_steps=int(plan["warmup_steps"]),
@@ -217,13 +223,17 @@ def unfinished(events: list[dict[str, Any]], finished: set[str]) -> dict[str, Ou
     return outcomes
 
 
-def resolve_unfinished(paths: CampaignPaths, plan: dict[str, Any], *,
-                       max_attempts: int = 2) -> list[Measurement]:
+def resolve_unfinished(paths: CampaignPaths, plan: dict[str, Any], *, max_attempts: int = 2,
+                       fingerprint: dict[str, Any] | None = None) -> list[Measurement]:
     """Journal the configs that previous launches left without a record, where the evidence
     is definite: a rank reported a failure or a timeout, or the config was started in
     ``max_attempts`` launches that all died. Configs merely started once are left to be
     measured again. Used by workers started by torchrun (which restarts the group after a
     failure); the local launcher resolves each failure itself as it sees it.
+
+    Args:
+        fingerprint: Of the machine resolving them (the one the configs ran on), recorded
+            with each failure (see :func:`failure_record`).
 
     Returns:
         The failure records appended to the journal.
@@ -242,7 +252,7 @@ def resolve_unfinished(paths: CampaignPaths, plan: dict[str, Any], *,
                                      f"in {len(outcome.attempts)} launches")
         if decided is None:
             continue
-        record = failure_record(plan, by_key[key], *decided)
+        record = failure_record(plan, by_key[key], *decided, fingerprint=fingerprint)
         append_record(journal, record, resolved_by="restart")
         records.append(record)
     return records

@@ -270,10 +270,12 @@ def run_worker(plan_path: str | Path, *, attempt: str | None = None) -> int:
     watchdog.start()
 
     journal = paths.journal(world)
+    # this machine's: recorded with the failures it journals, resolved ones included
+    fp = fingerprint(device, world_size=world)
     box = [None]
     if rank == 0:
         if parent_pid is None:  # under torchrun: settle what a dead earlier launch left
-            resolve_unfinished(paths, plan)
+            resolve_unfinished(paths, plan, fingerprint=fp)
         done = journal_keys(journal)
         box[0] = [c.to_dict() for c in plan_configs(plan) if c.key() not in done]
     dist.broadcast_object_list(box, src=0, group=control)
@@ -281,7 +283,6 @@ def run_worker(plan_path: str | Path, *, attempt: str | None = None) -> int:
 
     todo = [ParallelConfig.from_dict(c) for c in box[0]]
     model = plan_model(plan)
-    fp = fingerprint(device, world_size=world)
     print(f"rank {rank}/{world} ({attempt}): {len(todo)} configs to measure", flush=True)
 
     exit_code = 0

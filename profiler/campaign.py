@@ -267,8 +267,8 @@ def _campaign_fingerprint(device: str) -> dict[str, Any]:
 
 
 def prepare_campaign(spec: CampaignSpec, out: str | Path, *, resume: bool = False,
-                     enumerations: dict[int, SpaceEnumeration] | None = None
-                     ) -> tuple[CampaignPaths, dict[str, Any]]:
+                     enumerations: dict[int, SpaceEnumeration] | None = None,
+                     measure_here: bool = True) -> tuple[CampaignPaths, dict[str, Any]]:
     """Write (or, resuming, check) ``campaign.json``, the per-world-size plans and
     ``skipped.csv`` in ``out``.
 
@@ -277,6 +277,12 @@ def prepare_campaign(spec: CampaignSpec, out: str | Path, *, resume: bool = Fals
         out: Campaign directory.
         resume: Check and reuse the campaign already in ``out``.
         enumerations: :func:`enumerate_campaign` of ``spec``, where already computed.
+        measure_here: Whether this machine measures the campaign now: its fingerprint is
+            then stored (``fingerprint`` of ``campaign.json``) and put into the plans, for
+            the records of configs that fail under the local launcher's supervision. A
+            campaign prepared to be measured elsewhere (the printed commands) gets none in
+            its plans: the workers record their own machine's, and ``campaign.json`` keeps
+            what it held.
 
     Returns:
         The campaign's paths and its metadata (``campaign.json``'s content).
@@ -318,7 +324,8 @@ def prepare_campaign(spec: CampaignSpec, out: str | Path, *, resume: bool = Fals
                                f"{uuid.uuid4().hex[:6]}",
                 "created": time.time(), "identity": identity}
     meta["timeout_s"] = spec.timeout_s
-    meta["fingerprint"] = _campaign_fingerprint(spec.device)
+    if measure_here:
+        meta["fingerprint"] = _campaign_fingerprint(spec.device)
     paths.root.mkdir(parents=True, exist_ok=True)
     atomic_write_text(paths.campaign, json.dumps(meta, indent=1, default=str) + "\n")
 
@@ -337,7 +344,8 @@ def prepare_campaign(spec: CampaignSpec, out: str | Path, *, resume: bool = Fals
             "devices_per_node": spec.devices_per_node or world_size,
             "warmup_steps": spec.warmup_steps, "measured_steps": spec.measured_steps,
             "seed": spec.seed, "timeout_s": spec.timeout_s, "data": spec.data,
-            "fingerprint": {**meta["fingerprint"], "device_count": world_size},
+            **({"fingerprint": {**meta["fingerprint"], "device_count": world_size}}
+               if measure_here else {}),
             "configs": [c.to_dict() for c in enumeration.valid]})
         for config, reason in enumeration.skipped:
             writer.writerow([world_size, config.key(), reason])
@@ -739,12 +747,18 @@ def materialise(out: str | Path) -> Dataset:
     for row in rows:
         per = counts.setdefault(str(row["world_size"]), {s.value: 0 for s in Status})
         per[row["status"]] = per.get(row["status"], 0) + 1
-    fingerprint = meta.get("fingerprint", {})
+    from paratune.measurement import FINGERPRINT_FIELDS
+
+    # the machine that measured, as its rows name it (a campaign prepared on one machine and
+    # measured on another records the latter); unknown when no row names one
+    fingerprint: dict[str, Any] = {}
+    named = [r for r in rows if any(r.get(k) not in (None, "")
+                                    for k in FINGERPRINT_FIELDS if k != "device_count")]
+    if named:
+        fingerprint = {k: named[0].get(k) for k in FINGERPRINT_FIELDS}
     ok_rows = [r for r in rows if r["status"] == Status.OK.value]
     machines: list[dict[str, Any]] = []
     if ok_rows:
-        from paratune.measurement import FINGERPRINT_FIELDS
-
         # a campaign resumed on another machine or software stack measured on several: the
         # card names the first, and its notes every one with its number of successful rows
         fields = [k for k in FINGERPRINT_FIELDS if k != "device_count"]
@@ -967,7 +981,7 @@ def run_campaign(spec: CampaignSpec, out: str | Path, *, resume: bool = False,
                               "on a cluster, with the commands that 'paratune profile "
                               "--print-command' prints")
     with _locked(spec, out, resume=resume) as prepared:
-        paths, meta = prepare_campaign(spec, out, **prepared)
+        paths, meta = prepare_campaign(spec, out, measure_here=not finished, **prepared)
         return _run_campaign(spec, paths, meta, resume=resume, launcher=launcher,
                              track=track, progress=progress, on_record=on_record,
                              fail_grace_s=fail_grace_s, startup_timeout_s=startup_timeout_s,
@@ -1092,7 +1106,7 @@ def torchrun_commands(spec: CampaignSpec, out: str | Path, *, nnodes: int | None
 
     resume = resume or CampaignPaths(Path(out)).campaign.exists()
     with _locked(spec, out, resume=resume) as prepared:
-        paths, meta = prepare_campaign(spec, out, **prepared)
+        paths, meta = prepare_campaign(spec, out, measure_here=False, **prepared)
     commands = []
     for world_size in spec.world_sizes:
         per_node = nproc_per_node or spec.devices_per_node or world_size

@@ -781,3 +781,59 @@ def test_kill_9_of_a_torchrun_campaign_ends_torchrun_and_its_ranks(tmp_path):
             parent.wait()
         for pid in _workers_of(out):
             os.kill(pid, signal.SIGKILL)
+
+
+def test_a_campaign_prepared_for_a_cluster_records_the_machines_that_ran_it(
+        tmp_path, monkeypatch, capsys):
+    """Commands printed on a machine without a GPU, for a CUDA cluster: the rows of configs
+    that failed there name the cluster's machine (the worker's fingerprint), never the one
+    that prepared the campaign, and a card whose rows name no machine says none."""
+    import torch
+
+    from paratune.profiler.fingerprint import cpu_model
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    here = (cpu_model(), torch.__version__)
+    node = {"device_name": "NVIDIA H100 80GB HBM3", "device_count": 2,
+            "cpu": "Intel(R) Xeon(R) Platinum 8480+", "torch_version": "2.5.1+cu124",
+            "cuda_version": "12.4", "nccl_version": "2.21.5", "python_version": "3.11.9",
+            "hostname": "gpu-node-7"}
+    assert node["torch_version"] != torch.__version__
+    for name, fingerprint in (("ran", node), ("unknown", None)):
+        out = tmp_path / name
+        assert main(["profile", "--model", "tiny", "--world-sizes", "2", "--device", "cuda",
+                     "--hardware", "H100-80GB", "--warmup", "1", "--nproc-per-node", "2",
+                     "--launcher", "torchrun", "--print-command", "--out", str(out),
+                     "--no-track"]) == 0
+        paths = CampaignPaths(out)
+        plan = read_plan(paths.plan(2))
+        configs = [ParallelConfig.from_dict(c) for c in plan["configs"]]
+        assert len(configs) >= 2
+        # as the workers on the cluster journal them: one config timed out (resolved by the
+        # next launch from its event), every other one failed while it ran
+        for rank in (0, 1):
+            EventLog(paths.events(2, rank), rank=rank, attempt="a1").write(
+                "start", configs[0].key())
+        EventLog(paths.events(2, 0), rank=0, attempt="a1").write(
+            "timeout", configs[0].key(), timeout_s=plan["timeout_s"])
+        resolved = resolve_unfinished(paths, plan, fingerprint=fingerprint)
+        assert [r.status for r in resolved] == [Status.TIMEOUT]
+        for config in configs[1:]:
+            append_record(paths.journal(2), failure_record(
+                plan, config, Status.OOM, "rank 0: OutOfMemoryError", fingerprint=fingerprint))
+        assert main(["profile", "--resume", "--out", str(out), "--no-track",
+                     "--no-progress"]) == 0
+        dataset = read_dataset(out)
+        frame, card = dataset.frame, dataset.card
+        assert len(frame) == len(configs) and set(frame["hardware"]) == {"H100-80GB"}
+        for column, value in zip(("device_name", "torch_version"), here):
+            assert value not in set(frame[column]) and card.fingerprint.get(column) != value
+        if fingerprint:
+            assert set(frame["device_name"]) == {node["device_name"]}
+            assert set(frame["hostname"]) == {"gpu-node-7"}
+            assert {k: card.fingerprint[k] for k in node} == node
+        else:
+            assert set(frame["device_name"]) <= {"", None}
+            assert card.fingerprint.get("device_name") in (None, "")
+            assert card.fingerprint.get("hostname") in (None, "")
+    capsys.readouterr()
