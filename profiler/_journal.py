@@ -18,6 +18,7 @@ picks up after a dead group tell a config that crashed or hung from one never st
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -140,16 +141,20 @@ def failure_record(plan: dict[str, Any], config: ParallelConfig, status: Status,
 
 # ---------------------------------------------------------------------- events
 class EventLog:
-    """One rank's event file: ``start`` / ``fail`` / ``timeout`` / ``end`` per config."""
+    """One rank's event file: ``start`` / ``fail`` / ``timeout`` / ``interrupted`` / ``end``
+    per config. ``interrupted`` says the rank was stopped from outside (SIGTERM or SIGINT)
+    while the config ran; it is no evidence against the config."""
 
     def __init__(self, path: str | Path, *, rank: int, attempt: str) -> None:
         self.path = Path(path)
         self.rank = rank
         self.attempt = attempt
+        self._lock = threading.Lock()  # the main thread, the watchdog and the stop handler
 
     def write(self, event: str, key: str = "", **data: Any) -> None:
-        append_jsonl(self.path, {"event": event, "key": key, "rank": self.rank,
-                                 "attempt": self.attempt, "time": time.time(), **data})
+        with self._lock:
+            append_jsonl(self.path, {"event": event, "key": key, "rank": self.rank,
+                                     "attempt": self.attempt, "time": time.time(), **data})
 
 
 class EventTail:
@@ -190,6 +195,15 @@ class Outcome:
     attempts: set[str] = field(default_factory=set)
     causes: list[dict[str, Any]] = field(default_factory=list)
     """``fail`` and ``timeout`` events."""
+    interrupted: dict[str, set[int]] = field(default_factory=dict)
+    """Launch -> the ranks that wrote an ``interrupted`` event for this config."""
+
+    def counted_attempts(self, world_size: int) -> set[str]:
+        """The launches that count as attempts of this config: those that started it, less
+        those stopped from outside, where every rank wrote ``interrupted`` (a rank that
+        crashed writes none, and its peers, stopped after it, do not clear it)."""
+        every = set(range(world_size))
+        return {a for a in self.attempts if not every <= self.interrupted.get(a, set())}
 
     def status_and_error(self) -> tuple[Status, str] | None:
         """A definite outcome, or ``None`` when the evidence is only that it was started.
@@ -220,6 +234,9 @@ def unfinished(events: list[dict[str, Any]], finished: set[str]) -> dict[str, Ou
             outcome.attempts.add(event.get("attempt", ""))
         elif kind in ("fail", "timeout"):
             outcome.causes.append(event)
+        elif kind == "interrupted":
+            outcome.interrupted.setdefault(event.get("attempt", ""), set()).add(
+                int(event.get("rank", -1)))
     return outcomes
 
 
@@ -228,8 +245,10 @@ def resolve_unfinished(paths: CampaignPaths, plan: dict[str, Any], *, max_attemp
     """Journal the configs that previous launches left without a record, where the evidence
     is definite: a rank reported a failure or a timeout, or the config was started in
     ``max_attempts`` launches that all died. Configs merely started once are left to be
-    measured again. Used by workers started by torchrun (which restarts the group after a
-    failure); the local launcher resolves each failure itself as it sees it.
+    measured again, and so are those of launches stopped from outside (every rank wrote
+    ``interrupted``): a stop is not an attempt. Used by workers started by torchrun (which
+    restarts the group after a failure); the local launcher resolves each failure itself as
+    it sees it.
 
     Args:
         fingerprint: Of the machine resolving them (the one the configs ran on), recorded
@@ -247,9 +266,10 @@ def resolve_unfinished(paths: CampaignPaths, plan: dict[str, Any], *, max_attemp
         if key not in by_key:
             continue
         decided = outcome.status_and_error()
-        if decided is None and len(outcome.attempts) >= max_attempts:
+        attempts = outcome.counted_attempts(world_size)
+        if decided is None and len(attempts) >= max_attempts:
             decided = (Status.ERROR, f"the process group died while measuring this config "
-                                     f"in {len(outcome.attempts)} launches")
+                                     f"in {len(attempts)} launches")
         if decided is None:
             continue
         record = failure_record(plan, by_key[key], *decided, fingerprint=fingerprint)

@@ -17,7 +17,10 @@ exits the process with :data:`EXIT_TIMEOUT` when a config runs past its timeout.
 torchrun, a rank whose config failed waits at most :func:`fail_grace_s` for the others'
 outcomes (they may be stuck in a collective the failed rank left): then it exits with
 :data:`EXIT_RELAUNCH`, torchrun ends the group, and the next launch records the failure
-from the events (the local launcher's parent does the same for its groups).
+from the events (the local launcher's parent does the same for its groups). Under torchrun
+a rank stopped from outside (SIGTERM, which torchrun forwards when it is stopped itself, or
+SIGINT) writes an ``interrupted`` event for the config in flight and exits: a launch stopped
+that way does not count as an attempt of the config.
 
 Fault injection, for tests only: ``PARATUNE_FAULT`` holds comma-separated
 ``kind:config-key[:rank]`` entries (kind ``hang``, ``raise``, ``oom`` or ``exit``; no rank
@@ -27,6 +30,7 @@ means every rank), applied just before the config is measured.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import gc
 import os
@@ -177,6 +181,44 @@ class _Watchdog(threading.Thread):
                 os._exit(EXIT_TIMEOUT)
 
 
+class _StopHandler(threading.Thread):
+    """Under torchrun: on SIGTERM or SIGINT, write an ``interrupted`` event for the config in
+    flight (:attr:`key`) and exit with ``128 + signal``.
+
+    The signal is read from :func:`signal.set_wakeup_fd` by this thread, so the event is
+    written even while the main thread is blocked in a collective or a kernel (where a
+    Python signal handler would not run until it returned).
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self, events: EventLog) -> None:
+        super().__init__(daemon=True, name="paratune-stop")
+        self.events = events
+        self.key: str | None = None
+        self._read, write = os.pipe()
+        os.set_blocking(write, False)
+        for sig in self.SIGNALS:
+            signal.signal(sig, lambda *_: None)  # the C handler wakes this thread
+        signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+
+    def run(self) -> None:
+        while True:
+            data = os.read(self._read, 16)
+            stopped = [s for s in data if s in self.SIGNALS]
+            if stopped:
+                break
+        sig = signal.Signals(stopped[0])
+        key = self.key
+        if key:
+            with contextlib.suppress(OSError):
+                self.events.write("interrupted", key, signal=sig.name)
+        sys.stderr.write(f"stopped by {sig.name}"
+                         f"{f' while measuring {key}' if key else ''}; exiting\n")
+        sys.stderr.flush()
+        os._exit(128 + int(sig))
+
+
 def _die_with_parent(parent_pid: int) -> None:
     """Ask Linux to kill this process when the launching parent dies (even by kill -9)."""
     try:
@@ -268,6 +310,10 @@ def run_worker(plan_path: str | Path, *, attempt: str | None = None) -> int:
     events = EventLog(paths.events(world, rank), rank=rank, attempt=attempt)
     watchdog = _Watchdog(events, timeout_s, parent_pid)
     watchdog.start()
+    stop: _StopHandler | None = None
+    if parent_pid is None:  # the local launcher's parent stops its groups with SIGKILL
+        stop = _StopHandler(events)
+        stop.start()
 
     journal = paths.journal(world)
     # this machine's: recorded with the failures it journals, resolved ones included
@@ -288,6 +334,8 @@ def run_worker(plan_path: str | Path, *, attempt: str | None = None) -> int:
     exit_code = 0
     for config in todo:
         key = config.key()
+        if stop is not None:
+            stop.key = key
         events.write("start", key)
         watchdog.current = (key, time.monotonic())
         measurement = None
@@ -337,6 +385,8 @@ def run_worker(plan_path: str | Path, *, attempt: str | None = None) -> int:
             append_record(journal, record, call_s=call_s, attempt=attempt,
                           load_average=os.getloadavg()[0], **details)
         events.write("end", key, status=status)
+        if stop is not None:
+            stop.key = None
         print(f"{key}: {status} in {call_s:.2f} s", flush=True)
         if statuses != {Status.OK.value}:
             # After a failure the ranks may have left collectives unmatched (a rank that

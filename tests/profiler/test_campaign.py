@@ -837,3 +837,80 @@ def test_a_campaign_prepared_for_a_cluster_records_the_machines_that_ran_it(
             assert card.fingerprint.get("device_name") in (None, "")
             assert card.fingerprint.get("hostname") in (None, "")
     capsys.readouterr()
+
+
+def test_a_launch_stopped_from_outside_is_not_an_attempt(tmp_path):
+    """Launches in which every rank wrote ``interrupted`` for a config (stopped by SIGTERM or
+    SIGINT) leave it to be measured; launches that died without a word, or where only some
+    ranks were stopped (a peer crashed first), still count as attempts."""
+    paths, _ = prepare_campaign(_spec(), tmp_path / "c")
+    plan = read_plan(paths.plan(2))
+    for attempt in ("a1", "a2"):
+        for rank in (0, 1):
+            log = EventLog(paths.events(2, rank), rank=rank, attempt=attempt)
+            for key in KEYS_WS2[:3]:
+                log.write("start", key)
+            log.write("interrupted", KEYS_WS2[0], signal="SIGTERM")
+        # in KEYS_WS2[1] only rank 0 was stopped: rank 1 had died first
+        EventLog(paths.events(2, 0), rank=0, attempt=attempt).write(
+            "interrupted", KEYS_WS2[1], signal="SIGTERM")
+    records = {r.config.key(): r for r in resolve_unfinished(paths, plan)}
+    assert KEYS_WS2[0] not in records
+    assert records[KEYS_WS2[1]].status is Status.ERROR
+    assert records[KEYS_WS2[2]].status is Status.ERROR
+    assert "in 2 launches" in records[KEYS_WS2[2]].error
+    # two stopped launches and one that died: one attempt, still left to be measured
+    for rank in (0, 1):
+        EventLog(paths.events(2, rank), rank=rank, attempt="a3").write("start", KEYS_WS2[0])
+    assert resolve_unfinished(paths, plan) == []
+    assert journal_keys(paths.journal(2)) == set(KEYS_WS2[1:3])
+
+
+@pytest.mark.slow
+def test_sigterm_of_a_torchrun_campaign_twice_in_one_config_then_resume_measures_it(tmp_path):
+    """A torchrun campaign stopped by SIGTERM twice while the same config runs: each rank
+    records the stop, and the next resume measures the config instead of recording it as
+    failed."""
+    out = tmp_path / "c"
+    grid = tmp_path / "grid.json"
+    grid.write_text(json.dumps({"micro_batch_sizes": [2], "shardings": ["none"],
+                                "recomputes": ["none"], "pp_degrees": [1], "tp_degrees": [1]}))
+    key = "dp2-tp1-pp1-mb2-gb8-1f1b-v1-none-none"
+    command = [sys.executable, "-m", "paratune", "profile", "--launcher", "torchrun",
+               "--model", "tiny", "--world-sizes", "2", "--grid", str(grid), "--out", str(out),
+               "--warmup", "1", "--steps", "2", "--timeout", "60", "--device", "cpu",
+               "--no-track", "--no-progress"]
+    events = [out / "events" / "ws2" / f"rank{rank}.jsonl" for rank in range(2)]
+
+    def starts(path: Path) -> int:
+        return path.read_text().count('"start"') if path.exists() else 0
+
+    try:
+        for stop in (1, 2):
+            parent = subprocess.Popen(command + (["--resume"] if stop > 1 else []),
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                      env=dict(os.environ, PARATUNE_FAULT=f"hang:{key}"))
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and parent.poll() is None:
+                if all(starts(e) >= stop for e in events):
+                    break
+                time.sleep(0.1)
+            assert parent.poll() is None, parent.stderr.read().decode()
+            parent.send_signal(signal.SIGTERM)
+            parent.wait(timeout=30)
+            deadline = time.monotonic() + 20
+            while _workers_of(out) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert _workers_of(out) == []
+        assert not journal_keys(out / "journal-ws2.jsonl")
+        assert main(["profile", "--resume", "--out", str(out), "--launcher", "torchrun",
+                     "--no-track", "--no-progress"]) == 0
+        [entry] = read_journal(out / "journal-ws2.jsonl")
+        assert entry["key"] == key and entry["row"]["status"] == Status.OK.value
+        interrupted = [e for path in events
+                       for e in map(json.loads, path.read_text().splitlines())
+                       if e["event"] == "interrupted"]
+        assert sorted((e["rank"], e["key"]) for e in interrupted) == [(0, key)] * 2 + [(1, key)] * 2
+    finally:
+        for pid in _workers_of(out):
+            os.kill(pid, signal.SIGKILL)
