@@ -393,7 +393,8 @@ class PerformanceModel(_Base):
         if not has_time.any():
             raise DatasetError("no successful measurement with a step time on known hardware")
         y = np.log(step / analytical["step_time_s"])
-        self.seen_models_ = sorted(str(k) for k in np.unique(F.model_keys(c)[has_time]))
+        keys = F.model_keys(c)
+        self.seen_models_ = sorted(str(k) for k in np.unique(keys[has_time]))
         transfer = _TRANSFER_COLUMNS
         # Stalled pipeline runs are a regime of their own (a fixed cost per micro-batch); the
         # step-time models learn the normal regime without them where there are enough to
@@ -439,7 +440,6 @@ class PerformanceModel(_Base):
         # a family's model has seen the models measured in that family only: another
         # family's shape goes to its transfer model, as an unseen model does
         self.family_seen_ = {}
-        keys = F.model_keys(c)
         if len(np.unique(families[has_time])) > 1:
             for family in np.unique(families[has_time]):
                 rows = has_time & (families == family)
