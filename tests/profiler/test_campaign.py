@@ -744,19 +744,25 @@ def test_a_resume_does_not_launch_beside_ranks_of_an_earlier_launch(tmp_path, mo
     assert not paths.journal(2).exists() and not paths.logs.exists()  # nothing launched
 
 
-@pytest.mark.slow
-def test_kill_9_of_a_torchrun_campaign_ends_torchrun_and_its_ranks(tmp_path):
-    """torchrun and its ranks die with the campaign process, also when it is killed with
-    SIGKILL, so that no group of the killed run measures beside a resumed one."""
+def _one_config_torchrun_campaign(tmp_path: Path) -> tuple[Path, str, list[str]]:
+    """``(out, key, command)``: a ``paratune profile --launcher torchrun`` command line of
+    the tiny model on 2 CPU ranks whose grid holds the one config ``key``."""
     out = tmp_path / "c"
     grid = tmp_path / "grid.json"
     grid.write_text(json.dumps({"micro_batch_sizes": [2], "shardings": ["none"],
                                 "recomputes": ["none"], "pp_degrees": [1], "tp_degrees": [1]}))
-    key = "dp2-tp1-pp1-mb2-gb8-1f1b-v1-none-none"
     command = [sys.executable, "-m", "paratune", "profile", "--launcher", "torchrun",
                "--model", "tiny", "--world-sizes", "2", "--grid", str(grid), "--out", str(out),
                "--warmup", "1", "--steps", "2", "--timeout", "60", "--device", "cpu",
                "--no-track", "--no-progress"]
+    return out, "dp2-tp1-pp1-mb2-gb8-1f1b-v1-none-none", command
+
+
+@pytest.mark.slow
+def test_kill_9_of_a_torchrun_campaign_ends_torchrun_and_its_ranks(tmp_path):
+    """torchrun and its ranks die with the campaign process, also when it is killed with
+    SIGKILL, so that no group of the killed run measures beside a resumed one."""
+    out, key, command = _one_config_torchrun_campaign(tmp_path)
     # every rank hangs in the config: the group is alive when the parent is killed
     parent = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                               env=dict(os.environ, PARATUNE_FAULT=f"hang:{key}"))
@@ -871,15 +877,7 @@ def test_sigterm_of_a_torchrun_campaign_twice_in_one_config_then_resume_measures
     """A torchrun campaign stopped by SIGTERM twice while the same config runs: each rank
     records the stop, and the next resume measures the config instead of recording it as
     failed."""
-    out = tmp_path / "c"
-    grid = tmp_path / "grid.json"
-    grid.write_text(json.dumps({"micro_batch_sizes": [2], "shardings": ["none"],
-                                "recomputes": ["none"], "pp_degrees": [1], "tp_degrees": [1]}))
-    key = "dp2-tp1-pp1-mb2-gb8-1f1b-v1-none-none"
-    command = [sys.executable, "-m", "paratune", "profile", "--launcher", "torchrun",
-               "--model", "tiny", "--world-sizes", "2", "--grid", str(grid), "--out", str(out),
-               "--warmup", "1", "--steps", "2", "--timeout", "60", "--device", "cpu",
-               "--no-track", "--no-progress"]
+    out, key, command = _one_config_torchrun_campaign(tmp_path)
     events = [out / "events" / "ws2" / f"rank{rank}.jsonl" for rank in range(2)]
 
     def starts(path: Path) -> int:
