@@ -45,7 +45,6 @@ def _import(args: argparse.Namespace) -> int:
     from paratune.datasets._store import (
         DatasetExistsError,
         holds_data,
-        keep_existing_data,
         read_dataset,
         summarise_dataset,
     )
@@ -59,8 +58,7 @@ def _import(args: argparse.Namespace) -> int:
         raise exists
     try:
         # decided again under the dataset's write lock: another import may write meanwhile
-        with keep_existing_data(not args.force):
-            report = import_files(args.files, args.out)
+        report = import_files(args.files, args.out, replace=args.force)
     except DatasetExistsError:
         raise exists from None
     print(report)

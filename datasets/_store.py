@@ -30,7 +30,6 @@ and the rule.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 import hashlib
 import json
@@ -58,7 +57,7 @@ if TYPE_CHECKING:
     import pandas as pd
     import pyarrow as pa
 
-__all__ = ["Dataset", "DatasetExistsError", "holds_data", "keep_existing_data", "read_dataset",
+__all__ = ["Dataset", "DatasetExistsError", "holds_data", "read_dataset",
            "read_datasets", "records_to_frame", "summarise_dataset", "write_dataset"]
 
 _CARD_META_KEY = b"paratune.card"
@@ -68,9 +67,6 @@ LOCK_FILE = ".dataset.lock"
 _LOCK_TIMEOUT_S = 120.0
 _PENDING_FILE = ".dataset.pending"
 """Names the data file a write placed before its card (removed once the card names it)."""
-
-_REPLACE_DEFAULT: contextvars.ContextVar[bool] = contextvars.ContextVar(
-    "paratune_datasets_replace", default=True)
 
 
 class DatasetExistsError(DatasetError):
@@ -83,18 +79,6 @@ def holds_data(path: str | Path) -> bool:
     file (a dataset without its card is still data: each such file reads on its own)."""
     path = Path(path)
     return (path / CARD_FILE).exists() or any(path.glob(f"{_DATA_PREFIX}*.parquet"))
-
-
-@contextlib.contextmanager
-def keep_existing_data(keep: bool = True) -> Iterator[None]:
-    """Within the block, :func:`write_dataset` calls that do not pass ``replace`` refuse to
-    replace data already in their directory (checked under the directory's write lock), as
-    ``replace=False`` does; for callers that reach the store through another function."""
-    token = _REPLACE_DEFAULT.set(not keep)
-    try:
-        yield
-    finally:
-        _REPLACE_DEFAULT.reset(token)
 
 
 @dataclass
@@ -367,7 +351,7 @@ def _check_layout(i: int, model: Any, values: dict[str, Any], where: str) -> Non
 # ---------------------------------------------------------------------- write
 def write_dataset(path: str | Path, records_or_frame: Any, *,
                   card: DatasetCard | Mapping[str, Any] | None = None,
-                  replace: bool | None = None) -> Dataset:
+                  replace: bool = True) -> Dataset:
     """Write measurements as a dataset directory, atomically.
 
     Args:
@@ -378,9 +362,8 @@ def write_dataset(path: str | Path, records_or_frame: Any, *,
             ``data_file`` and the schema version are filled in here.
         replace: Whether to replace data already in ``path`` (a card, or any
             ``measurements-*.parquet`` file), decided under the directory's write lock so that
-            of two writers that must not replace, one fails; ``None``: yes, unless inside
-            :func:`keep_existing_data`. Replacing removes the data file the previous card
-            named; other parquet files are kept.
+            of two writers that must not replace, one fails. Replacing removes the data
+            file the previous card named; other parquet files are kept.
 
     Returns:
         The dataset as written.
@@ -426,8 +409,6 @@ def write_dataset(path: str | Path, records_or_frame: Any, *,
     card.data_sha256 = hashlib.sha256(data).hexdigest()
     # One writer at a time: a second writer's clean-up would otherwise delete the data file
     # that the first one's card is about to name.
-    if replace is None:
-        replace = _REPLACE_DEFAULT.get()
     with _write_lock(path):
         _refuse_newer_dataset(path)
         _remove_stale_temporaries(path)

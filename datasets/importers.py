@@ -637,7 +637,7 @@ def _config_identity(m: Measurement) -> tuple[Any, ...]:
 
 
 def import_files(paths: Sequence[str | Path] | Iterable[str | Path],
-                 out_dir: str | Path | None) -> ImportReport:
+                 out_dir: str | Path | None, *, replace: bool = True) -> ImportReport:
     """Convert public CSVs to paratune records and write them as one dataset.
 
     Rows that cannot be mapped are listed in the report with their line number and reason.
@@ -649,6 +649,8 @@ def import_files(paths: Sequence[str | Path] | Iterable[str | Path],
         paths: Public-format CSV files.
         out_dir: Dataset directory to write (through ``paratune.datasets.write_dataset``);
             ``None`` parses and reports without writing.
+        replace: Whether to replace data already in ``out_dir``, decided under the
+            dataset's write lock (see :func:`paratune.datasets.write_dataset`).
 
     Returns:
         An :class:`ImportReport`.
@@ -657,6 +659,7 @@ def import_files(paths: Sequence[str | Path] | Iterable[str | Path],
         DatasetError: no files, a file given twice, or a file that is a directory, unreadable,
             not UTF-8 or not in the public format (the message names the file); with
             ``out_dir``, no row that can be imported (nothing is written).
+        DatasetExistsError: ``replace`` is false and ``out_dir`` already holds data.
         FileNotFoundError: a file does not exist.
     """
     report = ImportReport(out_dir=str(out_dir) if out_dir is not None else None)
@@ -704,5 +707,5 @@ def import_files(paths: Sequence[str | Path] | Iterable[str | Path],
                           "status_counts": report.status_counts,
                           "duplicates_ok_and_failed": report.duplicates,
                           "rows_not_imported": [str(p) for p in report.problems]}}
-        write_dataset(out_dir, records, card=card)
+        write_dataset(out_dir, records, card=card, replace=replace)
     return report

@@ -245,6 +245,22 @@ def test_mixed_sources_in_one_import_keep_each_provenance(tmp_path):
         import_files([ultra, tmp_path / "." / "rows.csv"], None)
 
 
+def test_import_without_replace_leaves_the_dataset_there(tmp_path):
+    from paratune.datasets import read_dataset
+    from paratune.datasets._store import DatasetExistsError
+
+    out = tmp_path / "ds"
+    import_files([_write(tmp_path, GOOD)], out, replace=False)  # nothing there yet
+    card = (out / "card.json").read_text()
+    bare = tmp_path / "bare.csv"
+    bare.write_text(HEADER + "\n" + GOOD_ZERO1 + "\n" + GOOD + "\n")
+    with pytest.raises(DatasetExistsError, match="already holds a dataset"):
+        import_files([bare], out, replace=False)
+    assert (out / "card.json").read_text() == card and len(read_dataset(out)) == 1
+    import_files([bare], out)
+    assert len(read_dataset(out)) == 2
+
+
 @pytest.mark.parametrize(("word", "recompute"), [
     ("true", Recompute.FULL), ("Yes", Recompute.FULL), ("1", Recompute.FULL),
     ("false", Recompute.NONE), ("no", Recompute.NONE), ("0", Recompute.NONE),
