@@ -104,8 +104,15 @@ MODEL_FAMILIES: dict[str, _Family] = {
 
 
 def _family_for(source: str, model: str) -> str:
-    text = f"{source} {model}".lower()
-    if "vtrain" in text or "gpt" in text or "megatron" in text:
+    """The :data:`MODEL_FAMILIES` key of a row: the model's name decides where it names an
+    architecture (a Llama measured with Megatron-LM is still a Llama), else the source."""
+    model = model.lower()
+    if "llama" in model:
+        return "ultrascale"
+    if "gpt" in model:
+        return "gpt"
+    source = source.lower()
+    if "vtrain" in source or "gpt" in source or "megatron" in source:
         return "gpt"
     return "ultrascale"
 
@@ -378,6 +385,8 @@ def _number(raw: dict[str, str], key: str) -> float | None:
     if text == "" or text.lower() in ("nan", "none", "null"):
         return None
     try:
+        if "_" in text:  # float() reads '1_024' as 1024: a typo more often than a number
+            raise ValueError(text)
         value = float(text)
     except ValueError:
         raise _Unmappable(f"{key}={text!r} is not a number") from None

@@ -72,6 +72,7 @@ def test_good_row_maps_config_hardware_and_metrics(tmp_path):
     ({"gpu_mem_gb": "0"}, "gpu_mem_gb='0' must be positive"),
     ({"gpu_mem_gb": "-inf"}, "gpu_mem_gb='-inf' must be a finite number"),
     ({"params_b": "one"}, "params_b='one' is not a number"),
+    ({"global_batch": "2_56"}, "global_batch='2_56' is not a number"),
     ({"status": "done"}, "status='done' is not one of"),
     ({"status": "failed"}, "status='failed' contradicts the stated mfu, tokens_per_sec"),
     ({"mfu": "", "tokens_per_sec": "", "tokens_per_sec_per_gpu": "", "status": ""},
@@ -107,6 +108,20 @@ def test_vtrain_row_is_gpt_with_full_recompute(tmp_path):
     assert m.model.mlp == "gelu" and m.model.ffn_hidden_size == 4096 and m.model.tie_embeddings
     assert m.config.recompute is Recompute.FULL and m.hardware == "A100-80GB"
     assert m.step_time_s == pytest.approx(0.219733)
+
+
+@pytest.mark.parametrize(("source", "model", "mlp"), [
+    ("megatron_lm_h100_sweep", "llama-8B", "swiglu"),  # the model's name decides
+    ("my_benchmarks", "gpt-1B", "gelu"),
+    ("megatron_lm_h100_sweep", "1B", "gelu"),  # else the source
+    ("ultrascale_playbook_nanotron", "1B", "swiglu"),
+])
+def test_model_family_by_model_name_then_source(tmp_path, source, model, mlp):
+    cells = dict(zip(HEADER.split(","), GOOD.split(",")))
+    cells.update(source=source, model=model)
+    (m,), problems = parse_public_csv(
+        _write(tmp_path, ",".join(cells[h] for h in HEADER.split(","))))
+    assert not problems and m.model.mlp == mlp
 
 
 def test_missing_required_column_fails_naming_it(tmp_path):
