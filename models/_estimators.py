@@ -825,6 +825,9 @@ class PerformanceModel(_Base):
             manifest = json.loads(manifest_path.read_text())
         except json.JSONDecodeError as exc:
             raise ModelFormatError(f"{manifest_path}: corrupt manifest ({exc})") from None
+        if not isinstance(manifest, dict):
+            raise ModelFormatError(f"{manifest_path}: corrupt manifest (a JSON "
+                                   f"{type(manifest).__name__}, not an object)")
         if manifest.get("kind") != "paratune.PerformanceModel":
             raise ModelFormatError(f"{manifest_path}: kind={manifest.get('kind')!r} is not "
                                    "paratune.PerformanceModel")

@@ -451,6 +451,14 @@ def test_corrupt_manifest_fails_clearly(fitted, tmp_path, damage):
         load_model(tmp_path / "m")
 
 
+@pytest.mark.parametrize("text", ["[1, 2]", "null", "7"])
+def test_manifest_that_is_not_an_object_fails_clearly(fitted, tmp_path, text):
+    fitted.save(tmp_path / "m")
+    (tmp_path / "m" / "model.json").write_text(text)
+    with pytest.raises(ModelFormatError, match="corrupt manifest .a JSON .*, not an object"):
+        load_model(tmp_path / "m")
+
+
 def test_no_memory_limit_is_known_on_the_cpu(fitted, synthetic):
     # the feasibility classifier learned H100 memory; the CPU has no catalogued memory size
     cpu = synthetic[list(CONFIG_COLUMNS)].assign(hardware="cpu").head(20)
