@@ -1,7 +1,7 @@
 """Accuracy of the performance model on the public GPU measurements, per target scenario.
 
 Runs the three grouped cross-validations of ``paratune evaluate`` on the public CSVs and
-prints one figure per scenario of the performance-model issue next to its target:
+prints one figure per target scenario of the performance model next to its target:
 
 * Ultra-Scale, unseen configurations of seen models and cluster sizes (random split):
   median APE, top-1 regret, feasibility accuracy;
