@@ -455,7 +455,7 @@ def test_corrupt_manifest_fails_clearly(fitted, tmp_path, damage):
 def test_manifest_that_is_not_an_object_fails_clearly(fitted, tmp_path, text):
     fitted.save(tmp_path / "m")
     (tmp_path / "m" / "model.json").write_text(text)
-    with pytest.raises(ModelFormatError, match="corrupt manifest .a JSON .*, not an object"):
+    with pytest.raises(ModelFormatError, match=r"corrupt manifest \(a JSON .*, not an object"):
         load_model(tmp_path / "m")
 
 
