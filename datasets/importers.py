@@ -45,6 +45,7 @@ __all__ = [
     "header_and_body",
     "import_files",
     "is_public_csv",
+    "layout_problem",
     "missing_public_columns",
     "parse_public_csv",
     "public_header_problem",
@@ -328,7 +329,7 @@ def read_public_csv(path: str | Path, *, seen: dict[tuple[tuple[str, str], ...],
         raw = {h: (cells[i].strip() if i < len(cells) else "") for i, h in enumerate(header)}
         parsed = ParsedRow(path=str(path), line=line, raw=raw)
         rows.append(parsed)
-        parsed.error = _layout_problem(cells, header, line, last)
+        parsed.error = layout_problem(cells, header, line, last)
         if parsed.error:
             continue
         key = tuple(raw.items())
@@ -346,7 +347,7 @@ def read_public_csv(path: str | Path, *, seen: dict[tuple[tuple[str, str], ...],
     return rows, provenance
 
 
-def _layout_problem(cells: list[str], header: list[str], line: int, last: int) -> str:
+def layout_problem(cells: list[str], header: list[str], line: int, last: int) -> str:
     """Why a row's cells do not line up with the header, or ``""``."""
     first = cells[0].strip()
     if first.startswith("#"):

@@ -16,8 +16,8 @@ from paratune.predictor import CONFIG_COLUMNS
 if TYPE_CHECKING:
     import pandas as pd
 
-__all__ = ["canonical_order", "config_identity", "feasibility_table", "load_measurements",
-           "measured_memory_gb", "measured_step_time", "training_fingerprint"]
+__all__ = ["canonical_order", "check_distinct", "config_identity", "feasibility_table",
+           "load_measurements", "measured_memory_gb", "measured_step_time", "training_fingerprint"]
 
 logger = logging.getLogger(__name__)
 
@@ -36,13 +36,14 @@ def load_measurements(paths: Sequence[str | Path]) -> pd.DataFrame:
         One frame of all rows, with a ``data_path`` column naming where each came from.
 
     Raises:
-        DatasetError: a path is neither of these.
+        DatasetError: a path is neither of these, or is given twice.
         FileNotFoundError: a path does not exist.
     """
     import pandas as pd
 
     from paratune.datasets.importers import first_problems, is_public_csv, parse_public_csv
 
+    check_distinct(paths)
     frames = []
     for path in map(Path, paths):
         if not path.exists():
@@ -71,14 +72,17 @@ def load_measurements(paths: Sequence[str | Path]) -> pd.DataFrame:
             from paratune.datasets.importers import header_and_body, public_header_problem
 
             header, _, header_line, _ = header_and_body(path)
-            problem = public_header_problem(header)
+            # a header with every measurement-row column is that format, whatever other
+            # columns it has (one named like a public column, gpu or num_gpus, included)
+            problem = (public_header_problem(header) if _missing_row_columns(header)
+                       else None)
             if problem:
                 raise DatasetError(f"{path}: {problem}")
             # from the header on: '#' lines above it are comments, as in a public CSV
             frame = pd.read_csv(path, comment=None, skiprows=header_line - 1)
         else:
             raise DatasetError(f"{path}: not a dataset directory, public CSV or parquet file")
-        missing = [c for c in ("status", "step_time_s", *CONFIG_COLUMNS) if c not in frame.columns]
+        missing = _missing_row_columns(list(frame.columns))
         if missing:
             shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more"
                                               if len(missing) > 5 else "")
@@ -90,6 +94,27 @@ def load_measurements(paths: Sequence[str | Path]) -> pd.DataFrame:
     if not frames:
         raise DatasetError("no data given")
     return pd.concat(frames, ignore_index=True)
+
+
+def check_distinct(paths: Sequence[str | Path]) -> None:
+    """Refuse a path given twice (also spelt differently, ``D/../D/f.csv``): its rows would
+    count twice in the fit or evaluation.
+
+    Raises:
+        DatasetError: naming the path and its other spelling.
+    """
+    given: dict[Path, Path] = {}
+    for path in map(Path, paths):
+        resolved = path.resolve()
+        if resolved in given:
+            raise DatasetError(f"{path}: given twice (as {given[resolved]} too); every row "
+                               "would be used twice")
+        given[resolved] = path
+
+
+def _missing_row_columns(columns: Sequence[str]) -> list[str]:
+    """The columns of a measurement row (status, step time, config) that ``columns`` lacks."""
+    return [c for c in ("status", "step_time_s", *CONFIG_COLUMNS) if c not in columns]
 
 
 def _read_parquet_rows(path: Path) -> pd.DataFrame:

@@ -28,32 +28,56 @@ _DEFAULTS: dict[str, Any] = {"model_name": "model", "num_kv_heads": np.nan,
                              "norm_eps": 1e-5, "schedule": "1f1b", "virtual_stages": 1,
                              "sharding": "none", "recompute": "none",
                              "devices_per_node": np.nan}
+_TRUE = ("true", "1", "yes")
+_FALSE = ("false", "0", "no", "")
 
 
 def _read_raw(path: Path) -> tuple[pd.DataFrame, np.ndarray]:
-    """Every data row's cells as strings (padded to the header) and why each row cannot be
-    read as a row (empty, or more cells than the header, not counting empty ones after it as
-    a trailing separator leaves; ``""`` elsewhere). Blank lines are no rows, as pandas reads
-    them."""
+    """Every data row's cells as strings (padded or cut to the header) and why each row cannot
+    be read as a row (``""`` where it can): empty, or cells that do not line up with the header
+    as ``paratune datasets import`` reports them (a cell count other than the header's, a
+    ``#`` comment line, a repeated header, a quote not closed on its line). Blank lines are no
+    rows, as pandas reads them. A row whose cells span several lines and do not line up is one
+    output row per line it spans, each with the reason: no line of the input vanishes."""
     import csv
 
     import pandas as pd
 
-    from paratune.datasets.importers import header_and_body
+    from paratune.datasets.importers import header_and_body, layout_problem
 
-    header, body, _, _ = header_and_body(path)
+    header, body, header_line, _ = header_and_body(path)
     rows: list[list[str]] = []
     errors: list[str] = []
-    for cells in csv.reader(body):
-        if not cells or (len(cells) == 1 and not cells[0].strip()):
-            continue
-        if not any(c.strip() for c in cells):
-            errors.append("empty row: every cell is empty")
-        elif len(cells) > len(header) and any(c.strip() for c in cells[len(header):]):
-            errors.append(f"has {len(cells)} cells but the header has {len(header)} columns")
-        else:
-            errors.append("")
+
+    def add(cells: list[str], error: str) -> None:
         rows.append((cells + [""] * (len(header) - len(cells)))[: len(header)])
+        errors.append(error)
+
+    start = 0
+    while start < len(body):
+        reader = csv.reader(body[start:])
+        end = 0
+        for cells in reader:
+            first, end = end, reader.line_num
+            if not cells or (len(cells) == 1 and not cells[0].strip()):
+                continue
+            if not any(c.strip() for c in cells):
+                add(cells, "empty row: every cell is empty")
+                continue
+            line = header_line + start + first + 1
+            error = layout_problem(cells, header, line, header_line + start + end)
+            if not error or end - first == 1:
+                add(cells, error)
+                continue
+            # a quote not closed on its line swallowed the lines after it: each line it spans
+            # is a row of its own (not predicted), and reading starts again after them
+            for text in body[start + first:start + end]:
+                if text.strip():
+                    add(next(csv.reader([text.rstrip("\r\n")]), []), error)
+            start += end
+            break
+        else:
+            break
     raw = pd.DataFrame(rows, columns=header, dtype=object)
     return raw, np.asarray(errors, dtype=object)
 
@@ -100,10 +124,12 @@ def read_config_csv(path: str | Path) -> tuple[pd.DataFrame, pd.DataFrame, np.nd
         configs = pd.DataFrame(rows, columns=list(CONFIG_COLUMNS))
         configs["source"] = raw["source"].to_numpy() if "source" in raw.columns else ""
         return raw, _fill_placeholders(configs, errors), errors
-    problem = public_header_problem(list(raw.columns))
+    missing = [c for c in _OWN_REQUIRED if c not in raw.columns]
+    # a header with every config column is that format, whatever other columns it has (one
+    # named like a public column, num_gpus or gpu, passes through as the others do)
+    problem = public_header_problem(list(raw.columns)) if missing else None
     if problem:
         raise DatasetError(f"{path}: {problem}")
-    missing = [c for c in _OWN_REQUIRED if c not in raw.columns]
     if missing:
         raise DatasetError(f"{path}: neither the public measurement format nor paratune's "
                            f"config columns (missing {', '.join(missing)})")
@@ -125,8 +151,21 @@ def read_config_csv(path: str | Path) -> tuple[pd.DataFrame, pd.DataFrame, np.nd
             errors[i] = f"{column}={raw[column].iloc[i]!r} must be a positive integer"
         configs[column] = values
     if "tie_embeddings" in raw.columns:
-        configs["tie_embeddings"] = raw["tie_embeddings"].astype(str).str.lower().isin(
-            ("true", "1", "yes"))
+        flag = raw["tie_embeddings"].astype(str).str.strip().str.lower()
+        wrong = ~flag.isin(_TRUE + _FALSE)
+        for i in np.flatnonzero(wrong.to_numpy() & (errors == "")):
+            errors[i] = (f"tie_embeddings={raw['tie_embeddings'].iloc[i]!r} must be true or "
+                         "false (or 1/0, yes/no; empty: false)")
+        configs["tie_embeddings"] = flag.isin(_TRUE)
+    for column in ("rope_theta", "norm_eps"):
+        if column not in raw.columns:
+            continue
+        text = configs[column].astype(str)
+        values = pd.to_numeric(text.replace("", np.nan), errors="coerce")
+        bad = text.ne("") & ~(np.isfinite(values) & (values > 0))
+        for i in np.flatnonzero(bad.to_numpy() & (errors == "")):
+            errors[i] = f"{column}={raw[column].iloc[i]!r} must be a positive number"
+        configs[column] = values.fillna(_DEFAULTS[column])
     for column, default in (("schedule", "1f1b"), ("sharding", "none"), ("recompute", "none"),
                             ("mlp", "swiglu")):
         configs[column] = configs[column].replace("", default).fillna(default)
@@ -144,6 +183,13 @@ def read_config_csv(path: str | Path) -> tuple[pd.DataFrame, pd.DataFrame, np.nd
     for i in np.flatnonzero(uneven.to_numpy() & (errors == "")):
         errors[i] = (f"global_batch_size={raw['global_batch_size'].iloc[i]} is not a multiple "
                      "of dp*micro_batch_size")
+    if "num_microbatches" in raw.columns:
+        stated = pd.to_numeric(raw["num_microbatches"], errors="coerce")
+        clash = stated.notna() & (stated != configs["num_microbatches"])
+        for i in np.flatnonzero(clash.to_numpy() & (errors == "")):
+            errors[i] = (f"num_microbatches={raw['num_microbatches'].iloc[i]} contradicts "
+                         "global_batch_size/(dp*micro_batch_size) = "
+                         f"{int(configs['num_microbatches'].iloc[i])}")
     for column, rule in (("schedule", ("gpipe", "1f1b", "interleaved_1f1b")),
                          ("sharding", ("none", "zero1", "zero2", "zero3")),
                          ("recompute", ("none", "full", "selective")), ("mlp", ("swiglu", "gelu"))):

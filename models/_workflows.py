@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from paratune.errors import ConfigError
-from paratune.models._data import load_measurements, measured_step_time
+from paratune.models._data import check_distinct, load_measurements, measured_step_time
 from paratune.models._estimators import (
     _LOCK_FILE,
     _MANIFEST,
@@ -43,6 +43,7 @@ def fit_model(data: Sequence[str | Path], out: str | Path, *, n_estimators: int 
             (without ``force``); checked before the MLflow run opens.
         FileNotFoundError, PermissionError: a ``data`` path is missing or unreadable
             (before the MLflow run opens).
+        DatasetError: a ``data`` path is given twice (before the MLflow run opens).
     """
     _check_out(Path(out), force=force)
     _check_readable(data)
@@ -110,10 +111,12 @@ def _check_out(out: Path, *, force: bool) -> None:
 
 
 def _check_readable(data: Sequence[str | Path]) -> None:
-    """Refuse a missing or unreadable input before any work (and any MLflow run) starts."""
+    """Refuse a missing or unreadable input, or one given twice, before any work (and any
+    MLflow run) starts."""
     import errno
     import os
 
+    check_distinct(data)
     for path in map(Path, data):
         if not path.exists():
             raise FileNotFoundError(errno.ENOENT, "no such file", str(path))
@@ -175,6 +178,7 @@ def evaluate_model(data: Sequence[str | Path], *, split: str = "random", baselin
     Raises:
         FileNotFoundError, PermissionError: a ``data`` path is missing or unreadable
             (before the MLflow run opens).
+        DatasetError: a ``data`` path is given twice (before the MLflow run opens).
         ConfigError: ``plot`` is not an image file name (see :func:`plot_path`).
     """
     _check_readable(data)
