@@ -109,6 +109,11 @@ class ConfigSpace:
     or mapping) rather than left to its default; set by the constructor."""
 
     def __post_init__(self) -> None:
+        if (isinstance(self.tp_within_node, bool)
+                or getattr(getattr(self.tp_within_node, "dtype", None), "kind", "") == "b"):
+            object.__setattr__(self, "tp_within_node", bool(self.tp_within_node))
+        else:  # not truthiness: the string "false" from a space file would read as true
+            raise ConfigError("tp_within_node", self.tp_within_node, "must be true or false")
         if self.global_batch_sizes is None:
             object.__setattr__(self, "global_batch_sizes", DEFAULT_GLOBAL_BATCH_SIZES)
             object.__setattr__(self, "global_batch_sizes_given", False)
@@ -121,8 +126,9 @@ class ConfigSpace:
         for name in ("tp_degrees", "pp_degrees"):
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, _as_tuple(getattr(self, name), int, name))
-        for name in ("global_batch_sizes", "micro_batch_sizes", "virtual_stages"):
-            bad = [v for v in getattr(self, name) if v < 1]
+        for name in ("global_batch_sizes", "micro_batch_sizes", "virtual_stages",
+                     "tp_degrees", "pp_degrees"):
+            bad = [v for v in getattr(self, name) or () if v < 1]
             if bad:
                 raise ConfigError(name, bad[0], "must be a positive integer")
         # Integer options are ordinal: the tuner samples them by index and moves between

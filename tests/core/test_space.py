@@ -125,3 +125,24 @@ def test_integer_options_take_numpy_integers():
 
     space = ConfigSpace(global_batch_sizes=[np.int64(64), 8.0], micro_batch_sizes=[np.int32(2)])
     assert space.global_batch_sizes == (8, 64) and space.micro_batch_sizes == (2,)
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"tp_within_node": "false"}, "tp_within_node='false': must be true or false"),
+    ({"tp_within_node": 0}, "tp_within_node=0: must be true or false"),
+    ({"tp_within_node": None}, "tp_within_node=None: must be true or false"),
+    ({"tp_degrees": [0, 2]}, "tp_degrees=0: must be a positive integer"),
+    ({"pp_degrees": [-2]}, "pp_degrees=-2: must be a positive integer"),
+])
+def test_every_field_is_checked_for_its_type(tmp_path, options, message):
+    """A space file's string "false" is not true: a field that is not of its type is refused,
+    named, rather than read by its truthiness."""
+    with pytest.raises(ConfigError) as info:
+        ConfigSpace(**options)
+    assert str(info.value) == message
+    path = tmp_path / "space.yaml"
+    path.write_text('tp_within_node: "false"\ntp_degrees: [8]\n')
+    with pytest.raises(ConfigError, match=r"^tp_within_node='false': must be true or false$"):
+        ConfigSpace.from_file(path)
+    path.write_text("tp_within_node: false\n")
+    assert ConfigSpace.from_file(path).tp_within_node is False
