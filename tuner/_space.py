@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from paratune.errors import ConfigError
 from paratune.hardware import HardwareSpec, get_hardware
 from paratune.parallel import ParallelConfig, Recompute, Schedule, Sharding
-from paratune.space import ConfigSpace, SpaceEnumeration
+from paratune.space import ConfigSpace, SpaceEnumeration, divisors
 from paratune.spec import ModelSpec
 
 if TYPE_CHECKING:
@@ -179,12 +179,7 @@ class SearchSpace:
             raise ConfigError("devices_per_node", self.devices_per_node,
                               "must be a positive integer")
         if not self.layouts():
-            raise ConfigError("gpus", self.world_size,
-                              f"no (dp, tp, pp) layout of {self.world_size} devices is valid "
-                              f"for {self.model.name} with global_batch_sizes="
-                              f"{list(self.space.global_batch_sizes)} "
-                              f"(tp must divide the head counts, pp*virtual stages <= layers, "
-                              f"dp*micro_batch_size must divide a batch)")
+            raise self._no_layout_error()
         unreachable = [b for b in self.space.global_batch_sizes
                        if not any(b % (dp * mbs) == 0 for dp, _, _ in self.layouts()
                                   for mbs in self.space.micro_batch_sizes)]
@@ -192,6 +187,86 @@ class SearchSpace:
             logger.warning("global_batch_sizes %s: no layout of %d devices for %s reaches "
                            "them (dp*micro_batch_size must divide the batch); samples of them "
                            "are pruned", unreachable, self.world_size, self.model.name)
+
+    def _shape_rule(self, dp: int, tp: int, pp: int) -> str | None:
+        """The shape rule (tp divides the heads, pp fits the layers) that ``(dp, tp, pp)``
+        breaks, or ``None``."""
+        # GPipe with one micro-batch per rank has no schedule rule of its own
+        probe = ParallelConfig(dp=dp, tp=tp, pp=pp, global_batch_size=dp,
+                               schedule=Schedule.GPIPE)
+        try:
+            probe.validate(self.model, self.world_size)
+        except ConfigError as exc:
+            return f"{exc.field}={exc.value} {exc.rule}"
+        return None
+
+    def _degree_rule(self, name: str, degree: int, pp_or_tp: Sequence[int]) -> str:
+        """Why ``name`` (``tp`` or ``pp``) = ``degree`` is in no valid layout when the other
+        degree takes the values ``pp_or_tp``."""
+        n, node = self.world_size, self.devices_per_node
+        if n % degree:
+            return f"{name}={degree} does not divide {n} devices"
+        if name == "tp" and self.space.tp_within_node and node % degree:
+            return (f"tp={degree} does not divide devices_per_node={node} (tp_within_node: "
+                    f"every tensor-parallel group inside one node)")
+        rules = []
+        for other in pp_or_tp:
+            tp, pp = (degree, other) if name == "tp" else (other, degree)
+            if n % (tp * pp):
+                continue
+            rule = self._shape_rule(n // (tp * pp), tp, pp)
+            if rule is None:
+                return (f"{name}={degree} leaves no dp with dp*micro_batch_size "
+                        f"(micro_batch_sizes={list(self.space.micro_batch_sizes)}) dividing "
+                        f"a global batch size in {list(self.space.global_batch_sizes)}")
+            rules.append(rule)
+        if not rules:
+            other = "pp" if name == "tp" else "tp"
+            return (f"{name}={degree}: tp*pp divides {n} devices for no {other} in "
+                    f"{other}_degrees={list(pp_or_tp)}")
+        # the rule of the layout with the other degree at 1, else the first
+        return rules[0]
+
+    def _no_layout_error(self) -> ConfigError:
+        """The error for a space without a valid layout, naming the space fields that rule
+        every layout out (``tp_degrees``, ``pp_degrees``) where they do, else ``gpus``."""
+        n, node = self.world_size, self.devices_per_node
+        batches = list(self.space.global_batch_sizes)
+        # layouts the rules allow regardless of the degree lists
+        free = self.space.replace(tp_degrees=None, pp_degrees=None)
+        allowed = [(dp, tp, pp) for (dp, tp, pp), reason in free.degrees(n, devices_per_node=node)
+                   if reason is None and self._shape_rule(dp, tp, pp) is None
+                   and any(b % (dp * mbs) == 0 for b in batches
+                           for mbs in self.space.micro_batch_sizes)]
+        tps, pps = self.space.tp_degrees, self.space.pp_degrees
+        for name, values, position in (("tp", tps, 1), ("pp", pps, 2)):
+            if values is not None and not any(layout[position] in values for layout in allowed):
+                others = ((pps or divisors(n)) if name == "tp" else (tps or divisors(n)))
+                rules = "; ".join(self._degree_rule(name, v, sorted(others)) for v in values)
+                return ConfigError(f"{name}_degrees", list(values),
+                                   f"no value gives a valid layout of {n} devices for "
+                                   f"{self.model.name}: {rules}")
+        if allowed and tps is not None and pps is not None:  # each list allows a layout
+            shaped = [(dp, tp, pp) for (dp, tp, pp), reason in self.space.degrees(
+                n, devices_per_node=node) if reason is None
+                and self._shape_rule(dp, tp, pp) is None]
+            if not shaped:
+                return ConfigError("tp_degrees", list(tps),
+                                   f"with pp_degrees={list(pps)}, no (tp, pp) gives a valid "
+                                   f"layout of {n} devices for {self.model.name} (tp*pp must "
+                                   f"divide {n} and tp, pp must fit the model's shape)")
+            return ConfigError("global_batch_sizes", batches,
+                               f"dp*micro_batch_size must divide a batch, and under "
+                               f"tp_degrees={list(tps)} and pp_degrees={list(pps)} no dp "
+                               f"(dp in {sorted({dp for dp, _, _ in shaped})}) with "
+                               f"micro_batch_sizes={list(self.space.micro_batch_sizes)} does")
+        node_rule = (f", tp must divide devices_per_node={node} (tp_within_node)"
+                     if self.space.tp_within_node else "")
+        return ConfigError("gpus", n,
+                           f"no (dp, tp, pp) layout of {n} devices is valid for "
+                           f"{self.model.name} with global_batch_sizes={batches} (tp must "
+                           f"divide the head counts{node_rule}, pp*virtual stages <= layers, "
+                           f"dp*micro_batch_size must divide a batch)")
 
     @classmethod
     def build(cls, model: ModelSpec, world_size: int, hardware: HardwareSpec | str, *,

@@ -56,9 +56,36 @@ def test_layouts_respect_model_shape_and_batch():
 
 
 def test_impossible_job_is_a_clear_error():
-    with pytest.raises(ConfigError, match="gpus=7"):
+    # 7 devices of tiny (8 heads, 4 layers): tp=7 and pp=7 break its shape, dp=7 the batch
+    with pytest.raises(ConfigError, match=r"^gpus=7: .*tp must divide devices_per_node=8"):
+        SearchSpace.build(get_model("tiny"), 7, "H100", global_batch_sizes=[4],
+                          space=ConfigSpace(micro_batch_sizes=(1,)))
+    # with pipelines allowed, llama3-8b on 7 devices has a layout: the space's pp_degrees
+    # rules it out, and is named
+    with pytest.raises(ConfigError, match=r"^pp_degrees=\[1\]: .*pp=1 leaves no dp"):
         SearchSpace.build(get_model("llama3-8b"), 7, "H100", global_batch_sizes=[4],
                           space=ConfigSpace(micro_batch_sizes=(1,), pp_degrees=(1,)))
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"tp_degrees": [3]}, r"tp_degrees=[3]: no value gives a valid layout of 64 devices for "
+                          r"llama3-8b: tp=3 does not divide 64 devices"),
+    ({"tp_degrees": [16]}, "tp_degrees=[16]: no value gives a valid layout of 64 devices for "
+                           "llama3-8b: tp=16 does not divide devices_per_node=8 (tp_within_node"),
+    ({"tp_degrees": [16], "tp_within_node": False},
+     "tp_degrees=[16]: no value gives a valid layout of 64 devices for llama3-8b: tp=16 must "
+     "divide num_kv_heads=8"),
+    ({"pp_degrees": [128]}, "pp_degrees=[128]: no value gives a valid layout of 64 devices for "
+                            "llama3-8b: pp=128 does not divide 64 devices"),
+    ({"pp_degrees": [64]}, "pp_degrees=[64]: no value gives a valid layout of 64 devices for "
+                           "llama3-8b: pp=64 pp*virtual_stages = 64 pipeline stages need"),
+])
+def test_a_space_that_rules_out_every_layout_names_its_field(options, message):
+    """Not ``gpus``: 64 devices have layouts; the space's degree list rules them out."""
+    with pytest.raises(ConfigError) as info:
+        SearchSpace.build(get_model("llama3-8b"), 64, "H100", global_batch_sizes=[128],
+                          space=ConfigSpace(**options))
+    assert str(info.value).startswith(message)
 
 
 def test_neighbours_change_one_parameter_and_are_valid():
