@@ -284,6 +284,10 @@ def tune(model: ModelSpec | str, gpus: int, gpu: HardwareSpec | str,
             raise ConfigError(name, value, "must be a positive integer")
     if isinstance(verify, bool) or not isinstance(verify, int) or verify < 0:
         raise ConfigError("verify", verify, "must be a number of configs >= 0")
+    if verify:  # refused before the search: it would write its files, then fail
+        from paratune.tuner._verify import check_verify_here
+
+        check_verify_here(search_space, verify)
     obj = Objective(kind=ObjectiveKind(objective) if objective in ("throughput", "goodput")
                     else objective, b_noise=b_noise, b0=b0, risk_quantile=risk_quantile,
                     min_feasible_prob=min_feasible_prob, memory_limit_gb=memory_limit_gb)

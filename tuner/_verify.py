@@ -22,9 +22,11 @@ if TYPE_CHECKING:
     import pandas as pd
 
     from paratune.spec import ModelSpec
+    from paratune.tuner._space import SearchSpace
     from paratune.tuner._tune import TuneResult
 
-__all__ = ["pinned_space", "trainer_runnable", "verify_top_k"]
+__all__ = ["RANKS_PER_CORE", "check_verify_here", "pinned_space", "trainer_runnable",
+           "verify_top_k"]
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +48,73 @@ def _local_hardware() -> tuple[str, str]:
 
     device = detect_device()
     return device, detect_hardware(device)
+
+
+RANKS_PER_CORE = 2
+"""The most ranks per core a verification on the CPU starts. Every rank is a process on this
+machine (it imports PyTorch and joins a gloo group) sharing its cores; two per core still
+verify in time (the quickstart's default job, 4 ranks, on a 2-core machine), while far more
+spend the per-config timeout starting up and are measured as timeouts."""
+
+
+def check_verify_here(space: SearchSpace, k: int) -> str:
+    """Refuse a verification this machine cannot run, before any search or file.
+
+    Args:
+        space: The job's search space (model, world size, device kind).
+        k: Configs to verify.
+
+    Returns:
+        This machine's device (``"cuda"`` or ``"cpu"``), for the profiling campaigns.
+
+    Raises:
+        ConfigError: ``k`` is not positive (``verify``); the job's hardware is not on this
+            machine (``verify``); on the CPU, the job's processes cannot fit in this
+            machine's memory or are more than :data:`RANKS_PER_CORE` per core (``gpus``).
+    """
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ConfigError("verify", k, "must be a positive number of configs")
+    device, local = _local_hardware()
+    if local != space.hardware.name:
+        raise ConfigError("verify", k, f"profiling needs the job's hardware here: this "
+                          f"machine has {local}, the job asks for {space.hardware.name}")
+    if device == "cpu":
+        _check_cpu_fits(space.model, space.world_size, k)
+    return device
+
+
+def _check_cpu_fits(model: ModelSpec, world_size: int, k: int) -> None:
+    """Refuse ``world_size`` CPU ranks that this machine cannot hold or run in time; warn
+    where they share its cores."""
+    import os
+
+    from paratune.parallel import Sharding
+    from paratune.profiler._memory import cpu_process_memory_gb, physical_memory_bytes
+
+    # every rank runs here; fully sharded over all of them, a rank holds the least it can
+    # under any layout, so too little memory for this config is too little for every one
+    least = ParallelConfig(dp=world_size, global_batch_size=world_size,
+                           sharding=Sharding.ZERO3 if world_size > 1 else Sharding.NONE)
+    per_process = cpu_process_memory_gb(model, least)
+    total_gb = physical_memory_bytes() / 1e9
+    if per_process * world_size > total_gb:
+        raise ConfigError("gpus", world_size,
+                          f"verifying runs all {world_size} processes on this machine's CPU, "
+                          f"and {model.name} needs at least {per_process:.1f} GB per process "
+                          f"under any layout (float32 weights, gradients and AdamW state, "
+                          f"sharded over every process) x {world_size} = "
+                          f"{per_process * world_size:.1f} GB, more than its "
+                          f"{total_gb:.1f} GB of memory")
+    cores = os.cpu_count() or 1
+    if world_size > RANKS_PER_CORE * cores:
+        raise ConfigError("gpus", world_size,
+                          f"verifying runs all {world_size} processes on this machine's "
+                          f"CPU, at most {RANKS_PER_CORE} per core: {RANKS_PER_CORE * cores} "
+                          f"on its {cores} cores (verify a smaller job here, or on its "
+                          f"hardware)")
+    if world_size > cores:
+        logger.warning("verify=%d: the %d processes share this machine's %d cores; steps "
+                       "are slower than on a core each", k, world_size, cores)
 
 
 def trainer_runnable(configs: Sequence[ParallelConfig], model: ModelSpec, k: int
@@ -94,20 +163,16 @@ def verify_top_k(result: TuneResult, k: int, *,
         ``refit_tokens_per_s`` and ``refit_error_pct``.
 
     Raises:
-        ConfigError: ``k`` is not positive, or the job's hardware is not on this machine.
+        ConfigError: ``k`` is not positive, the job's hardware is not on this machine, or
+            it cannot run the job's processes (see :func:`check_verify_here`).
     """
     import pandas as pd
 
     from paratune.profiler.campaign import CampaignSpec, run_campaign
     from paratune.tuner._search import config_from_row, evaluate
 
-    if not isinstance(k, int) or k < 1:
-        raise ConfigError("verify", k, "must be a positive number of configs")
     space = result.search.space
-    device, local = _local_hardware()
-    if local != space.hardware.name:
-        raise ConfigError("verify", k, f"profiling needs the job's hardware here: this "
-                          f"machine has {local}, the job asks for {space.hardware.name}")
+    device = check_verify_here(space, k)
     base = Path(out_dir) if out_dir is not None else (
         result.outputs["json"].parent / "verify" if result.outputs else None)
     if base is None:

@@ -394,3 +394,34 @@ def test_plan_searches_the_batches_of_its_space_file(job, tmp_path, capsys):
     assert searched("--space", "space.yaml", "--global-batch", "256") == "256"
     default = searched()
     assert default.count(",") >= 2 and searched("--space", "recompute.yaml") == default
+
+
+@pytest.mark.parametrize(("space", "message"), [
+    ('tp_within_node: "false"\ntp_degrees: [8]\n',
+     "tp_within_node='false': must be true or false"),
+    ("tp_degrees: [3]\n", "tp_degrees=[3]: no value gives a valid layout of 64 devices for "
+                          "llama3-8b: tp=3 does not divide 64 devices"),
+    ("pp_degrees: [128]\n", "pp_degrees=[128]: no value gives a valid layout of 64 devices "
+                            "for llama3-8b: pp=128 does not divide 64 devices"),
+    ("tp_degrees: [16]\n", "tp_degrees=[16]: no value gives a valid layout of 64 devices for "
+                           "llama3-8b: tp=16 does not divide devices_per_node=8"),
+])
+def test_a_space_file_that_rules_out_the_job_names_its_field(job, tmp_path, capsys, space,
+                                                             message):
+    (tmp_path / "space.yaml").write_text(space)
+    assert main(job("tune", "--trials", "5", "--space", "space.yaml")) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith(f"paratune tune: error: {message}")
+    assert "--gpus" not in captured.err and captured.out == ""
+    assert not (tmp_path / "out").exists()
+
+
+def test_tune_refuses_a_verification_it_cannot_run_before_searching(job, tmp_path, capsys):
+    """--verify on a machine without the job's hardware: refused first, nothing written
+    (not after the search printed its ranking and wrote the recommendation)."""
+    assert main(job("tune", "--trials", "5", "--verify", "1")) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith("paratune tune: error: --verify=1: profiling needs the "
+                                   "job's hardware here")
+    assert captured.out == ""
+    assert not (tmp_path / "out").exists()

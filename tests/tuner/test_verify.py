@@ -100,3 +100,40 @@ def test_verify_is_logged_in_the_tune_run(closed_form, tmp_path):
     run = client.get_run(result.run_id)
     assert run.info.status == "FINISHED" and run.data.params["verify"] == "1"
     assert "verification.csv" in {a.path for a in client.list_artifacts(result.run_id)}
+
+
+def test_verify_is_refused_before_the_search(closed_form, tmp_path):
+    """A verification this machine cannot run is refused up front: no prediction, no file
+    (not after the search wrote the recommendation)."""
+    with pytest.raises(ConfigError, match=r"^verify=1: profiling needs the job's hardware"):
+        tune("llama3-8b", 64, "H100", closed_form, n_trials=5, track=False, verify=1,
+             output_dir=tmp_path / "out")
+    assert closed_form.calls == []
+    assert not (tmp_path / "out").exists()
+
+
+def test_verify_on_the_cpu_refuses_more_processes_than_the_machine_runs(
+        closed_form, tmp_path, monkeypatch, caplog):
+    """Every rank of a CPU verification is a process here: beyond two per core (or beyond
+    the machine's memory) the job is refused, naming gpus, before the search starts."""
+    import os
+
+    from paratune.tuner import SearchSpace
+    from paratune.tuner._verify import RANKS_PER_CORE, check_verify_here
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    too_many = 2 * RANKS_PER_CORE + 1
+    with pytest.raises(ConfigError, match=rf"^gpus={too_many}: .* at most {RANKS_PER_CORE} "
+                                          r"per core: 4 on its 2 cores"):
+        tune("tiny", too_many, "cpu", closed_form, n_trials=5, track=False, verify=1,
+             global_batch_sizes=[too_many], output_dir=tmp_path / "out")
+    assert closed_form.calls == [] and not (tmp_path / "out").exists()
+    # two per core still verify (the quickstart's 4 ranks on 2 cores), with a warning
+    with caplog.at_level("WARNING", logger="paratune.tuner._verify"):
+        assert check_verify_here(SearchSpace.build(get_model("tiny"), 4, "cpu"), 1) == "cpu"
+    assert "4 processes share this machine's 2 cores" in caplog.text
+    # the machine's memory: llama3-8b needs about 128 GB of state whatever the layout
+    monkeypatch.setattr("paratune.profiler._memory.physical_memory_bytes", lambda: 64 << 30)
+    with pytest.raises(ConfigError, match=r"^gpus=4: verifying runs all 4 processes .*more "
+                                          r"than its 68\.7 GB of memory$"):
+        check_verify_here(SearchSpace.build(get_model("llama3-8b"), 4, "cpu"), 1)
