@@ -16,6 +16,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import NoReturn
 
 from paratune import __version__
 from paratune.errors import ConfigError, ParatuneError, Terminated
@@ -74,8 +75,31 @@ def _plain_help(parser: argparse.ArgumentParser) -> None:
                 _plain_help(sub)
 
 
+_VALUE_ERROR = re.compile(r"^argument (?P<flag>[^:]+): (?P<rule>(?:must |invalid ).*)$", re.S)
+_INVALID_TYPE = re.compile(r"^invalid (?P<type>\w+) value: (?P<value>.*)$", re.S)
+_TYPE_NAMES = {"int": "an integer", "float": "a number"}
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argument parser that refuses a bad value of an option in one line, as a
+    :class:`~paratune.errors.ConfigError` from a command is refused (``paratune tune: error:
+    argument --top-k: must be an integer >= 1, not '0'``), keeping the usage block for errors
+    of the command line's shape (a missing or unknown option). A ``type`` function says what
+    a value must be with ``ArgumentTypeError("must be ...")``."""
+
+    def error(self, message: str) -> NoReturn:
+        match = _VALUE_ERROR.match(message)
+        if match is None:
+            super().error(message)
+        rule = match.group("rule")
+        invalid = _INVALID_TYPE.match(rule)
+        if invalid is not None and invalid.group("type") in _TYPE_NAMES:
+            rule = f"must be {_TYPE_NAMES[invalid.group('type')]}, not {invalid.group('value')}"
+        self.exit(2, f"{self.prog}: error: argument {match.group('flag')}: {rule}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="paratune",
         description="Measure, learn and tune global batch size and 3D parallelism for LLM "
                     "training.")

@@ -259,3 +259,33 @@ def test_quickstart_world_sizes_are_parsed_like_profiles(tmp_path, capsys, monke
     assert ("argument --world-sizes: must be comma-separated positive integers such as 1,2,4, "
             "not '1,x'") in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["tune", "--seq-len", "0"], "argument --seq-len: must be an integer >= 1, not '0'"),
+    (["tune", "--top-k", "0"], "argument --top-k: must be an integer >= 1, not '0'"),
+    (["tune", "--devices-per-node", "0"],
+     "argument --devices-per-node: must be an integer >= 1, not '0'"),
+    (["tune", "--gpus", "abc"], "argument --gpus: must be an integer, not 'abc'"),
+    (["plan", "--smooth", "0"], "argument --smooth: must be an integer >= 1, not '0'"),
+    (["plan", "--threshold", "x"], "argument --threshold: must be a number, not 'x'"),
+    (["gns", "--lr", "-1"], "argument --lr: must be a finite number >= 0, not '-1'"),
+    (["gns", "--corpus-mb", "0"],
+     "argument --corpus-mb: must be a finite number >= 0.00390625, not '0'"),
+    (["profile", "--world-sizes", "0"], "argument --world-sizes: must be comma-separated "
+                                        "positive integers such as 1,2,4, not '0'"),
+])
+def test_a_bad_value_is_one_line_without_the_usage(tmp_path, capsys, monkeypatch, flags,
+                                                    message):
+    """As a value the command refuses (``--gpus 0``): one line naming the flag and the rule,
+    exit 2; the usage block is for a command line of the wrong shape."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        main([*flags, "--no-track"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == f"paratune {flags[0]}: error: {message}\n"
+    with pytest.raises(SystemExit) as exit_info:  # a missing value keeps the usage
+        main([flags[0], flags[1]])
+    assert exit_info.value.code == 2
+    assert "usage: paratune" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
