@@ -612,6 +612,7 @@ def _search_loop(study: optuna.Study, predictor: Predictor, space: SearchSpace,
     queued: set[ParallelConfig] = set()
     centre: list[ParallelConfig] | None = None
     probes: list[tuple[ParallelConfig, dict[str, Any]]] | None = None
+    probed: dict[ParallelConfig, dict[str, Any]] = {}
     while done < n_trials:
         if timeout_s is not None and time.perf_counter() - start > timeout_s:
             break
@@ -624,6 +625,7 @@ def _search_loop(study: optuna.Study, predictor: Predictor, space: SearchSpace,
                 best = _leaders(cache, 1) or _least_violating(cache)
                 probes = ([pair for pair in space.probes(params_of[best[0]])
                            if pair[0] not in cache] if best else [])
+                probed = dict(probes)
             if not probes:
                 leaders = _leaders(cache, refine_beam)
                 if leaders and leaders != centre:
@@ -660,6 +662,12 @@ def _search_loop(study: optuna.Study, predictor: Predictor, space: SearchSpace,
                 continue
             value, violations = cache[cfg]
             params_of.setdefault(cfg, dict(trial.params))
+            if cfg in probed and max(violations) > 0:
+                # a probe that does not fit: the same config one sharding level up next
+                up = space.more_sharding(probed.pop(cfg))
+                if up is not None and up[0] not in cache and up[0] not in queued:
+                    probes.append(up)
+                    probed[up[0]] = up[1]
             trial.set_user_attr(_CONFIG_ATTR, cfg.to_dict())
             trial.set_user_attr("worker", worker)
             trial.set_constraint("feasible_prob", violations[0])

@@ -521,6 +521,12 @@ class SearchSpace:
         knobs one move at a time. A sampler rarely draws a layout whose best config needs
         every knob set just so.
 
+        A probe at the sharding of ``params`` that does not fit is followed by the same
+        config one sharding level up (:meth:`more_sharding`, queued by the search), so each
+        layout is also seen at the least sharding that fits: the most sharding gathers the
+        parameters every micro-batch, and a layout whose best config needs one level less
+        looks slow at the most.
+
         Args:
             params: Trial parameters (as :meth:`suggest` asks them) of the best config so far.
 
@@ -559,6 +565,22 @@ class SearchSpace:
                     out.setdefault(cfg, dict(fixed.params))
                     break
         return list(out.items())
+
+    def more_sharding(self, params: dict[str, Any]
+                      ) -> tuple[ParallelConfig, dict[str, Any]] | None:
+        """The config of ``params`` with the next sharding level up (more memory saved), or
+        ``None`` at the most sharding or where that config breaks a rule."""
+        import optuna
+
+        levels = self.param_choices().get("sharding_index")
+        if not levels or params.get("sharding_index") not in levels:
+            return None
+        at = levels.index(params["sharding_index"])
+        if at + 1 >= len(levels):
+            return None
+        fixed = optuna.trial.FixedTrial({**params, "sharding_index": levels[at + 1]})
+        cfg, _ = self.suggest(fixed)
+        return None if cfg is None else (cfg, dict(fixed.params))
 
     # ------------------------------------------------------------------ identity
     def to_dict(self) -> dict[str, Any]:

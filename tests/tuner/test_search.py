@@ -302,3 +302,26 @@ def test_a_search_whose_sampler_found_nothing_feasible_probes_the_least_memory_c
     for seed in (0, 2):
         found, _ = optuna_search(closed_form, space, objective, n_trials=100, seed=seed)
         assert found.best_feasible, seed
+
+
+def test_a_layout_whose_best_needs_less_than_the_most_sharding_is_found(public_data):
+    """llama3-70b on 1024 H100s, fitted on the Ultra-Scale runs: the best config (dp128 tp2
+    pp4, ZeRO-2) does not fit at the sharding of the sampler's best (ZeRO-1) and looks slow
+    at ZeRO-3, which gathers every micro-batch. A probe that does not fit is followed by the
+    same config a sharding level up, so the local search starts from that layout (this seed
+    stopped 24% short of the best without)."""
+    from paratune.models import PerformanceModel, load_measurements
+
+    model = PerformanceModel(n_jobs=1).fit(load_measurements(
+        [public_data / "ultrascale_playbook_h100.csv",
+         public_data / "ultrascale_playbook_h100_failed.csv"]))
+    space = SearchSpace.build(get_model("llama3-70b"), 1024, "H100",
+                              global_batch_sizes="256:2048",
+                              space=ConfigSpace(micro_batch_sizes=(1, 2, 4, 8),
+                                                virtual_stages=(2, 4),
+                                                recomputes=("none", "selective", "full")))
+    objective = Objective(kind="goodput", b_noise=1000)
+    best = exhaustive(model, space, objective).ranked.iloc[0]
+    found, _ = optuna_search(model, space, objective, n_trials=200, seed=3)
+    assert found.ranked.iloc[0]["objective"] == pytest.approx(best["objective"], rel=1e-9)
+    assert (best["dp"], best["tp"], best["pp"], best["sharding"]) == (128, 2, 4, "zero2")

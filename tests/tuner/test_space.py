@@ -255,3 +255,20 @@ def test_the_command_line_names_global_batch_for_too_many_sizes(tmp_path, monkey
     assert capsys.readouterr().err.startswith(
         "paratune tune: error: --global-batch='1:1000:1': gives 1000 batch sizes; "
         "at most 64 are searched")
+
+
+def test_more_sharding_is_the_same_config_one_level_up():
+    from paratune.parallel import Sharding
+
+    space = SearchSpace.build(get_model("llama3-8b"), 64, "H100", global_batch_sizes=[256])
+    params = {"global_batch_size_index": 0, "tp_index": 1, "pp_index": 1,
+              "micro_batch_size_index": 0, "sharding_index": 1, "recompute_index": 0,
+              "schedule": "1f1b"}
+    base, _ = space.suggest(optuna.trial.FixedTrial(params))
+    levels = [base.sharding]
+    while (up := space.more_sharding(params)) is not None:
+        cfg, params = up
+        assert cfg.replace(sharding=base.sharding) == base  # nothing else moved
+        assert space.suggest(optuna.trial.FixedTrial(params))[0] == cfg
+        levels.append(cfg.sharding)
+    assert levels == [Sharding.ZERO1, Sharding.ZERO2, Sharding.ZERO3]
