@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import importlib
 import logging
+import os
 import re
 import signal
 import sys
@@ -363,6 +365,13 @@ def _run(args: argparse.Namespace, argv: Sequence[str],
         print(f"paratune {args.command}: error: {message}", file=sys.stderr)
         return 2
     except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):  # a write or flush names no file
+            where = f" ({exc.filename})" if exc.filename else ""
+            again = (" (what was measured is kept: run it again with --resume)"
+                     if args.command in ("profile", "gns") else "")
+            print(f"paratune {args.command}: error: {os.strerror(exc.errno).lower()}{where}: "
+                  f"free some space and run it again{again}", file=sys.stderr)
+            return 1
         if not exc.filename:  # not about a path the user gave: a bug or the system's, shown whole
             raise
         print(f"paratune {args.command}: error: {_path_message(exc, args, flags or {})}",

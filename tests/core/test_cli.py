@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -224,6 +225,26 @@ def test_os_errors_without_a_path_stay_tracebacks(capsys):
     assert _run(args, [], flags={"out": "--out"}) == 2
     assert capsys.readouterr().err == ("paratune fit: error: --out shared/model: "
                                        "shared/model/model.json: permission denied\n")
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs Linux's /dev/full")
+@pytest.mark.parametrize(("command", "resume"), [("profile", True), ("fit", False)])
+def test_a_full_disk_is_one_line(capsys, command, resume):
+    """A write that finds no space names no file (the journal's append here): one line that
+    says what to do, not a traceback."""
+    import argparse
+
+    from paratune._io import append_jsonl
+    from paratune.cli import _run
+
+    def journal(_args):
+        append_jsonl("/dev/full", {"config": "dp2"})  # every write to it fails with ENOSPC
+
+    assert _run(argparse.Namespace(func=journal, command=command), []) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"paratune {command}: error: no space left on device: free some "
+                          "space and run it again")
+    assert len(err.splitlines()) == 1 and ("--resume" in err) == resume
 
 
 def test_log_messages_print_as_plain_lines(capsys):
