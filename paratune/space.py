@@ -75,6 +75,16 @@ def _as_tuple(value: Any, cast: Any, name: str) -> tuple:
         raise ConfigError(name, list(value), "values must be integers") from None
 
 
+def _one_line(exc: Exception) -> str:
+    """A parser's error on one line: YAML's names the problem and its line and column under
+    a copy of the offending text (a caret diagram over several lines)."""
+    mark = getattr(exc, "problem_mark", None)
+    problem = getattr(exc, "problem", None)
+    if problem and mark is not None:
+        return f"{problem} at line {mark.line + 1}, column {mark.column + 1}"
+    return " ".join(str(exc).split())
+
+
 @dataclass(frozen=True, kw_only=True)
 class ConfigSpace:
     """Which configurations to consider; every field is a list of allowed values."""
@@ -241,11 +251,17 @@ class ConfigSpace:
         except FileNotFoundError:
             raise ConfigError("grid", str(path), "no such file") from None
         suffix = path.suffix.lower()
+        empty = ConfigError("grid", str(path), "states no field (leave the flag out for "
+                                               "the default space)")
+        if not text.strip():
+            # most likely a file not yet written: the whole default space would be measured
+            # without a word
+            raise empty
         try:
             if suffix in (".yaml", ".yml"):
                 import yaml
 
-                data = yaml.safe_load(text) or {}
+                data = yaml.safe_load(text)
             elif suffix == ".toml":
                 import tomllib
 
@@ -253,7 +269,10 @@ class ConfigSpace:
             else:
                 data = json.loads(text)
         except Exception as exc:  # any parser error means a bad file
-            raise ConfigError("grid", str(path), f"could not be parsed ({exc})") from None
+            raise ConfigError("grid", str(path),
+                              f"could not be parsed ({_one_line(exc)})") from None
+        if data is None:  # YAML of comments only
+            raise empty
         if not isinstance(data, dict):
             raise ConfigError("grid", str(path), "must hold a mapping of field -> values")
         return cls.from_dict(data)

@@ -146,3 +146,24 @@ def test_every_field_is_checked_for_its_type(tmp_path, options, message):
         ConfigSpace.from_file(path)
     path.write_text("tp_within_node: false\n")
     assert ConfigSpace.from_file(path).tp_within_node is False
+
+
+@pytest.mark.parametrize(("name", "text", "message"), [
+    ("g.yaml", "global_batch_sizes: [8\n",
+     r"could not be parsed \(expected ',' or ']', but got '<stream end>' at line 2, column 1\)$"),
+    ("g.toml", "global_batch_sizes = [8\n", r"could not be parsed \(.*\)$"),
+    ("g.yaml", "", r"states no field \(leave the flag out for the default space\)$"),
+    ("g.json", " \n", r"states no field"),
+    ("g.yaml", "# to be written\n", r"states no field"),
+])
+def test_a_grid_file_that_says_nothing_usable_is_one_line(tmp_path, name, text, message):
+    """A parser's caret diagram is not an error line, and an empty file is not the default
+    space (it is most likely a file not yet written)."""
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=message) as info:
+        ConfigSpace.from_file(path)
+    assert "\n" not in str(info.value) and str(info.value).startswith(f"grid={str(path)!r}")
+    path.write_text("{}" if name.endswith(".json") else "")
+    if name.endswith(".json"):  # a mapping stated empty is the default space, on purpose
+        assert ConfigSpace.from_file(path) == ConfigSpace()
