@@ -21,17 +21,24 @@ _FIELD_FLAGS = {
     "timeout_s": "--timeout",
     "gpu": "--hardware",  # not in the hardware catalogue
     "device": "--device",  # CUDA asked for where none is visible
+    "seq_len": "--seq-len",  # a resume that differs from the campaign's
+    "nproc_per_node": "--nproc-per-node",  # a node layout that cannot hold a world size
+    "nnodes": "--nnodes",
+    "devices_per_node": "--devices-per-node",
 }
 
 
 def _world_sizes(text: str) -> tuple[int, ...]:
+    rule = f"must be comma-separated positive integers such as 1,2,4, not {text!r}"
+    parts = text.split(",")
+    if any(not part.strip() for part in parts):
+        raise argparse.ArgumentTypeError(f"{rule} (it has an empty entry)")
     try:
-        sizes = tuple(int(part) for part in text.split(",") if part.strip())
+        sizes = tuple(int(part) for part in parts)
     except ValueError:
         sizes = ()
     if not sizes or any(s < 1 for s in sizes):
-        raise argparse.ArgumentTypeError(
-            f"must be comma-separated positive integers such as 1,2,4, not {text!r}")
+        raise argparse.ArgumentTypeError(rule)
     return sizes
 
 

@@ -53,7 +53,8 @@ if TYPE_CHECKING:
     from paratune.datasets import Dataset
     from paratune.profiler.launcher import LocalGroup
 
-__all__ = ["CampaignError", "CampaignResult", "CampaignSpec", "default_space",
+__all__ = ["CampaignError", "CampaignProgress", "CampaignResult", "CampaignSpec",
+           "campaign_progress", "default_space",
            "detect_device", "detect_hardware", "enumerate_campaign", "materialise",
            "prepare_campaign", "run_campaign", "torchrun_commands"]
 
@@ -260,6 +261,32 @@ def _listed(values: tuple[int, ...] | None) -> object:
     return "any" if values is None else list(values)
 
 
+_MISSING = object()
+
+
+def _differs(name: str, value: Any, stored: Any, out: str | Path) -> ConfigError:
+    """The refusal of a resume whose ``name`` (``value``) differs from the stored campaign's:
+    of a model or grid, the subfields that differ, each with both values."""
+    where = f"differs from the campaign being resumed in {out}"
+    if not (isinstance(value, dict) and isinstance(stored, dict)):
+        return ConfigError(name, value, f"{where} ({stored!r})")
+    diffs = []
+    for key in [*value, *(k for k in stored if k not in value)]:
+        new, old = value.get(key, _MISSING), stored.get(key, _MISSING)
+        if new != old:
+            # a model's name is the model: "model='small'", not "name='small'"
+            label = "model" if (name, key) == ("model", "name") else key
+            diffs.append((label, new, old))
+    assert diffs  # the dicts differ
+
+    def shown(v: Any) -> str:
+        return "unset" if v is _MISSING else repr(v)
+
+    (label, new, old), *more = diffs
+    also = "".join(f"; {k}={shown(n)} differs too ({shown(o)})" for k, n, o in more)
+    return ConfigError(label, None if new is _MISSING else new, f"{where} ({shown(old)}){also}")
+
+
 def _campaign_fingerprint(device: str) -> dict[str, Any]:
     from paratune.profiler.fingerprint import fingerprint
 
@@ -313,9 +340,7 @@ def prepare_campaign(spec: CampaignSpec, out: str | Path, *, resume: bool = Fals
             if name == "world_sizes" and set(value) <= set(stored.get(name, [])):
                 continue  # a part of the campaign's world sizes
             if stored.get(name) != value:
-                raise ConfigError(name, value if not isinstance(value, dict) else "...",
-                                  f"differs from the campaign being resumed in {out} "
-                                  f"({stored.get(name)!r})")
+                raise _differs(name, value, stored.get(name), out)
     else:
         if paths.campaign.exists() or paths.journals():
             raise ConfigError("out", str(out), "already holds a campaign; pass --resume to "
@@ -723,6 +748,53 @@ def _unfinished(paths: CampaignPaths, world_sizes: tuple[int, ...]
     return left
 
 
+@dataclass
+class CampaignProgress:
+    """How far the profiling of a campaign directory got (see :func:`campaign_progress`)."""
+
+    out: Path
+    campaign_id: str
+    planned: dict[int, int | None]
+    """Per world size of the campaign: configs in its plan (``None``: not planned yet)."""
+    journaled: dict[int, int]
+    """Per world size: configs of its plan that its journal holds."""
+    num_rows: int
+    """Rows the journals hold (what :func:`materialise` writes as the dataset)."""
+
+    @property
+    def finished(self) -> bool:
+        """Whether every config of every world size is journaled."""
+        return all(planned is not None and self.journaled[ws] >= planned
+                   for ws, planned in self.planned.items())
+
+
+def campaign_progress(out: str | Path) -> CampaignProgress | None:
+    """Configs planned and journaled per world size of the campaign in ``out``.
+
+    Returns:
+        ``None`` where ``out`` holds no campaign (no ``campaign.json``).
+    """
+    paths = CampaignPaths(Path(out))
+    if not paths.campaign.exists():
+        return None
+    meta = json.loads(paths.campaign.read_text())
+    world_sizes = tuple(int(ws) for ws in meta.get("identity", {}).get("world_sizes")
+                        or sorted(map(int, meta.get("num_valid", {}))))
+    left = _unfinished(paths, world_sizes)
+    planned: dict[int, int | None] = {}
+    journaled: dict[int, int] = {}
+    for world_size in world_sizes:
+        if left.get(world_size, set()) is None:  # no plan yet
+            planned[world_size] = None
+            journaled[world_size] = 0
+            continue
+        planned[world_size] = len(_plan_keys(paths, world_size))
+        journaled[world_size] = planned[world_size] - len(left.get(world_size, set()))
+    num_rows = sum(len(read_journal(journal)) for journal in paths.journals())
+    return CampaignProgress(out=paths.root, campaign_id=str(meta.get("campaign_id", "")),
+                            planned=planned, journaled=journaled, num_rows=num_rows)
+
+
 # ---------------------------------------------------------------------- results
 def materialise(out: str | Path) -> Dataset:
     """Write the campaign's journals as a dataset (parquet + card) in ``out``, atomically.
@@ -868,8 +940,9 @@ class CampaignResult:
                            for s in Status)
             return (f"nothing new to measure: {finished} configs already measured "
                     f"({self.wall_s:.1f} s this run)")
+        cpu_s = 0.0 if self.worker_cpu_s <= 0 else self.worker_cpu_s  # never "-0"; nan kept
         return (f"{self.num_measured} configs in {self.wall_s:.1f} s this run "
-                f"(workers used {self.worker_cpu_s:.0f} CPU s); "
+                f"(workers used {cpu_s:.0f} CPU s); "
                 f"{self.overhead_per_config_s:.2f} s per config outside warm-up and "
                 f"measured steps")
 
@@ -1014,6 +1087,11 @@ def _run_campaign(spec: CampaignSpec, paths: CampaignPaths, meta: dict[str, Any]
     """:func:`run_campaign` once the campaign is prepared and locked."""
     import resource
 
+    left = _unfinished(paths, spec.world_sizes)
+    if left and resume:  # under the lock: no later run can start a launch meanwhile
+        _await_earlier_launches(paths)
+        # what the earlier launch journaled while this run waited is not this run's
+        left = _unfinished(paths, spec.world_sizes)
     before = {ws: journal_keys(paths.journal(ws)) for ws in spec.world_sizes}
     total = sum(int(meta["num_valid"][str(ws)]) - len(before[ws] & _plan_keys(paths, ws))
                 for ws in spec.world_sizes)
@@ -1024,9 +1102,6 @@ def _run_campaign(spec: CampaignSpec, paths: CampaignPaths, meta: dict[str, Any]
         bar = progress_bar(total=total, unit="config", enabled=True,
                            desc=f"profiling ws={spec.world_sizes[0]}")
     state = _Progress(bar=bar)
-    left = _unfinished(paths, spec.world_sizes)
-    if left and resume:  # under the lock: no later run can start a launch meanwhile
-        _await_earlier_launches(paths)
     with _tracked(track, meta, spec, paths, resume) as run:
         try:
             for world_size in spec.world_sizes:
@@ -1057,8 +1132,9 @@ def _run_campaign(spec: CampaignSpec, paths: CampaignPaths, meta: dict[str, Any]
             in_step_s=sum(_in_step_seconds(e) for e in new_entries),
             run_id=run.run_id if run is not None else None)
         children = resource.getrusage(resource.RUSAGE_CHILDREN)
-        result.worker_cpu_s = (children.ru_utime + children.ru_stime
-                               - children_before.ru_utime - children_before.ru_stime)
+        # never below zero (float rounding of equal totals, when no worker ran)
+        result.worker_cpu_s = max(0.0, (children.ru_utime + children.ru_stime)
+                                  - (children_before.ru_utime + children_before.ru_stime))
         if run is not None:
             metrics: dict[str, float] = {"wall_s": result.wall_s,
                                          "worker_cpu_s": result.worker_cpu_s,
@@ -1101,23 +1177,34 @@ def torchrun_commands(spec: CampaignSpec, out: str | Path, *, nnodes: int | None
     Returns:
         One shell command per world size. After they ran, ``paratune profile --resume``
         with the same options (or :func:`materialise`) writes the dataset.
+
+    Raises:
+        ConfigError: the nodes cannot hold a world size (``nproc_per_node``, or
+            ``devices_per_node`` of ``spec``, does not divide it; ``nnodes`` times it is not
+            it), checked before anything is written; or :func:`prepare_campaign` refuses.
     """
     from paratune.profiler.launcher import slurm_command, torchrun_command
 
+    # the node layout is checked before anything is prepared: a refused one leaves no
+    # campaign behind (whose devices_per_node a corrected command could not resume)
+    layouts = {}
+    for world_size in spec.world_sizes:
+        per_node = nproc_per_node or spec.devices_per_node or world_size
+        per_node = min(per_node, world_size)
+        if world_size % per_node:  # named as given: the argument, or the spec's node size
+            raise ConfigError("nproc_per_node" if nproc_per_node else "devices_per_node",
+                              per_node, f"must divide the world size {world_size}")
+        nodes = nnodes or world_size // per_node
+        if nodes * per_node != world_size:
+            raise ConfigError("nnodes", nodes, f"nnodes*nproc_per_node = {nodes}*{per_node} "
+                              f"must equal the world size {world_size}")
+        layouts[world_size] = (nodes, per_node)
     resume = resume or CampaignPaths(Path(out)).campaign.exists()
     with _locked(spec, out, resume=resume) as prepared:
         paths, meta = prepare_campaign(spec, out, measure_here=False, **prepared)
     commands = []
     for world_size in spec.world_sizes:
-        per_node = nproc_per_node or spec.devices_per_node or world_size
-        per_node = min(per_node, world_size)
-        if world_size % per_node:
-            raise ConfigError("nproc_per_node", per_node,
-                              f"must divide the world size {world_size}")
-        nodes = nnodes or world_size // per_node
-        if nodes * per_node != world_size:
-            raise ConfigError("nnodes", nodes, f"nnodes*nproc_per_node = {nodes}*{per_node} "
-                              f"must equal the world size {world_size}")
+        nodes, per_node = layouts[world_size]
         rdzv_id = f"{meta['campaign_id']}-ws{world_size}"
         plan = paths.plan(world_size).resolve()
         if slurm:

@@ -4,6 +4,7 @@ import csv
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -293,6 +294,63 @@ def test_torchrun_commands(tmp_path):
     assert _max_restarts(slurm) == restarts
     with pytest.raises(ConfigError, match="nproc_per_node=3: must divide"):
         torchrun_commands(_spec(world_sizes=(4,)), tmp_path / "c", nproc_per_node=3)
+
+
+def test_a_refused_node_layout_prepares_nothing(tmp_path, capsys):
+    """--nproc-per-node or --nnodes that cannot hold a world size is refused before the
+    campaign is prepared: nothing is written, and the corrected command then runs (a
+    campaign left behind with the refused node size would refuse it)."""
+    out = tmp_path / "c"
+    with pytest.raises(ConfigError, match=r"^nproc_per_node=3: must divide the world size 4$"):
+        torchrun_commands(_spec(world_sizes=(4,)), out, nproc_per_node=3)
+    with pytest.raises(ConfigError, match=r"^nnodes=3: .* must equal the world size 4$"):
+        torchrun_commands(_spec(world_sizes=(4,)), out, nnodes=3)
+    with pytest.raises(ConfigError, match=r"^devices_per_node=3: must divide the world size 4"):
+        torchrun_commands(_spec(world_sizes=(4,), devices_per_node=3), out)
+    assert not out.exists()
+    common = ["profile", "--world-sizes", "4", "--out", str(out), "--device", "cpu",
+              "--print-command", "--no-track"]
+    for flags, message in ((["--nproc-per-node", "3"], "--nproc-per-node=3: must divide"),
+                           (["--nnodes", "3"], "--nnodes=3: nnodes*nproc_per_node"),
+                           (["--devices-per-node", "3"], "--devices-per-node=3: must divide")):
+        assert main(common + flags) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"paratune profile: error: {message}") and len(err.splitlines()) == 1
+        assert not out.exists()
+    assert main(common + ["--nproc-per-node", "2"]) == 0
+    assert "--nnodes=2 --nproc-per-node=2" in capsys.readouterr().out
+    assert read_plan(out / "plan-ws4.json")["devices_per_node"] == 2
+
+
+def test_a_resume_with_another_model_or_grid_names_the_fields_that_differ(tmp_path, capsys):
+    out = tmp_path / "c"
+    prepare_campaign(_spec(), out)
+    where = f"differs from the campaign being resumed in {re.escape(str(out))}"
+    with pytest.raises(ConfigError, match=rf"^seq_len=64: {where} \(128\)$"):
+        prepare_campaign(_spec(model=TINY.replace(seq_len=64)), out, resume=True)
+    with pytest.raises(ConfigError, match=rf"^micro_batch_sizes=\[1\]: {where} \(\[2\]\)$"):
+        prepare_campaign(_spec(space=SMALL_SPACE.replace(micro_batch_sizes=[1])), out,
+                         resume=True)
+    # several fields: each named with both values; a model's name as the model
+    with pytest.raises(ConfigError, match=rf"^model='small': {where} \('tiny'\); \w+=.* "
+                                          r"differs too \("):
+        prepare_campaign(_spec(model=get_model("small")), out, resume=True)
+    assert main(["profile", "--out", str(out), "--resume", "--seq-len", "64", "--no-track",
+                 "--no-progress"]) == 2
+    assert capsys.readouterr().err == (f"paratune profile: error: --seq-len=64: differs from "
+                                       f"the campaign being resumed in {out} (128)\n")
+
+
+@pytest.mark.parametrize("sizes", ["1,,2", "1,2,", ",2", " "])
+def test_world_sizes_with_an_empty_entry_are_refused(tmp_path, capsys, sizes):
+    with pytest.raises(SystemExit) as info:
+        main(["profile", "--world-sizes", sizes, "--out", str(tmp_path / "c"), "--device",
+              "cpu", "--print-command", "--no-track"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err == (f"paratune profile: error: argument --world-sizes: must be comma-separated "
+                   f"positive integers such as 1,2,4, not {sizes!r} (it has an empty entry)\n")
+    assert not (tmp_path / "c").exists()
 
 
 def test_torchrun_restarts_cover_every_config_of_the_plan(tmp_path):
@@ -742,6 +800,60 @@ def test_a_resume_does_not_launch_beside_ranks_of_an_earlier_launch(tmp_path, mo
         rank.kill()
         rank.wait()
     assert not paths.journal(2).exists() and not paths.logs.exists()  # nothing launched
+
+
+_EARLIER_LAUNCH = """
+import sys, time
+from pathlib import Path
+from paratune.measurement import Status
+from paratune.parallel import ParallelConfig
+from paratune.profiler._journal import CampaignPaths, append_record, failure_record, read_plan
+plan_path = Path(sys.argv[sys.argv.index("--plan") + 1])
+plan = read_plan(plan_path)
+journal = CampaignPaths(plan_path.parent).journal(plan["world_size"])
+time.sleep(1.0)
+for config in plan["configs"]:
+    append_record(journal, failure_record(plan, ParallelConfig.from_dict(config), Status.ERROR,
+                                          "journaled by the earlier launch"))
+    time.sleep(0.1)
+"""
+
+
+def test_a_resume_that_waited_for_an_earlier_launch_counts_only_its_own_configs(tmp_path,
+                                                                              caplog):
+    """What the ranks of an earlier launch journal while a resume waits for them to end is
+    theirs, not the resume's: here they finish every config, and the resume measured none."""
+    paths, _ = prepare_campaign(_spec(), tmp_path / "c")
+    # a process whose command line is that of a rank of the campaign, journaling its configs
+    earlier = subprocess.Popen([sys.executable, "-c", _EARLIER_LAUNCH, "--plan",
+                                str(paths.plan(2))], stdin=subprocess.DEVNULL)
+    try:
+        with caplog.at_level("WARNING", logger="paratune.profiler.campaign"):
+            result = run_campaign(_spec(), paths.root, resume=True, track=False,
+                                  progress=False)
+    finally:
+        earlier.kill()
+        earlier.wait()
+    assert "waiting for 1 processes of an earlier launch" in caplog.text
+    assert journal_keys(paths.journal(2)) == set(KEYS_WS2)
+    assert result.num_measured == 0 and result.in_step_s == 0.0
+    assert result.footer().startswith("nothing new to measure: 5 configs already measured")
+    assert result.worker_cpu_s >= 0.0
+    assert not paths.logs.exists()  # nothing launched
+    assert len(result.dataset) == len(KEYS_WS2)
+
+
+def test_the_footer_never_shows_negative_worker_time(tmp_path):
+    paths, meta = prepare_campaign(_spec(), tmp_path / "c")
+    plan = read_plan(paths.plan(2))
+    append_record(paths.journal(2), failure_record(
+        plan, ParallelConfig.from_dict(plan["configs"][0]), Status.ERROR, "failed"))
+    result = CampaignResult(out=paths.root, campaign_id=meta["campaign_id"],
+                            dataset=materialise(paths.root), counts={}, wall_s=2.0,
+                            num_measured=1, in_step_s=1.0, worker_cpu_s=-1e-12)
+    assert "(workers used 0 CPU s)" in result.footer()
+    result.worker_cpu_s = -0.0
+    assert "(workers used 0 CPU s)" in result.footer()
 
 
 def _one_config_torchrun_campaign(tmp_path: Path) -> tuple[Path, str, list[str]]:
