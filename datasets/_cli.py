@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import shlex
+from pathlib import Path
+
+from paratune._table import format_table
 
 __all__ = ["register"]
 
@@ -32,11 +36,50 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _show(args: argparse.Namespace) -> int:
-    from paratune.datasets._store import read_dataset, summarise_dataset
-
-    texts = [summarise_dataset(read_dataset(path)) for path in args.paths]
+    texts = [_show_one(Path(path)) for path in args.paths]
     print("\n\n".join(texts))
     return 0
+
+
+def _show_one(path: Path) -> str:
+    """The summary of one dataset; of a campaign directory whose profiling has not finished,
+    how far it got and how to finish it (its dataset, if any, is that of an earlier point)."""
+    from paratune.datasets._store import CARD_FILE, read_dataset, summarise_dataset
+    from paratune.errors import DatasetError
+    from paratune.profiler.campaign import campaign_progress
+
+    directory = path if path.is_dir() else path.parent if path.name == CARD_FILE else None
+    progress = campaign_progress(directory) if directory is not None else None
+    if progress is None:  # a plain dataset (or not a dataset: read_dataset says so)
+        return summarise_dataset(read_dataset(path))
+    rows = None
+    if (directory / CARD_FILE).exists():
+        try:
+            dataset = read_dataset(path)
+        except DatasetError:
+            dataset = None  # e.g. rewritten meanwhile; the journals are the truth
+        if dataset is not None and progress.finished and len(dataset) >= progress.num_rows:
+            return summarise_dataset(dataset)  # a finished campaign
+        rows = None if dataset is None else len(dataset)
+    resume = f"paratune profile --out {shlex.quote(str(directory))} --resume"
+    if progress.finished:
+        state = (f"every planned config is journaled ({progress.num_rows}), but its dataset "
+                 + ("is not written yet" if rows is None else f"holds only {rows} rows"))
+        return (f"campaign  {progress.campaign_id} in {directory}: {state}\n"
+                f"write it with: {resume}")
+    table = format_table(
+        [{"world_size": ws, "planned": "-" if planned is None else planned,
+          "journaled": progress.journaled[ws],
+          "left": "-" if planned is None else planned - progress.journaled[ws]}
+         for ws, planned in progress.planned.items()],
+        ["world_size", "planned", "journaled", "left"], headers={"world_size": "world"})
+    lines = [f"campaign  {progress.campaign_id} in {directory}: unfinished (stopped before "
+             f"every planned config was measured, or still being profiled)", "", table, ""]
+    if rows is not None:
+        lines.append(f"dataset   {rows} rows, written before it stopped (the journals hold "
+                     f"{progress.num_rows}); not the campaign's result")
+    lines.append(f"finish it with: {resume}")
+    return "\n".join(lines)
 
 
 def _import(args: argparse.Namespace) -> int:

@@ -231,6 +231,101 @@ def test_datasets_show_cli(tmp_path, capsys):
     assert main(["datasets", "show", str(tmp_path / "nope")]) == 2
 
 
+def _show(path, capsys) -> str:
+    assert main(["datasets", "show", str(path)]) == 0
+    return capsys.readouterr().out
+
+
+def _table_rows(text: str) -> list[list[str]]:
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.split()[:2] == ["world", "planned"])
+    return [line.split() for line in lines[start + 2:] if line.strip() and
+            line.split()[0].isdigit()]
+
+
+def test_datasets_show_of_an_unfinished_campaign_says_how_far_it_got(tmp_path, capsys):
+    """A campaign directory whose profiling stopped (killed) holds journals and perhaps a
+    dataset of an earlier point: show says it is unfinished, how many configs each world
+    size has journaled of those planned, and how to finish it; once finished, the dataset."""
+    from paratune.profiler._journal import append_record, failure_record, read_plan
+    from paratune.profiler.campaign import CampaignSpec, materialise, prepare_campaign
+    from paratune.space import ConfigSpace
+
+    spec = CampaignSpec(model=get_model("tiny"), world_sizes=(1, 2), warmup_steps=1,
+                        measured_steps=2,
+                        space=ConfigSpace(micro_batch_sizes=[2], shardings=["none"],
+                                          recomputes=["none"]))
+    out = tmp_path / "c"
+    paths, meta = prepare_campaign(spec, out, measure_here=False)
+    plans = {ws: read_plan(paths.plan(ws)) for ws in (1, 2)}
+    planned = {ws: len(plan["configs"]) for ws, plan in plans.items()}
+    assert planned == {1: 1, 2: 5}
+
+    def journal(world_size: int, configs: list[dict]) -> None:  # as the campaign does
+        for config in configs:
+            append_record(paths.journal(world_size), failure_record(
+                plans[world_size], ParallelConfig.from_dict(config), Status.OOM, "oom"))
+
+    resume = f"finish it with: paratune profile --out {out} --resume"
+    # killed before any config finished: no dataset yet
+    text = _show(out, capsys)
+    assert text.startswith(f"campaign  {meta['campaign_id']} in {out}: unfinished")
+    assert _table_rows(text) == [["1", "1", "0", "1"], ["2", "5", "0", "5"]]
+    assert "written before it stopped" not in text and text.rstrip().endswith(resume)
+    # killed in world size 2: the dataset written after world size 1 is stale
+    journal(1, plans[1]["configs"])
+    materialise(out)
+    journal(2, plans[2]["configs"][:2])
+    for path in (out, out / CARD_FILE):
+        text = _show(path, capsys)
+        assert _table_rows(text) == [["1", "1", "1", "0"], ["2", "5", "2", "3"]]
+        assert "dataset   1 rows, written before it stopped (the journals hold 3)" in text
+        assert text.rstrip().endswith(resume)
+    # every config journaled, the dataset not yet rewritten
+    journal(2, plans[2]["configs"][2:])
+    text = _show(out, capsys)
+    assert "every planned config is journaled (6), but its dataset holds only 1 rows" in text
+    assert f"paratune profile --out {out} --resume" in text
+    materialise(out)  # finished: the dataset, as for any other
+    text = _show(out, capsys)
+    assert "unfinished" not in text and "--resume" not in text
+    assert text.startswith(f"dataset   {out}") and "rows      6" in text
+
+
+@pytest.mark.slow
+def test_datasets_show_of_a_killed_campaign(tmp_path, capsys):
+    """A real campaign killed with SIGKILL in world size 2."""
+    import signal
+
+    out = tmp_path / "k"
+    grid = tmp_path / "grid.yaml"
+    grid.write_text("micro_batch_sizes: [2]\nshardings: [none]\nrecomputes: [none]\n")
+    parent = subprocess.Popen(
+        [sys.executable, "-m", "paratune", "profile", "--model", "tiny", "--world-sizes", "1,2",
+         "--grid", str(grid), "--out", str(out), "--warmup", "1", "--steps", "2", "--device",
+         "cpu", "--no-track", "--no-progress"], stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    journal2 = out / "journal-ws2.jsonl"
+    try:
+        deadline = time.monotonic() + 150
+        while time.monotonic() < deadline and parent.poll() is None:
+            if journal2.exists() and journal2.read_text().strip():
+                break
+            time.sleep(0.1)
+        assert parent.poll() is None, parent.stderr.read().decode()
+    finally:
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+    done = len(journal2.read_text().splitlines())
+    text = _show(out, capsys)
+    assert "unfinished" in text
+    rows = _table_rows(text)
+    assert rows[0] == ["1", "1", "1", "0"]
+    assert rows[1][:2] == ["2", "5"] and int(rows[1][2]) >= done >= 1
+    assert "dataset   1 rows, written before it stopped" in text
+    assert text.rstrip().endswith(f"finish it with: paratune profile --out {out} --resume")
+
+
 def test_fingerprint_columns_follow_the_record():
     assert set(FINGERPRINT_FIELDS) <= set(column_types())
 
