@@ -271,7 +271,7 @@ class ConfigSpace:
         except Exception as exc:  # any parser error means a bad file
             raise ConfigError("grid", str(path),
                               f"could not be parsed ({_one_line(exc)})") from None
-        if data is None:  # YAML of comments only
+        if data is None or (suffix == ".toml" and data == {}):  # comments only
             raise empty
         if not isinstance(data, dict):
             raise ConfigError("grid", str(path), "must hold a mapping of field -> values")

@@ -416,9 +416,11 @@ def test_a_space_file_that_rules_out_the_job_names_its_field(job, tmp_path, caps
     assert not (tmp_path / "out").exists()
 
 
-def test_tune_refuses_a_verification_it_cannot_run_before_searching(job, tmp_path, capsys):
+def test_tune_refuses_a_verification_it_cannot_run_before_searching(job, tmp_path, capsys,
+                                                                    monkeypatch):
     """--verify on a machine without the job's hardware: refused first, nothing written
     (not after the search printed its ranking and wrote the recommendation)."""
+    monkeypatch.setattr("paratune.tuner._verify._local_hardware", lambda: ("cpu", "cpu"))
     assert main(job("tune", "--trials", "5", "--verify", "1")) == 2
     captured = capsys.readouterr()
     assert captured.err.startswith("paratune tune: error: --verify=1: profiling needs the "

@@ -102,9 +102,11 @@ def test_verify_is_logged_in_the_tune_run(closed_form, tmp_path):
     assert "verification.csv" in {a.path for a in client.list_artifacts(result.run_id)}
 
 
-def test_verify_is_refused_before_the_search(closed_form, tmp_path):
+def test_verify_is_refused_before_the_search(closed_form, tmp_path, monkeypatch):
     """A verification this machine cannot run is refused up front: no prediction, no file
     (not after the search wrote the recommendation)."""
+    # a machine without the job's H100s, whatever this one has
+    monkeypatch.setattr("paratune.tuner._verify._local_hardware", lambda: ("cpu", "cpu"))
     with pytest.raises(ConfigError, match=r"^verify=1: profiling needs the job's hardware"):
         tune("llama3-8b", 64, "H100", closed_form, n_trials=5, track=False, verify=1,
              output_dir=tmp_path / "out")
@@ -122,6 +124,8 @@ def test_verify_on_the_cpu_refuses_more_processes_than_the_machine_runs(
     from paratune.tuner._verify import RANKS_PER_CORE, check_verify_here
 
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    # this machine's device is the CPU, as on a GPU machine verifying a CPU job it is not
+    monkeypatch.setattr("paratune.tuner._verify._local_hardware", lambda: ("cpu", "cpu"))
     too_many = 2 * RANKS_PER_CORE + 1
     with pytest.raises(ConfigError, match=rf"^gpus={too_many}: .* at most {RANKS_PER_CORE} "
                                           r"per core: 4 on its 2 cores"):
