@@ -811,7 +811,9 @@ from paratune.profiler._journal import CampaignPaths, append_record, failure_rec
 plan_path = Path(sys.argv[sys.argv.index("--plan") + 1])
 plan = read_plan(plan_path)
 journal = CampaignPaths(plan_path.parent).journal(plan["world_size"])
-time.sleep(1.0)
+go = Path(sys.argv[sys.argv.index("--go") + 1])
+while not go.exists():  # until the resume says it waits for this process
+    time.sleep(0.02)
 for config in plan["configs"]:
     append_record(journal, failure_record(plan, ParallelConfig.from_dict(config), Status.ERROR,
                                           "journaled by the earlier launch"))
@@ -823,15 +825,30 @@ def test_a_resume_that_waited_for_an_earlier_launch_counts_only_its_own_configs(
                                                                               caplog):
     """What the ranks of an earlier launch journal while a resume waits for them to end is
     theirs, not the resume's: here they finish every config, and the resume measured none."""
+    import threading
+
     paths, _ = prepare_campaign(_spec(), tmp_path / "c")
+    go = tmp_path / "go"
     # a process whose command line is that of a rank of the campaign, journaling its configs
+    # once the resume waits for it (released by a file, so that no sleep decides the order)
     earlier = subprocess.Popen([sys.executable, "-c", _EARLIER_LAUNCH, "--plan",
-                                str(paths.plan(2))], stdin=subprocess.DEVNULL)
+                                str(paths.plan(2)), "--go", str(go)], stdin=subprocess.DEVNULL)
+
+    def release() -> None:
+        deadline = time.monotonic() + 120
+        while "of an earlier launch" not in caplog.text and time.monotonic() < deadline:
+            time.sleep(0.02)
+        go.touch()
+
+    releaser = threading.Thread(target=release, daemon=True)
     try:
         with caplog.at_level("WARNING", logger="paratune.profiler.campaign"):
+            releaser.start()
             result = run_campaign(_spec(), paths.root, resume=True, track=False,
                                   progress=False)
     finally:
+        go.touch()
+        releaser.join()
         earlier.kill()
         earlier.wait()
     assert "waiting for 1 processes of an earlier launch" in caplog.text
