@@ -91,7 +91,8 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         match = _VALUE_ERROR.match(message)
-        if match is None:
+        if match is None or not match.group("flag").startswith("-"):
+            # a misspelt command, a missing or unknown option: the usage shows the shape
             super().error(message)
         rule = match.group("rule")
         invalid = _INVALID_TYPE.match(rule)

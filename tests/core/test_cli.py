@@ -310,3 +310,17 @@ def test_a_bad_value_is_one_line_without_the_usage(tmp_path, capsys, monkeypatch
     assert exit_info.value.code == 2
     assert "usage: paratune" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_misspelt_command_keeps_the_usage(capsys):
+    """A command that does not exist is a command line of the wrong shape: the usage shows
+    the commands there are (a bad value of an option is one line)."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["tnue"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: paratune") and "invalid choice: 'tnue'" in err
+    with pytest.raises(SystemExit):
+        main(["tune", "--search", "foo"])
+    assert capsys.readouterr().err == ("paratune tune: error: argument --search: invalid "
+                                       "choice: 'foo' (choose from 'optuna', 'exhaustive')\n")
