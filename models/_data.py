@@ -144,10 +144,15 @@ def config_identity(frame: pd.DataFrame) -> pd.Series:
     cols = [c for c in IDENTITY_COLUMNS if c in frame.columns]
     if not cols:
         return pd.Series("", index=frame.index, dtype=object)
+    def text(column: str) -> pd.Series:
+        # an empty cell reads "nan" (pandas 3's str keeps it missing, and a missing part
+        # would make the whole identity missing: such rows would drop out of every group)
+        return frame[column].astype(str).fillna("nan").astype(object)
+
     # column by column: joining each row's values in Python costs seconds on a large frame
-    out = frame[cols[0]].astype(str)
+    out = text(cols[0])
     for column in cols[1:]:
-        out = out + "|" + frame[column].astype(str)
+        out = out + "|" + text(column)
     return out
 
 

@@ -163,3 +163,29 @@ def test_own_format_takes_the_spellings_of_a_flag_and_numbers(synthetic, tmp_pat
     assert configs["tie_embeddings"].tolist() == [True, False, False, True, True]
     assert configs["rope_theta"].tolist() == [1e4, 5e5, 5e5, 1e6, 5e5]
     assert configs["norm_eps"].tolist() == [1e-6, 1e-5, 1e-5, 1e-5, 1e-5]
+
+
+def test_config_identity_is_the_row_join_of_its_columns():
+    """One string per row, the identity columns' values joined by '|' as ``str`` writes
+    them (NaN, booleans and floats included); rows equal in those columns share it, and a
+    frame without them gives empty strings."""
+    import numpy as np
+    import pandas as pd
+
+    from paratune.models._data import IDENTITY_COLUMNS, config_identity, feasibility_table
+
+    columns = list(IDENTITY_COLUMNS)
+    values = [[8, np.nan, True, 1.5, "1f1b"], [8, np.nan, True, 1.5, "1f1b"],
+              [4, 2.0, False, 1.0, "gpipe"]]
+    frame = pd.DataFrame({c: [row[i % 5] for row in values] for i, c in enumerate(columns)})
+    frame["status"] = ["ok", "oom", "ok"]  # not part of a configuration
+    identity = config_identity(frame)
+    expected = ["|".join(str(frame[c].iloc[r]) for c in columns) for r in range(3)]
+    assert identity.tolist() == expected
+    assert identity.iloc[0] == identity.iloc[1] != identity.iloc[2]
+    assert "nan" in identity.iloc[0] and "True" in identity.iloc[0]
+    assert config_identity(pd.DataFrame({"status": ["ok"]})).tolist() == [""]
+    # an empty cell keeps its row in the configuration table (a missing identity dropped
+    # out of the grouping, and the table failed on the NaN it left)
+    table = feasibility_table(frame)
+    assert len(table) == 2 and table["feasible"].tolist() == [1, 1]
