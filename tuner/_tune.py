@@ -177,12 +177,15 @@ def resolve_gns(gns: float | str | Path | None, *, seq_len: int,
     """
     if gns is None:
         return None
+    if isinstance(gns, bool):  # an int to Python, not a noise scale
+        raise ConfigError("gns", gns, "must be a number (B_noise) or a trajectory file")
     if isinstance(gns, (int, float)):
         return float(gns)
-    try:
-        return float(gns)
-    except ValueError:
-        pass
+    if not isinstance(gns, Path):
+        try:
+            return float(gns)
+        except ValueError:
+            pass
     from paratune.tuner._plan import effective_b_noise
     from paratune.tuner.gns_trajectory import load_trajectory
 

@@ -69,6 +69,27 @@ class Trajectory:
     """Rows whose ``b_simple`` was not a positive number and took a clamped value (see
     :func:`load_trajectory`)."""
 
+    def __post_init__(self) -> None:
+        """Refuse points the planner cannot use (:func:`load_trajectory` clamps a file's
+        non-positive ``b_simple`` before it gets here): a ``B_noise`` that is not a positive
+        number would end as NaN or a silently wrong noise scale downstream."""
+        where = self.source or "Trajectory"
+        arrays = {"step": self.step, "tokens": self.tokens, "b_noise": self.b_noise,
+                  "loss": self.loss}
+        lengths = {name: len(np.atleast_1d(values)) for name, values in arrays.items()}
+        if len(set(lengths.values())) > 1:
+            raise ConfigError("trajectory", where, f"columns of different lengths {lengths}")
+        b_noise = np.asarray(self.b_noise, dtype=float)
+        bad = np.flatnonzero(~(np.isfinite(b_noise) & (b_noise > 0)))
+        if len(bad):
+            raise ConfigError("trajectory", where, f"b_noise must be a positive number at "
+                                                   f"every point; point {int(bad[0])} is "
+                                                   f"{float(b_noise[bad[0]])!r}")
+        tokens = np.asarray(self.tokens, dtype=float)
+        if not np.isfinite(tokens).all() or (np.diff(tokens) < 0).any():
+            raise ConfigError("trajectory", where, "tokens must be finite and sorted "
+                                                   "(non-decreasing)")
+
     def __len__(self) -> int:
         return len(self.tokens)
 

@@ -8,7 +8,7 @@ import pandas as pd
 import pytest
 
 from paratune import ConfigError
-from paratune.tuner import effective_b_noise, load_trajectory
+from paratune.tuner import Trajectory, effective_b_noise, load_trajectory
 from paratune.tuner._tune import resolve_gns
 from tests.tuner.conftest import run_with_trajectory
 
@@ -74,6 +74,33 @@ def test_seq_len_column_converts_b_simple_to_the_planned_models_sequences(tmp_pa
     assert resolve_gns(str(tmp_path / "gns.csv"), seq_len=8192) * 8192 == pytest.approx(
         effective_b_noise(traj, seq_len=128) * 128)
     assert traj.to_rows()[0]["seq_len"] == 128
+
+
+def test_gns_is_a_number_or_a_trajectory_given_as_text_or_path(tmp_path):
+    path = _write_csv(tmp_path / "gns.csv", _gns_rows(128))
+    assert resolve_gns(path, seq_len=128) == resolve_gns(str(path), seq_len=128) > 0
+    assert resolve_gns("2000", seq_len=128) == resolve_gns(2000, seq_len=128) == 2000.0
+    with pytest.raises(ConfigError, match=r"^gns=True: must be a number \(B_noise\) or a "
+                                          r"trajectory file$"):
+        resolve_gns(True, seq_len=128)
+
+
+@pytest.mark.parametrize(("b_noise", "rule"), [
+    ([10.0, np.nan, 12.0], "point 1 is nan"),
+    ([10.0, -5.0, 12.0], "point 1 is -5.0"),
+    ([0.0, 11.0, 12.0], "point 0 is 0.0"),
+])
+def test_a_trajectory_built_in_code_refuses_a_noise_scale_that_is_not_positive(b_noise, rule):
+    """load_trajectory clamps a file's bad rows; one built directly would have ended as a NaN
+    noise scale or a bare assertion in the planner."""
+    step = np.arange(3.0)
+    with pytest.raises(ConfigError, match=rf"^trajectory='Trajectory': b_noise must be a "
+                                          rf"positive number at every point; {rule}$"):
+        Trajectory(step=step, tokens=step * 1024, b_noise=np.array(b_noise),
+                   loss=np.full(3, np.nan), seq_len=128)
+    with pytest.raises(ConfigError, match="tokens must be finite and sorted"):
+        Trajectory(step=step, tokens=np.array([0.0, 2048.0, 1024.0]),
+                   b_noise=np.array([10.0, 11.0, 12.0]), loss=np.full(3, np.nan))
 
 
 def test_old_file_needs_the_measuring_seq_len(tmp_path):
