@@ -191,11 +191,15 @@ def evaluate_model(data: Sequence[str | Path], *, split: str = "random", baselin
         if experiment:  # opened before the work: a failure or an interrupt leaves its record
             from paratune.tracking import start_run
 
+            # the performance model's settings as fit logs them (the trees resolved, not the
+            # flag's None), so that a fit and an evaluation of one setting share its keys;
+            # folds and seed only where they apply (the random split)
+            params = {**factories["performance_model"]().get_params(), "split": split,
+                      "data": _paths(data), "estimators": list(factories)}
+            if split == "random":
+                params.update(folds=folds, seed=seed)
             run = stack.enter_context(start_run(experiment, run_name=f"evaluate-{split}",
-                                                params={"split": split, "data": _paths(data),
-                                                        "estimators": list(factories),
-                                                        "n_estimators": n_estimators,
-                                                        "folds": folds, "seed": seed}))
+                                                params=params))
         frame = load_measurements(data)
         result = cross_validate(frame, split=split, estimators=factories, n_splits=folds,
                                 random_state=seed, progress=progress)

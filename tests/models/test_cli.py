@@ -322,6 +322,22 @@ def test_evaluate_prints_its_run_and_logs_its_inputs(tmp_path, synthetic, mlflow
     params = run.data.params
     assert params["folds"] == "2" and params["seed"] == "0" and params["split"] == "random"
     assert json.loads(params["data"]) == [str(data.resolve())]
+    assert params["n_estimators"] == "10" and "max_depth" in params
+    # the default trees are logged as the number a fit logs (not the flag's None), and the
+    # random split's folds and seed only where they apply
+    assert main(["evaluate", str(data), "--split", "model", "--plot",
+                 str(tmp_path / "q.png")]) == 0
+    assert main(["fit", str(data), "--out", str(tmp_path / "m"), "--n-estimators", "10"]) == 0
+    fitted = _runs(mlflow_uri, "paratune-fit")[0].data.params
+    by_split = {r.info.run_name: r.data.params for r in _runs(mlflow_uri, "paratune-evaluate")}
+    model_split = by_split["evaluate-model"]
+    assert "folds" not in model_split and "seed" not in model_split
+    from paratune.models._estimators import estimator_factories
+
+    default_trees = estimator_factories()["performance_model"]().get_params()["n_estimators"]
+    assert model_split["n_estimators"] == str(default_trees) != "None"
+    assert {k: fitted[k] for k in ("max_depth", "learning_rate")} == {
+        k: model_split[k] for k in ("max_depth", "learning_rate")}
 
 
 @pytest.mark.parametrize("flag", ["--no-track", "--no-mlflow"])
