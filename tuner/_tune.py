@@ -401,14 +401,18 @@ def _open_run(stack: contextlib.ExitStack, space: SearchSpace, objective: Object
         params["gns_trajectory"] = str(Path(gns).resolve())
     tags: dict[str, Any] = {}
     if search == "optuna":
-        from paratune.tuner._search import _finished, open_study, resolve_storage
+        from paratune.tuner._search import _finished, open_study, storage_text
 
         study = open_study(space, objective, sampler=sampler, seed=seed, storage=storage,
                            study_name=study_name, storage_dir=storage_dir,
                            predictor_fingerprint=predictor_fingerprint)
         prior = len(_finished(study))
         params["study_name"] = study.study_name
-        params["storage"] = resolve_storage(storage, storage_dir)[1]
+        where = storage_text(storage, storage_dir)
+        # a journal file by its absolute path, as predictor and data are logged: two tunings
+        # started from different folders keep different studies
+        params["storage"] = (where if where is None or "://" in where
+                             else str(Path(where).resolve()))
         tags = {"paratune.resumed": str(prior > 0).lower(), "paratune.prior_trials": prior}
     name = f"tune-{space.model.name}-{space.world_size}x{space.hardware.name}"
     return stack.enter_context(start_run("paratune-tune", run_name=name, params=params,

@@ -203,6 +203,18 @@ def test_a_tune_that_fails_or_is_interrupted_leaves_its_run_and_params(tmp_path,
     assert params["seed"] == "2"
 
 
+def test_a_study_journal_is_logged_by_its_absolute_path(closed_form, tmp_path, monkeypatch):
+    """As the predictor and data are: two tunings from different folders with the default
+    (relative) output folder keep different studies, and the runs say which."""
+    logged = []
+    for folder in ("a", "b"):
+        (tmp_path / folder).mkdir()
+        monkeypatch.chdir(tmp_path / folder)
+        result = tune("llama3-8b", 32, "H100", closed_form, n_trials=4, output_dir="out")
+        logged.append(MlflowClient().get_run(result.run_id).data.params["storage"])
+    assert logged == [str(tmp_path / f / "out" / "study.journal") for f in ("a", "b")]
+
+
 def test_tune_run_records_its_inputs_and_whether_the_study_resumed(closed_form, tmp_path):
     kwargs = dict(objective="goodput", gns=600, global_batch_sizes="256:1024", seed=3,
                   sampler="random", output_dir=tmp_path, min_feasible_prob=0.7,
