@@ -1143,6 +1143,8 @@ def _run_campaign(spec: CampaignSpec, paths: CampaignPaths, meta: dict[str, Any]
             for world_size, counts in result.counts.items():
                 for name, value in counts.items():
                     metrics[f"ws{world_size}_{name}"] = value
+                metrics[f"ws{world_size}_failed"] = sum(counts[s.value] for s in Status
+                                                        if s is not Status.OK)
             for name in ("valid", "skipped", *(s.value for s in Status)):
                 metrics[name] = sum(c[name] for c in result.counts.values())
             metrics["failed"] = sum(c[s.value] for c in result.counts.values()

@@ -548,6 +548,9 @@ def test_kill_9_then_resume_redoes_nothing_and_loses_nothing(tmp_path, monkeypat
     assert run.data.params["model"] == "tiny"
     assert json.loads(run.data.params["world_sizes"]) == [1, 2]
     assert run.data.metrics["ok"] == 5 and run.data.metrics["failed"] == 0
+    # every status per world size too, failed included, as docs/tracking.md lists them
+    assert {k: run.data.metrics[k] for k in ("ws1_ok", "ws2_ok", "ws1_failed", "ws2_failed")
+            } == {"ws1_ok": 1, "ws2_ok": 4, "ws1_failed": 0, "ws2_failed": 0}
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id, "dataset")}
     assert "dataset/card.json" in artifacts
 
