@@ -110,7 +110,11 @@ def test_ema_is_bias_corrected_and_state_round_trips():
     gns = GradientNoiseScale(beta=0.9)
     first = gns.update(2.0 + 30.0 / 4, 2.0 + 30.0 / 32, 4, 32)
     assert first.g2_ema == pytest.approx(2.0) and first.b_simple == pytest.approx(15.0)
-    gns.update(1.0 + 30.0 / 4, 1.0 + 30.0 / 32, 4, 32)
+    second = gns.update(1.0 + 30.0 / 4, 1.0 + 30.0 / 32, 4, 32)
+    # each average divided by 1 - beta**t, t the updates so far (not 1 - beta): the ratio
+    # b_simple cancels the correction, the averages themselves do not
+    assert second.g2_ema == pytest.approx((0.9 * 0.1 * 2 + 0.1 * 1) / (1 - 0.9 ** 2))
+    assert second.trace_ema == pytest.approx(30.0)
     other = GradientNoiseScale()
     other.load_state_dict(gns.state_dict())
     assert other.b_simple == gns.b_simple
