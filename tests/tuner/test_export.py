@@ -301,7 +301,7 @@ def test_a_launch_that_splits_tensor_parallel_groups_over_nodes_is_noted():
 
 
 def test_uneven_pipeline_split_is_spelled_out_as_measured():
-    pipeline = pytest.importorskip("paratune.profiler.pipeline")
+    from paratune.profiler import pipeline
     cfg = ParallelConfig(dp=1, pp=3, global_batch_size=12, schedule="interleaved_1f1b",
                          virtual_stages=2)
     cfg.validate(MODEL, 3)

@@ -369,5 +369,8 @@ def test_switches_record_their_kind_and_baselines_pay_batch_changes(closed_form)
     assert batch_only, "the closed form should change only the batch at some point"
     text = paid.table()
     assert "batch-only change" in text and "at 100 s" in text
-    if not any(sw["kind"] == "layout" for sw in paid.switches):
-        assert "600 s" not in text.split("plan:")[1].splitlines()[0]
+    # here every switch is batch-only: the summary line charges none at the layout cost
+    assert [sw["kind"] for sw in paid.switches] == ["batch", "batch"]
+    assert text.split("plan:")[1].splitlines()[0].endswith(
+        "2 batch-only changes at 100 s (200 s in all)")
+    assert "600 s" not in text.split("plan:")[1].splitlines()[0]
