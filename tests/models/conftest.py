@@ -74,3 +74,17 @@ def synthetic() -> pd.DataFrame:
 @pytest.fixture(scope="session")
 def make_synthetic():
     return synthetic_measurements
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory, synthetic) -> Path:
+    """A performance model fitted on :func:`synthetic` by ``paratune fit`` (20 trees)."""
+    from paratune.cli import main
+
+    tmp = tmp_path_factory.mktemp("fit")
+    data = tmp / "data.csv"
+    synthetic.to_csv(data, index=False)
+    out = tmp / "model"
+    assert main(["fit", str(data), "--out", str(out), "--n-estimators", "20",
+                 "--no-mlflow"]) == 0
+    return out

@@ -31,17 +31,6 @@ def mlflow_uri(tmp_path, monkeypatch):
     return uri
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory, synthetic):
-    tmp = tmp_path_factory.mktemp("fit")
-    data = tmp / "data.csv"
-    synthetic.to_csv(data, index=False)
-    out = tmp / "model"
-    assert main(["fit", str(data), "--out", str(out), "--n-estimators", "20",
-                 "--no-mlflow"]) == 0
-    return out
-
-
 def test_fit_logs_to_mlflow(tmp_path, make_synthetic, mlflow_uri, capsys):
     import mlflow
 

@@ -13,17 +13,6 @@ from paratune.predictor import CONFIG_COLUMNS
 from tests.models.test_cli import PUBLIC_HEADER, PUBLIC_ROWS
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory, synthetic):
-    tmp = tmp_path_factory.mktemp("fit")
-    data = tmp / "data.csv"
-    synthetic.to_csv(data, index=False)
-    out = tmp / "model"
-    assert main(["fit", str(data), "--out", str(out), "--n-estimators", "10",
-                 "--no-mlflow"]) == 0
-    return out
-
-
 def _predict(model_dir, src, capsys) -> tuple[pd.DataFrame, str]:
     """``paratune predict`` of ``src``: the output as text, and what it printed."""
     capsys.readouterr()
