@@ -83,8 +83,6 @@ def _show_one(path: Path) -> str:
 
 
 def _import(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from paratune.datasets._store import (
         DatasetExistsError,
         holds_data,
