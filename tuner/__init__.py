@@ -24,6 +24,8 @@ __all__ = [
     "exhaustive",
     "load_trajectory",
     "megatron_args",
+    "megatron_command",
+    "megatron_env",
     "optuna_search",
     "parse_batch_sizes",
     "plan_phases",
@@ -32,9 +34,13 @@ __all__ = [
     "steps_to_target",
     "time_to_target",
     "torchrun_command",
+    "torchtitan_args",
+    "torchtitan_command",
+    "torchtitan_config_module",
     "torchtitan_toml",
     "tune",
     "verify_top_k",
+    "write_recommendation",
 ]
 
 _WHERE = {
@@ -48,7 +54,9 @@ _WHERE = {
     "examples_to_target": "_efficiency", "pollux_efficiency": "_efficiency",
     "steps_to_target": "_efficiency", "time_to_target": "_efficiency",
     "megatron_args": "_export", "recommendation": "_export", "torchrun_command": "_export",
-    "torchtitan_toml": "_export",
+    "torchtitan_toml": "_export", "torchtitan_args": "_export", "torchtitan_command": "_export",
+    "torchtitan_config_module": "_export", "megatron_command": "_export",
+    "megatron_env": "_export", "write_recommendation": "_export",
     "verify_top_k": "_verify",
 }
 

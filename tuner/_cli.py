@@ -113,6 +113,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     tune.add_argument("--dataset", type=Path, default=None,
                       help="measurements the predictor was fitted on, refitted with what "
                            "--verify measures (a dataset directory or a public CSV)")
+    tune.add_argument("--export-infeasible", action="store_true",
+                      help="write the launch files even when the winner is predicted not to run "
+                           "(each then opens with a line saying so); without it such a winner "
+                           "gets only recommendation.json/.yaml and the exit status is 1")
     tune.add_argument("--no-progress", action="store_true",
                       help="no progress bar of the trials (on stderr)")
     tune.set_defaults(func=_tune, field_flags={**_JOB_FIELD_FLAGS, "risk_quantile": "--risk",
@@ -193,7 +197,7 @@ def _tune(args: argparse.Namespace) -> int:
                   track=not args.no_track, verify=args.verify, verify_options=verify_options,
                   trajectory_seq_len=args.trajectory_seq_len,
                   on_ranked=lambda ranked: _print_ranking(ranked, args.top_k),
-                  progress=not args.no_progress)
+                  progress=not args.no_progress, export_infeasible=args.export_infeasible)
     if result.verification is not None:
         from paratune._table import format_table
 
@@ -203,6 +207,12 @@ def _tune(args: argparse.Namespace) -> int:
     print(f"\nwrote {', '.join(str(p) for p in result.outputs.values())}")
     if result.run_id:
         print(f"MLflow run {result.run_id}: {ui_command()}")
+    infeasible = result.recommendation["launch"]["infeasible"]
+    if infeasible and not args.export_infeasible:
+        print(f"paratune tune: error: {infeasible}: no launch files written (more devices, a "
+              f"larger --memory-limit-gb or a lower --min-feasible-prob may find one that "
+              f"runs; --export-infeasible writes them anyway)", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -217,10 +227,14 @@ def _print_ranking(result, top_k: int) -> None:
               f"{search.wall_time_s:.1f} s")
     launch = result.recommendation["launch"]
     print(f"\nwinner: {result.best.key()}")
+    if launch["infeasible"]:
+        print(f"  PREDICTED NOT TO RUN: {launch['infeasible']}")
     if launch["torchrun"]:
         print(f"  torchrun:   {launch['torchrun']}")
-    print(f"  Megatron-LM: {' '.join(launch['megatron_args'])}")
-    print("  torchtitan:\n    " + launch["torchtitan_toml"].strip().replace("\n", "\n    "))
+    if launch["megatron"]:
+        print(f"  Megatron-LM: {launch['megatron']}")
+    if launch["torchtitan"]:
+        print(f"  torchtitan 0.3: {launch['torchtitan']}")
     for note in launch["notes"]:
         print(f"  note: {note}")
     sys.stdout.flush()

@@ -208,7 +208,7 @@ def tune(model: ModelSpec | str, gpus: int, gpu: HardwareSpec | str,
          verify_options: dict[str, Any] | None = None,
          trajectory_seq_len: int | None = None,
          on_ranked: Callable[[TuneResult], None] | None = None,
-         progress: bool = False) -> TuneResult:
+         progress: bool = False, export_infeasible: bool = False) -> TuneResult:
     """Find how to run ``model`` on ``gpus`` devices of kind ``gpu``.
 
     Args:
@@ -252,6 +252,9 @@ def tune(model: ModelSpec | str, gpus: int, gpu: HardwareSpec | str,
             written and the outcome logged, before any verification (to show the ranking
             while the top configs are profiled).
         progress: Show a progress bar of the Optuna trials on stderr.
+        export_infeasible: Write the launch files of a winner predicted not to run too (each
+            opening with a line saying so); by default such a winner gets only
+            ``recommendation.json``/``.yaml`` (``launch.infeasible`` says why).
 
     Returns:
         A :class:`TuneResult`.
@@ -335,7 +338,8 @@ def tune(model: ModelSpec | str, gpus: int, gpu: HardwareSpec | str,
         rec["top"] = [{**c.to_dict(), "objective": float(o), "vs_best": float(v)}
                       for c, o, v in zip(result.configs(top_k), result.top(top_k)["objective"],
                                          result.top(top_k)["vs_best"])]
-        outputs = write_recommendation(rec, output) if output is not None else {}
+        outputs = (write_recommendation(rec, output, allow_infeasible=export_infeasible)
+                   if output is not None else {})
         out = TuneResult(search=result, recommendation=rec, outputs=outputs, study=study)
         if run is not None:
             out.run_id = run.run_id

@@ -29,7 +29,7 @@ def test_torchtitan_sections_carry_the_degrees():
     assert par["fsdp_reshard_after_forward"] == "always"
     assert par["pipeline_parallel_layers_per_stage"] == 32 // 8
     assert doc["training"] == {"local_batch_size": 16, "global_batch_size": 64,
-                               "seq_len": MODEL.seq_len}
+                               "seq_len": MODEL.seq_len, "mixed_precision_param": "bfloat16"}
     assert doc["activation_checkpoint"]["mode"] == "selective"
     ddp = tomllib.loads(torchtitan_toml(MODEL, cfg.replace(sharding="none", pp=1, tp=1, dp=32,
                                                           schedule="1f1b", virtual_stages=1)))
@@ -188,12 +188,18 @@ _MEGATRON_RECOMPUTE_MODULES = {"core_attn", "moe_act", "layernorm", "mla_up_proj
 
 
 def _megatron_options(args: list[str]) -> dict[str, list[str]]:
-    """``--flag value ...`` arguments as {flag: values}."""
+    """A list of arguments (``--flag``, then its values) as {flag: values}."""
     options: dict[str, list[str]] = {}
+    flag = None
     for arg in args:
-        flag, *values = shlex.split(arg)
-        assert flag.startswith("--") and flag not in options, arg
-        options[flag] = values
+        assert " " not in arg or not arg.startswith("--"), f"{arg!r} is not one argument"
+        if arg.startswith("--"):
+            assert arg not in options, arg
+            flag = arg
+            options[flag] = []
+        else:
+            assert flag is not None, arg
+            options[flag].append(arg)
     return options
 
 
@@ -318,8 +324,7 @@ def test_uneven_pipeline_split_is_spelled_out_as_measured():
     # Megatron-LM: a layout naming each (virtual) stage, instead of a per-stage count
     args = megatron_args(MODEL, cfg)
     assert not any("virtual-pipeline-stage" in a for a in args)
-    (layout,) = [a.split(" ", 1)[1].strip("'") for a in args
-                 if a.startswith("--pipeline-model-parallel-layout")]
+    (layout,) = _megatron_options(args)["--pipeline-model-parallel-layout"]
     parts = layout.split("|")
     assert [int(p.split("t*")[1].split(",")[0]) for p in parts] == measured
     assert parts[0].startswith("E,") and parts[-1].endswith(",L")
@@ -366,7 +371,7 @@ def test_torchrun_launches_a_preset_at_the_sequence_length_tuned():
     assert launched == model and launched.seq_len == 2048
     assert ParallelConfig.from_dict(json.loads(args.config)) == cfg
     # the same sequence length as the other exports
-    assert "--seq-length 2048" in rec["launch"]["megatron_args"]
+    assert _megatron_options(rec["launch"]["megatron_args"])["--seq-length"] == ["2048"]
     assert tomllib.loads(rec["launch"]["torchtitan_toml"])["training"]["seq_len"] == 2048
     # a preset at its own length
     assert _launched_model(torchrun_command(MODEL, cfg, H100))[0] == MODEL
