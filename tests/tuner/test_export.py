@@ -430,3 +430,27 @@ def test_no_torchrun_command_for_a_model_the_trainer_cannot_build(tmp_path):
     (tmp_path / "gone" / "config.json").unlink()
     with pytest.raises(ConfigError, match=r"model=.*gone/config\.json': is neither a preset"):
         torchrun_command(model, cfg, H100)
+
+
+def test_tune_exits_non_zero_for_a_winner_predicted_not_to_run(saved_model, tmp_path,
+                                                               monkeypatch, capsys):
+    from paratune.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    command = ["tune", "--model", "llama3-8b", "--gpus", "64", "--hardware", "H100",
+               "--predictor", str(saved_model), "--no-track", "--no-progress", "--trials", "6",
+               "--memory-limit-gb", "0.001"]  # nothing fits in 1 MB
+    launch_files = ("torchrun.sh", "torchtitan.sh", "torchtitan.toml", "megatron.sh",
+                    "megatron_args.txt")
+    assert main([*command, "--output", "out"]) == 1
+    captured = capsys.readouterr()
+    assert "PREDICTED NOT TO RUN" in captured.out
+    assert "error: the winner is predicted not to run" in captured.err
+    assert "--export-infeasible" in captured.err
+    rec = json.loads((tmp_path / "out" / "recommendation.json").read_text())
+    assert rec["predicted"]["feasible"] is False and rec["launch"]["infeasible"]
+    assert not any((tmp_path / "out" / name).exists() for name in launch_files)
+    # asked for: written, each saying it is predicted not to run
+    assert main([*command, "--output", "forced", "--export-infeasible"]) == 0
+    for name in ("torchtitan.toml", "megatron_args.txt"):
+        assert (tmp_path / "forced" / name).read_text().startswith("# PREDICTED NOT TO RUN")
