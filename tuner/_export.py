@@ -255,7 +255,14 @@ def torchtitan_notes(model: ModelSpec, config: ParallelConfig, *,
                      version: str = "0.3") -> list[str]:
     """Where torchtitan ``version`` (``"0.3"`` or ``"0.2"``) runs ``config`` otherwise than
     measured, or needs something the export cannot give."""
-    notes = list(_titan_data_parallel(config)[3])
+    where = "--hf_assets_path DIR" if version == "0.3" else "[model] hf_assets_path"
+    notes = [f"torchtitan reads the tokenizer from {where} and the data of its dataloader "
+             f"settings: point them at yours",
+             *_titan_data_parallel(config)[3]]
+    if model.mlp != "swiglu":
+        notes.append(f"torchtitan's llama3 blocks have a SwiGLU MLP; this model's {model.mlp} "
+                     f"MLP has no torchtitan llama3 equivalent (a third MLP matrix: more "
+                     f"parameters, memory and time than predicted)")
     if version == "0.2" and _titan_flavor(model, version="0.2") is None:
         notes.append(_titan_v02_custom_model_note(model))
     if config.dp == 1 and (config.tp_enabled or config.pp_enabled):
