@@ -34,6 +34,8 @@ __all__ = [
     "torchrun_command",
     "torchtitan_toml",
     "tune",
+    "verification_order",
+    "verify_list",
     "verify_top_k",
 ]
 
@@ -49,7 +51,7 @@ _WHERE = {
     "steps_to_target": "_efficiency", "time_to_target": "_efficiency",
     "megatron_args": "_export", "recommendation": "_export", "torchrun_command": "_export",
     "torchtitan_toml": "_export",
-    "verify_top_k": "_verify",
+    "verification_order": "_verify", "verify_list": "_verify", "verify_top_k": "_verify",
 }
 
 
