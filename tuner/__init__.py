@@ -11,6 +11,7 @@ from typing import Any
 
 __all__ = [
     "SAMPLERS",
+    "ClusterVerification",
     "Objective",
     "ObjectiveKind",
     "Plan",
@@ -29,6 +30,7 @@ __all__ = [
     "plan_phases",
     "pollux_efficiency",
     "recommendation",
+    "risk_aware_ranking",
     "steps_to_target",
     "time_to_target",
     "torchrun_command",
@@ -36,6 +38,7 @@ __all__ = [
     "tune",
     "verification_order",
     "verify_list",
+    "verify_on_cluster",
     "verify_top_k",
 ]
 
@@ -52,6 +55,8 @@ _WHERE = {
     "megatron_args": "_export", "recommendation": "_export", "torchrun_command": "_export",
     "torchtitan_toml": "_export",
     "verification_order": "_verify", "verify_list": "_verify", "verify_top_k": "_verify",
+    "ClusterVerification": "_verify", "risk_aware_ranking": "_verify",
+    "verify_on_cluster": "_verify",
 }
 
 
