@@ -21,14 +21,9 @@ peak in compute, 80% of link bandwidth, 0.1 ms per layer pass.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 
 from paratune.models import features as F
-
-if TYPE_CHECKING:
-    pass
 
 __all__ = ["CONSTANT_NAMES", "DEFAULT_CONSTANTS", "core_parts", "fit_constants",
            "predict_core"]

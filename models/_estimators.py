@@ -497,8 +497,41 @@ class PerformanceModel(_Base):
         sources = frame["source"].astype(str) if "source" in frame.columns else None
         self.sources_ = sorted(sources.unique().tolist()) if sources is not None else []
         self.family_offsets_ = {}
+        self._fit_core(c, analytical, families, has_time, step)
         self._fit_widening(frame, families, timed, step)
         return self
+
+    def _fit_core(self, c: F.Columns, analytical: dict[str, Any], families: np.ndarray,
+                  rows: np.ndarray, step: np.ndarray) -> None:
+        """The calibrated analytical core's constants per family with enough ``rows`` (see
+        :mod:`paratune.models._calibration`)."""
+        from paratune.models._calibration import MIN_ROWS, core_parts, fit_constants
+
+        parts = core_parts(c, analytical)
+        usable = rows & np.all(np.isfinite(parts), axis=1)
+        self.core_constants_ = {}
+        for family in np.unique(families[usable]):
+            sel = usable & (families == family)
+            if sel.sum() >= MIN_ROWS:
+                self.core_constants_[str(family)] = [
+                    float(v) for v in fit_constants(parts[sel], step[sel])]
+
+    def _core_step(self, frame: pd.DataFrame, c: F.Columns, analytical: dict[str, Any]
+                   ) -> np.ndarray:
+        """The calibrated core's step time per row: its family's constants, the defaults of
+        a well-tuned framework for a family without them."""
+        from paratune.models._calibration import (
+            CONSTANT_NAMES,
+            DEFAULT_CONSTANTS,
+            core_parts,
+            predict_core,
+        )
+
+        families = source_family(frame)
+        constants = np.tile([DEFAULT_CONSTANTS[k] for k in CONSTANT_NAMES], (c.n, 1))
+        for family, values in self.core_constants_.items():
+            constants[families == family] = values
+        return predict_core(core_parts(c, analytical), constants)
 
     def _fit_widening(self, frame: pd.DataFrame, families: np.ndarray, timed: np.ndarray,
                       step: np.ndarray) -> None:
@@ -524,6 +557,10 @@ class PerformanceModel(_Base):
             inner.fit(train)
             pred = inner.predict(test)
             _, per_axis, unknown = inner._distance(test)
+            c_test = F.Columns(test)
+            _, analytical_test = F.compute_features(c_test)
+            core = inner._core_step(test, c_test, analytical_test)
+            prob = pred[PRED_STALL_PROB].to_numpy(float)
             tokens = (test["global_batch_size"].to_numpy(float)
                       * test["seq_len"].to_numpy(float))
             world = np.asarray(F.Columns(test).world)
@@ -531,6 +568,8 @@ class PerformanceModel(_Base):
                 return {"step_hi": tokens / (pred[lower].to_numpy(float) * world),
                         "step_lo": tokens / (pred[upper].to_numpy(float) * world),
                         "unknown_family": unknown,
+                        "step": pred["pred_step_time_s"].to_numpy(float), "core": core,
+                        "blendable": ~(prob > 0.5),
                         **{f"distance_{axis}": per_axis[axis] for axis in AXES}}
 
         self.interval_widening_ = calibrate_widening(
@@ -743,7 +782,7 @@ class PerformanceModel(_Base):
             step = np.where(prob > 0.5, stall, step)
             lo, hi = np.minimum(lo, step), np.maximum(hi, step)
         step, lo, hi, expected, distance, warning = self._extrapolate(
-            frame, c, step, lo, hi, expected)
+            frame, c, analytical, step, lo, hi, expected, prob)
         memory = self._memory_gb(X, analytical)
         capacity = c.memory_gb
         known = np.isfinite(capacity) & (capacity > 0)
@@ -771,13 +810,29 @@ class PerformanceModel(_Base):
         per_axis, unknown = distance(axis_values(frame), families, self.extrapolation_ranges_)
         return families, per_axis, unknown
 
-    def _extrapolate(self, frame: pd.DataFrame, c: F.Columns, step: np.ndarray,
-                     lo: np.ndarray, hi: np.ndarray, expected: np.ndarray
-                     ) -> tuple[np.ndarray, ...]:
-        """Each row's distance from the training ranges, its family's few-shot factor, and
-        the interval widened by the calibrated margins (see :meth:`_fit_widening`)."""
+    def _extrapolate(self, frame: pd.DataFrame, c: F.Columns, analytical: dict[str, Any],
+                     step: np.ndarray, lo: np.ndarray, hi: np.ndarray, expected: np.ndarray,
+                     prob: np.ndarray) -> tuple[np.ndarray, ...]:
+        """Each row's distance from the training ranges; the learned prediction shrunk
+        toward the calibrated core with it, its family's few-shot factor, and the interval
+        widened by the calibrated margins (see :meth:`_fit_widening`)."""
+        from paratune.models._extrapolation import blend_factor
+
         families, per_axis, unknown = self._distance(frame)
         dist = sum(per_axis.values())
+        entries = [self.interval_widening_.get(str(f), self.interval_widening_[""])
+                   for f in np.unique(families)]
+        if any(e.get("shrink_per_doubling", 0.0) or e.get("core_weight_family", 0.0)
+               for e in entries):
+            rate, weight = np.zeros(len(step)), np.zeros(len(step))
+            for family in np.unique(families):
+                entry = self.interval_widening_.get(str(family), self.interval_widening_[""])
+                rate[families == family] = entry.get("shrink_per_doubling", 0.0)
+                weight[families == family] = entry.get("core_weight_family", 0.0)
+            # the point in the stalled regime is the stall's time, not the core's business
+            shrink = blend_factor(step, self._core_step(frame, c, analytical), dist, unknown,
+                                  ~(prob > 0.5), rate=rate, family_weight=weight)
+            step, lo, hi, expected = step * shrink, lo * shrink, hi * shrink, expected * shrink
         keys = [f"{side}_{axis}" for side in ("hi", "lo") for axis in per_axis]
         margins = {key: np.zeros(len(step)) for key in (*keys, "hi_family", "lo_family")}
         for family in np.unique(families):
@@ -930,6 +985,7 @@ class PerformanceModel(_Base):
                 "stall_free_families": self.stall_free_families_,
                 "stall_free_hardware": self.stall_free_hardware_,
                 "interval_widening": self.interval_widening_,
+                "core_constants": self.core_constants_,
                 "family_offsets": self.family_offsets_,
                 "training": {"fingerprint_sha256": self.fingerprint_,
                              "num_rows": self.num_train_rows_,
@@ -1109,6 +1165,8 @@ class PerformanceModel(_Base):
         model.interval_widening_ = {
             str(f): {str(k): float(v) for k, v in margins.items()}
             for f, margins in manifest["interval_widening"].items()}
+        model.core_constants_ = {str(f): [float(v) for v in values]
+                                 for f, values in manifest["core_constants"].items()}
         model.family_offsets_ = {str(f): {"log_factor": float(e["log_factor"]),
                                           "margin": float(e["margin"]), "rows": int(e["rows"])}
                                  for f, e in manifest["family_offsets"].items()}
