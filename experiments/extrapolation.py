@@ -9,8 +9,12 @@ APE and MAPE of tokens/s per device, Spearman within (model, cluster) groups, to
 top-5 regret, the share of runs inside the predicted q10-q90 and the median predicted /
 measured throughput. Nothing of a fold's test rows is used to fit or to choose anything.
 
-Writes ``extrapolation.csv`` and ``extrapolation.txt`` under --out and logs them to MLflow
-(experiment ``paratune-experiments``, run ``extrapolation``; each figure a metric
+Then few-shot calibration: for each family fit without it, ``calibrate`` with the first
+n of its runs on its smallest cluster (one node's campaign, n = 0, 1, 2, 5, 10, 20; drawn
+with --shot-seeds seeds), scored on every other run of the family.
+
+Writes ``extrapolation.csv``, ``few_shot.csv`` and ``extrapolation.txt`` under --out and logs
+them to MLflow (experiment ``paratune-experiments``, run ``extrapolation``; each figure a metric
 ``<split>.<estimator>.<fold>.<figure>``).
 
     python experiments/extrapolation.py [--data DIR] [--out out/extrapolation] [--baselines]
@@ -42,6 +46,8 @@ def main() -> None:
     parser.add_argument("--splits", default=",".join(EXTRAPOLATION_SPLITS),
                         help="comma-separated splits (default: all)")
     parser.add_argument("--n-estimators", type=int, default=None)
+    parser.add_argument("--shot-seeds", type=int, default=5,
+                        help="draws of the few-shot rows per n (0: no few-shot table)")
     add_no_track_argument(parser)
     args = parser.parse_args()
     splits = [s.strip() for s in args.splits.split(",") if s.strip()]
@@ -69,9 +75,22 @@ def main() -> None:
     table = extrapolation_table(rows, title="Extrapolation splits: tokens/s per device vs "
                                 "measured (figures in %, Spearman and pred/meas as ratios)")
     print(table)
+    shots = few_shot(frame, chosen["performance_model"], seeds=args.shot_seeds)
+    if shots:
+        from paratune._table import format_table
+
+        shot_table = format_table(shots, ["family", "rows", "mdape", "mape", "ratio_median"],
+                                  headers={"rows": "own rows", "mdape": "MdAPE%",
+                                           "mape": "MAPE%", "ratio_median": "pred/meas"},
+                                  floatfmt=".3g", title="Few-shot calibration: a family "
+                                  "fitted without, then calibrated on n of its one-node runs")
+        print()
+        print(shot_table)
+        table += "\n\n" + shot_table
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     pd.DataFrame(rows).to_csv(out / "extrapolation.csv", index=False)
+    pd.DataFrame(shots).to_csv(out / "few_shot.csv", index=False)
     (out / "extrapolation.txt").write_text(table + "\n")
     if not args.no_mlflow:
         from paratune.tracking import start_script_run
@@ -79,12 +98,59 @@ def main() -> None:
         with start_script_run(__file__) as run:
             run.log_params({"data": [str(f.resolve()) for f in files], "splits": splits,
                             "estimators": list(chosen), "n_estimators": args.n_estimators})
+            for row in shots:
+                run.log_metrics({f"few_shot.{row['family']}.rows{row['rows']}.{k}": row[k]
+                                 for k in ("mdape", "mape", "ratio_median")})
             for row in rows:
                 prefix = re.sub(r"[^A-Za-z0-9_.\-/]+", "_",
                                 f"{row['split']}.{row['estimator']}.{row['held_out']}")
                 run.log_metrics({f"{prefix}.{k}": float(v) for k, v in row.items()
                                  if isinstance(v, (int, float))})
             run.log_artifact(out)
+
+
+def few_shot(frame, factory, *, seeds: int, counts=(0, 1, 2, 5, 10, 20)) -> list[dict]:
+    """Per family: fitted without it, then calibrated on n of its runs on its smallest
+    cluster; median APE, MAPE (in percent) and median predicted / measured throughput of the
+    family's other runs, averaged over ``seeds`` draws of the n runs."""
+    import numpy as np
+
+    from paratune.models._data import measured_step_time
+    from paratune.models._estimators import source_family
+
+    if seeds < 1:
+        return []
+    families = source_family(frame)
+    step = measured_step_time(frame)
+    timed = np.isfinite(step)
+    world = frame["world_size"].to_numpy(dtype=float)
+    out = []
+    for family in sorted(set(families)):
+        own = families == family
+        if own.all():
+            continue
+        model = factory().fit(frame[~own])
+        pool = np.flatnonzero(own & timed & (world == world[own & timed].min()))
+        for n in counts:
+            if n > len(pool):
+                continue
+            figures = []
+            for seed in range(seeds if n else 1):
+                picked = np.random.default_rng(seed).choice(pool, size=n, replace=False)
+                model.family_offsets_.pop(str(family), None)
+                if n:
+                    model.calibrate(frame.iloc[picked])
+                rest = own & timed
+                rest[picked] = False
+                part = frame[rest]
+                pred = model.predict(part)["pred_step_time_s"].to_numpy(float)
+                ratio = step[rest] / pred  # predicted / measured throughput
+                ape = np.abs(ratio - 1.0)
+                figures.append((np.median(ape), np.mean(ape), np.median(ratio)))
+            mdape, mape, ratio = np.mean(figures, axis=0)
+            out.append({"family": str(family), "rows": n, "mdape": 100 * mdape,
+                        "mape": 100 * mape, "ratio_median": ratio})
+    return out
 
 
 if __name__ == "__main__":

@@ -102,6 +102,13 @@ def _predict(args: argparse.Namespace) -> int:
     failed = int((out["pred_error"] != "").sum())
     print(f"predicted {len(out) - failed} of {len(out)} rows -> {args.out}"
           + (f" ({failed} rows with pred_error)" if failed else ""))
+    warned = out["pred_warning"].fillna("").astype(str) if "pred_warning" in out else None
+    if warned is not None and (warned != "").any():
+        # the first reason of each kind (the text up to its figures) with its row count
+        kinds = warned[warned != ""].str.replace(r"\d+(\.\d+)?", "N", regex=True)
+        for text, count in kinds.value_counts().items():
+            print(f"warning: {count} {'row' if count == 1 else 'rows'}: {text} "
+                  "(see pred_warning, pred_extrapolation_doublings)")
     return 0
 
 
