@@ -55,3 +55,40 @@ def test_risk_aware_ranking_puts_an_uncertain_config_below_a_sure_one():
     assert risk_aware_ranking(ranked.drop(columns="pred_tokens_per_sec_per_gpu_q10")) is not None
     assert list(risk_aware_ranking(ranked.drop(
         columns="pred_tokens_per_sec_per_gpu_q10"))["tp"]) == [1, 2]
+
+
+class _UnsureOfTensorParallelism:
+    """The closed-form predictor with a 10th percentile: sure of tp=1 layouts (q10 = the
+    prediction), unsure of the others (q10 a tenth of it), and fitted on 1-2 devices only."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.training_ranges_ = {"H100-80GB": {"world_size": [1, 2]}}
+
+    def predict(self, frame):
+        out = self.inner.predict(frame)
+        point = out["pred_tokens_per_sec_per_gpu"].to_numpy()
+        out["pred_tokens_per_sec_per_gpu_q10"] = point * (frame["tp"].to_numpy() == 1) * 0.9 \
+            + point * (frame["tp"].to_numpy() > 1) * 0.1
+        return out
+
+
+def test_tune_ranks_by_the_risk_aware_expectation_where_the_model_extrapolates(closed_form):
+    from paratune.space import ConfigSpace
+    from paratune.tuner import tune
+
+    def job(**kwargs):
+        return tune("llama3-8b", 16, "H100", _UnsureOfTensorParallelism(closed_form),
+                    search="exhaustive", global_batch_sizes=[64], track=False,
+                    space=ConfigSpace(recomputes=("none",), micro_batch_sizes=(1, 2)),
+                    **kwargs)
+
+    plain = job(risk_aware=False)
+    assert not plain.search.risk_aware and plain.best.tp > 1  # the closed form's best
+    risky = job()  # 16 devices, fitted on 1-2: extrapolating, so risk-aware
+    assert risky.search.risk_aware and risky.best.tp == 1
+    assert "risk tok/s" in risky.table(3)
+    ranked = risky.ranked
+    assert ranked["objective"].is_monotonic_decreasing or not ranked["feasible"].all()
+    # a quantile asked for by name is the ranking, not the risk-aware one
+    assert not job(risk_quantile="q10").search.risk_aware
