@@ -14,8 +14,11 @@ included. A row is reported (not imported) when its cells do not line up with th
 every cell equals an earlier row's (a copy, not a repeated measurement), when a value is not a
 finite number or breaks its column's rule (degrees and batch sizes positive integers with
 ``dp*tp*pp == num_gpus``; ``mfu`` a fraction in [0, 1]; times, rates and memory positive),
-or when stated values contradict each other. Model shapes the CSV does not carry (the MLP width, the
-vocabulary, tying) come from :data:`MODEL_FAMILIES`, which states each assumption.
+or when stated values contradict each other. The optional columns ``vocab_size,
+ffn_hidden_size, num_kv_heads, mlp, tie_embeddings`` state the model's shape; what a row does
+not state comes from :data:`MODEL_FAMILIES`, which names each assumption, or from a GPT-style
+default (see :func:`model_spec_from_public`). The format is documented in
+``docs/public-format.md``.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from paratune.spec import ModelSpec
 
 __all__ = [
     "MODEL_FAMILIES",
+    "SHAPE_COLUMNS",
     "ImportProblem",
     "ImportReport",
     "NotUtf8Error",
@@ -433,45 +437,127 @@ def _agree(a: float, b: float) -> bool:
     return abs(a - b) <= _TOLERANCE * max(abs(a), abs(b))
 
 
+# Optional public columns that state the model's shape where the family's assumption (the
+# vocabulary, the MLP, multi-head attention, tying) does not hold; each overrides it.
+SHAPE_COLUMNS = ("vocab_size", "ffn_hidden_size", "num_kv_heads", "mlp", "tie_embeddings")
+# The shape taken where the family's cannot be (no params_b, or a params_b smaller than the
+# family's vocabulary allows): a GPT-style model, as in GPT-2/GPT-3 and Megatron-LM's defaults.
+GPT_DEFAULT = "gpt"
+
+
+def _shape_cell(raw: dict[str, str], key: str) -> str:
+    text = raw.get(key, "").strip()
+    return "" if text.lower() in ("nan", "none", "null") else text
+
+
+def _stated_shape(raw: dict[str, str]) -> dict[str, Any]:
+    """The shape columns a row states, checked (a one-line reason naming the column if not)."""
+    stated: dict[str, Any] = {}
+    for key in ("vocab_size", "ffn_hidden_size", "num_kv_heads"):
+        value = _integer(raw, key, required=False)
+        if value is not None:
+            stated[key] = value
+    mlp = _shape_cell(raw, "mlp").lower()
+    if mlp:
+        if mlp not in ("swiglu", "gelu"):
+            raise _Unmappable(f"mlp={raw['mlp']!r} must be swiglu or gelu")
+        stated["mlp"] = mlp
+    tie = _shape_cell(raw, "tie_embeddings").lower()
+    if tie:
+        if tie not in ("true", "1", "yes", "false", "0", "no"):
+            raise _Unmappable(f"tie_embeddings={raw['tie_embeddings']!r} must be true or false "
+                              "(or 1/0, yes/no)")
+        stated["tie_embeddings"] = tie in ("true", "1", "yes")
+    return stated
+
+
+def _default_ffn(hidden: int, mlp: str) -> int:
+    """The GPT-style MLP width: 4x hidden for GeLU; for SwiGLU the same FLOPs, 8/3 x hidden
+    rounded up to a multiple of 256 (Llama's and Megatron-LM's rule)."""
+    if mlp == "gelu":
+        return 4 * hidden
+    return -(-int(8 * hidden / 3) // 256) * 256
+
+
 def model_spec_from_public(raw: dict[str, str]) -> ModelSpec:
-    """The :class:`ModelSpec` of a public row (shape assumptions from :data:`MODEL_FAMILIES`).
+    """The :class:`ModelSpec` of a public row.
+
+    The shape is what the row states (``layers, hidden, heads, seq_len`` and the optional
+    :data:`SHAPE_COLUMNS`); what it does not state comes from its family in
+    :data:`MODEL_FAMILIES`: a known shape's MLP width, else the MLP width solved from
+    ``params_b``, else (no ``params_b``, or one too small for the family's vocabulary) the
+    GPT-style default: 4x hidden GeLU MLP, vocabulary 51200, tied embeddings. The assumptions
+    taken are named in the spec's ``extra["assumptions"]``.
 
     Raises:
-        _Unmappable: a shape cell is missing or the MLP width cannot be inferred.
+        _Unmappable: a shape cell is missing or breaks its column's rule.
         ConfigError: the shape breaks a :class:`ModelSpec` rule.
     """
     label = raw.get("model", "") or "model"
     family_name = _family_for(raw.get("source", ""), label)
-    family = MODEL_FAMILIES[family_name]
     layers = _integer(raw, "layers")
     hidden = _integer(raw, "hidden")
     heads = _integer(raw, "heads")
     seq_len = _integer(raw, "seq_len")
-    ffn = family.ffn_by_shape.get((layers, hidden))
-    if ffn is None and family.ffn_default_ratio:
+    stated = _stated_shape(raw)
+    family = MODEL_FAMILIES[family_name]
+    shape = _family_shape(family, stated)
+    kv_heads = stated.get("num_kv_heads", heads)
+    solved = _ffn_from_params(raw, layers=layers, hidden=hidden,
+                              kv_dim=hidden * kv_heads // heads, **shape)
+    ffn = stated.get("ffn_hidden_size")
+    if ffn is None and shape == _family_shape(family, {}):
+        ffn = family.ffn_by_shape.get((layers, hidden))
+    if ffn is None and family.ffn_default_ratio and shape["mlp"] == family.mlp:
         ffn = int(family.ffn_default_ratio * hidden)
+    note = family.note
+    too_small = solved is None and _number(raw, "params_b") is not None
+    if (ffn is None and solved is None) or (too_small and not {"vocab_size", "tie_embeddings"}
+                                            <= stated.keys()):
+        # the family's shape cannot be the model's (params_b is too small for its
+        # vocabulary, or nothing gives the MLP width): the GPT-style default for what the row
+        # does not state
+        family_name = GPT_DEFAULT
+        shape = _family_shape(MODEL_FAMILIES[GPT_DEFAULT], stated)
+        solved = None
+        if ffn is None or "ffn_hidden_size" not in stated:
+            ffn = _default_ffn(hidden, shape["mlp"])
+        note = ("GPT-style default shape, the row's params_b being "
+                + ("too small for the source family's vocabulary" if too_small else "missing")
+                + ": GeLU MLP of 4x hidden (SwiGLU of 8/3x where mlp=swiglu is stated), vocab "
+                "51200, tied embeddings, multi-head attention, for what the row does not state")
     if ffn is None:
-        ffn = _ffn_from_params(raw, layers=layers, hidden=hidden, family=family)
+        ffn = solved
+    if stated:
+        note += "; stated by the row: " + ", ".join(f"{k}={v}" for k, v in stated.items())
     name = label if family_name == "ultrascale" else f"{label}-{layers}L-{hidden}H"
     return ModelSpec(name=name, num_layers=layers, hidden_size=hidden, num_heads=heads,
-                     num_kv_heads=heads, ffn_hidden_size=ffn, vocab_size=family.vocab_size,
-                     seq_len=seq_len, tie_embeddings=family.tie_embeddings, mlp=family.mlp,
-                     extra={"assumptions": family.note})
+                     num_kv_heads=kv_heads, ffn_hidden_size=ffn,
+                     seq_len=seq_len, extra={"assumptions": note}, **shape)
 
 
-def _ffn_from_params(raw: dict[str, str], *, layers: int, hidden: int, family: _Family) -> int:
+def _family_shape(family: _Family, stated: dict[str, Any]) -> dict[str, Any]:
+    """``mlp, vocab_size, tie_embeddings``: the stated ones, else the family's."""
+    return {"mlp": stated.get("mlp", family.mlp),
+            "vocab_size": stated.get("vocab_size", family.vocab_size),
+            "tie_embeddings": stated.get("tie_embeddings", family.tie_embeddings)}
+
+
+def _ffn_from_params(raw: dict[str, str], *, layers: int, hidden: int, kv_dim: int, mlp: str,
+                     vocab_size: int, tie_embeddings: bool) -> int | None:
+    """The MLP width that makes the model ``params_b`` (multiple of 256), or ``None`` where
+    ``params_b`` is not stated or too small for this vocabulary and depth."""
     params_b = _number(raw, "params_b")
     if params_b is None:
-        raise _Unmappable(f"cannot infer ffn_hidden_size for an unknown shape (layers={layers}, "
-                          f"hidden={hidden}) without params_b")
-    embeddings = hidden * family.vocab_size * (1 if family.tie_embeddings else 2)
-    matrices = 3 if family.mlp == "swiglu" else 2
-    rest = params_b * 1e9 - embeddings - layers * (4 * hidden * hidden + 2 * hidden) - hidden
+        return None
+    if params_b <= 0:
+        raise _Unmappable(f"params_b={raw['params_b']!r} must be positive")
+    embeddings = hidden * vocab_size * (1 if tie_embeddings else 2)
+    matrices = 3 if mlp == "swiglu" else 2
+    attention = 2 * hidden * hidden + 2 * hidden * kv_dim  # q, o and k, v
+    rest = params_b * 1e9 - embeddings - layers * (attention + 2 * hidden) - hidden
     ffn = round(rest / (matrices * hidden * layers) / 256) * 256
-    if ffn < hidden:
-        raise _Unmappable(f"params_b={params_b} is too small for layers={layers}, "
-                          f"hidden={hidden} (inferred ffn_hidden_size={ffn})")
-    return int(ffn)
+    return int(ffn) if ffn >= hidden else None
 
 
 def config_from_public(raw: dict[str, str], *, check_grad_accum: bool = True

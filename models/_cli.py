@@ -9,6 +9,11 @@ from paratune.tracking import add_track_flag
 
 __all__ = ["register"]
 
+SPLIT_NAMES = ("random", "cluster", "model", "larger-model", "larger-cluster", "family",
+               "multi-node")
+"""``--split`` choices (the same as :data:`paratune.models._evaluate.SPLITS`, kept here so
+that ``paratune --help`` imports nothing heavy)."""
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the model subcommands (argparse only; heavy imports happen in the handlers)."""
@@ -50,10 +55,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "top-1 regret and feasibility accuracy; writes a predicted-vs-measured plot.")
     evaluate.add_argument("data", nargs="+", metavar="DATA",
                           help="paratune dataset directories or public measurement CSVs")
-    evaluate.add_argument("--split", choices=("random", "cluster", "model"), default="random",
+    evaluate.add_argument("--split", choices=SPLIT_NAMES, default="random",
                           help="random: random configurations per fold; cluster: the largest "
-                               "cluster size held out; model: each model held out in turn "
-                               "(default: %(default)s)")
+                               "cluster size held out; model: each model held out in turn; "
+                               "larger-model: fit on the smallest model, predict the largest; "
+                               "larger-cluster: fit on at most a quarter of the largest "
+                               "cluster, predict it; family: each measurement family left out; "
+                               "multi-node: the largest single-node cluster from smaller ones, "
+                               "two nodes from one (default: %(default)s)")
     evaluate.add_argument("--baselines", action="store_true",
                           help="also evaluate the analytical, raw-config XGBoost and "
                                "HistGradientBoosting baselines")
@@ -93,6 +102,13 @@ def _predict(args: argparse.Namespace) -> int:
     failed = int((out["pred_error"] != "").sum())
     print(f"predicted {len(out) - failed} of {len(out)} rows -> {args.out}"
           + (f" ({failed} rows with pred_error)" if failed else ""))
+    warned = out["pred_warning"].fillna("").astype(str) if "pred_warning" in out else None
+    if warned is not None and (warned != "").any():
+        # the first reason of each kind (the text up to its figures) with its row count
+        kinds = warned[warned != ""].str.replace(r"\d+(\.\d+)?", "N", regex=True)
+        for text, count in kinds.value_counts().items():
+            print(f"warning: {count} {'row' if count == 1 else 'rows'}: {text} "
+                  "(see pred_warning, pred_extrapolation_doublings)")
     return 0
 
 

@@ -51,10 +51,12 @@ if TYPE_CHECKING:
 
 __all__ = [
     "PRED_ERROR",
+    "PRED_EXTRAPOLATION",
     "PRED_STALL_PROB",
     "PRED_TOKENS_EXPECTED",
     "PRED_TOKENS_Q10",
     "PRED_TOKENS_Q90",
+    "PRED_WARNING",
     "SCHEMA_VERSION",
     "AnalyticalBaseline",
     "HistGradientBoostingBaseline",
@@ -65,7 +67,7 @@ __all__ = [
     "source_family",
 ]
 
-SCHEMA_VERSION = 10
+SCHEMA_VERSION = 11
 """Version of the saved-model directory format; loading another version fails (2: the
 layer-passes feature; 3: the data-parallel ring latency in the analytical estimate; 4: the
 step-time models for models not in the training data; 5: the stalled-pipeline regime; 6:
@@ -74,15 +76,23 @@ analytical estimate's per-micro-batch ZeRO-2/3 traffic and latency, recompute wo
 and FLOPs, GPipe's last rank, largest-chunk pipeline fill and node-crossing tp groups, and the
 training ranges; 8: the memory correction on its own features, with monotone directions; 9:
 the families whose pipelines never stalled, kept out of the stalled regime; 10: the models
-each family's step-time model has seen, and family names fit for file names). A
+each family's step-time model has seen, and family names fit for file names; 11: the
+training ranges per family, the interval's widening with distance from them and the
+few-shot calibration of families). A
 model learns corrections to the analytical estimate, so one fitted on another version's
 estimate would apply them to a different baseline."""
 PRED_TOKENS_Q10 = f"{PRED_TOKENS_PER_SEC_PER_GPU}_q10"
 PRED_TOKENS_Q90 = f"{PRED_TOKENS_PER_SEC_PER_GPU}_q90"
 PRED_STALL_PROB = "pred_stall_prob"
 PRED_ERROR = "pred_error"
+PRED_EXTRAPOLATION = "pred_extrapolation_doublings"
+"""How many doublings of model size, cluster size and tokens per step (summed) a row lies
+outside the ranges the model was fitted on (0 inside; NaN from predictors that do not say)."""
+PRED_WARNING = "pred_warning"
+"""Why a prediction is less sure than the model's in-range ones (empty where it is not)."""
 OUTPUT_COLUMNS = (*PREDICTION_COLUMNS, PRED_TOKENS_Q10, PRED_TOKENS_Q90, PRED_TOKENS_EXPECTED,
-                  PRED_STALL_PROB, "analytical_step_time_s", PRED_ERROR)
+                  PRED_STALL_PROB, "analytical_step_time_s", PRED_EXTRAPOLATION, PRED_WARNING,
+                  PRED_ERROR)
 _MANIFEST = "model.json"
 _LOCK_FILE = ".model.lock"
 _LOCK_WAIT_S = 60.0
@@ -229,9 +239,11 @@ class _Base(BaseEstimator):
             PRED_TOKENS_EXPECTED: expected,
             PRED_STALL_PROB: out.get("stall_prob", np.full(len(frame), np.nan)),
             "analytical_step_time_s": analytical["step_time_s"],
+            PRED_EXTRAPOLATION: out.get("distance", np.full(len(frame), np.nan)),
+            PRED_WARNING: np.where(failed, "", out.get("warning", "")).astype(object),
             PRED_ERROR: errors,
         }, index=frame.index)
-        numeric = [c for c in result.columns if c != PRED_ERROR]
+        numeric = [c for c in result.columns if c not in (PRED_ERROR, PRED_WARNING)]
         result.loc[failed, numeric] = np.nan
         return result
 
@@ -302,6 +314,9 @@ class PerformanceModel(_Base):
             throughput the step time's 90th and 10th percentiles give).
         n_jobs: Threads (``None``: XGBoost's default).
         random_state: Seed.
+        nested_intervals: Widen the interval with the distance from the training ranges by
+            margins calibrated on nested extrapolation splits of the training rows (see
+            :mod:`paratune.models._extrapolation`; a few more fits).
     """
 
     def __init__(self, *, n_estimators: int = 500, max_depth: int = 3,
@@ -311,7 +326,7 @@ class PerformanceModel(_Base):
                  subsample: float = 0.8,
                  colsample_bytree: float = 0.8, min_child_weight: float = 5.0,
                  quantiles: tuple[float, float] = (0.1, 0.9), n_jobs: int | None = None,
-                 random_state: int = 0) -> None:
+                 random_state: int = 0, nested_intervals: bool = True) -> None:
         self.n_estimators = n_estimators
         self.max_depth = max_depth
         self.learning_rate = learning_rate
@@ -326,6 +341,7 @@ class PerformanceModel(_Base):
         self.quantiles = quantiles
         self.n_jobs = n_jobs
         self.random_state = random_state
+        self.nested_intervals = nested_intervals
 
     def _quantile_columns(self) -> tuple[str, str]:
         # the slow end of throughput is the step time's upper quantile
@@ -480,6 +496,129 @@ class PerformanceModel(_Base):
         self.training_ranges_ = training_ranges(frame)
         sources = frame["source"].astype(str) if "source" in frame.columns else None
         self.sources_ = sorted(sources.unique().tolist()) if sources is not None else []
+        self.family_offsets_ = {}
+        self._fit_core(c, analytical, families, has_time, step)
+        self._fit_widening(frame, families, timed, step)
+        return self
+
+    def _fit_core(self, c: F.Columns, analytical: dict[str, Any], families: np.ndarray,
+                  rows: np.ndarray, step: np.ndarray) -> None:
+        """The calibrated analytical core's constants per family with enough ``rows`` (see
+        :mod:`paratune.models._calibration`)."""
+        from paratune.models._calibration import MIN_ROWS, core_parts, fit_constants
+
+        parts = core_parts(c, analytical)
+        usable = rows & np.all(np.isfinite(parts), axis=1)
+        self.core_constants_ = {}
+        for family in np.unique(families[usable]):
+            sel = usable & (families == family)
+            if sel.sum() >= MIN_ROWS:
+                self.core_constants_[str(family)] = [
+                    float(v) for v in fit_constants(parts[sel], step[sel])]
+
+    def _core_step(self, frame: pd.DataFrame, c: F.Columns, analytical: dict[str, Any]
+                   ) -> np.ndarray:
+        """The calibrated core's step time per row: its family's constants, the defaults of
+        a well-tuned framework for a family without them."""
+        from paratune.models._calibration import (
+            CONSTANT_NAMES,
+            DEFAULT_CONSTANTS,
+            core_parts,
+            predict_core,
+        )
+
+        families = source_family(frame)
+        constants = np.tile([DEFAULT_CONSTANTS[k] for k in CONSTANT_NAMES], (c.n, 1))
+        for family, values in self.core_constants_.items():
+            constants[families == family] = values
+        return predict_core(core_parts(c, analytical), constants)
+
+    def _fit_widening(self, frame: pd.DataFrame, families: np.ndarray, timed: np.ndarray,
+                      step: np.ndarray) -> None:
+        """The training ranges per family and the interval's widening with distance from
+        them, calibrated on nested extrapolation splits of ``frame`` (the training rows)."""
+        from paratune.models._extrapolation import (
+            AXES,
+            axis_values,
+            calibrate_widening,
+            fit_ranges,
+        )
+
+        self.extrapolation_ranges_ = fit_ranges(axis_values(frame), families, timed)
+        self.interval_widening_ = {"": {
+            **{f"{side}_{axis}": 0.0 for side in ("hi", "lo") for axis in AXES},
+            "hi_family": 0.0, "lo_family": 0.0, "nested_rows": 0.0}}
+        if not self.nested_intervals:
+            return
+        lower, upper = self._quantile_columns()
+
+        def fit_predict(train: pd.DataFrame, test: pd.DataFrame) -> dict[str, np.ndarray]:
+            inner = PerformanceModel(**{**self.get_params(), "nested_intervals": False})
+            inner.fit(train)
+            pred = inner.predict(test)
+            _, per_axis, unknown = inner._distance(test)
+            c_test = F.Columns(test)
+            _, analytical_test = F.compute_features(c_test)
+            core = inner._core_step(test, c_test, analytical_test)
+            prob = pred[PRED_STALL_PROB].to_numpy(float)
+            tokens = (test["global_batch_size"].to_numpy(float)
+                      * test["seq_len"].to_numpy(float))
+            world = np.asarray(F.Columns(test).world)
+            with np.errstate(divide="ignore", invalid="ignore"):
+                return {"step_hi": tokens / (pred[lower].to_numpy(float) * world),
+                        "step_lo": tokens / (pred[upper].to_numpy(float) * world),
+                        "unknown_family": unknown,
+                        "step": pred["pred_step_time_s"].to_numpy(float), "core": core,
+                        "blendable": ~(prob > 0.5),
+                        **{f"distance_{axis}": per_axis[axis] for axis in AXES}}
+
+        self.interval_widening_ = calibrate_widening(
+            frame, fit_predict, families=families, timed=timed, step=step,
+            coverage=self.quantiles[1] - self.quantiles[0])
+
+    def calibrate(self, frame: pd.DataFrame) -> PerformanceModel:
+        """Few-shot calibration: a family's own measurements (a handful: one node's campaign)
+        move its predictions without a refit.
+
+        Per measurement family of ``frame`` (see :func:`source_family`), the median log ratio
+        of its measured to predicted step times becomes the family's efficiency factor,
+        shrunk toward 1 by ``n / (n + 1)`` for ``n`` rows; the family's interval margin
+        becomes the spread of those rows around it (the 90th percentile of the absolute log
+        residual), in place of the margin of a family without measurements. Calibrating
+        again with more rows of a family replaces its factor.
+
+        Args:
+            frame: Measurement rows; those without a measured step time are not used.
+
+        Returns:
+            ``self``.
+
+        Raises:
+            DatasetError: no row of ``frame`` has a measured step time and a prediction.
+        """
+        self._check_fitted()
+        step = measured_step_time(frame)
+        families = source_family(frame)
+        saved, self.family_offsets_ = self.family_offsets_, {
+            f: v for f, v in self.family_offsets_.items() if f not in set(families)}
+        try:
+            pred = self.predict(frame)["pred_step_time_s"].to_numpy(float)
+        except BaseException:
+            self.family_offsets_ = saved
+            raise
+        with np.errstate(divide="ignore", invalid="ignore"):
+            log_ratio = np.log(step / pred)
+        usable = np.isfinite(log_ratio)
+        if not usable.any():
+            self.family_offsets_ = saved
+            raise DatasetError("calibrate: no row with a measured step time and a prediction")
+        for family in np.unique(families[usable]):
+            r = log_ratio[usable & (families == family)]
+            n = len(r)
+            offset = float(np.median(r)) * n / (n + 1.0)
+            spread = float(np.quantile(np.abs(r - offset), 0.9)) if n > 1 else abs(offset)
+            self.family_offsets_[str(family)] = {"log_factor": offset, "margin": spread,
+                                                 "rows": n}
         return self
 
     def _fit_time(self, X: np.ndarray, y: np.ndarray) -> tuple[Any, Any, Any]:
@@ -633,10 +772,17 @@ class PerformanceModel(_Base):
             # where stalling is likelier than the upper quantile's tail, that quantile of the
             # step time lies in the stalled regime (and the lower one where it is likelier
             # than the lower quantile's complement)
-            hi = np.where(prob > 1.0 - upper, np.maximum(hi, stall_hi), hi)
+            # beyond the fitted ranges the classifier's probability is no guide (it has
+            # called deep pipelines of larger models both ways): the slow end of the interval
+            # holds the stalled regime wherever the family stalls at all
+            _, per_axis, _ = self._distance(frame)
+            unsure = (sum(per_axis.values()) > 0) & (prob > 0)
+            hi = np.where((prob > 1.0 - upper) | unsure, np.maximum(hi, stall_hi), hi)
             lo = np.where(prob > 1.0 - lower, np.minimum(lo, stall_lo), lo)
             step = np.where(prob > 0.5, stall, step)
             lo, hi = np.minimum(lo, step), np.maximum(hi, step)
+        step, lo, hi, expected, distance, warning = self._extrapolate(
+            frame, c, analytical, step, lo, hi, expected, prob)
         memory = self._memory_gb(X, analytical)
         capacity = c.memory_gb
         known = np.isfinite(capacity) & (capacity > 0)
@@ -651,7 +797,83 @@ class PerformanceModel(_Base):
             # known for uncatalogued device memory (the CPU)
             feasible = np.where(known, _memory_rule(memory, capacity), 1.0)
         return {"step": step, "step_lo": lo, "step_hi": hi, "step_expected": expected,
-                "stall_prob": prob, "memory": memory, "feasible": feasible}
+                "stall_prob": prob, "memory": memory, "feasible": feasible,
+                "distance": distance, "warning": warning}
+
+    def _distance(self, frame: pd.DataFrame
+                  ) -> tuple[np.ndarray, dict[str, np.ndarray], np.ndarray]:
+        """Each row's family, doublings outside the training ranges per axis and whether its
+        family is unmeasured (see :func:`paratune.models._extrapolation.distance`)."""
+        from paratune.models._extrapolation import axis_values, distance
+
+        families = source_family(frame)
+        per_axis, unknown = distance(axis_values(frame), families, self.extrapolation_ranges_)
+        return families, per_axis, unknown
+
+    def _extrapolate(self, frame: pd.DataFrame, c: F.Columns, analytical: dict[str, Any],
+                     step: np.ndarray, lo: np.ndarray, hi: np.ndarray, expected: np.ndarray,
+                     prob: np.ndarray) -> tuple[np.ndarray, ...]:
+        """Each row's distance from the training ranges; the learned prediction shrunk
+        toward the calibrated core with it, its family's few-shot factor, and the interval
+        widened by the calibrated margins (see :meth:`_fit_widening`)."""
+        from paratune.models._extrapolation import blend_factor
+
+        families, per_axis, unknown = self._distance(frame)
+        dist = sum(per_axis.values())
+        entries = [self.interval_widening_.get(str(f), self.interval_widening_[""])
+                   for f in np.unique(families)]
+        if any(e.get("shrink_per_doubling", 0.0) or e.get("core_weight_family", 0.0)
+               for e in entries):
+            rate, weight = np.zeros(len(step)), np.zeros(len(step))
+            for family in np.unique(families):
+                entry = self.interval_widening_.get(str(family), self.interval_widening_[""])
+                rate[families == family] = entry.get("shrink_per_doubling", 0.0)
+                weight[families == family] = entry.get("core_weight_family", 0.0)
+            # the point in the stalled regime is the stall's time, not the core's business
+            shrink = blend_factor(step, self._core_step(frame, c, analytical), dist, unknown,
+                                  ~(prob > 0.5), rate=rate, family_weight=weight)
+            step, lo, hi, expected = step * shrink, lo * shrink, hi * shrink, expected * shrink
+        keys = [f"{side}_{axis}" for side in ("hi", "lo") for axis in per_axis]
+        margins = {key: np.zeros(len(step)) for key in (*keys, "hi_family", "lo_family")}
+        for family in np.unique(families):
+            rows = families == family
+            entry = self.interval_widening_.get(str(family), self.interval_widening_[""])
+            for key, values in margins.items():
+                values[rows] = entry[key]
+        # the margin per doubling of each axis, times the doublings beyond its range
+        beyond = {side: sum(margins[f"{side}_{axis}"] * d for axis, d in per_axis.items())
+                  for side in ("hi", "lo")}
+        hi_margin = beyond["hi"] + margins["hi_family"] * unknown
+        lo_margin = beyond["lo"] + margins["lo_family"] * unknown
+        factor = np.ones(len(step))
+        calibrated = np.zeros(len(step), dtype=bool)
+        for family, entry in self.family_offsets_.items():
+            rows = families == family
+            if not rows.any():
+                continue
+            calibrated |= rows
+            factor[rows] = np.exp(entry["log_factor"])
+            # its own rows' spread, in place of an unmeasured family's margin
+            hi_margin[rows] = beyond["hi"][rows] + entry["margin"]
+            lo_margin[rows] = beyond["lo"][rows] + entry["margin"]
+        step, expected = step * factor, expected * factor
+        hi = hi * factor * np.exp(hi_margin)
+        # no faster than the model FLOPs at the device's peak, as the learned bound
+        floor = np.where(c.accelerator, F.step_time_at_mfu(c), 0.0)
+        lo = np.minimum(np.maximum(lo * factor * np.exp(-lo_margin),
+                                   np.fmin(floor, lo * factor)), step)
+        warning = np.full(len(step), "", dtype=object)
+        beyond = dist > 0
+        if beyond.any():
+            text = np.char.mod("%.1f", dist[beyond]).astype(object)
+            warning[beyond] = ("beyond the fitted model, cluster and batch sizes by " + text
+                               + " doublings: interval widened")
+        fresh = unknown & ~calibrated
+        if fresh.any():
+            names = families[fresh].astype(str).astype(object)
+            warning[fresh] = ("no measurement of family " + names
+                              + ": predicted from other families' runs, interval widened")
+        return step, lo, hi, expected, dist, warning
 
     def _stall(self, c: F.Columns, X: np.ndarray, seen: np.ndarray, stall_free: np.ndarray
                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -762,6 +984,9 @@ class PerformanceModel(_Base):
                 "hardware_family": self.hardware_family_,
                 "stall_free_families": self.stall_free_families_,
                 "stall_free_hardware": self.stall_free_hardware_,
+                "interval_widening": self.interval_widening_,
+                "core_constants": self.core_constants_,
+                "family_offsets": self.family_offsets_,
                 "training": {"fingerprint_sha256": self.fingerprint_,
                              "num_rows": self.num_train_rows_,
                              "num_time_rows": self.num_time_rows_,
@@ -769,7 +994,8 @@ class PerformanceModel(_Base):
                              "num_stall_rows": self.num_stall_rows_,
                              "pipeline_runs_and_stalls_by_family": self.pipeline_runs_,
                              "num_feasibility_configs": self.num_feasibility_rows_,
-                             "sources": self.sources_, "ranges": self.training_ranges_},
+                             "sources": self.sources_, "ranges": self.training_ranges_,
+                             "extrapolation_ranges": self.extrapolation_ranges_},
             }
             atomic_write_text(path / _MANIFEST, json.dumps(manifest, indent=2, sort_keys=True))
             # the components of a model saved here before that this one lacks (a family, the
@@ -933,6 +1159,17 @@ class PerformanceModel(_Base):
         model.sources_ = training["sources"]
         # a model saved before its training ranges were recorded has none
         model.training_ranges_ = training.get("ranges", {})
+        model.extrapolation_ranges_ = {
+            str(f): {str(a): [float(v) for v in r] for a, r in axes.items()}
+            for f, axes in training["extrapolation_ranges"].items()}
+        model.interval_widening_ = {
+            str(f): {str(k): float(v) for k, v in margins.items()}
+            for f, margins in manifest["interval_widening"].items()}
+        model.core_constants_ = {str(f): [float(v) for v in values]
+                                 for f, values in manifest["core_constants"].items()}
+        model.family_offsets_ = {str(f): {"log_factor": float(e["log_factor"]),
+                                          "margin": float(e["margin"]), "rows": int(e["rows"])}
+                                 for f, e in manifest["family_offsets"].items()}
         return model
 
 

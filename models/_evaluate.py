@@ -6,14 +6,18 @@ Splits:
   records stay in one fold);
 * ``cluster``: within each source, the largest cluster size is held out and the model is
   trained on everything else (can it extrapolate to more devices?);
-* ``model``: each model in turn is held out (can it extrapolate to another model?).
+* ``model``: each model in turn is held out (can it extrapolate to another model?);
+* ``larger-model``, ``larger-cluster``, ``family``, ``multi-node``: the extrapolation splits
+  of :mod:`paratune.models._splits` (fit on a small corner of the data, predict far outside).
 
 Figures, per source and per held-out group: MAPE and median absolute percentage error of
 tokens per second per device (= of step time inverted; both are reported), Spearman rank
 correlation, top-1 regret per (model, cluster) group (how much slower the predicted-best
 held-out configuration is than the measured best among the same held-out configurations of
-that group and fold), and feasibility accuracy over configurations (a configuration that ran
-at least once is feasible).
+that group and fold), top-5 regret (the best measured throughput among the five predicted
+best against the group's best), the share of runs whose throughput lies between the
+predicted 10th and 90th percentiles, and feasibility accuracy over configurations (a
+configuration that ran at least once is feasible).
 """
 
 from __future__ import annotations
@@ -34,14 +38,16 @@ from paratune.models._data import (
     measured_memory_gb,
     measured_step_time,
 )
+from paratune.models._splits import EXTRAPOLATION_SPLITS, extrapolation_split
 from paratune.predictor import PRED_TOKENS_EXPECTED
 
 if TYPE_CHECKING:
     import pandas as pd
 
-__all__ = ["SPLITS", "EvaluationResult", "cross_validate", "metrics", "plot_predictions"]
+__all__ = ["EXTRAPOLATION_COLUMNS", "SPLITS", "EvaluationResult", "cross_validate",
+           "extrapolation_table", "metrics", "plot_predictions"]
 
-SPLITS = ("random", "cluster", "model")
+SPLITS = ("random", "cluster", "model", *EXTRAPOLATION_SPLITS)
 _GROUP = ("model_name", "world_size", "hardware")
 
 
@@ -52,9 +58,18 @@ def _family(frame: pd.DataFrame) -> pd.Series:
     return frame["hardware"].astype(str)
 
 
+def _train_test_folds(frame: pd.DataFrame, split: str, *, n_splits: int, random_state: int
+                      ) -> list[tuple[str, np.ndarray, np.ndarray]]:
+    """``(label, train mask, test mask)`` per fold."""
+    if split in EXTRAPOLATION_SPLITS:
+        return [(f.label, f.train, f.test) for f in extrapolation_split(frame, split).folds]
+    return [(label, ~test, test) for label, test in _folds(
+        frame, split, n_splits=n_splits, random_state=random_state)]
+
+
 def _folds(frame: pd.DataFrame, split: str, *, n_splits: int, random_state: int
            ) -> list[tuple[str, np.ndarray]]:
-    """``(label, test mask)`` per fold."""
+    """``(label, test mask)`` per fold of a cross-validation split (trained on the rest)."""
     from sklearn.model_selection import GroupKFold
 
     family = _family(frame).to_numpy()
@@ -119,9 +134,12 @@ def metrics(frame: pd.DataFrame, predictions: pd.DataFrame) -> dict[str, float]:
         ``pred_tokens_per_sec_per_gpu``), ``regret_within_5pct``
         (the share of those groups whose choice is within 5% of their best),
         ``regret_q10_mean`` (the same for the choice by the 10th-percentile throughput,
-        where predicted), ``mdape_mem`` (median absolute percentage error of the predicted
-        peak memory, over the runs that report one), ``feasibility_accuracy``,
-        ``n_configs``, and where the predictor
+        where predicted), ``regret_top5_mean`` (the best measured among the five predicted
+        best of each group against the group's best), ``coverage`` (the share of runs whose
+        measured throughput lies between the predicted lower and upper quantile),
+        ``ratio_median`` (median predicted / measured throughput), ``mdape_mem`` (median
+        absolute percentage error of the predicted peak memory, over the runs that report
+        one), ``feasibility_accuracy``, ``n_configs``, and where the predictor
         gives ``pred_stall_prob``: ``stall_share`` (the measured pipeline runs that stalled)
         and ``stall_accuracy`` (the share of them whose regime the probability called right,
         at 0.5; NaN otherwise).
@@ -159,13 +177,15 @@ def metrics(frame: pd.DataFrame, predictions: pd.DataFrame) -> dict[str, float]:
     lower = sorted(c for c in predictions.columns
                    if re.fullmatch(r"pred_tokens_per_sec_per_gpu_q\d\d", str(c)))
     cautious = (np.asarray(predictions[lower[0]], dtype=float)[ok] if lower else None)
-    cautious_regrets = []
+    cautious_regrets, top5_regrets = [], []
     for key in np.unique(keys):
         sel = keys == key
         if sel.sum() < 2:
             continue
         chosen = m_ok[sel][int(np.argmax(p_ok[sel]))]
         regrets.append(m_ok[sel].max() / chosen - 1.0)
+        top5 = np.argsort(-p_ok[sel], kind="stable")[:5]
+        top5_regrets.append(m_ok[sel].max() / m_ok[sel][top5].max() - 1.0)
         rhos.append(_spearman(m_ok[sel], p_ok[sel]))
         if cautious is not None:
             chosen = m_ok[sel][int(np.argmax(np.nan_to_num(cautious[sel], nan=-np.inf)))]
@@ -179,6 +199,17 @@ def metrics(frame: pd.DataFrame, predictions: pd.DataFrame) -> dict[str, float]:
                                  else np.nan)
     # the risk-averse choice (highest 10th-percentile throughput), as the tuner can make it
     out["regret_q10_mean"] = float(np.mean(cautious_regrets)) if cautious_regrets else np.nan
+    out["regret_top5_mean"] = float(np.mean(top5_regrets)) if top5_regrets else np.nan
+    out["ratio_median"] = (float(np.median(predicted_tps[ok] / measured_tps[ok])) if ok.any()
+                           else np.nan)
+    upper = sorted(c for c in predictions.columns
+                   if re.fullmatch(r"pred_tokens_per_sec_per_gpu_q\d\d", str(c)))
+    out["coverage"] = np.nan
+    if len(upper) >= 2 and ok.any():
+        lo_q = np.asarray(predictions[upper[0]], dtype=float)[ok]
+        hi_q = np.asarray(predictions[upper[-1]], dtype=float)[ok]
+        inside = (m_ok >= lo_q) & (m_ok <= hi_q)
+        out["coverage"] = float(np.mean(inside))
     out["spearman_group"] = float(np.nanmean(rhos)) if np.isfinite(rhos).any() else np.nan
     # peak memory, where both the run and the predictor say it
     mem = measured_memory_gb(frame)
@@ -222,6 +253,9 @@ class EvaluationResult:
         """The summary as an aligned text table (percentages)."""
         from paratune._table import format_table
 
+        if self.split in EXTRAPOLATION_SPLITS:
+            return extrapolation_table(self.by_fold, title=f"split={self.split}: tokens/s per "
+                                       "device vs measured, per fold")
         rows = []
         for row in self.summary + self.by_fold:
             shown = {k: row[k] for k in ("estimator", "source", "held_out") if k in row}
@@ -245,6 +279,34 @@ class EvaluationResult:
                             title=f"split={self.split}: tokens/s per device vs measured")
 
 
+EXTRAPOLATION_COLUMNS = {
+    "n": "n", "mdape": "MdAPE%", "mape": "MAPE%", "spearman_group": "Spearman(group)",
+    "regret_mean": "top-1 regret%", "regret_top5_mean": "top-5 regret%",
+    "coverage": "q10-q90 cover%", "ratio_median": "pred/meas", "feasibility_accuracy":
+    "feasible acc%"}
+"""The figures of an extrapolation fold, in the order (and with the headers) they print."""
+_FRACTIONS = ("mdape", "mape", "regret_mean", "regret_top5_mean", "coverage",
+              "feasibility_accuracy")
+
+
+def extrapolation_table(rows: list[dict[str, Any]], *, title: str) -> str:
+    """Rows with ``estimator``, ``held_out`` (and optionally ``split``) and the figures of
+    :func:`metrics` as an aligned table of :data:`EXTRAPOLATION_COLUMNS` (percentages)."""
+    from paratune._table import format_table
+
+    shown = []
+    for row in rows:
+        item = {k: row[k] for k in ("split", "estimator", "held_out") if k in row}
+        for key in EXTRAPOLATION_COLUMNS:
+            value = row.get(key, np.nan)
+            item[key] = int(value) if key == "n" else (
+                100.0 * value if key in _FRACTIONS else value)
+        shown.append(item)
+    columns = [k for k in ("split", "estimator", "held_out") if any(k in r for r in rows)]
+    return format_table(shown, [*columns, *EXTRAPOLATION_COLUMNS],
+                        headers=dict(EXTRAPOLATION_COLUMNS), floatfmt=".3g", title=title)
+
+
 def cross_validate(frame: pd.DataFrame, *, split: str = "random",
                    estimators: Mapping[str, Callable[[], Any]] | None = None,
                    n_splits: int = 5, random_state: int = 0,
@@ -253,7 +315,8 @@ def cross_validate(frame: pd.DataFrame, *, split: str = "random",
 
     Args:
         frame: Measurement rows (from :func:`paratune.models.load_measurements`).
-        split: ``random``, ``cluster`` or ``model`` (see the module docstring).
+        split: ``random``, ``cluster``, ``model`` or an extrapolation split (see the
+            module docstring).
         estimators: Name -> factory of an unfitted predictor; defaults to the
             :class:`~paratune.models.PerformanceModel` alone.
         n_splits: Folds of the random split.
@@ -274,7 +337,7 @@ def cross_validate(frame: pd.DataFrame, *, split: str = "random",
         raise ConfigError("split", split, f"must be one of {', '.join(SPLITS)}")
     estimators = dict(estimators or {"performance_model": PerformanceModel})
     frame = frame.reset_index(drop=True)
-    folds = _folds(frame, split, n_splits=n_splits, random_state=random_state)
+    folds = _train_test_folds(frame, split, n_splits=n_splits, random_state=random_state)
     result = EvaluationResult(split=split)
     from paratune._progress import progress_bar
 
@@ -288,13 +351,14 @@ def cross_validate(frame: pd.DataFrame, *, split: str = "random",
 
 
 def _validate_estimator(frame: pd.DataFrame, split: str, name: str,
-                        factory: Callable[[], Any], folds: list[tuple[str, np.ndarray]],
+                        factory: Callable[[], Any],
+                        folds: list[tuple[str, np.ndarray, np.ndarray]],
                         result: EvaluationResult, bar: Any) -> None:
     """Fit and predict ``name`` on every fold; its figures go into ``result``."""
     collected = []
-    for label, test in folds:
+    for label, train, test in folds:
         bar.set_postfix_str(f"{name} {label}")
-        model = factory().fit(frame[~test])
+        model = factory().fit(frame[train])
         pred = model.predict(frame[test])
         part = frame[test].copy()
         for column in pred.columns:

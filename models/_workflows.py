@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -161,7 +162,8 @@ def evaluate_model(data: Sequence[str | Path], *, split: str = "random", baselin
 
     Args:
         data: Dataset directories or public CSVs.
-        split: ``random``, ``cluster`` or ``model``.
+        split: ``random``, ``cluster``, ``model`` or an extrapolation split
+            (:data:`paratune.models._splits.EXTRAPOLATION_SPLITS`).
         baselines: Include the analytical, raw-config XGBoost and HistGradientBoosting
             baselines.
         n_estimators: Trees per booster for every learned estimator.
@@ -210,7 +212,9 @@ def evaluate_model(data: Sequence[str | Path], *, split: str = "random", baselin
 
             for row in result.summary + result.by_fold:
                 prefix = "_".join(str(row[k]) for k in ("estimator", "source", "held_out")
-                                  if row.get(k)).replace(":", "_").replace(" ", "_")
+                                  if row.get(k))
+                # a fold's label (``ultrascale: <=64 -> 256 GPUs``) as an MLflow key allows it
+                prefix = re.sub(r"[^A-Za-z0-9_.\-/]+", "_", prefix).strip("_")
                 run.log_metrics({f"{prefix}.{k}": v for k, v in row.items()
                                  if k not in ("estimator", "source", "held_out")})
             run.log_table(pd.DataFrame(result.summary + result.by_fold), "metrics.csv")

@@ -11,6 +11,7 @@ from typing import Any
 
 __all__ = [
     "SAMPLERS",
+    "ClusterVerification",
     "Objective",
     "ObjectiveKind",
     "Plan",
@@ -31,6 +32,7 @@ __all__ = [
     "plan_phases",
     "pollux_efficiency",
     "recommendation",
+    "risk_aware_ranking",
     "steps_to_target",
     "time_to_target",
     "torchrun_command",
@@ -39,6 +41,9 @@ __all__ = [
     "torchtitan_config_module",
     "torchtitan_toml",
     "tune",
+    "verification_order",
+    "verify_list",
+    "verify_on_cluster",
     "verify_top_k",
     "write_recommendation",
 ]
@@ -57,7 +62,9 @@ _WHERE = {
     "torchtitan_toml": "_export", "torchtitan_args": "_export", "torchtitan_command": "_export",
     "torchtitan_config_module": "_export", "megatron_command": "_export",
     "megatron_env": "_export", "write_recommendation": "_export",
-    "verify_top_k": "_verify",
+    "verification_order": "_verify", "verify_list": "_verify", "verify_top_k": "_verify",
+    "ClusterVerification": "_verify", "risk_aware_ranking": "_verify",
+    "verify_on_cluster": "_verify",
 }
 
 

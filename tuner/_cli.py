@@ -108,11 +108,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     tune.add_argument("--output", type=Path, default=None,
                       help="output directory (default: tune-MODEL-GPUSxGPU)")
     tune.add_argument("--verify", type=int, default=0, metavar="K",
-                      help="profile the top K configs for real (local hardware), add them to "
-                           "the dataset, refit and report predicted vs measured")
-    tune.add_argument("--dataset", type=Path, default=None,
+                      help="verify K configs for real (different layouts first), add them "
+                           "to the dataset, refit and report predicted vs measured: profiled "
+                           "here where this machine has the job's hardware, else their "
+                           "torchrun and SLURM commands are printed and written under "
+                           "OUTPUT/verify, and the same command run again after them reads "
+                           "their results and refits")
+    tune.add_argument("--verify-on", dest="verify_on", choices=("auto", "here", "cluster"),
+                      default="auto",
+                      help="where --verify measures: auto (here if this machine has the "
+                           "job's hardware, else the cluster), here, or cluster "
+                           "(default: %(default)s)")
+    tune.add_argument("--dataset", type=Path, action="append", default=None,
                       help="measurements the predictor was fitted on, refitted with what "
-                           "--verify measures (a dataset directory or a public CSV)")
+                           "--verify measures (a dataset directory or a public CSV; repeat "
+                           "for several)")
     tune.add_argument("--export-infeasible", action="store_true",
                       help="write the launch files even when the winner is predicted not to run "
                            "(each then opens with a line saying so); without it such a winner "
@@ -122,6 +132,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     tune.set_defaults(func=_tune, field_flags={**_JOB_FIELD_FLAGS, "risk_quantile": "--risk",
                                                "batch_size": "--batch-size",
                                                "n_trials": "--trials", "verify": "--verify",
+                                               "verify_on": "--verify-on",
                                                "trajectory": "--gns",
                                                "study_name": "--study-name",
                                                "storage": "--storage", "b0": "--b0",
@@ -195,9 +206,15 @@ def _tune(args: argparse.Namespace) -> int:
                   min_feasible_prob=args.min_feasible_prob,
                   memory_limit_gb=args.memory_limit_gb, top_k=args.top_k, output_dir=output,
                   track=not args.no_track, verify=args.verify, verify_options=verify_options,
+                  verify_on=args.verify_on,
                   trajectory_seq_len=args.trajectory_seq_len,
                   on_ranked=lambda ranked: _print_ranking(ranked, args.top_k),
                   progress=not args.no_progress, export_infeasible=args.export_infeasible)
+    cluster = result.cluster_verification
+    if cluster is not None and cluster.pending:
+        print(f"\nverify on the cluster: {len(cluster.pending)} of {len(cluster.configs)} "
+              "configs to run (campaigns in a folder every node must see):")
+        print(cluster.instructions())
     if result.verification is not None:
         from paratune._table import format_table
 

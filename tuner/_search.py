@@ -63,6 +63,9 @@ class SearchResult:
     storage: str | None = None
     skipped: list[tuple[ParallelConfig, str]] = field(default_factory=list)
     """Configs left out of an exhaustive search, with the rule each breaks."""
+    risk_aware: bool = False
+    """Whether ``ranked`` is by the risk-aware expectation (see
+    :func:`paratune.tuner.risk_aware_ranking`), as where the model extrapolates."""
 
     @property
     def best(self) -> ParallelConfig:
@@ -95,7 +98,11 @@ class SearchResult:
         objective it is multiplied by the statistical efficiency.
         """
         risk = self.objective.risk_quantile
-        if risk:
+        if self.risk_aware:
+            label, words = "risk tok/s", ("the risk-aware expectation (geometric mean of the "
+                                          "expected tokens/s and its q10: the model "
+                                          "extrapolates)")
+        elif risk:
             label, words = f"{risk} tok/s", f"the {risk} quantile of predicted tokens/s"
         elif self._expected_differs():
             label, words = "exp tok/s", "expected tokens/s (stall-weighted)"
@@ -130,7 +137,9 @@ class SearchResult:
                  and bool((self.top(k)["pred_stall_prob"].fillna(0) > 0).any()))
         goodput = self.objective.kind.value == "goodput"
         label, words = self.ranked_quantity()
-        ranked_label = (f"{self.objective.risk_quantile} tok/s" if self.objective.risk_quantile
+        ranked_label = ("risk tok/s" if self.risk_aware
+                        else f"{self.objective.risk_quantile} tok/s"
+                        if self.objective.risk_quantile
                         else "exp tok/s" if self._expected_differs() else None)
         infeasible = False
         for _, row in self.top(k).iterrows():

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     import pandas as pd
 
     from paratune.parallel import ParallelConfig
+    from paratune.tuner._verify import ClusterVerification
 
 __all__ = ["TuneResult", "default_global_batch", "load_predictor", "resolve_gns", "tune"]
 
@@ -54,6 +55,9 @@ class TuneResult:
     """The Optuna study (``None`` for an exhaustive search)."""
     verification: pd.DataFrame | None = None
     """Predicted vs measured for verified configs (``tune(verify=K)``)."""
+    cluster_verification: ClusterVerification | None = None
+    """The verification on the target cluster: its configs, commands and, once measured,
+    results (``tune(verify=K)`` where it does not measure here)."""
 
     @property
     def best(self) -> ParallelConfig:
@@ -205,7 +209,8 @@ def tune(model: ModelSpec | str, gpus: int, gpu: HardwareSpec | str,
          memory_limit_gb: float | None = None, top_k: int = 10,
          output_dir: str | Path | None = None, track: bool = True,
          tracking_uri: str | None = None, verify: int = 0,
-         verify_options: dict[str, Any] | None = None,
+         verify_options: dict[str, Any] | None = None, verify_on: str = "auto",
+         risk_aware: bool | None = None,
          trajectory_seq_len: int | None = None,
          on_ranked: Callable[[TuneResult], None] | None = None,
          progress: bool = False, export_infeasible: bool = False) -> TuneResult:
@@ -243,9 +248,20 @@ def tune(model: ModelSpec | str, gpus: int, gpu: HardwareSpec | str,
         output_dir: Where the recommendation files (and default study) go.
         track: Record an MLflow run.
         tracking_uri: MLflow store (default: ``MLFLOW_TRACKING_URI`` or ``./mlflow.db``).
-        verify: Profile this many of the top configs for real and refit (see
-            :func:`paratune.tuner.verify_top_k`); ``0`` skips.
-        verify_options: Keyword arguments for :func:`paratune.tuner.verify_top_k`.
+        verify: Verify this many configs of the ranking for real and refit: the first of
+            :func:`paratune.tuner.verification_order` (different layouts before variants of
+            one); ``0`` skips. Here they are profiled on this machine
+            (:func:`paratune.tuner.verify_top_k`); on the cluster their campaigns are
+            prepared with torchrun and SLURM commands, and a later call with the same
+            output reads their results and refits
+            (:func:`paratune.tuner.verify_on_cluster`).
+        verify_options: Keyword arguments for either.
+        verify_on: ``"here"``, ``"cluster"`` or ``"auto"`` (here where this machine has the
+            job's hardware, else on the cluster).
+        risk_aware: Rank by the risk-aware expectation
+            (:func:`paratune.tuner.risk_aware_ranking`); ``None``: where the search asks the
+            model beyond its training data (:func:`extrapolation_warnings`) and no
+            ``risk_quantile`` is given.
         trajectory_seq_len: Tokens per sequence of the run that measured a ``gns``
             trajectory file without a ``seq_len`` column.
         on_ranked: Called with the result once the search is ranked, the recommendation
@@ -290,10 +306,16 @@ def tune(model: ModelSpec | str, gpus: int, gpu: HardwareSpec | str,
             raise ConfigError(name, value, "must be a positive integer")
     if isinstance(verify, bool) or not isinstance(verify, int) or verify < 0:
         raise ConfigError("verify", verify, "must be a number of configs >= 0")
+    where = "here"
     if verify:  # refused before the search: it would write its files, then fail
-        from paratune.tuner._verify import check_verify_here
+        from paratune.tuner._verify import check_verify_here, verify_location
 
-        check_verify_here(search_space, verify)
+        where = verify_location(search_space, verify_on)
+        if where == "here":
+            check_verify_here(search_space, verify)
+        elif output_dir is None and not (verify_options or {}).get("out_dir"):
+            raise ConfigError("verify", verify, "verifying on the cluster needs an output "
+                              "directory (the campaigns and their commands go there)")
     obj = Objective(kind=ObjectiveKind(objective) if objective in ("throughput", "goodput")
                     else objective, b_noise=b_noise, b0=b0, risk_quantile=risk_quantile,
                     min_feasible_prob=min_feasible_prob, memory_limit_gb=memory_limit_gb)
@@ -305,7 +327,8 @@ def tune(model: ModelSpec | str, gpus: int, gpu: HardwareSpec | str,
     with contextlib.ExitStack() as stack:
         run = None
         pred = load_predictor(predictor)  # a predictor that does not load opens no run
-        for message in extrapolation_warnings(pred, search_space):
+        beyond = extrapolation_warnings(pred, search_space)
+        for message in beyond:
             logger.warning(message)
         if track:  # opened before the work, so a failure or an interrupt leaves its record
             run = _open_run(stack, search_space, obj, predictor_params(predictor, pred),
@@ -323,6 +346,18 @@ def tune(model: ModelSpec | str, gpus: int, gpu: HardwareSpec | str,
         if result.ranked.empty:
             raise ConfigError("space", search_space.model.name,
                               "the search evaluated no valid config (every sample broke a rule)")
+        if risk_aware is None:
+            risk_aware = bool(beyond) and risk_quantile is None
+        if risk_aware:
+            from paratune.tuner._verify import risk_aware_ranking
+
+            reranked = risk_aware_ranking(result.ranked)
+            if reranked is not result.ranked:
+                result.ranked, result.risk_aware = reranked, True
+                logger.warning("the performance model extrapolates here: configs are ranked "
+                               "by the risk-aware expectation (the geometric mean of the "
+                               "expected throughput and its 10th percentile); verify a few "
+                               "on the cluster (--verify K) and refit")
         if not result.best_feasible:
             logger.warning("no evaluated config is predicted feasible; the top one is "
                            "predicted not to run (over the memory limit, under the minimum "
@@ -346,12 +381,17 @@ def tune(model: ModelSpec | str, gpus: int, gpu: HardwareSpec | str,
             _log_outcome(run, out, search_space, obj, top_k=top_k)
         if on_ranked is not None:
             on_ranked(out)
-        if verify:
+        if verify and where == "here":
             from paratune.tuner._verify import verify_top_k
 
             out.verification = verify_top_k(out, verify, **(verify_options or {}))
-            if run is not None:
-                run.log_table(out.verification, "verification.csv")
+        elif verify:
+            from paratune.tuner._verify import verify_on_cluster
+
+            out.cluster_verification = verify_on_cluster(out, verify, **(verify_options or {}))
+            out.verification = out.cluster_verification.verification
+        if run is not None and out.verification is not None:
+            run.log_table(out.verification, "verification.csv")
     return out
 
 
@@ -441,7 +481,8 @@ def _log_outcome(run: Any, out: TuneResult, space: SearchSpace, objective: Objec
         "best_step_time_s": best["step_time_s"], "best_goodput": best["goodput"],
         "best_feasible": float(bool(best["feasible"])),
         "num_trials": result.num_trials, "num_pruned": result.num_pruned,
-        "num_configs": len(result.ranked), "search_wall_time_s": result.wall_time_s})
+        "num_configs": len(result.ranked), "search_wall_time_s": result.wall_time_s,
+        "risk_aware": float(result.risk_aware)})
     run.log_dict(space.to_dict(), "space.json")
     run.log_dict(objective.to_dict(), "objective.json")
     run.log_dict(out.recommendation, "recommendation.json")

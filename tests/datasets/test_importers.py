@@ -289,3 +289,78 @@ def test_recompute_takes_yes_and_no_words(tmp_path, word, recompute):
 def test_recompute_refuses_other_words(tmp_path):
     _, (problem,) = parse_public_csv(_write(tmp_path, GOOD.replace(",256,0,,", ",256,0,maybe,")))
     assert problem.reason == "recompute='maybe' is not none, full or selective"
+
+
+# ------------------------------------------------------- shape columns and the GPT-style default
+# a 125M GPT-2-sized model from a source that defaults to the Llama vocabulary (131072, untied),
+# for which params_b=0.125 is too small
+SMALL = ("fsdp_benchmark,small-125m,0.125,12,768,12,1024,H100-80GB,8,1,1,8,1,8,64,3,,,,"
+         "1000000,,,bf16,,1,1,30.0,ok")
+SHAPE_HEADER = ",vocab_size,ffn_hidden_size,num_kv_heads,mlp,tie_embeddings"
+
+
+def _write_shaped(tmp_path, *rows):
+    path = tmp_path / "shaped.csv"
+    path.write_text("\n".join(["# source: test rows", HEADER + SHAPE_HEADER, *rows]) + "\n")
+    return path
+
+
+def test_a_params_b_too_small_for_the_family_vocabulary_takes_the_gpt_style_default(tmp_path):
+    records, problems = parse_public_csv(_write(tmp_path, SMALL))
+    assert problems == []
+    (m,) = records
+    spec = m.model
+    assert (spec.mlp, spec.ffn_hidden_size, spec.vocab_size, spec.tie_embeddings,
+            spec.num_kv_heads) == ("gelu", 4 * 768, 51200, True, 12)
+    assert "GPT-style default" in spec.extra["assumptions"]
+    assert spec.num_params == pytest.approx(0.125e9, rel=0.01)
+
+
+@pytest.mark.parametrize(("cells", "expect"), [
+    # the stated vocabulary fits params_b with the source family's (Llama) other assumptions
+    (",32000,,,,", {"vocab_size": 32000, "mlp": "swiglu", "ffn_hidden_size": 1792,
+                    "tie_embeddings": False}),
+    (",,2048,,,", {"ffn_hidden_size": 2048, "vocab_size": 51200}),
+    (",,,4,,", {"num_kv_heads": 4, "ffn_hidden_size": 3072}),
+    (",,,,swiglu,", {"mlp": "swiglu", "ffn_hidden_size": 2048}),  # 8/3 x 768 rounded to 256
+    (",,,,,false", {"tie_embeddings": False, "vocab_size": 51200}),
+    # every column stated: the family's defaults play no part
+    (",50304,3072,6,gelu,true", {"vocab_size": 50304, "ffn_hidden_size": 3072,
+                                 "num_kv_heads": 6, "mlp": "gelu", "tie_embeddings": True}),
+])
+def test_each_shape_column_round_trips_through_import(tmp_path, cells, expect):
+    from paratune import datasets
+    from paratune.models._data import load_measurements
+
+    src = _write_shaped(tmp_path, SMALL + cells)
+    report = import_files([src], tmp_path / "ds")
+    assert report.num_records == 1 and report.problems == []
+    # the dataset written by `datasets import`, and the rows `fit` and `evaluate` read from
+    # the CSV itself, carry the stated shape
+    for frame in (datasets.read_dataset(tmp_path / "ds").frame, load_measurements([src])):
+        row = frame.iloc[0]
+        assert {k: (bool(row[k]) if k == "tie_embeddings" else row[k]) for k in expect} \
+            == expect
+
+
+def test_a_llama_source_row_that_states_its_vocabulary_keeps_the_solved_mlp_width(tmp_path):
+    # a 1B Llama with a 32000 vocabulary: the SwiGLU width is solved from params_b with it
+    row = GOOD.replace(",1,16,2048,32,", ",1.1,22,2048,32,") + ",32000,,4,,"
+    (m,), problems = parse_public_csv(_write_shaped(tmp_path, row))
+    assert problems == []
+    assert (m.model.mlp, m.model.vocab_size, m.model.num_kv_heads) == ("swiglu", 32000, 4)
+    assert m.model.num_params == pytest.approx(1.1e9, rel=0.02)
+
+
+@pytest.mark.parametrize(("cells", "reason"), [
+    (",0,,,,", "vocab_size='0' must be a positive integer"),
+    (",,-8,,,", "ffn_hidden_size='-8' must be a positive integer"),
+    (",,,five,,", "num_kv_heads='five' is not a number"),
+    (",,,5,,", "invalid num_kv_heads=5: must divide num_heads=12"),
+    (",,,,moe,", "mlp='moe' must be swiglu or gelu"),
+    (",,,,,sometimes", "tie_embeddings='sometimes' must be true or false"),
+])
+def test_bad_shape_values_are_reported_naming_the_column_and_rule(tmp_path, cells, reason):
+    rows, _ = read_public_csv(_write_shaped(tmp_path, SMALL + cells))
+    (row,) = rows
+    assert row.measurement is None and reason in row.error and "\n" not in row.error

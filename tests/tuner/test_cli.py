@@ -418,10 +418,11 @@ def test_a_space_file_that_rules_out_the_job_names_its_field(job, tmp_path, caps
 
 def test_tune_refuses_a_verification_it_cannot_run_before_searching(job, tmp_path, capsys,
                                                                     monkeypatch):
-    """--verify on a machine without the job's hardware: refused first, nothing written
-    (not after the search printed its ranking and wrote the recommendation)."""
+    """--verify --verify-on here on a machine without the job's hardware: refused first,
+    nothing written (not after the search printed its ranking and wrote the
+    recommendation). Without --verify-on here such a job is verified on its cluster."""
     monkeypatch.setattr("paratune.tuner._verify._local_hardware", lambda: ("cpu", "cpu"))
-    assert main(job("tune", "--trials", "5", "--verify", "1")) == 2
+    assert main(job("tune", "--trials", "5", "--verify", "1", "--verify-on", "here")) == 2
     captured = capsys.readouterr()
     assert captured.err.startswith("paratune tune: error: --verify=1: profiling needs the "
                                    "job's hardware here")

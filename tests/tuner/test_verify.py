@@ -50,10 +50,11 @@ def test_verify_profiles_refits_and_reports(closed_form, tmp_path):
     assert (tmp_path / "out" / "verify" / "refit").is_dir()
 
 
-def test_verify_needs_the_hardware_here(closed_form):
+def test_verify_here_needs_the_hardware_here(closed_form):
+    # (verify_on="auto", the default, verifies such a job on its cluster instead)
     with pytest.raises(ConfigError, match="verify"):
         tune("llama3-8b", 16, "H100", closed_form, search="exhaustive",
-             global_batch_sizes=[64], track=False, verify=1,
+             global_batch_sizes=[64], track=False, verify=1, verify_on="here",
              space=ConfigSpace(recomputes=("none",), micro_batch_sizes=(1,)))
 
 
@@ -109,7 +110,7 @@ def test_verify_is_refused_before_the_search(closed_form, tmp_path, monkeypatch)
     monkeypatch.setattr("paratune.tuner._verify._local_hardware", lambda: ("cpu", "cpu"))
     with pytest.raises(ConfigError, match=r"^verify=1: profiling needs the job's hardware"):
         tune("llama3-8b", 64, "H100", closed_form, n_trials=5, track=False, verify=1,
-             output_dir=tmp_path / "out")
+             verify_on="here", output_dir=tmp_path / "out")
     assert closed_form.calls == []
     assert not (tmp_path / "out").exists()
 
@@ -141,3 +142,107 @@ def test_verify_on_the_cpu_refuses_more_processes_than_the_machine_runs(
     with pytest.raises(ConfigError, match=r"^gpus=4: verifying runs all 4 processes .*more "
                                           r"than its 68\.7 GB of memory$"):
         check_verify_here(SearchSpace.build(get_model("llama3-8b"), 4, "cpu"), 1)
+
+
+# ------------------------------------------------------------------ on the target cluster
+def _cluster_job(closed_form, out, k=3, **kwargs):
+    return tune("llama3-8b", 16, "H100", closed_form, search="exhaustive",
+                global_batch_sizes=[64], track=False, verify=k, output_dir=out,
+                space=ConfigSpace(recomputes=("none",), micro_batch_sizes=(1, 2)), **kwargs)
+
+
+def test_verify_on_a_cluster_writes_torchrun_and_slurm_commands_for_exactly_the_list(
+        closed_form, tmp_path, monkeypatch):
+    from paratune.tuner import verification_order
+
+    monkeypatch.setattr("paratune.tuner._verify._local_hardware", lambda: ("cpu", "cpu"))
+    result = _cluster_job(closed_form, tmp_path / "out")
+    plan = result.cluster_verification
+    assert result.verification is None and plan.finished == [False] * 3
+    # the first three of the verification order that paratune's trainer runs
+    ranked, configs = result.search.ranked, result.search.configs()
+    def runs(cfg):
+        try:
+            cfg.check_trainer(result.search.space.model)
+        except ConfigError:
+            return False
+        return True
+
+    expected = [configs[i] for i in verification_order(ranked) if runs(configs[i])][:3]
+    assert plan.configs == expected
+    assert len({(c.tp, c.pp) for c in plan.configs}) > 1  # not one layout's variants
+    for cfg, directory, command, script in zip(plan.configs, plan.directories, plan.torchrun,
+                                               plan.sbatch):
+        assert directory == (tmp_path / "out" / "verify" / cfg.key()).resolve()
+        plan_file = directory / "plan-ws16.json"
+        assert plan_file.exists() and str(plan_file) in command
+        assert command.startswith("torchrun --nnodes=2 --nproc-per-node=8 ")
+        text = script.read_text()
+        assert "#SBATCH --nodes=2" in text and "#SBATCH --gpus-per-node=8" in text
+        assert "srun --nodes=2 --ntasks-per-node=1 torchrun" in text and str(plan_file) in text
+    assert "sbatch " + str(plan.sbatch[0]) in plan.instructions()
+    # a later call names the same configs (kept in verify.json), even when asked for fewer
+    again = _cluster_job(closed_form, tmp_path / "out", k=2).cluster_verification
+    assert again.configs == plan.configs[:2] and again.directories == plan.directories[:2]
+
+
+def test_verify_on_a_cluster_needs_an_output_directory(closed_form, monkeypatch):
+    monkeypatch.setattr("paratune.tuner._verify._local_hardware", lambda: ("cpu", "cpu"))
+    with pytest.raises(ConfigError, match=r"^verify=1: verifying on the cluster needs an "):
+        _cluster_job(closed_form, None, k=1)
+    assert closed_form.calls == []  # refused before the search
+    with pytest.raises(ConfigError, match=r"^verify_on='moon'"):
+        _cluster_job(closed_form, None, k=1, verify_on="moon")
+
+
+def test_the_tune_command_prints_the_cluster_commands(saved_model, tmp_path, capsys,
+                                                      monkeypatch):
+    from paratune.cli import main
+
+    monkeypatch.setattr("paratune.tuner._verify._local_hardware", lambda: ("cpu", "cpu"))
+    out = tmp_path / "out"
+    assert main(["tune", "--model", "llama3-8b", "--seq-len", "4096", "--gpus", "64",
+                 "--hardware", "H100", "--predictor", str(saved_model), "--search",
+                 "exhaustive", "--global-batch", "256", "--verify", "2", "--output", str(out),
+                 "--no-track", "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    assert "verify on the cluster: 2 of 2 configs to run" in printed
+    scripts = sorted((out / "verify").glob("*/verify.sbatch"))
+    assert len(scripts) == 2 and all(f"sbatch {s.resolve()}" in printed for s in scripts)
+    assert printed.count("or on every node: torchrun --nnodes=8 --nproc-per-node=8") == 2
+
+
+@pytest.mark.slow
+def test_a_later_tune_reads_the_verified_runs_and_refits(closed_form, tmp_path):
+    """The whole loop on this machine standing in for the cluster: the printed torchrun
+    commands run for real (gloo, 2 processes each), then the same tune reads them back."""
+    import subprocess
+    import sys
+
+    from paratune.models import PerformanceModel, load_measurements
+
+    space = ConfigSpace(global_batch_sizes=(8,), micro_batch_sizes=(2, 4), shardings=("none",),
+                        recomputes=("none",), schedules=("1f1b",))
+    options = {"measured_steps": 2, "warmup_steps": 1, "timeout_s": 120,
+               "model_factory": lambda: PerformanceModel(n_estimators=10, n_jobs=1)}
+
+    def job():
+        return tune("tiny", 2, "cpu", closed_form, search="exhaustive", space=space,
+                    track=False, verify=2, verify_on="cluster", output_dir=tmp_path / "out",
+                    verify_options=options)
+
+    plan = job().cluster_verification
+    assert plan.pending == [0, 1]
+    for command in plan.torchrun:  # torchrun is torch.distributed.run's console script
+        subprocess.run(command.replace("torchrun", f"{sys.executable} -m torch.distributed.run",
+                                       1), shell=True, check=True, timeout=300)
+    result = job()
+    after = result.cluster_verification
+    assert after.pending == [] and after.configs == plan.configs
+    table = result.verification
+    assert list(table["config"]) == [c.key() for c in plan.configs]
+    assert (table["status"] == "ok").all() and (table["measured_tokens_per_s"] > 0).all()
+    assert table["refit_tokens_per_s"].notna().all()
+    assert (after.refit_dir / "model.json").exists()
+    # each campaign is now a dataset that `paratune fit` reads
+    assert len(load_measurements(after.directories)) == 2

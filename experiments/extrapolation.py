@@ -1,0 +1,157 @@
+"""How the performance model extrapolates: every extrapolation split in one table.
+
+Fits on a small corner of the public measurements and predicts far outside it (see
+:mod:`paratune.models._splits`): a model at least 4x larger (Ultra-Scale 1B -> 8B), a
+cluster 4x larger (Ultra-Scale <= 64 -> 256 GPUs, vTrain 2 -> 8 GPUs), a measurement family
+with none of its rows fitted on (vTrain from Ultra-Scale and the reverse), and the
+multi-node proxies (vTrain 2-4 -> 8 A100s; Ultra-Scale one node -> two). Per fold: median
+APE and MAPE of tokens/s per device, Spearman within (model, cluster) groups, top-1 and
+top-5 regret, the share of runs inside the predicted q10-q90 and the median predicted /
+measured throughput. Nothing of a fold's test rows is used to fit or to choose anything.
+
+Then few-shot calibration: for each family fit without it, ``calibrate`` with the first
+n of its runs on its smallest cluster (one node's campaign, n = 0, 1, 2, 5, 10, 20; drawn
+with --shot-seeds seeds), scored on every other run of the family.
+
+Writes ``extrapolation.csv``, ``few_shot.csv`` and ``extrapolation.txt`` under --out and logs
+them to MLflow (experiment ``paratune-experiments``, run ``extrapolation``; each figure a metric
+``<split>.<estimator>.<fold>.<figure>``).
+
+    python experiments/extrapolation.py [--data DIR] [--out out/extrapolation] [--baselines]
+        [--splits larger-model,family]
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _public import public_data_dir
+
+from paratune.tracking import add_no_track_argument
+
+
+def main() -> None:
+    from paratune.models._splits import EXTRAPOLATION_SPLITS
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data", default=None, help="folder of the public CSVs")
+    parser.add_argument("--out", default="out/extrapolation",
+                        help="folder for the table (default: %(default)s)")
+    parser.add_argument("--baselines", action="store_true",
+                        help="also the analytical baseline (one fitted efficiency)")
+    parser.add_argument("--splits", default=",".join(EXTRAPOLATION_SPLITS),
+                        help="comma-separated splits (default: all)")
+    parser.add_argument("--n-estimators", type=int, default=None)
+    parser.add_argument("--shot-seeds", type=int, default=5,
+                        help="draws of the few-shot rows per n (0: no few-shot table)")
+    add_no_track_argument(parser)
+    args = parser.parse_args()
+    splits = [s.strip() for s in args.splits.split(",") if s.strip()]
+    unknown = [s for s in splits if s not in EXTRAPOLATION_SPLITS]
+    if unknown:
+        parser.error(f"--splits: {unknown[0]!r} must be one of {', '.join(EXTRAPOLATION_SPLITS)}")
+
+    import pandas as pd
+
+    from paratune.models import cross_validate, load_measurements
+    from paratune.models._estimators import estimator_factories
+    from paratune.models._evaluate import extrapolation_table
+
+    data = public_data_dir(args.data)
+    files = sorted(data.glob("*.csv"))
+    frame = load_measurements(files)
+    factories = estimator_factories(n_estimators=args.n_estimators)
+    chosen = {"performance_model": factories["performance_model"]}
+    if args.baselines:
+        chosen["analytical"] = factories["analytical"]
+    rows = []
+    for split in splits:
+        result = cross_validate(frame, split=split, estimators=chosen)
+        rows.extend({"split": split, **row} for row in result.by_fold)
+    table = extrapolation_table(rows, title="Extrapolation splits: tokens/s per device vs "
+                                "measured (figures in %, Spearman and pred/meas as ratios)")
+    print(table)
+    shots = few_shot(frame, chosen["performance_model"], seeds=args.shot_seeds)
+    if shots:
+        from paratune._table import format_table
+
+        shot_table = format_table(shots, ["family", "rows", "mdape", "mape", "ratio_median"],
+                                  headers={"rows": "own rows", "mdape": "MdAPE%",
+                                           "mape": "MAPE%", "ratio_median": "pred/meas"},
+                                  floatfmt=".3g", title="Few-shot calibration: a family "
+                                  "fitted without, then calibrated on n of its one-node runs")
+        print()
+        print(shot_table)
+        table += "\n\n" + shot_table
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    pd.DataFrame(rows).to_csv(out / "extrapolation.csv", index=False)
+    pd.DataFrame(shots).to_csv(out / "few_shot.csv", index=False)
+    (out / "extrapolation.txt").write_text(table + "\n")
+    if not args.no_mlflow:
+        from paratune.tracking import start_script_run
+
+        with start_script_run(__file__) as run:
+            run.log_params({"data": [str(f.resolve()) for f in files], "splits": splits,
+                            "estimators": list(chosen), "n_estimators": args.n_estimators})
+            for row in shots:
+                run.log_metrics({f"few_shot.{row['family']}.rows{row['rows']}.{k}": row[k]
+                                 for k in ("mdape", "mape", "ratio_median")})
+            for row in rows:
+                prefix = re.sub(r"[^A-Za-z0-9_.\-/]+", "_",
+                                f"{row['split']}.{row['estimator']}.{row['held_out']}")
+                run.log_metrics({f"{prefix}.{k}": float(v) for k, v in row.items()
+                                 if isinstance(v, (int, float))})
+            run.log_artifact(out)
+
+
+def few_shot(frame, factory, *, seeds: int, counts=(0, 1, 2, 5, 10, 20)) -> list[dict]:
+    """Per family: fitted without it, then calibrated on n of its runs on its smallest
+    cluster; median APE, MAPE (in percent) and median predicted / measured throughput of the
+    family's other runs, averaged over ``seeds`` draws of the n runs."""
+    import numpy as np
+
+    from paratune.models._data import measured_step_time
+    from paratune.models._estimators import source_family
+
+    if seeds < 1:
+        return []
+    families = source_family(frame)
+    step = measured_step_time(frame)
+    timed = np.isfinite(step)
+    world = frame["world_size"].to_numpy(dtype=float)
+    out = []
+    for family in sorted(set(families)):
+        own = families == family
+        if own.all():
+            continue
+        model = factory().fit(frame[~own])
+        pool = np.flatnonzero(own & timed & (world == world[own & timed].min()))
+        for n in counts:
+            if n > len(pool):
+                continue
+            figures = []
+            for seed in range(seeds if n else 1):
+                picked = np.random.default_rng(seed).choice(pool, size=n, replace=False)
+                model.family_offsets_.pop(str(family), None)
+                if n:
+                    model.calibrate(frame.iloc[picked])
+                rest = own & timed
+                rest[picked] = False
+                part = frame[rest]
+                pred = model.predict(part)["pred_step_time_s"].to_numpy(float)
+                ratio = step[rest] / pred  # predicted / measured throughput
+                ape = np.abs(ratio - 1.0)
+                figures.append((np.median(ape), np.mean(ape), np.median(ratio)))
+            mdape, mape, ratio = np.mean(figures, axis=0)
+            out.append({"family": str(family), "rows": n, "mdape": 100 * mdape,
+                        "mape": 100 * mape, "ratio_median": ratio})
+    return out
+
+
+if __name__ == "__main__":
+    main()

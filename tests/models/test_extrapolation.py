@@ -1,0 +1,136 @@
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from paratune import DatasetError
+from paratune.models import PerformanceModel, load_model
+from paratune.models._estimators import PRED_EXTRAPOLATION, PRED_WARNING
+from paratune.models._extrapolation import axis_values, distance, fit_ranges, nested_folds
+
+SMALL = {"n_estimators": 40, "n_jobs": 1}
+
+
+def _tps(frame: pd.DataFrame) -> np.ndarray:
+    return (frame["global_batch_size"] * frame["seq_len"]
+            / (frame["step_time_s"] * frame["world_size"])).to_numpy(dtype=float)
+
+
+def test_distance_counts_doublings_beyond_each_range(synthetic):
+    values = axis_values(synthetic)
+    families = np.asarray(["synthetic"] * len(synthetic), dtype=object)
+    small = (synthetic["world_size"] <= 16).to_numpy()
+    ranges = fit_ranges(values, families, small)
+    per_axis, unknown = distance(values, families, ranges)
+    world = synthetic["world_size"].to_numpy(dtype=float)
+    expected = np.maximum(np.log2(world / world[small].max()), 0.0)
+    np.testing.assert_allclose(per_axis["world_size"], expected)
+    assert not unknown.any()
+    _, unknown = distance(values, np.asarray(["other"] * len(synthetic), dtype=object), ranges)
+    assert unknown.all()
+
+
+def test_nested_folds_stay_inside_the_training_rows(synthetic):
+    values = axis_values(synthetic)
+    families = np.asarray(["synthetic"] * len(synthetic), dtype=object)
+    timed = (synthetic["status"] == "ok").to_numpy()
+    folds = nested_folds(values, families, timed)
+    # the largest cluster (where it has runs enough) and the largest model; no family fold
+    assert 1 <= len(folds) <= 2
+    params = values["model_params"]
+    assert any((params[test] == params[timed].max()).all() for _, test in folds)
+    for train, test in folds:
+        assert not (train & test).any()
+        assert timed[train].all() and timed[test].all()
+
+
+@pytest.fixture(scope="module")
+def small_cluster_model(synthetic):
+    train = synthetic[synthetic["world_size"] <= 32]
+    return PerformanceModel(**SMALL).fit(train)
+
+
+def test_interval_widens_and_warns_beyond_the_fitted_clusters(small_cluster_model, synthetic):
+    plain = PerformanceModel(**SMALL, nested_intervals=False).fit(
+        synthetic[synthetic["world_size"] <= 32])
+    far = synthetic[(synthetic["world_size"] >= 128) & (synthetic["status"] == "ok")]
+    near = synthetic[(synthetic["world_size"] <= 32) & (synthetic["status"] == "ok")]
+    wide, narrow = small_cluster_model.predict(far), plain.predict(far)
+    assert (wide[PRED_EXTRAPOLATION] >= 2).all()
+    assert wide[PRED_WARNING].str.contains("doublings: interval widened").all()
+    # the point moves (if at all) toward the calibrated core; the interval, relative to
+    # the point, is at least as wide and wider on some rows
+    from paratune.models import features as F
+
+    c = F.Columns(far)
+    core = small_cluster_model._core_step(far, c, F.compute_features(c)[1])
+    gap_wide = np.abs(np.log(wide["pred_step_time_s"].to_numpy() / core))
+    gap_narrow = np.abs(np.log(narrow["pred_step_time_s"].to_numpy() / core))
+    assert (gap_wide <= gap_narrow + 1e-9).all()
+    lo, hi = "pred_tokens_per_sec_per_gpu_q10", "pred_tokens_per_sec_per_gpu_q90"
+    assert ((wide[hi] / wide[lo]) >= (narrow[hi] / narrow[lo]) * (1 - 1e-9)).all()
+    assert ((wide[hi] / wide[lo]) > (narrow[hi] / narrow[lo]) * 1.01).any()
+    inside = small_cluster_model.predict(near)
+    assert (inside[PRED_EXTRAPOLATION] == 0).all() and (inside[PRED_WARNING] == "").all()
+
+
+def test_a_family_without_measurements_is_flagged(small_cluster_model, synthetic):
+    other = synthetic.head(5).assign(source="othersim_runs")
+    pred = small_cluster_model.predict(other)
+    assert pred[PRED_WARNING].str.startswith("no measurement of family othersim").all()
+    assert np.isfinite(pred["pred_step_time_s"]).all()
+
+
+def test_few_shot_calibration_moves_a_family_toward_its_rows(synthetic, tmp_path):
+    model = PerformanceModel(**SMALL).fit(synthetic)
+    # another framework on the same hardware, 1.6x slower on every configuration
+    slow = synthetic[synthetic["status"] == "ok"].assign(source="slowfw_runs")
+    slow["step_time_s"] = slow["step_time_s"] * 1.6
+    shots, rest = slow.iloc[:8], slow.iloc[8:]
+
+    def mdape(m):
+        pred = m.predict(rest)["pred_tokens_per_sec_per_gpu"].to_numpy()
+        return float(np.median(np.abs(pred / _tps(rest) - 1)))
+
+    before = mdape(model)
+    assert before > 0.3
+    model.calibrate(shots)
+    after = mdape(model)
+    assert after < 0.15 < before
+    assert model.family_offsets_["slowfw"]["rows"] == 8
+    pred = model.predict(rest)
+    assert not pred[PRED_WARNING].str.startswith("no measurement").any()
+    # the original family is untouched, and the calibration survives a save and load
+    np.testing.assert_allclose(model.predict(synthetic)["pred_step_time_s"],
+                               PerformanceModel(**SMALL).fit(synthetic).predict(synthetic)[
+                                   "pred_step_time_s"])
+    loaded = load_model(model.save(tmp_path / "m"))
+    pd.testing.assert_frame_equal(loaded.predict(rest), pred)
+    assert loaded.interval_widening_ == model.interval_widening_
+    with pytest.raises(DatasetError, match="no row with a measured step time"):
+        model.calibrate(synthetic[synthetic["status"] != "ok"])
+
+
+def test_core_constants_are_recovered_and_move_with_the_physics(synthetic):
+    from paratune.models import features as F
+    from paratune.models._calibration import (
+        CONSTANT_NAMES,
+        core_parts,
+        fit_constants,
+        predict_core,
+    )
+
+    c = F.Columns(synthetic)
+    parts = core_parts(c, F.analytical_step_time(c))
+    truth = np.asarray([1.8, 1.3, 2.5, 1.2, 1.5, 2e-4, 5e-3])
+    rng = np.random.default_rng(0)
+    step = predict_core(parts, truth) * rng.lognormal(0, 0.01, len(parts))
+    small = (synthetic["model_name"] == "llama3.2-1b").to_numpy()
+    fitted = fit_constants(parts[small], step[small])
+    assert len(fitted) == len(CONSTANT_NAMES)
+    assert fitted[0] == pytest.approx(truth[0], rel=0.1)  # compute, the dominant part
+    # fitted on the 1B model alone, the 8B model's steps follow from the physics
+    large = (synthetic["model_name"] == "llama3-8b").to_numpy()
+    ape = np.abs(predict_core(parts[large], fitted) / step[large] - 1)
+    assert np.median(ape) < 0.1

@@ -1,0 +1,94 @@
+"""Where the model extrapolates: the risk-aware ranking and the short, diverse list of
+configs to verify on the target cluster."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+
+from paratune import ConfigError
+from paratune.tuner import verification_order, verify_list
+from paratune.tuner._search import rank
+from paratune.tuner._verify import risk_aware_ranking
+
+
+def _ranked(rows):
+    frame = pd.DataFrame(rows, columns=["tp", "pp", "micro_batch_size", "objective", "feasible"])
+    return rank(frame.assign(world_size=8, ranked_tokens_per_s=frame["objective"]))
+
+
+def test_a_layout_nearly_as_good_is_verified_before_a_second_micro_batch_variant():
+    ranked = _ranked([(1, 1, 1, 100.0, True), (1, 1, 2, 99.0, True), (2, 1, 1, 97.0, True),
+                      (1, 2, 1, 60.0, True), (1, 1, 4, 98.0, True)])
+    # rank order: tp1 pp1 (100, 99, 98), tp2 (97), pp2 (60)
+    assert list(ranked["objective"]) == [100, 99, 98, 97, 60]
+    order = verification_order(ranked)
+    # 99 * 0.95 < 97: the tp2 layout before the second tp1 variant; pp2, far behind, last
+    assert [ranked["objective"].iloc[i] for i in order] == [100, 97, 99, 98, 60]
+    assert verification_order(ranked, discount=1.0) == [0, 1, 2, 3, 4]
+    # no discount at all: every layout's best first, in rank order
+    assert [ranked["objective"].iloc[i] for i in verification_order(ranked, discount=0.0)] \
+        == [100, 97, 60, 99, 98]
+
+
+def test_verify_list_takes_feasible_configs_first_and_exactly_k():
+    ranked = _ranked([(1, 1, 1, 100.0, True), (2, 1, 1, 150.0, False), (4, 1, 1, 90.0, True)])
+    assert [ranked["tp"].iloc[i] for i in verify_list(ranked, 2)] == [1, 4]
+    assert len(verify_list(ranked, 10)) == 3
+    for bad in (0, -1, True, 1.5):
+        with pytest.raises(ConfigError, match=r"^verify="):
+            verify_list(ranked, bad)
+    with pytest.raises(ConfigError, match=r"^discount=2"):
+        verification_order(ranked, discount=2)
+
+
+def test_risk_aware_ranking_puts_an_uncertain_config_below_a_sure_one():
+    ranked = _ranked([(1, 1, 1, 100.0, True), (2, 1, 1, 90.0, True)])
+    # the first is predicted faster but its 10th percentile is far lower
+    ranked["pred_tokens_per_sec_per_gpu_q10"] = [30.0 / 8, 80.0 / 8]
+    out = risk_aware_ranking(ranked)
+    assert list(out["tp"]) == [2, 1]
+    assert out["objective"].tolist() == pytest.approx([(90 * 80) ** 0.5, (100 * 30) ** 0.5])
+    assert out["objective_expected"].tolist() == [90.0, 100.0]
+    assert list(out["rank"]) == [1, 2] and out["vs_best"].iloc[0] == 1.0
+    # a predictor without the quantile: the ranking stands
+    assert risk_aware_ranking(ranked.drop(columns="pred_tokens_per_sec_per_gpu_q10")) is not None
+    assert list(risk_aware_ranking(ranked.drop(
+        columns="pred_tokens_per_sec_per_gpu_q10"))["tp"]) == [1, 2]
+
+
+class _UnsureOfTensorParallelism:
+    """The closed-form predictor with a 10th percentile: sure of tp=1 layouts (q10 = the
+    prediction), unsure of the others (q10 a tenth of it), and fitted on 1-2 devices only."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.training_ranges_ = {"H100-80GB": {"world_size": [1, 2]}}
+
+    def predict(self, frame):
+        out = self.inner.predict(frame)
+        point = out["pred_tokens_per_sec_per_gpu"].to_numpy()
+        out["pred_tokens_per_sec_per_gpu_q10"] = point * (frame["tp"].to_numpy() == 1) * 0.9 \
+            + point * (frame["tp"].to_numpy() > 1) * 0.1
+        return out
+
+
+def test_tune_ranks_by_the_risk_aware_expectation_where_the_model_extrapolates(closed_form):
+    from paratune.space import ConfigSpace
+    from paratune.tuner import tune
+
+    def job(**kwargs):
+        return tune("llama3-8b", 16, "H100", _UnsureOfTensorParallelism(closed_form),
+                    search="exhaustive", global_batch_sizes=[64], track=False,
+                    space=ConfigSpace(recomputes=("none",), micro_batch_sizes=(1, 2)),
+                    **kwargs)
+
+    plain = job(risk_aware=False)
+    assert not plain.search.risk_aware and plain.best.tp > 1  # the closed form's best
+    risky = job()  # 16 devices, fitted on 1-2: extrapolating, so risk-aware
+    assert risky.search.risk_aware and risky.best.tp == 1
+    assert "risk tok/s" in risky.table(3)
+    ranked = risky.ranked
+    assert ranked["objective"].is_monotonic_decreasing or not ranked["feasible"].all()
+    # a quantile asked for by name is the ranking, not the risk-aware one
+    assert not job(risk_quantile="q10").search.risk_aware
