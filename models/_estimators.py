@@ -527,7 +527,7 @@ class PerformanceModel(_Base):
             predict_core,
         )
 
-        families = source_family(frame)
+        families = self._families(frame)
         constants = np.tile([DEFAULT_CONSTANTS[k] for k in CONSTANT_NAMES], (c.n, 1))
         for family, values in self.core_constants_.items():
             constants[families == family] = values
@@ -598,7 +598,7 @@ class PerformanceModel(_Base):
         """
         self._check_fitted()
         step = measured_step_time(frame)
-        families = source_family(frame)
+        families = self._families(frame)  # as predict tells them apart
         saved, self.family_offsets_ = self.family_offsets_, {
             f: v for f, v in self.family_offsets_.items() if f not in set(families)}
         try:
@@ -806,9 +806,23 @@ class PerformanceModel(_Base):
         family is unmeasured (see :func:`paratune.models._extrapolation.distance`)."""
         from paratune.models._extrapolation import axis_values, distance
 
-        families = source_family(frame)
+        families = self._families(frame)
         per_axis, unknown = distance(axis_values(frame), families, self.extrapolation_ranges_)
         return families, per_axis, unknown
+
+    def _families(self, frame: pd.DataFrame) -> np.ndarray:
+        """Each row's family as the step-time models route it: by its source, else the one
+        family its hardware was measured in, else ``""`` (no family: the overall ranges and
+        the default core constants)."""
+        import pandas as pd
+
+        families = (source_family(frame, missing="") if "source" in frame.columns
+                    else np.full(len(frame), "", dtype=object))
+        if "hardware" in frame.columns and (families == "").any():
+            by_hardware = pd.Series(_catalogue_names(frame["hardware"]), dtype=object).map(
+                self.hardware_family_).fillna("").to_numpy(dtype=object)
+            families = np.where(families == "", by_hardware, families)
+        return families
 
     def _extrapolate(self, frame: pd.DataFrame, c: F.Columns, analytical: dict[str, Any],
                      step: np.ndarray, lo: np.ndarray, hi: np.ndarray, expected: np.ndarray,

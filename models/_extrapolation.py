@@ -74,7 +74,8 @@ def distance(values: dict[str, np.ndarray], families: np.ndarray,
     """
     n = len(families)
     out = {axis: np.zeros(n) for axis in AXES}
-    unknown = ~np.isin(families, [f for f in ranges if f])
+    # a row of no family ("") is measured against all the training rows, and is not flagged
+    unknown = ~np.isin(families, [f for f in ranges if f]) & (families != "")
     if not ranges:
         return out, unknown
     for family in np.unique(families):
