@@ -289,6 +289,14 @@ class PerformanceModel(_Base):
       does not need less memory, nor ZeRO-1 more than no sharding; the absolute-error
       objective refits leaf values after the constrained split, and the memory fraction
       moves with the micro-batch too, which can bend that by a few percent);
+    * beyond the training data (see :mod:`paratune.models._extrapolation`): each row's
+      distance, the doublings of model size, cluster size and tokens per step outside its
+      family's fitted ranges, shrinks the learned prediction toward the calibrated
+      analytical core (:mod:`paratune.models._calibration`, constants per family) at a rate
+      per family, and widens the interval by margins per doubling; rate and margins are
+      chosen on nested extrapolation splits of the training rows. A family without
+      measurements is flagged (``pred_warning``) and its interval widened;
+      :meth:`calibrate` refits a family's efficiency factor from a few of its runs;
     * feasibility: an XGBoost classifier on the features and the predicted memory fraction,
       trained on successful and failed runs (a configuration that ran at least once is
       feasible); without failed runs in the data, a soft threshold on predicted memory.
