@@ -9,11 +9,15 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = [
+    "EXTRAPOLATION_SPLITS",
     "AnalyticalBaseline",
+    "Fold",
     "HistGradientBoostingBaseline",
     "PerformanceModel",
     "RawConfigBaseline",
+    "Split",
     "cross_validate",
+    "extrapolation_split",
     "load_measurements",
     "load_model",
 ]
@@ -25,6 +29,10 @@ _LAZY = {
     "RawConfigBaseline": "paratune.models._estimators",
     "load_model": "paratune.models._estimators",
     "cross_validate": "paratune.models._evaluate",
+    "EXTRAPOLATION_SPLITS": "paratune.models._splits",
+    "Fold": "paratune.models._splits",
+    "Split": "paratune.models._splits",
+    "extrapolation_split": "paratune.models._splits",
     "load_measurements": "paratune.models._data",
 }
 

@@ -289,6 +289,14 @@ class PerformanceModel(_Base):
       does not need less memory, nor ZeRO-1 more than no sharding; the absolute-error
       objective refits leaf values after the constrained split, and the memory fraction
       moves with the micro-batch too, which can bend that by a few percent);
+    * beyond the training data (see :mod:`paratune.models._extrapolation`): each row's
+      distance, the doublings of model size, cluster size and tokens per step outside its
+      family's fitted ranges, shrinks the learned prediction toward the calibrated
+      analytical core (:mod:`paratune.models._calibration`, constants per family) at a rate
+      per family, and widens the interval by margins per doubling; rate and margins are
+      chosen on nested extrapolation splits of the training rows. A family without
+      measurements is flagged (``pred_warning``) and its interval widened;
+      :meth:`calibrate` refits a family's efficiency factor from a few of its runs;
     * feasibility: an XGBoost classifier on the features and the predicted memory fraction,
       trained on successful and failed runs (a configuration that ran at least once is
       feasible); without failed runs in the data, a soft threshold on predicted memory.
@@ -516,8 +524,8 @@ class PerformanceModel(_Base):
                 self.core_constants_[str(family)] = [
                     float(v) for v in fit_constants(parts[sel], step[sel])]
 
-    def _core_step(self, frame: pd.DataFrame, c: F.Columns, analytical: dict[str, Any]
-                   ) -> np.ndarray:
+    def _core_step(self, frame: pd.DataFrame, c: F.Columns, analytical: dict[str, Any],
+                   families: np.ndarray | None = None) -> np.ndarray:
         """The calibrated core's step time per row: its family's constants, the defaults of
         a well-tuned framework for a family without them."""
         from paratune.models._calibration import (
@@ -527,7 +535,7 @@ class PerformanceModel(_Base):
             predict_core,
         )
 
-        families = source_family(frame)
+        families = self._families(frame) if families is None else families
         constants = np.tile([DEFAULT_CONSTANTS[k] for k in CONSTANT_NAMES], (c.n, 1))
         for family, values in self.core_constants_.items():
             constants[families == family] = values
@@ -598,7 +606,7 @@ class PerformanceModel(_Base):
         """
         self._check_fitted()
         step = measured_step_time(frame)
-        families = source_family(frame)
+        families = self._families(frame)  # as predict tells them apart
         saved, self.family_offsets_ = self.family_offsets_, {
             f: v for f, v in self.family_offsets_.items() if f not in set(families)}
         try:
@@ -754,6 +762,8 @@ class PerformanceModel(_Base):
                         step)
         hi = base * np.exp(np.maximum(bounds[:, -1], ratio))
         expected = step
+        # each row's family and doublings beyond the training ranges, once
+        where = self._distance(frame, c)
         # without a learned stalled regime the model cannot tell its probability: NaN, as
         # from predictors that do not model it (not 0, which would claim it never stalls)
         prob = np.full(len(X), np.nan)
@@ -775,14 +785,13 @@ class PerformanceModel(_Base):
             # beyond the fitted ranges the classifier's probability is no guide (it has
             # called deep pipelines of larger models both ways): the slow end of the interval
             # holds the stalled regime wherever the family stalls at all
-            _, per_axis, _ = self._distance(frame)
-            unsure = (sum(per_axis.values()) > 0) & (prob > 0)
+            unsure = (sum(where[1].values()) > 0) & (prob > 0)
             hi = np.where((prob > 1.0 - upper) | unsure, np.maximum(hi, stall_hi), hi)
             lo = np.where(prob > 1.0 - lower, np.minimum(lo, stall_lo), lo)
             step = np.where(prob > 0.5, stall, step)
             lo, hi = np.minimum(lo, step), np.maximum(hi, step)
         step, lo, hi, expected, distance, warning = self._extrapolate(
-            frame, c, analytical, step, lo, hi, expected, prob)
+            frame, c, analytical, step, lo, hi, expected, prob, where)
         memory = self._memory_gb(X, analytical)
         capacity = c.memory_gb
         known = np.isfinite(capacity) & (capacity > 0)
@@ -800,42 +809,60 @@ class PerformanceModel(_Base):
                 "stall_prob": prob, "memory": memory, "feasible": feasible,
                 "distance": distance, "warning": warning}
 
-    def _distance(self, frame: pd.DataFrame
+    def _distance(self, frame: pd.DataFrame, c: F.Columns | None = None
                   ) -> tuple[np.ndarray, dict[str, np.ndarray], np.ndarray]:
         """Each row's family, doublings outside the training ranges per axis and whether its
         family is unmeasured (see :func:`paratune.models._extrapolation.distance`)."""
         from paratune.models._extrapolation import axis_values, distance
 
-        families = source_family(frame)
-        per_axis, unknown = distance(axis_values(frame), families, self.extrapolation_ranges_)
+        families = self._families(frame)
+        per_axis, unknown = distance(axis_values(frame, c), families,
+                                     self.extrapolation_ranges_)
         return families, per_axis, unknown
+
+    def _families(self, frame: pd.DataFrame) -> np.ndarray:
+        """Each row's family as the step-time models route it: by its source, else the one
+        family its hardware was measured in, else ``""`` (no family: the overall ranges and
+        the default core constants)."""
+        import pandas as pd
+
+        families = (source_family(frame, missing="") if "source" in frame.columns
+                    else np.full(len(frame), "", dtype=object))
+        if "hardware" in frame.columns and (families == "").any():
+            by_hardware = pd.Series(_catalogue_names(frame["hardware"]), dtype=object).map(
+                self.hardware_family_).fillna("").to_numpy(dtype=object)
+            families = np.where(families == "", by_hardware, families)
+        return families
 
     def _extrapolate(self, frame: pd.DataFrame, c: F.Columns, analytical: dict[str, Any],
                      step: np.ndarray, lo: np.ndarray, hi: np.ndarray, expected: np.ndarray,
-                     prob: np.ndarray) -> tuple[np.ndarray, ...]:
+                     prob: np.ndarray, where: tuple[np.ndarray, dict[str, np.ndarray],
+                                                    np.ndarray]
+                     ) -> tuple[np.ndarray, ...]:
         """Each row's distance from the training ranges; the learned prediction shrunk
         toward the calibrated core with it, its family's few-shot factor, and the interval
         widened by the calibrated margins (see :meth:`_fit_widening`)."""
-        from paratune.models._extrapolation import blend_factor
+        from paratune.models._extrapolation import _distinct, blend_factor
 
-        families, per_axis, unknown = self._distance(frame)
+        families, per_axis, unknown = where
         dist = sum(per_axis.values())
         entries = [self.interval_widening_.get(str(f), self.interval_widening_[""])
-                   for f in np.unique(families)]
+                   for f in _distinct(families)]
         if any(e.get("shrink_per_doubling", 0.0) or e.get("core_weight_family", 0.0)
                for e in entries):
             rate, weight = np.zeros(len(step)), np.zeros(len(step))
-            for family in np.unique(families):
+            for family in _distinct(families):
                 entry = self.interval_widening_.get(str(family), self.interval_widening_[""])
                 rate[families == family] = entry.get("shrink_per_doubling", 0.0)
                 weight[families == family] = entry.get("core_weight_family", 0.0)
             # the point in the stalled regime is the stall's time, not the core's business
-            shrink = blend_factor(step, self._core_step(frame, c, analytical), dist, unknown,
+            core = self._core_step(frame, c, analytical, families)
+            shrink = blend_factor(step, core, dist, unknown,
                                   ~(prob > 0.5), rate=rate, family_weight=weight)
             step, lo, hi, expected = step * shrink, lo * shrink, hi * shrink, expected * shrink
         keys = [f"{side}_{axis}" for side in ("hi", "lo") for axis in per_axis]
         margins = {key: np.zeros(len(step)) for key in (*keys, "hi_family", "lo_family")}
-        for family in np.unique(families):
+        for family in _distinct(families):
             rows = families == family
             entry = self.interval_widening_.get(str(family), self.interval_widening_[""])
             for key, values in margins.items():
@@ -862,17 +889,22 @@ class PerformanceModel(_Base):
         floor = np.where(c.accelerator, F.step_time_at_mfu(c), 0.0)
         lo = np.minimum(np.maximum(lo * factor * np.exp(-lo_margin),
                                    np.fmin(floor, lo * factor)), step)
+        # the texts once per distinct value (100,000 rows hold a few dozen)
         warning = np.full(len(step), "", dtype=object)
         beyond = dist > 0
         if beyond.any():
-            text = np.char.mod("%.1f", dist[beyond]).astype(object)
-            warning[beyond] = ("beyond the fitted model, cluster and batch sizes by " + text
-                               + " doublings: interval widened")
+            warning[beyond] = F._lookup(
+                np.round(dist[beyond], 1),
+                lambda d: "" if d is None else (
+                    f"beyond the fitted model, cluster and batch sizes by {d:.1f} "
+                    "doublings: interval widened"), dtype=object)
         fresh = unknown & ~calibrated
         if fresh.any():
-            names = families[fresh].astype(str).astype(object)
-            warning[fresh] = ("no measurement of family " + names
-                              + ": predicted from other families' runs, interval widened")
+            warning[fresh] = F._lookup(
+                families[fresh],
+                lambda f: "" if f is None else (
+                    f"no measurement of family {f}: predicted from other families' runs, "
+                    "interval widened"), dtype=object)
         return step, lo, hi, expected, dist, warning
 
     def _stall(self, c: F.Columns, X: np.ndarray, seen: np.ndarray, stall_free: np.ndarray

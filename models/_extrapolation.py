@@ -33,13 +33,21 @@ MAX_MARGIN_PER_DOUBLING = 1.5
 4.5 per doubling) or, for an unmeasured family, this much in all."""
 
 
-def axis_values(frame: pd.DataFrame) -> dict[str, np.ndarray]:
-    """Each row's value on every axis of :data:`AXES`."""
+def _distinct(values: np.ndarray) -> list[Any]:
+    """The distinct values of an object array (hashed: sorting 100,000 strings is slow)."""
+    import pandas as pd
+
+    return list(pd.unique(pd.Series(values, dtype=object)))
+
+
+def axis_values(frame: pd.DataFrame, c: Any = None) -> dict[str, np.ndarray]:
+    """Each row's value on every axis of :data:`AXES` (``c``: the frame's
+    :class:`~paratune.models.features.Columns` where already built)."""
     from paratune.models._splits import model_params
     from paratune.models.features import Columns
 
-    c = Columns(frame)
-    return {"model_params": model_params(frame), "world_size": c.world,
+    c = Columns(frame) if c is None else c
+    return {"model_params": model_params(frame, c), "world_size": c.world,
             "tokens_per_step": c.global_batch * c.seq}
 
 
@@ -74,10 +82,11 @@ def distance(values: dict[str, np.ndarray], families: np.ndarray,
     """
     n = len(families)
     out = {axis: np.zeros(n) for axis in AXES}
-    unknown = ~np.isin(families, [f for f in ranges if f])
+    # a row of no family ("") is measured against all the training rows, and is not flagged
+    unknown = ~np.isin(families, [f for f in ranges if f]) & (families != "")
     if not ranges:
         return out, unknown
-    for family in np.unique(families):
+    for family in _distinct(families):
         rows = families == family
         limits = ranges.get(str(family)) or ranges[""]
         for axis, (lo, hi) in limits.items():

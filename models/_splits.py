@@ -28,7 +28,7 @@ A family is the first word of a row's source (:func:`~paratune.models.source_fam
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -75,12 +75,13 @@ class Split:
     """The folds, each scored on its own."""
 
 
-def model_params(frame: pd.DataFrame) -> np.ndarray:
+def model_params(frame: pd.DataFrame, c: Any = None) -> np.ndarray:
     """Parameter count of each row's model (blocks plus embeddings, untied unless the row
-    says ``tie_embeddings``)."""
+    says ``tie_embeddings``); ``c``: the frame's :class:`~paratune.models.features.Columns`
+    where already built."""
     from paratune.models.features import Columns
 
-    c = Columns(frame)
+    c = Columns(frame) if c is None else c
     embeddings = np.where(c.tied, 1.0, 2.0) * c.vocab * c.hidden
     return c.layers * c.params_per_layer + embeddings
 

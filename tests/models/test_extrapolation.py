@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -134,3 +136,21 @@ def test_core_constants_are_recovered_and_move_with_the_physics(synthetic):
     large = (synthetic["model_name"] == "llama3-8b").to_numpy()
     ape = np.abs(predict_core(parts[large], fitted) / step[large] - 1)
     assert np.median(ape) < 0.1
+
+
+def test_predict_cli_counts_the_rows_that_extrapolate(small_cluster_model, synthetic, tmp_path,
+                                                      capsys):
+    from paratune.cli import main
+    from paratune.predictor import CONFIG_COLUMNS
+
+    model_dir = small_cluster_model.save(tmp_path / "m")
+    ok = synthetic[synthetic["status"] == "ok"]
+    rows = pd.concat([ok[ok["world_size"] <= 32].head(3), ok[ok["world_size"] >= 128].head(2)])
+    rows[list(CONFIG_COLUMNS)].to_csv(tmp_path / "in.csv", index=False)
+    assert main(["predict", str(tmp_path / "in.csv"), "--model", str(model_dir),
+                 "--out", str(tmp_path / "out.csv")]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"warning: 2 rows: beyond the fitted model, cluster and batch sizes by N "
+                     r"doublings: interval widened", out), out
+    written = pd.read_csv(tmp_path / "out.csv", keep_default_na=False)
+    assert (written[PRED_WARNING] != "").sum() == 2
