@@ -184,9 +184,9 @@ def _gns(args: argparse.Namespace) -> int:
                                 step=int(row["step"]))
             run.log_artifact(path)
     if run is not None:
-        from paratune.tracking import ui_command
+        from paratune.tracking import run_note
 
-        print(f"MLflow run {run.run_id}: {ui_command()}")
+        print(run_note(run))
     return 0
 
 

@@ -1130,7 +1130,7 @@ def _run_campaign(spec: CampaignSpec, paths: CampaignPaths, meta: dict[str, Any]
             counts=_counts(paths, meta, spec.world_sizes),
             wall_s=time.monotonic() - started, num_measured=len(new_entries),
             in_step_s=sum(_in_step_seconds(e) for e in new_entries),
-            run_id=run.run_id if run is not None else None)
+            run_id=run.run_id if run is not None and run.lost is None else None)
         children = resource.getrusage(resource.RUSAGE_CHILDREN)
         # never below zero (float rounding of equal totals, when no worker ran)
         result.worker_cpu_s = max(0.0, (children.ru_utime + children.ru_stime)

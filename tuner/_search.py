@@ -283,18 +283,17 @@ def resolve_storage(storage: str | Path | None, default_dir: str | Path | None
         storage = Path(default_dir) / "study.journal"
     text = str(storage)
     if "://" in text:
+        from paratune._dburl import missing_driver, with_installed_driver
+
+        url = with_installed_driver(text)  # postgresql:// where only psycopg2 is installed
         try:
-            return optuna.storages.RDBStorage(text), _without_password(text)
+            return optuna.storages.RDBStorage(url, **_rdb_options(url)), _without_password(text)
         except ImportError as exc:  # a driver that is not installed (psycopg2, pymysql)
-            reason = str(exc)
-            if parsed_password := _password_of(text):
-                reason = reason.replace(parsed_password, "***")
             raise ConfigError("storage", _without_password(text),
-                              f"needs a database driver: {reason}") from exc
+                              f"needs {missing_driver(url, exc)}") from exc
         except Exception as exc:  # SQLAlchemy: unknown dialect, unreachable server
-            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            if parsed_password := _password_of(text):
-                first = first.replace(parsed_password, "***")
+            first = _masked(str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
+                            text)
             raise ConfigError("storage", _without_password(text),
                               f"is not a usable database URL ({first}); "
                               "give sqlite:///FILE.db, another SQLAlchemy URL, or a "
@@ -304,6 +303,26 @@ def resolve_storage(storage: str | Path | None, default_dir: str | Path | None
     # target would resolve from the link's own folder (nowhere): a lock left by a killed
     # process could then never be found stale, and the next run would wait forever
     return JournalStorage(JournalFileBackend(str(Path(text).resolve()))), text
+
+
+DB_CONNECT_TIMEOUT_S = 10
+"""Seconds a connection to a study's database server may take before it counts as down."""
+HEARTBEAT_INTERVAL_S = 10
+"""How often a worker records that its trials in a database study are still running."""
+HEARTBEAT_GRACE_S = 60
+"""A running trial whose worker recorded no heartbeat for this long is failed by the next
+worker (its worker was killed)."""
+
+
+def _rdb_options(url: str) -> dict[str, Any]:
+    """Keyword arguments of Optuna's ``RDBStorage`` for ``url``: heartbeats (a killed
+    worker's trials are failed by the next worker), and a bounded connection wait."""
+    options: dict[str, Any] = {"heartbeat_interval": HEARTBEAT_INTERVAL_S,
+                               "grace_period": HEARTBEAT_GRACE_S}
+    if url.lower().startswith(("postgresql", "postgres", "mysql")):
+        options["engine_kwargs"] = {"connect_args": {"connect_timeout": DB_CONNECT_TIMEOUT_S},
+                                    "pool_pre_ping": True}
+    return options
 
 
 def storage_text(storage: str | Path | None, storage_dir: str | Path | None) -> str | None:
@@ -316,13 +335,21 @@ def storage_text(storage: str | Path | None, storage_dir: str | Path | None) -> 
 
 
 def _without_password(url: str) -> str:
-    """A database URL as it may be printed and logged: any password masked."""
-    from sqlalchemy.engine import make_url
+    """A database URL as it may be printed and logged: any password masked (in the userinfo
+    and in the query, see :func:`paratune._redact.redact`)."""
+    from paratune._redact import redact
 
-    try:
-        return make_url(url).render_as_string(hide_password=True)
-    except Exception:  # not a URL SQLAlchemy parses: nothing to mask that it could use
-        return url
+    return redact(url)
+
+
+def _masked(message: str, url: str) -> str:
+    """A driver's ``message`` about ``url`` with the URL's password masked wherever it
+    appears (in a URL or on its own)."""
+    from paratune._redact import redact
+
+    if password := _password_of(url):
+        message = message.replace(password, "***")
+    return redact(message)
 
 
 def _password_of(url: str) -> str | None:

@@ -338,8 +338,9 @@ def tune(model: ModelSpec | str, gpus: int, gpu: HardwareSpec | str,
         outputs = write_recommendation(rec, output) if output is not None else {}
         out = TuneResult(search=result, recommendation=rec, outputs=outputs, study=study)
         if run is not None:
-            out.run_id = run.run_id
             _log_outcome(run, out, search_space, obj, top_k=top_k)
+            # a store that went away is reported by the run itself; no run to open then
+            out.run_id = run.run_id if run.lost is None else None
         if on_ranked is not None:
             on_ranked(out)
         if verify:
