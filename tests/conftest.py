@@ -17,4 +17,8 @@ def _mlflow_store_does_not_leak():
         mlflow.set_tracking_uri(None)
 
 
-from tests.servers import mlflow_server, postgres_url  # noqa: E402, F401  (real servers)
+from tests.servers import (  # noqa: E402, F401  (real servers)
+    mlflow_server,
+    postgres_cluster,
+    postgres_url,
+)

@@ -24,7 +24,8 @@ from pathlib import Path
 
 import pytest
 
-__all__ = ["MlflowServer", "free_port", "mlflow_server", "postgres_url", "wait_for_port"]
+__all__ = ["MlflowServer", "PostgresCluster", "free_port", "mlflow_server", "postgres_cluster",
+           "postgres_url", "wait_for_port"]
 
 
 def free_port() -> int:
@@ -66,44 +67,86 @@ def _as_postgres_user(argv: list[str]) -> list[str]:
     return [runuser, "-u", "nobody", "--", *argv]
 
 
+class PostgresCluster:
+    """A PostgreSQL cluster in a temporary directory, on a free loopback port."""
+
+    def __init__(self) -> None:
+        pytest.importorskip("psycopg2", reason="the PostgreSQL driver psycopg2 is not "
+                                               "installed (pip install 'paratune[postgres]')")
+        self.initdb, self.pg_ctl = _pg_bin("initdb"), _pg_bin("pg_ctl")
+        if self.initdb is None or self.pg_ctl is None:
+            pytest.skip("PostgreSQL's initdb/pg_ctl are not installed "
+                        "(apt-get install postgresql)")
+        self.root = Path(tempfile.mkdtemp(prefix="paratune-pg-"))
+        if os.geteuid() == 0:
+            shutil.chown(self.root, user="nobody")
+        self.data, self.port = self.root / "data", free_port()
+
+    @property
+    def url(self) -> str:
+        """``postgresql://paratune@127.0.0.1:PORT/paratune`` (trust authentication)."""
+        return f"postgresql://paratune@127.0.0.1:{self.port}/paratune"
+
+    def create(self) -> PostgresCluster:
+        done = subprocess.run(_as_postgres_user([self.initdb, "-D", str(self.data), "-U",
+                                                 "paratune", "--auth=trust", "-E", "UTF8"]),
+                              capture_output=True, text=True, timeout=120, check=False)
+        if done.returncode != 0:
+            self.remove()
+            pytest.skip(f"initdb failed: {done.stderr.strip()[-300:]}")
+        self.start()
+        createdb = _pg_bin("createdb")
+        for database in ("paratune", "tracking"):  # Optuna's and MLflow's (each its schema)
+            subprocess.run([createdb, "-h", "127.0.0.1", "-p", str(self.port), "-U",
+                            "paratune", database], check=True, capture_output=True, timeout=30)
+        return self
+
+    def start(self) -> None:
+        options = (f"-p {self.port} -k {self.root} -c listen_addresses=127.0.0.1 "
+                   "-c fsync=off")
+        done = subprocess.run(_as_postgres_user([self.pg_ctl, "-D", str(self.data), "-o",
+                                                 options, "-l", str(self.root / "log"), "-w",
+                                                 "-t", "30", "start"]),
+                              capture_output=True, text=True, timeout=60, check=False)
+        if done.returncode != 0:
+            log = (self.root / "log").read_text() if (self.root / "log").exists() else ""
+            self.remove()
+            pytest.skip(f"PostgreSQL did not start: {(log or done.stderr).strip()[-300:]}")
+
+    def stop(self) -> None:
+        """Stop the server at once (``pg_ctl stop -m immediate``: as a crash looks)."""
+        subprocess.run(_as_postgres_user([self.pg_ctl, "-D", str(self.data), "-m",
+                                          "immediate", "stop"]),
+                       capture_output=True, timeout=60, check=False)
+
+    def remove(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _cluster() -> Iterator[PostgresCluster]:
+    cluster = PostgresCluster()
+    try:
+        yield cluster.create()
+    finally:
+        cluster.stop()
+        cluster.remove()
+
+
 @pytest.fixture(scope="session")
 def postgres_url() -> Iterator[str]:
     """``postgresql://paratune@127.0.0.1:PORT/paratune`` of a fresh cluster (trust auth on
     loopback; a second database ``tracking`` beside it for MLflow), stopped at the end of
     the session."""
-    pytest.importorskip("psycopg2", reason="the PostgreSQL driver psycopg2 is not installed "
-                                           "(pip install 'paratune[postgres]')")
-    initdb, pg_ctl = _pg_bin("initdb"), _pg_bin("pg_ctl")
-    if initdb is None or pg_ctl is None:
-        pytest.skip("PostgreSQL's initdb/pg_ctl are not installed (apt-get install postgresql)")
-    root = Path(tempfile.mkdtemp(prefix="paratune-pg-"))
-    if os.geteuid() == 0:
-        shutil.chown(root, user="nobody")
-    data, port = root / "data", free_port()
-    done = subprocess.run(_as_postgres_user([initdb, "-D", str(data), "-U", "paratune",
-                                             "--auth=trust", "-E", "UTF8"]),
-                          capture_output=True, text=True, timeout=120, check=False)
-    if done.returncode != 0:
-        shutil.rmtree(root, ignore_errors=True)
-        pytest.skip(f"initdb failed: {done.stderr.strip()[-300:]}")
-    options = f"-p {port} -k {root} -c listen_addresses=127.0.0.1 -c fsync=off"
-    done = subprocess.run(_as_postgres_user([pg_ctl, "-D", str(data), "-o", options, "-l",
-                                             str(root / "log"), "-w", "-t", "30", "start"]),
-                          capture_output=True, text=True, timeout=60, check=False)
-    if done.returncode != 0:
-        log = (root / "log").read_text() if (root / "log").exists() else done.stderr
-        shutil.rmtree(root, ignore_errors=True)
-        pytest.skip(f"PostgreSQL did not start: {log.strip()[-300:]}")
-    createdb = _pg_bin("createdb")
-    for database in ("paratune", "tracking"):  # Optuna's and MLflow's (each has its schema)
-        subprocess.run([createdb, "-h", "127.0.0.1", "-p", str(port), "-U", "paratune",
-                        database], check=True, capture_output=True, timeout=30)
-    try:
-        yield f"postgresql://paratune@127.0.0.1:{port}/paratune"
-    finally:
-        subprocess.run(_as_postgres_user([pg_ctl, "-D", str(data), "-m", "immediate", "stop"]),
-                       capture_output=True, timeout=60, check=False)
-        shutil.rmtree(root, ignore_errors=True)
+    with _cluster() as cluster:
+        yield cluster.url
+
+
+@pytest.fixture
+def postgres_cluster() -> Iterator[PostgresCluster]:
+    """A cluster of the test's own, which it may stop (see :meth:`PostgresCluster.stop`)."""
+    with _cluster() as cluster:
+        yield cluster
 
 
 class MlflowServer:
@@ -118,7 +161,7 @@ class MlflowServer:
     def uri(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self, *, timeout_s: float = 90.0) -> MlflowServer:
+    def start(self, *, timeout_s: float = 240.0) -> MlflowServer:
         """Start (or restart, on the same port and store) and wait until it answers."""
         self.root.mkdir(parents=True, exist_ok=True)
         env = dict(os.environ, OMP_NUM_THREADS="1")

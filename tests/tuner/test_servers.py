@@ -4,9 +4,21 @@ where PostgreSQL is not installed)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
 
 from paratune.cli import main
+
+HERE = Path(__file__).resolve().parent
 
 SECRET = "S3cr3tPlanted"
 
@@ -107,3 +119,135 @@ def test_a_plain_postgresql_url_uses_whichever_driver_is_installed():
         assert url == "postgresql+psycopg2://u@h/db"
     assert with_installed_driver("postgresql+pg8000://u@h/db") == "postgresql+pg8000://u@h/db"
     assert with_installed_driver("sqlite:///x.db") == "sqlite:///x.db"
+
+
+# ------------------------------------------------------------------ studies on PostgreSQL
+STUDY_WORKER = textwrap.dedent("""
+    import sys, time
+    sys.path.insert(0, {here!r})
+    from conftest import ClosedFormPredictor
+    from paratune import ConfigError, get_model
+    from paratune.cli import sigterm_as_exit
+    from paratune.tuner import Objective, SearchSpace, optuna_search
+
+    class Slow(ClosedFormPredictor):
+        def predict(self, frame):
+            time.sleep({delay})
+            return super().predict(frame)
+
+    space = SearchSpace.build(get_model("llama3-8b"), 64, "H100", global_batch_sizes="128:512")
+    print("READY", flush=True)
+    sys.stdin.readline()
+    try:
+        with sigterm_as_exit():
+            result, study = optuna_search(Slow(), space, Objective(kind="goodput", b_noise=300),
+                                          n_trials={n_trials}, seed={seed}, storage={storage!r},
+                                          study_name="shared", batch_size={batch_size})
+    except ConfigError as exc:
+        print(f"error: {{exc}}", file=sys.stderr)
+        sys.exit(2)
+    print("TRIALS", result.num_trials)
+""")
+
+
+def _study_worker(storage: str, *, n_trials: int, seed: int, delay: float,
+                  batch_size: int = 2) -> subprocess.Popen:
+    code = STUDY_WORKER.format(here=str(HERE), delay=delay, n_trials=n_trials, seed=seed,
+                               storage=storage, batch_size=batch_size)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    worker = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    assert worker.stdout.readline() == "READY\n", worker.communicate(timeout=60)[1]
+    return worker
+
+
+def _go(*workers):
+    for worker in workers:
+        worker.stdin.write("go\n")
+        worker.stdin.flush()
+
+
+def _trials(storage: str) -> list:
+    import optuna
+
+    from paratune._dburl import with_installed_driver
+
+    study = optuna.load_study(study_name="shared", storage=with_installed_driver(storage))
+    return study.get_trials(deepcopy=False)
+
+
+def _states(storage: str) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for trial in _trials(storage):
+        counts[trial.state.name] = counts.get(trial.state.name, 0) + 1
+    return counts
+
+
+def _wait(predicate, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(Exception):
+            if predicate():
+                return True
+        time.sleep(0.2)
+    return False
+
+
+@pytest.mark.slow
+def test_four_workers_on_one_postgresql_study_stop_at_its_total(postgres_cluster):
+    """``--trials`` is the study's total under concurrency: four workers asked for 40 leave
+    exactly 40 finished trials (they used to overshoot by up to a batch each)."""
+    storage = postgres_cluster.url
+    workers = [_study_worker(storage, n_trials=40, seed=seed, delay=0.02, batch_size=4)
+               for seed in range(4)]
+    _go(*workers)
+    for worker in workers:
+        _, err = worker.communicate(timeout=180)
+        assert worker.returncode == 0, err
+    states = _states(storage)
+    assert states.get("COMPLETE", 0) + states.get("PRUNED", 0) == 40, states
+    assert states.get("RUNNING", 0) == 0, states
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGKILL"])
+def test_a_stopped_workers_trials_do_not_stay_running(postgres_cluster, how):
+    """SIGTERM: the worker fails its in-flight trials as it exits. kill -9: the next worker
+    on this machine fails them (their process is gone) before it searches."""
+    storage = postgres_cluster.url
+    worker = _study_worker(storage, n_trials=10_000, seed=0, delay=0.5, batch_size=4)
+    _go(worker)
+    assert _wait(lambda: _states(storage).get("COMPLETE", 0) >= 4
+                 and _states(storage).get("RUNNING", 0) > 0, 60), _states(storage)
+    worker.send_signal(getattr(signal, how))
+    worker.communicate(timeout=60)
+    if how == "SIGTERM":
+        assert worker.returncode == 128 + signal.SIGTERM
+        assert _states(storage).get("RUNNING", 0) == 0, _states(storage)
+        return
+    assert _states(storage).get("RUNNING", 0) > 0  # left by the killed process
+    finished = sum(_states(storage).get(s, 0) for s in ("COMPLETE", "PRUNED"))
+    follower = _study_worker(storage, n_trials=finished + 2, seed=1, delay=0.0)
+    _go(follower)
+    _, err = follower.communicate(timeout=120)
+    assert follower.returncode == 0, err
+    states = _states(storage)
+    assert states.get("RUNNING", 0) == 0 and states.get("FAIL", 0) > 0, states
+
+
+@pytest.mark.slow
+def test_a_database_stopped_mid_search_is_one_line_and_keeps_the_trials(postgres_cluster):
+    storage = postgres_cluster.url
+    worker = _study_worker(storage, n_trials=10_000, seed=0, delay=0.2, batch_size=2)
+    _go(worker)
+    assert _wait(lambda: _states(storage).get("COMPLETE", 0) >= 4, 60)
+    started = time.monotonic()
+    postgres_cluster.stop()
+    _, err = worker.communicate(timeout=120)
+    waited = time.monotonic() - started
+    assert worker.returncode == 2, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert "storage=" in err and "stopped answering" in err and "rerun" in err
+    assert waited < 60, waited  # a bounded wait, not minutes
+    postgres_cluster.start()  # what was told before is still there
+    assert _states(storage).get("COMPLETE", 0) >= 4
