@@ -392,6 +392,8 @@ def start_run(experiment: str, *, run_name: str | None = None,
 
     for name in ("mlflow", "alembic"):
         logging.getLogger(name).setLevel(logging.WARNING)
+    # its retries against a server that is gone: the one warning of TrackedRun says it
+    logging.getLogger("urllib3.connectionpool").setLevel(logging.ERROR)
     from paratune._dburl import missing_driver, with_installed_driver
 
     # postgresql:// where only psycopg2 is installed (SQLAlchemy's default is psycopg 3)
@@ -482,7 +484,7 @@ def _end_run(mlflow_module: Any, tracked: TrackedRun, status: str) -> None:
         reason = unreachable(exc)
         if reason is None:
             raise
-        _remember_unended(tracked._uri, tracked.run_id, status, tracked.lost or reason)
+        _remember_unended(tracked._uri, tracked.run_id, status)
         logging.getLogger(__name__).warning(
             "MLflow tracking store %s cannot be reached to end run %s (%s): the next command "
             "tracked there ends it %s", _shown(tracked._uri), tracked.run_id, reason, status)
@@ -506,14 +508,17 @@ def _store_key(uri: str) -> str:
     return hashlib.sha256(uri.encode()).hexdigest()[:32]
 
 
-def _remember_unended(uri: str, run_id: str | None, status: str, reason: str) -> None:
+def _remember_unended(uri: str, run_id: str | None, status: str) -> None:
     if run_id is None:
         return
     from paratune._io import append_jsonl
 
     try:
+        # the reason quotes URLs of the store: kept out of the file, as the URI is
         append_jsonl(unended_runs_file(), {"store": _store_key(uri), "run_id": run_id,
-                                           "status": status, "reason": reason})
+                                           "status": status,
+                                           "reason": "the tracking store went away during "
+                                                     "the command that ran it"})
     except OSError as exc:
         logging.getLogger(__name__).warning("cannot remember run %s to end it later (%s)",
                                             run_id, exc.strerror or exc)
