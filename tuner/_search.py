@@ -288,7 +288,7 @@ def resolve_storage(storage: str | Path | None, default_dir: str | Path | None
         try:
             return _rdb_storage(url), _without_password(text)
         except ImportError as exc:  # a driver that is not installed (psycopg2, pymysql)
-            said = str(exc.__cause__ or exc).splitlines()
+            said = str(exc.__cause__ or exc).replace(url, text).splitlines()  # as given
             raise ConfigError("storage", _without_password(text),
                               f"needs {missing_driver(url, exc)}"
                               + (f": {_masked(said[0], text)}" if said else "")) from exc
