@@ -622,6 +622,11 @@ def optuna_search(predictor: Predictor, space: SearchSpace, objective: Objective
                                                trial.constraints.get("memory", 0.0)))
             params_of[cfg] = dict(trial.params)
     worker = f"{socket.gethostname()}:{os.getpid()}"
+    try:  # what killed workers left running is failed first, whatever is left to do
+        _fail_stale(study, study.get_trials(deepcopy=False), worker)
+    except Exception as exc:
+        _storage_error(exc, storage_text(storage, storage_dir), 0)
+        raise
     refine_from = round(n_trials * (1.0 - refine_fraction))
     done = len(_finished(study))
     bar = _trial_bar(n_trials, done, study.study_name) if progress else None
