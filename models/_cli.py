@@ -45,8 +45,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     predict.add_argument("--model", required=True, metavar="MODEL_DIR",
                          help="saved performance model (the --out of paratune fit)")
     predict.add_argument("--out", required=True, metavar="OUT.csv",
-                         help="CSV to write: the input columns plus pred_* and pred_error")
-    predict.set_defaults(func=_predict)
+                         help="CSV to write: the input columns plus pred_* and pred_error "
+                              "(an existing file only with --force)")
+    predict.add_argument("--force", action="store_true", help="replace an existing OUT")
+    predict.set_defaults(func=_predict, field_flags={"out": "--out"})
 
     evaluate = subparsers.add_parser(
         "evaluate", help="cross-validate the performance model (and baselines)",
@@ -94,9 +96,15 @@ def _fit(args: argparse.Namespace) -> int:
 
 
 def _predict(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from paratune.errors import ConfigError
     from paratune.models._estimators import load_model
     from paratune.models._predict_io import predict_csv
 
+    if not args.force and Path(args.out).is_file():  # refused before anything is read
+        raise ConfigError("out", args.out, "exists: pass --force to replace it, or give "
+                          "another --out")
     model = load_model(args.model)
     out = predict_csv(model, args.input, args.out)
     failed = int((out["pred_error"] != "").sum())

@@ -1080,8 +1080,9 @@ class PerformanceModel(_Base):
         if not manifest_path.exists():
             raise ModelFormatError(f"{path}: not a saved performance model (no {_MANIFEST})")
         try:
-            manifest = json.loads(manifest_path.read_text())
-        except json.JSONDecodeError as exc:
+            manifest = json.loads(_read_bounded(manifest_path, what="manifest",
+                                                limit=_MAX_MANIFEST_BYTES))
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise ModelFormatError(f"{manifest_path}: corrupt manifest ({exc})") from None
         if not isinstance(manifest, dict):
             raise ModelFormatError(f"{manifest_path}: corrupt manifest (a JSON "
@@ -1122,9 +1123,9 @@ class PerformanceModel(_Base):
         def booster(name: str, kind: type) -> Any:
             if name not in files:
                 return None
-            file = path / files[name]
+            file = _component_file(path, name, files[name])
             try:
-                data = file.read_bytes()
+                data = _read_bounded(file, what=f"component {name!r}")
             except (FileNotFoundError, IsADirectoryError):
                 raise _ChangedError(f"{file}: missing ({_MANIFEST} lists it as component "
                                     f"{name!r}); refit the model or restore the file"
@@ -1224,6 +1225,49 @@ def _first_line(exc: BaseException) -> str:
     messages go on with a C++ stack trace)."""
     lines = str(exc).strip().splitlines()
     return _XGB_LOCATION.sub("", lines[0]).strip() if lines else type(exc).__name__
+
+
+_MAX_COMPONENT_BYTES = 1 << 30
+"""The largest component file a model directory may hold (XGBoost JSON of a few MB)."""
+_MAX_MANIFEST_BYTES = 16 << 20
+
+
+def _component_file(path: Path, name: str, relative: Any) -> Path:
+    """The file of component ``name``: a file name inside the model directory ``path``
+    (neither a path elsewhere, absolute or through ``..``, nor a link out of it)."""
+    if not isinstance(relative, str) or not relative or "/" in relative or "\\" in relative \
+            or relative in (".", ".."):
+        raise ModelFormatError(f"{path / _MANIFEST}: component {name!r} is {relative!r}, not "
+                               f"the name of a file in {path}; refit the model")
+    file = path / relative
+    root = path.resolve()
+    if file.resolve().parent != root:
+        raise ModelFormatError(f"{file}: component {name!r} leads out of the model directory "
+                               f"{path} (a link to {file.resolve()}); refit the model")
+    return file
+
+
+def _read_bounded(file: Path, *, what: str, limit: int | None = None) -> bytes:
+    """The bytes of ``file``, a regular file of at most ``limit`` bytes: a device, a FIFO or
+    an oversized file is refused before it is read (it would hang or exhaust memory)."""
+    import stat
+
+    limit = _MAX_COMPONENT_BYTES if limit is None else limit
+    info = os.stat(file)  # FileNotFoundError / IsADirectoryError: the caller's message
+    if stat.S_ISDIR(info.st_mode):
+        raise IsADirectoryError(str(file))
+    if not stat.S_ISREG(info.st_mode):
+        raise ModelFormatError(f"{file}: the model's {what} is not a regular file (a device, "
+                               "a FIFO or a socket); refit the model or restore the file")
+    if info.st_size > limit:
+        raise ModelFormatError(f"{file}: the model's {what} is {info.st_size} bytes, over the "
+                               f"limit of {limit}; refit the model or restore the file")
+    with open(file, "rb") as handle:
+        data = handle.read(limit + 1)
+    if len(data) > limit:
+        raise ModelFormatError(f"{file}: the model's {what} grew past {limit} bytes while "
+                               "it was read")
+    return data
 
 
 def load_model(path: str | Path) -> PerformanceModel:

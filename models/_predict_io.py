@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from paratune.errors import DatasetError
+from paratune.parallel import MAX_DEVICES, MAX_GLOBAL_BATCH
 from paratune.predictor import CONFIG_COLUMNS, MODEL_COLUMNS, PARALLEL_COLUMNS
 
 if TYPE_CHECKING:
@@ -20,6 +21,11 @@ __all__ = ["predict_csv", "read_config_csv"]
 _OWN_REQUIRED = ("num_layers", "hidden_size", "num_heads", "ffn_hidden_size", "vocab_size",
                  "seq_len", "dp", "tp", "pp", "micro_batch_size", "global_batch_size",
                  "hardware")
+_LIMITS = {"dp": MAX_DEVICES, "tp": MAX_DEVICES, "pp": MAX_DEVICES, "world_size": MAX_DEVICES,
+           "devices_per_node": MAX_DEVICES, "virtual_stages": MAX_DEVICES,
+           "num_microbatches": MAX_GLOBAL_BATCH, "micro_batch_size": MAX_GLOBAL_BATCH,
+           "global_batch_size": MAX_GLOBAL_BATCH}
+"""The largest value of a parallel column a prediction row may give."""
 _INTEGER = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "ffn_hidden_size",
             "vocab_size", "seq_len", "dp", "tp", "pp", "micro_batch_size", "global_batch_size",
             "virtual_stages", "world_size", "num_microbatches", "devices_per_node")
@@ -149,6 +155,11 @@ def read_config_csv(path: str | Path) -> tuple[pd.DataFrame, pd.DataFrame, np.nd
             bad |= values.isna()
         for i in np.flatnonzero(bad.to_numpy() & (errors == "")):
             errors[i] = f"{column}={raw[column].iloc[i]!r} must be a positive integer"
+        limit = _LIMITS.get(column)
+        if limit is not None:  # 1e26 sequences is a typo: refused, not predicted
+            for i in np.flatnonzero((values > limit).to_numpy() & (errors == "")):
+                errors[i] = (f"{column}={raw[column].iloc[i]!r} is beyond the plausible range "
+                             f"(at most {limit})")
         configs[column] = values
     if "tie_embeddings" in raw.columns:
         flag = raw["tie_embeddings"].astype(str).str.strip().str.lower()

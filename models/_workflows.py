@@ -52,7 +52,7 @@ def fit_model(data: Sequence[str | Path], out: str | Path, *, n_estimators: int 
     with contextlib.ExitStack() as stack:
         run = None
         if experiment:  # opened before the work: a failure or an interrupt leaves its record
-            from paratune.tracking import start_run
+            from paratune.tracking import run_note, start_run
 
             run = stack.enter_context(start_run(experiment, run_name="fit", params={
                 **model.get_params(), "seed": model.get_params()["random_state"],
@@ -91,7 +91,8 @@ def fit_model(data: Sequence[str | Path], out: str | Path, *, n_estimators: int 
             manifest = json.loads((Path(out) / _MANIFEST).read_text())
             for name in [_MANIFEST, *sorted(manifest["components"].values())]:
                 run.log_artifact(Path(out) / name, artifact_path="model")
-            summary += f"\nMLflow run {run.run_id} (experiment {experiment})"
+            summary += (f"\nMLflow run {run.run_id} (experiment {experiment})"
+                        if run.lost is None else f"\n{run_note(run)}")
     return model, summary
 
 
@@ -220,4 +221,4 @@ def evaluate_model(data: Sequence[str | Path], *, split: str = "random", baselin
             run.log_table(pd.DataFrame(result.summary + result.by_fold), "metrics.csv")
             if plot:
                 run.log_artifact(plot)
-    return result, run.run_id if run is not None else None
+    return result, run.run_id if run is not None and run.lost is None else None

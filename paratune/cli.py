@@ -236,7 +236,9 @@ class _CliFormatter(logging.Formatter):
         self.verbose = verbose
 
     def format(self, record: logging.LogRecord) -> str:
-        text = super().format(record)
+        from paratune._redact import redact
+
+        text = redact(super().format(record))  # a store's URL may carry its password
         if self.verbose:
             return text
         if record.name != "paratune" and not record.name.startswith("paratune."):
@@ -357,37 +359,42 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _run(args, argv, flags=_command_flags(parser, args))
 
 
+def _error(args: argparse.Namespace, message: str) -> None:
+    """Print ``paratune COMMAND: error: message`` on stderr, passwords in URLs masked (a
+    message may quote a store's URL)."""
+    from paratune._redact import redact
+
+    print(redact(f"paratune {args.command}: error: {message}"), file=sys.stderr)
+
+
 def _run(args: argparse.Namespace, argv: Sequence[str],
          flags: dict[str, str] | None = None) -> int:
     try:
         result = args.func(args)
     except FileNotFoundError as exc:
-        message = f"{exc.filename}: no such file" if exc.filename else str(exc)
-        print(f"paratune {args.command}: error: {message}", file=sys.stderr)
+        _error(args, f"{exc.filename}: no such file" if exc.filename else str(exc))
         return 2
     except OSError as exc:
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):  # a write or flush names no file
             where = f" ({exc.filename})" if exc.filename else ""
             again = (" (what was measured is kept: run it again with --resume)"
                      if args.command in ("profile", "gns") else "")
-            print(f"paratune {args.command}: error: {os.strerror(exc.errno).lower()}{where}: "
-                  f"free some space and run it again{again}", file=sys.stderr)
+            _error(args, f"{os.strerror(exc.errno).lower()}{where}: free some space and run "
+                         f"it again{again}")
             return 1
         if not exc.filename:  # not about a path the user gave: a bug or the system's, shown whole
             raise
-        print(f"paratune {args.command}: error: {_path_message(exc, args, flags or {})}",
-              file=sys.stderr)
+        _error(args, _path_message(exc, args, flags or {}))
         return 2
     except UnicodeDecodeError as exc:
         # paratune's own (a DatasetError too) already names the file and line
-        message = str(exc) if isinstance(exc, ParatuneError) else _not_utf8(exc, argv)
-        print(f"paratune {args.command}: error: {message}", file=sys.stderr)
+        _error(args, str(exc) if isinstance(exc, ParatuneError) else _not_utf8(exc, argv))
         return 2
     except ConfigError as exc:
-        print(f"paratune {args.command}: error: {flag_message(exc, args)}", file=sys.stderr)
+        _error(args, flag_message(exc, args))
         return 2
     except (ParatuneError, ValueError) as exc:
-        print(f"paratune {args.command}: error: {exc}", file=sys.stderr)
+        _error(args, str(exc))
         return 2
     except KeyboardInterrupt:
         print(f"paratune {args.command}: interrupted", file=sys.stderr)
@@ -396,7 +403,6 @@ def _run(args: argparse.Namespace, argv: Sequence[str],
         print(f"paratune {args.command}: terminated", file=sys.stderr)
         return int(exc.code)
     return int(result or 0)
-
 
 if __name__ == "__main__":
     sys.exit(main())

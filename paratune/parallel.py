@@ -12,7 +12,27 @@ from paratune.errors import ConfigError
 if TYPE_CHECKING:
     from paratune.spec import ModelSpec
 
-__all__ = ["MeshAxis", "ParallelConfig", "Recompute", "Schedule", "Sharding"]
+__all__ = ["MAX_DEVICES", "MAX_GLOBAL_BATCH", "MeshAxis", "ParallelConfig", "Recompute",
+           "Schedule", "Sharding", "check_magnitude"]
+
+MAX_DEVICES = 1 << 20
+"""The most devices (world size, or any one degree) paratune plans for: about ten times the
+largest training clusters built; a larger count is a typo, not a job."""
+MAX_GLOBAL_BATCH = 1 << 24
+"""The largest global (or micro) batch in sequences paratune plans for: 2**24 sequences is
+tens of billions of tokens per step, far past any published recipe."""
+
+
+def check_magnitude(field: str, value: int, limit: int) -> int:
+    """``value`` when it is at most ``limit``.
+
+    Raises:
+        ConfigError: ``value`` exceeds ``limit`` (the message names the field and the limit).
+    """
+    if value > limit:
+        raise ConfigError(field, value, f"is beyond the plausible range (at most {limit}): "
+                          "check the value")
+    return value
 
 
 class MeshAxis(StrEnum):
@@ -104,6 +124,7 @@ class ParallelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(name, value, "must be a positive integer")
+            check_magnitude(name, value, MAX_GLOBAL_BATCH if "batch" in name else MAX_DEVICES)
 
     # ------------------------------------------------------------------ derived
     @property

@@ -23,6 +23,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -31,9 +32,10 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import pandas as pd
 
-__all__ = ["EXPERIMENTS", "TrackedRun", "add_no_track_argument", "add_track_flag", "artifact_root",
-           "default_tracking_uri", "end_status", "source_tags", "start_run", "start_script_run",
-           "ui_command"]
+__all__ = ["EXPERIMENTS", "TRACKING_WAIT_S", "TrackedRun", "add_no_track_argument",
+           "add_track_flag", "artifact_root", "default_tracking_uri", "end_status", "run_note",
+           "source_tags", "start_run", "start_script_run", "ui_command", "unended_runs_file",
+           "unreachable"]
 
 _MAX_PARAM_LEN = 6000
 
@@ -130,37 +132,84 @@ def _ensure_experiment(mlflow_module: Any, name: str, uri: str) -> None:
 
 def ui_command(uri: str | None = None) -> str:
     """The command that opens the MLflow UI on this store."""
-    uri = uri or default_tracking_uri()
+    from paratune._redact import redact
+
+    uri = redact(uri or default_tracking_uri())
     if uri.startswith(("http://", "https://")):
         return f"open {uri}"
     return f"mlflow ui --backend-store-uri {uri}"
 
 
-class TrackedRun:
-    """A thin handle on an active MLflow run."""
+def run_note(run: TrackedRun) -> str:
+    """The closing line of a tracked command: the run and how to open it, or what was not
+    tracked (the store could not be reached, or went away meanwhile)."""
+    uri = _shown(run._uri)
+    if run.run_id is None:
+        return f"not tracked: the MLflow store {uri} could not be reached ({run.lost})"
+    if run.lost is not None:
+        return (f"MLflow run {run.run_id} is incomplete: the store {uri} went away "
+                f"({run.lost}); the next command tracked there ends it FAILED")
+    return f"MLflow run {run.run_id}: {ui_command(run._uri)}"
 
-    def __init__(self, mlflow_module: Any, run: Any) -> None:
+
+class TrackedRun:
+    """A thin handle on an active MLflow run.
+
+    A store that stops answering (a tracking server stopped, a database gone) does not stop
+    the command: the first call that cannot reach it (after the bounded wait of
+    :data:`TRACKING_WAIT_S`) logs one warning, and the calls after it do nothing
+    (:attr:`lost` says why). The run is ended ``FAILED`` (or ``KILLED``) when :func:`start_run`
+    closes it, or, where the store is still away then, by the next command that reaches it.
+    """
+
+    def __init__(self, mlflow_module: Any, run: Any, *, uri: str = "") -> None:
         self._mlflow = mlflow_module
         self._run = run
+        self._uri = uri
+        self.lost: str | None = None
+        """Why the store stopped answering (``None`` while it answers)."""
 
     @property
-    def run_id(self) -> str:
-        return self._run.info.run_id
+    def run_id(self) -> str | None:
+        """The run's id (``None`` where the store could not be reached to open it)."""
+        return None if self._run is None else self._run.info.run_id
 
     @property
-    def experiment_id(self) -> str:
-        return self._run.info.experiment_id
+    def experiment_id(self) -> str | None:
+        return None if self._run is None else self._run.info.experiment_id
+
+    def _call(self, what: str, fn: Any, *args: Any, **kwargs: Any) -> None:
+        """``fn(*args, **kwargs)`` unless the store was lost; a store that cannot be reached
+        is lost from then on (one warning), any other error is raised."""
+        if self.lost is not None:
+            return
+        try:
+            fn(*args, **kwargs)
+        except Exception as exc:
+            reason = unreachable(exc)
+            if reason is None:
+                raise
+            self.lost = reason
+            logging.getLogger(__name__).warning(
+                "MLflow tracking store %s stopped answering while logging %s (%s): the command "
+                "goes on untracked (its results and files are written as usual)%s",
+                _shown(self._uri), what, reason,
+                f"; run {self.run_id} is ended FAILED once the store answers again"
+                if self.run_id else "")
 
     def log_params(self, params: Mapping[str, Any]) -> None:
-        """Log parameters (nested values as JSON, long values truncated)."""
+        """Log parameters (nested values as JSON, long values truncated, passwords in URLs
+        masked)."""
+        from paratune._redact import redact
+
         flat = {}
         for key, value in params.items():
             if isinstance(value, (dict, list, tuple)):
                 value = json.dumps(value, default=str, sort_keys=True)
-            text = str(value)
+            text = redact(value)
             flat[key] = text if len(text) <= _MAX_PARAM_LEN else text[: _MAX_PARAM_LEN - 3] + "..."
         if flat:
-            self._mlflow.log_params(flat)
+            self._call("params", self._mlflow.log_params, flat)
 
     def log_metrics(self, metrics: Mapping[str, float], *, step: int | None = None) -> None:
         """Log numeric metrics; NaN and infinite values are left out."""
@@ -173,37 +222,85 @@ class TrackedRun:
             if math.isfinite(number):
                 clean[key] = number
         if clean:
-            self._mlflow.log_metrics(clean, step=step)
+            self._call("metrics", self._mlflow.log_metrics, clean, step=step)
 
     def set_tags(self, tags: Mapping[str, Any]) -> None:
-        self._mlflow.set_tags({k: str(v) for k, v in tags.items()})
+        from paratune._redact import redact
+
+        self._call("tags", self._mlflow.set_tags, {k: redact(v) for k, v in tags.items()})
 
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
         """Log a file, or every file in a directory."""
         path = Path(path)
         if path.is_dir():
-            self._mlflow.log_artifacts(str(path), artifact_path=artifact_path)
+            self._call(f"artifacts {path}", self._mlflow.log_artifacts, str(path),
+                       artifact_path=artifact_path)
         else:
-            self._mlflow.log_artifact(str(path), artifact_path=artifact_path)
+            self._call(f"artifact {path}", self._mlflow.log_artifact, str(path),
+                       artifact_path=artifact_path)
 
     def log_dict(self, data: Any, name: str) -> None:
         """Log a JSON (``.json``) or YAML (``.yaml``) artifact."""
-        self._mlflow.log_dict(data, name)
+        self._call(f"artifact {name}", self._mlflow.log_dict, data, name)
 
     def log_text(self, text: str, name: str) -> None:
-        self._mlflow.log_text(text, name)
+        self._call(f"artifact {name}", self._mlflow.log_text, text, name)
 
     def log_table(self, frame: pd.DataFrame, name: str) -> None:
         """Log a DataFrame as a CSV artifact ``name`` (e.g. ``"trials.csv"``)."""
+        if self.lost is not None:
+            return
         with tempfile.TemporaryDirectory() as tmp:
             target = Path(tmp) / Path(name).name
             frame.to_csv(target, index=False)
             parent = str(Path(name).parent)
-            self._mlflow.log_artifact(str(target), artifact_path=None if parent == "." else parent)
+            self._call(f"artifact {name}", self._mlflow.log_artifact, str(target),
+                       artifact_path=None if parent == "." else parent)
 
     def log_figure(self, figure: Any, name: str) -> None:
         """Log a matplotlib figure as an image artifact."""
-        self._mlflow.log_figure(figure, name)
+        self._call(f"artifact {name}", self._mlflow.log_figure, figure, name)
+
+
+def _shown(uri: str) -> str:
+    from paratune._redact import redact
+
+    return redact(uri)
+
+
+# what says a store cannot be reached, in the messages of MLflow's REST client and of the
+# database drivers (the exception types differ with the store and MLflow version)
+_UNREACHABLE_WORDS = ("max retries exceeded", "connection refused", "failed to establish",
+                      "timed out", "read timed out", "connection reset", "connection aborted",
+                      "could not connect", "server closed the connection", "name or service",
+                      "temporary failure in name resolution", "no route to host",
+                      "remote end closed", "connection to server", "remotedisconnected",
+                      "terminating connection", "is the server running")
+
+
+def unreachable(exc: BaseException) -> str | None:
+    """Why ``exc`` says the tracking store cannot be reached (a server down, a database
+    stopped, a timeout), in one line; ``None`` for any other error.
+
+    Args:
+        exc: An exception raised by an MLflow call.
+    """
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        kind = type(current).__name__
+        module = type(current).__module__ or ""
+        text = str(current)
+        lowered = text.lower()
+        if (isinstance(current, (ConnectionError, TimeoutError))
+                or (module.startswith(("requests", "urllib3"))
+                    and kind.endswith(("ConnectionError", "Timeout", "MaxRetryError")))
+                or any(word in lowered for word in _UNREACHABLE_WORDS)):
+            first = next((line.strip() for line in text.splitlines() if line.strip()), kind)
+            return _shown(first[:200])
+        current = current.__cause__ or current.__context__
+    return None
 
 
 def end_status(exc: BaseException | None) -> str:
@@ -272,6 +369,14 @@ def start_run(experiment: str, *, run_name: str | None = None,
     run is open: on exit they are what they were before, so a run's store does not leak into
     whatever runs next in the process.
 
+    A store that cannot be reached costs a bounded wait (:data:`TRACKING_WAIT_S` per call,
+    HTTP retries included), then the block runs untracked: when it cannot be reached to open
+    the run, the handle's ``run_id`` is ``None``; when it goes away meanwhile, the calls
+    after that do nothing (see :class:`TrackedRun`) and the run is ended ``FAILED`` (or
+    ``KILLED``), tagged ``paratune.tracking_lost``, on exit or, if the store is still away
+    then, by the next :func:`start_run` on that store (the run is remembered in
+    :func:`unended_runs_file`). Other errors of the store are raised.
+
     Args:
         experiment: Experiment name (created if missing).
         run_name: Display name of the run.
@@ -287,17 +392,40 @@ def start_run(experiment: str, *, run_name: str | None = None,
 
     for name in ("mlflow", "alembic"):
         logging.getLogger(name).setLevel(logging.WARNING)
-    uri = tracking_uri or default_tracking_uri()
-    with _tracking_uri_set(mlflow, uri):
-        # the first access creates the schema of a new store: one process at a time
-        with _store_opening(uri):
-            if run_id is None:
-                _ensure_experiment(mlflow, experiment, uri)
-                mlflow.set_experiment(experiment)
-                active = mlflow.start_run(run_name=run_name, tags=source_tags())
-            else:
-                active = mlflow.start_run(run_id=run_id)
-        tracked = TrackedRun(mlflow, active)
+    # its retries against a server that is gone: the one warning of TrackedRun says it
+    logging.getLogger("urllib3.connectionpool").setLevel(logging.ERROR)
+    from paratune._dburl import missing_driver, with_installed_driver
+
+    # postgresql:// where only psycopg2 is installed (SQLAlchemy's default is psycopg 3)
+    uri = with_installed_driver(tracking_uri or default_tracking_uri())
+    with _tracking_uri_set(mlflow, uri), _bounded_waits():
+        _end_unended_runs(mlflow, uri)
+        try:
+            # the first access creates the schema of a new store: one process at a time
+            with _store_opening(uri):
+                if run_id is None:
+                    _ensure_experiment(mlflow, experiment, uri)
+                    mlflow.set_experiment(experiment)
+                    active = mlflow.start_run(run_name=run_name, tags=source_tags())
+                else:
+                    active = mlflow.start_run(run_id=run_id)
+        except ImportError as exc:  # the store's database driver
+            from paratune.errors import ConfigError
+
+            raise ConfigError("tracking_uri", _shown(uri), f"needs {missing_driver(uri, exc)} "
+                              "(or give --no-track)") from exc
+        except Exception as exc:
+            reason = unreachable(exc)
+            if reason is None:
+                raise
+            logging.getLogger(__name__).warning(
+                "MLflow tracking store %s cannot be reached (%s): this command runs untracked "
+                "(its results and files are written as usual)", _shown(uri), reason)
+            untracked = TrackedRun(mlflow, None, uri=uri)
+            untracked.lost = reason
+            yield untracked
+            return
+        tracked = TrackedRun(mlflow, active, uri=uri)
         error: BaseException | None = None
         try:
             if params:
@@ -309,7 +437,124 @@ def start_run(experiment: str, *, run_name: str | None = None,
             error = exc
             raise
         finally:
-            mlflow.end_run(status=end_status(error))
+            _end_run(mlflow, tracked, end_status(error))
+
+
+TRACKING_WAIT_S = 10
+"""Seconds one call to an HTTP tracking server may wait before it counts as gone: a
+``MLFLOW_HTTP_REQUEST_TIMEOUT`` of 3 s and 2 retries, 1 s and 2 s apart (unless those
+variables are set); after the first call that fails, a command makes no more."""
+
+_BOUNDED_HTTP = {"MLFLOW_HTTP_REQUEST_TIMEOUT": "3", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",
+                 "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+                 "MLFLOW_HTTP_REQUEST_BACKOFF_JITTER": "0"}
+
+
+@contextlib.contextmanager
+def _bounded_waits() -> Iterator[None]:
+    """MLflow's HTTP timeout and retries bounded (:data:`TRACKING_WAIT_S`) while the block
+    runs, where the user has not set them: its defaults wait minutes for a server that is
+    gone."""
+    added = [name for name in _BOUNDED_HTTP if name not in os.environ]
+    for name in added:
+        os.environ[name] = _BOUNDED_HTTP[name]
+    try:
+        yield
+    finally:
+        for name in added:
+            os.environ.pop(name, None)
+
+
+def _end_run(mlflow_module: Any, tracked: TrackedRun, status: str) -> None:
+    """End the run with ``status`` (``FAILED`` where the store was lost meanwhile and the
+    command itself succeeded); where the store cannot be reached, remember the run so that
+    the next :func:`start_run` on it ends it."""
+    import io
+
+    if tracked.lost is not None and status == "FINISHED":
+        status = "FAILED"  # its record is incomplete
+    captured = io.StringIO()
+    try:
+        if tracked.lost is not None:
+            with contextlib.suppress(Exception):
+                mlflow_module.set_tag("paratune.tracking_lost", tracked.lost)
+        with contextlib.redirect_stdout(captured):  # MLflow prints the run's URL
+            mlflow_module.end_run(status=status)
+    except Exception as exc:
+        reason = unreachable(exc)
+        if reason is None:
+            raise
+        _remember_unended(tracked._uri, tracked.run_id, status)
+        logging.getLogger(__name__).warning(
+            "MLflow tracking store %s cannot be reached to end run %s (%s): the next command "
+            "tracked there ends it %s", _shown(tracked._uri), tracked.run_id, reason, status)
+    from paratune._redact import redact
+
+    if captured.getvalue():
+        sys.stdout.write(redact(captured.getvalue()))
+
+
+def unended_runs_file() -> Path:
+    """Where runs that could not be ended (their store gone) wait for the next command:
+    ``$XDG_STATE_HOME/paratune/unended-runs.jsonl`` (``~/.local/state`` without it). A store
+    is named there by a digest of its URI, never by the URI (which may hold a password)."""
+    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / "paratune" / "unended-runs.jsonl"
+
+
+def _store_key(uri: str) -> str:
+    import hashlib
+
+    return hashlib.sha256(uri.encode()).hexdigest()[:32]
+
+
+def _remember_unended(uri: str, run_id: str | None, status: str) -> None:
+    if run_id is None:
+        return
+    from paratune._io import append_jsonl
+
+    try:
+        # the reason quotes URLs of the store: kept out of the file, as the URI is
+        append_jsonl(unended_runs_file(), {"store": _store_key(uri), "run_id": run_id,
+                                           "status": status,
+                                           "reason": "the tracking store went away during "
+                                                     "the command that ran it"})
+    except OSError as exc:
+        logging.getLogger(__name__).warning("cannot remember run %s to end it later (%s)",
+                                            run_id, exc.strerror or exc)
+
+
+def _end_unended_runs(mlflow_module: Any, uri: str) -> None:
+    """End the runs an earlier command could not end on this store (see
+    :func:`_remember_unended`); those it still cannot reach stay for the next command."""
+    from paratune._io import atomic_write_text, read_jsonl
+
+    path = unended_runs_file()
+    if not path.exists():
+        return
+    entries = list(read_jsonl(path))
+    key = _store_key(uri)
+    mine = [e for e in entries if e.get("store") == key]
+    if not mine:
+        return
+    client = mlflow_module.MlflowClient(tracking_uri=uri)
+    left = [e for e in entries if e.get("store") != key]
+    for entry in mine:
+        try:
+            client.set_tag(entry["run_id"], "paratune.tracking_lost", entry.get("reason", ""))
+            client.set_terminated(entry["run_id"], status=entry.get("status", "FAILED"))
+        except Exception as exc:
+            if unreachable(exc) is None:  # a run the store no longer has: forget it
+                logging.getLogger(__name__).warning("cannot end run %s: %s", entry["run_id"],
+                                                    str(exc).splitlines()[0] if str(exc) else exc)
+                continue
+            left.append(entry)
+            continue
+        logging.getLogger(__name__).info("ended run %s (%s), left open by an earlier command "
+                                         "whose tracking store went away", entry["run_id"],
+                                         entry.get("status", "FAILED"))
+    with contextlib.suppress(OSError):
+        atomic_write_text(path, "".join(json.dumps(e) + "\n" for e in left))
 
 
 _URI_VARIABLE = "MLFLOW_TRACKING_URI"

@@ -81,7 +81,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "checkpointed every 50 steps (--checkpoint-every) into OUT-checkpoint/; "
                     "rerunning the same command with --resume continues a killed run from "
                     "its last checkpoint (the steps after it are measured again). A run "
-                    "without --resume starts afresh: it replaces OUT and that checkpoint. "
+                    "without --resume starts afresh: where OUT exists it is refused unless "
+                    "--force is given, which replaces OUT and that checkpoint. "
                     "A second run on the same OUT is refused while one runs (OUT.lock).")
     parser.add_argument("--model", default="tiny",
                         help="model preset with a byte-level vocabulary (tiny, small) or a "
@@ -121,6 +122,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                              "OUT-checkpoint/; refused if that checkpoint was saved with other "
                              "settings (model, config, seed, lr, --mode, --small-batches, "
                              "--precondition, --ema, --corpus-mb)")
+    parser.add_argument("--force", action="store_true",
+                        help="without --resume, replace an existing OUT and its checkpoint "
+                             "(refused otherwise)")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                         help="device to train on (auto: cuda when available)")
     add_track_flag(parser)
@@ -158,6 +162,9 @@ def _gns(args: argparse.Namespace) -> int:
                  checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
                  resume=args.resume, device=args.device)
     job.validate()  # a bad argument is refused before a run is opened
+    if not args.resume and not args.force and out.is_file() and out.stat().st_size > 0:
+        raise ConfigError("out", str(out), "exists: give --resume to continue its run, --force "
+                          "to replace it (and its checkpoint), or another --out")
     with contextlib.ExitStack() as stack:
         run = None
         if not args.no_track:  # opened first: a failed or killed run still has its record
@@ -184,9 +191,9 @@ def _gns(args: argparse.Namespace) -> int:
                                 step=int(row["step"]))
             run.log_artifact(path)
     if run is not None:
-        from paratune.tracking import ui_command
+        from paratune.tracking import run_note
 
-        print(f"MLflow run {run.run_id}: {ui_command()}")
+        print(run_note(run))
     return 0
 
 

@@ -17,7 +17,9 @@ picks up after a dead group tell a config that crashed or hung from one never st
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -95,12 +97,58 @@ def plan_model(plan: dict[str, Any]) -> ModelSpec:
 
 
 # ---------------------------------------------------------------------- journal
+_CONFIG_FIELDS = tuple(f.name for f in dataclasses.fields(ParallelConfig))
+_STATUSES = frozenset(s.value for s in Status)
+_REJECTED: set[tuple[str, tuple[int, ...]]] = set()  # (file, entries) already warned about
+
+
+def _entry_problem(entry: dict[str, Any]) -> str | None:
+    """Why a journal entry cannot be trusted (``None``: it can): no ``row`` object, a row
+    without a valid config or status, or a ``key`` that is not its row's config."""
+    row = entry.get("row")
+    if not isinstance(row, dict):
+        return "no row"
+    try:
+        key = ParallelConfig(**{name: row[name] for name in _CONFIG_FIELDS}).key()
+    except (KeyError, TypeError, ValueError) as exc:
+        return f"its row has no valid config ({exc})"
+    if entry.get("key") != key:
+        return f"its key {entry.get('key')!r} is not its row's config {key}"
+    if row.get("status") not in _STATUSES:
+        return f"its row's status {row.get('status')!r} is not one of {sorted(_STATUSES)}"
+    return None
+
+
+def _valid_entries(path: str | Path) -> Iterator[dict[str, Any]]:
+    """The journal's entries that can be trusted, in order. One that cannot (see
+    :func:`_entry_problem`: a line edited or written by something else) is left out as a
+    torn line is, with a warning, so that its config counts as unfinished and is measured
+    again; never is a row kept under another config's key."""
+    rejected: list[tuple[int, str]] = []
+    for number, entry in enumerate(read_jsonl(path), start=1):
+        problem = _entry_problem(entry)
+        if problem is None:
+            yield entry
+        else:
+            rejected.append((number, problem))
+    key = (str(Path(path).resolve()), tuple(n for n, _ in rejected))
+    if rejected and key not in _REJECTED:  # once per file and set of entries: readers poll
+        _REJECTED.add(key)
+        logging.getLogger(__name__).warning(
+            "%s: rejected %d journal entr%s (entry %d: %s%s); %s measured again", path,
+            len(rejected), "y" if len(rejected) == 1 else "ies", rejected[0][0],
+            rejected[0][1], "; ..." if len(rejected) > 1 else "",
+            "its config is" if len(rejected) == 1 else "their configs are")
+
+
 def read_journal(path: str | Path) -> list[dict[str, Any]]:
-    """Journal entries (``key``, ``world_size``, ``row`` and timing), first one per key."""
+    """Journal entries (``key``, ``world_size``, ``row`` and timing), first one per key;
+    entries whose key is not their row's config, or without a row, are left out (see
+    :func:`_valid_entries`)."""
     seen: set[str] = set()
     entries = []
-    for entry in read_jsonl(path):
-        if entry.get("key") in seen:
+    for entry in _valid_entries(path):
+        if entry["key"] in seen:
             continue
         seen.add(entry["key"])
         entries.append(entry)
@@ -108,7 +156,8 @@ def read_journal(path: str | Path) -> list[dict[str, Any]]:
 
 
 def journal_keys(path: str | Path) -> set[str]:
-    return {entry["key"] for entry in read_jsonl(path)}
+    """The configs the journal holds a trusted record of."""
+    return {entry["key"] for entry in _valid_entries(path)}
 
 
 def append_record(path: str | Path, measurement: Measurement, **timing: Any) -> None:

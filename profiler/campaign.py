@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 from paratune._io import atomic_write_text, exclusive_lock
 from paratune.errors import ConfigError, ParatuneError
 from paratune.measurement import Status
-from paratune.parallel import ParallelConfig
+from paratune.parallel import MAX_DEVICES, ParallelConfig, check_magnitude
 from paratune.profiler._journal import (
     EXIT_RELAUNCH,
     EXIT_TIMEOUT,
@@ -161,6 +161,7 @@ class CampaignSpec:
         for size in sizes:
             if not isinstance(size, int) or isinstance(size, bool) or size < 1:
                 raise ConfigError("world_sizes", size, "must be a positive integer")
+            check_magnitude("world_sizes", size, MAX_DEVICES)
         self.world_sizes = tuple(dict.fromkeys(sizes))
         if self.space is None:
             self.space = default_space(self.model)
@@ -1130,7 +1131,7 @@ def _run_campaign(spec: CampaignSpec, paths: CampaignPaths, meta: dict[str, Any]
             counts=_counts(paths, meta, spec.world_sizes),
             wall_s=time.monotonic() - started, num_measured=len(new_entries),
             in_step_s=sum(_in_step_seconds(e) for e in new_entries),
-            run_id=run.run_id if run is not None else None)
+            run_id=run.run_id if run is not None and run.lost is None else None)
         children = resource.getrusage(resource.RUSAGE_CHILDREN)
         # never below zero (float rounding of equal totals, when no worker ran)
         result.worker_cpu_s = max(0.0, (children.ru_utime + children.ru_stime)

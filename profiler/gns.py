@@ -773,6 +773,9 @@ def _check_resumable(job: GNSJob) -> None:
                               "steps); they are kept. Rerun without --resume to start over "
                               f"(this replaces {job.out}), or give another --out")
         return
+    from paratune.profiler.reconfigure import verify_checkpoint
+
+    verify_checkpoint(found)  # refused before any process starts, nothing unpickled
     saved = json.loads((found / RUN_STATE_FILE).read_text(encoding="utf-8"))
     _check_fingerprint(job, saved, found)
     step = int(saved["step"])

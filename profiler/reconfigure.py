@@ -10,6 +10,13 @@ with its parameter between stages. What is not a tensor (step, data position, th
 averages, the config) goes into ``run_state.json``, written by rank 0 after DCP's own
 metadata, so a checkpoint directory holding ``run_state.json`` is complete.
 
+Before anything of a checkpoint is read by ``torch.distributed.checkpoint`` (whose reader
+unpickles the ``.metadata`` file: a pickle runs code), its files are checked against
+``manifest.json``, the SHA-256 and size of every file as the save wrote it (written before
+``run_state.json``): a file changed, added, missing, or not a regular file, and a
+checkpoint without a manifest (saved elsewhere, or by an earlier version), are refused
+unread (:func:`verify_checkpoint`). ``run_state.json`` itself is plain JSON, read as such.
+
 A save never touches the checkpoint already at its path until the new one is complete: it is
 written beside it (``<path>.saving``), then renamed into place, the old one moved aside to
 ``<path>.previous`` for the instant between the two renames and deleted after. A run killed at
@@ -39,10 +46,13 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-__all__ = ["RUN_STATE_FILE", "RunState", "SwitchCost", "find_checkpoint", "load_checkpoint",
-           "reconfigure", "save_checkpoint"]
+__all__ = ["MANIFEST_FILE", "RUN_STATE_FILE", "RunState", "SwitchCost", "find_checkpoint",
+           "load_checkpoint", "reconfigure", "save_checkpoint", "verify_checkpoint"]
 
 RUN_STATE_FILE = "run_state.json"
+MANIFEST_FILE = "manifest.json"
+"""SHA-256 and size of each file of a checkpoint (but ``run_state.json``), as saved."""
+_MANIFEST_MAX_BYTES = 1 << 20
 _FORMAT_VERSION = 1
 _SAVING = ".saving"
 _PREVIOUS = ".previous"
@@ -174,8 +184,87 @@ def _removable(path: Path) -> bool:
         return True
     if not path.is_dir():
         return False
-    return all(entry.name == RUN_STATE_FILE or entry.name.startswith(".")
+    return all(entry.name in (RUN_STATE_FILE, MANIFEST_FILE) or entry.name.startswith(".")
                or entry.name.endswith(".distcp") for entry in path.iterdir())
+
+
+def _sha256(path: Path) -> str:
+    import hashlib
+
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _write_manifest(path: Path) -> None:
+    """``manifest.json`` of the checkpoint files in ``path`` (all but ``run_state.json``)."""
+    files = {entry.name: {"sha256": _sha256(entry), "bytes": entry.stat().st_size}
+             for entry in sorted(path.iterdir())
+             if entry.name not in (RUN_STATE_FILE, MANIFEST_FILE) and entry.is_file()}
+    atomic_write_text(path / MANIFEST_FILE, json.dumps(
+        {"format_version": _FORMAT_VERSION, "algorithm": "sha256", "files": files}, indent=1))
+
+
+def verify_checkpoint(path: str | Path) -> None:
+    """Check a checkpoint's files against its manifest before anything unpickles them.
+
+    Args:
+        path: A complete checkpoint directory (see :func:`find_checkpoint`).
+
+    Raises:
+        ConfigError: (field ``checkpoint_dir``) the manifest is missing or unreadable, or a
+            file is missing, added, not a regular file, or not the file saved (its size or
+            SHA-256 differs); the checkpoint is not loaded.
+    """
+    import stat
+
+    path = Path(path)
+    refuse = ("it is not loaded (torch's checkpoint reader would unpickle its files, which "
+              "can run code): resume only checkpoints this run saved, or start over without "
+              "--resume")
+    manifest_path = path / MANIFEST_FILE
+    try:
+        info = os.lstat(manifest_path)
+        if not stat.S_ISREG(info.st_mode) or info.st_size > _MANIFEST_MAX_BYTES:
+            raise ConfigError("checkpoint_dir", str(path), f"{manifest_path} is not a regular "
+                              f"file of at most {_MANIFEST_MAX_BYTES} bytes; {refuse}")
+        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+        files = manifest["files"]
+        if manifest.get("algorithm") != "sha256" or not isinstance(files, dict):
+            raise ValueError("not a sha256 manifest")
+    except FileNotFoundError:
+        raise ConfigError("checkpoint_dir", str(path), f"has no {MANIFEST_FILE} (the SHA-256 "
+                          "of its files, written when paratune saves a checkpoint): it was "
+                          f"saved elsewhere or by an earlier version; {refuse}") from None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        if isinstance(exc, ConfigError):
+            raise
+        raise ConfigError("checkpoint_dir", str(path), f"{manifest_path} is unreadable "
+                          f"({exc}); {refuse}") from None
+    present = {entry.name for entry in path.iterdir()} - {RUN_STATE_FILE, MANIFEST_FILE}
+    extra = sorted(present - set(files))
+    if extra:
+        raise ConfigError("checkpoint_dir", str(path), f"holds {extra[0]}, which its manifest "
+                          f"does not list (added after the save); {refuse}")
+    for name, expected in sorted(files.items()):
+        file = path / name
+        if "/" in name or name in ("", ".", ".."):
+            raise ConfigError("checkpoint_dir", str(path), f"its manifest names {name!r}, "
+                              f"not a file of the checkpoint; {refuse}")
+        try:
+            info = os.lstat(file)
+        except FileNotFoundError:
+            raise ConfigError("checkpoint_dir", str(path), f"{name} is missing (its manifest "
+                              f"lists it); {refuse}") from None
+        if not stat.S_ISREG(info.st_mode):
+            raise ConfigError("checkpoint_dir", str(path), f"{name} is not a regular file; "
+                              f"{refuse}")
+        if (info.st_size != int(expected.get("bytes", -1))
+                or _sha256(file) != expected.get("sha256")):
+            raise ConfigError("checkpoint_dir", str(path), f"{name} is not the file saved "
+                              f"(its SHA-256 differs from the manifest's); {refuse}")
 
 
 def _commit(staging: Path, path: Path) -> None:
@@ -229,7 +318,8 @@ def save_checkpoint(path: str | Path, trainer: Any, state: RunState) -> float:
     _barrier()
     dcp.save(_state_dicts(trainer.model_parts, trainer.optimizers),
              checkpoint_id=str(staging))
-    if _is_rank0():
+    if _is_rank0():  # every rank's files are written once DCP's save returns on rank 0
+        _write_manifest(staging)
         atomic_write_text(staging / RUN_STATE_FILE, json.dumps(state.to_dict(), indent=1))
         _commit(staging, path)
     _barrier()
@@ -249,6 +339,7 @@ def load_checkpoint(path: str | Path, trainer: Any) -> RunState:
 
     Raises:
         FileNotFoundError: no complete checkpoint at ``path``.
+        ConfigError: its files do not match its manifest (see :func:`verify_checkpoint`).
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
@@ -261,6 +352,7 @@ def load_checkpoint(path: str | Path, trainer: Any) -> RunState:
     if found is None:
         raise FileNotFoundError(f"{path}: no complete checkpoint ({RUN_STATE_FILE} missing)")
     path = found
+    verify_checkpoint(path)  # before DCP unpickles anything
     state_file = path / RUN_STATE_FILE
     run_state = RunState.from_dict(json.loads(state_file.read_text()))
     target = _state_dicts(trainer.model_parts, trainer.optimizers)

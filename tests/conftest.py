@@ -15,3 +15,10 @@ def _mlflow_store_does_not_leak():
     mlflow = sys.modules.get("mlflow")
     if mlflow is not None and mlflow.is_tracking_uri_set():
         mlflow.set_tracking_uri(None)
+
+
+from tests.servers import (  # noqa: E402, F401  (real servers)
+    mlflow_server,
+    postgres_cluster,
+    postgres_url,
+)

@@ -334,9 +334,9 @@ def _plan(args: argparse.Namespace) -> int:
                              "speedup_vs_follow_critical": plan.speedup("follow_critical")})
             run.log_dict(plan.to_dict(), "plan.json")
     if run is not None:
-        from paratune.tracking import ui_command
+        from paratune.tracking import run_note
 
-        print(f"MLflow run {run.run_id}: {ui_command()}")
+        print(run_note(run))
     return 0
 
 

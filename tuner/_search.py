@@ -282,7 +282,6 @@ def resolve_storage(storage: str | Path | None, default_dir: str | Path | None
     Returns:
         The storage object (or URL) and a printable description.
     """
-    import optuna
     from optuna.storages.journal import JournalFileBackend, JournalStorage
 
     if storage is None and default_dir is None:
@@ -292,27 +291,79 @@ def resolve_storage(storage: str | Path | None, default_dir: str | Path | None
         storage = Path(default_dir) / "study.journal"
     text = str(storage)
     if "://" in text:
+        from paratune._dburl import missing_driver, with_installed_driver
+
+        url = with_installed_driver(text)  # postgresql:// where only psycopg2 is installed
         try:
-            return optuna.storages.RDBStorage(text), _without_password(text)
+            return _rdb_storage(url), _without_password(text)
         except ImportError as exc:  # a driver that is not installed (psycopg2, pymysql)
-            reason = str(exc)
-            if parsed_password := _password_of(text):
-                reason = reason.replace(parsed_password, "***")
+            said = str(exc.__cause__ or exc).replace(url, text).splitlines()  # as given
             raise ConfigError("storage", _without_password(text),
-                              f"needs a database driver: {reason}") from exc
+                              f"needs {missing_driver(url, exc)}"
+                              + (f": {_masked(said[0], text)}" if said else "")) from exc
         except Exception as exc:  # SQLAlchemy: unknown dialect, unreachable server
-            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            if parsed_password := _password_of(text):
-                first = first.replace(parsed_password, "***")
+            from paratune.tracking import unreachable
+
+            first = _masked(str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
+                            text)
+            if (down := unreachable(exc)) is not None:
+                raise ConfigError("storage", _without_password(text),
+                                  f"cannot be reached ({_masked(down, text)}): start the "
+                                  "database server, or give another --storage") from exc
             raise ConfigError("storage", _without_password(text),
                               f"is not a usable database URL ({first}); "
                               "give sqlite:///FILE.db, another SQLAlchemy URL, or a "
                               "journal file path") from exc
-    Path(text).parent.mkdir(parents=True, exist_ok=True)
+    journal = Path(text)
+    if journal.exists() and not journal.is_file():  # /dev/null, a directory, a FIFO
+        raise ConfigError("storage", text, "is not a regular file: give a journal file path "
+                          "(created if absent) or a database URL such as sqlite:///study.db")
+    journal.parent.mkdir(parents=True, exist_ok=True)
     # the absolute path: the journal's lock is a symbolic link to the journal, and a relative
     # target would resolve from the link's own folder (nowhere): a lock left by a killed
     # process could then never be found stale, and the next run would wait forever
     return JournalStorage(JournalFileBackend(str(Path(text).resolve()))), text
+
+
+DB_CONNECT_TIMEOUT_S = 10
+"""Seconds a connection to a study's database server may take before it counts as down."""
+HEARTBEAT_INTERVAL_S = 10
+"""How often a worker records that its trials in a database study are still running."""
+HEARTBEAT_GRACE_S = 60
+"""A running trial whose worker recorded no heartbeat for this long is failed by the next
+worker (its worker was killed)."""
+
+
+def _rdb_storage(url: str, *, attempts: int = 5) -> Any:
+    """Optuna's ``RDBStorage`` of ``url``. Workers that open a new database at once each
+    create its tables; the ones that lose that race (a duplicate-key or already-exists
+    error of the database) open it again once the winner has created them."""
+    import optuna
+
+    for attempt in range(attempts):
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                return optuna.storages.RDBStorage(url, **_rdb_options(url))
+        except Exception as exc:
+            text = str(exc).lower()
+            racing = "duplicate key" in text or "already exists" in text or (
+                type(exc).__name__ == "IntegrityError")
+            if not racing or attempt == attempts - 1:
+                raise
+            time.sleep(0.5 * (attempt + 1))
+    raise AssertionError("unreachable")  # the loop returns or raises
+
+
+def _rdb_options(url: str) -> dict[str, Any]:
+    """Keyword arguments of Optuna's ``RDBStorage`` for ``url``: heartbeats (a killed
+    worker's trials are failed by the next worker), and a bounded connection wait."""
+    options: dict[str, Any] = {"heartbeat_interval": HEARTBEAT_INTERVAL_S,
+                               "grace_period": HEARTBEAT_GRACE_S}
+    if url.lower().startswith(("postgresql", "postgres", "mysql")):
+        options["engine_kwargs"] = {"connect_args": {"connect_timeout": DB_CONNECT_TIMEOUT_S},
+                                    "pool_pre_ping": True}
+    return options
 
 
 def storage_text(storage: str | Path | None, storage_dir: str | Path | None) -> str | None:
@@ -325,13 +376,21 @@ def storage_text(storage: str | Path | None, storage_dir: str | Path | None) -> 
 
 
 def _without_password(url: str) -> str:
-    """A database URL as it may be printed and logged: any password masked."""
-    from sqlalchemy.engine import make_url
+    """A database URL as it may be printed and logged: any password masked (in the userinfo
+    and in the query, see :func:`paratune._redact.redact`)."""
+    from paratune._redact import redact
 
-    try:
-        return make_url(url).render_as_string(hide_password=True)
-    except Exception:  # not a URL SQLAlchemy parses: nothing to mask that it could use
-        return url
+    return redact(url)
+
+
+def _masked(message: str, url: str) -> str:
+    """A driver's ``message`` about ``url`` with the URL's password masked wherever it
+    appears (in a URL or on its own)."""
+    from paratune._redact import redact
+
+    if password := _password_of(url):
+        message = message.replace(password, "***")
+    return redact(message)
 
 
 def _password_of(url: str) -> str | None:
@@ -435,12 +494,13 @@ def open_study(space: SearchSpace, objective: Objective, *, sampler: str = "tpe"
     from optuna.trial import TrialState
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
+    first_sampler = make_sampler(sampler, seed=seed)  # an unknown one refused before any file
     store, where = resolve_storage(storage, storage_dir)
     name = study_name or default_study_name(space, objective, sampler, seed,
                                             predictor_fingerprint)
     study = optuna.create_study(
         storage=store, study_name=name, direction="maximize", load_if_exists=True,
-        sampler=make_sampler(sampler, seed=seed))
+        sampler=first_sampler)
     problem = _plain_json({"space": space.to_dict(), "objective": objective.to_dict()})
     attrs = study.user_attrs
     # One attribute, written in one storage operation: a process that joins the study
@@ -571,18 +631,32 @@ def optuna_search(predictor: Predictor, space: SearchSpace, objective: Objective
                                                trial.constraints.get("memory", 0.0)))
             params_of[cfg] = dict(trial.params)
     worker = f"{socket.gethostname()}:{os.getpid()}"
+    try:  # what killed workers left running is failed first, whatever is left to do
+        _fail_stale(study, study.get_trials(deepcopy=False), worker)
+    except Exception as exc:
+        _storage_error(exc, storage_text(storage, storage_dir), 0)
+        raise
     refine_from = round(n_trials * (1.0 - refine_fraction))
     done = len(_finished(study))
     bar = _trial_bar(n_trials, done, study.study_name) if progress else None
+    inflight: dict[int, Any] = {}  # asked, not yet told: failed if this process stops
+    heartbeat = _Heartbeat(study, inflight)
     try:
+        heartbeat.start()
         done = _search_loop(study, predictor, space, objective, cache=cache,
                             params_of=params_of, worker=worker, refine_from=refine_from,
                             refine_beam=refine_beam, n_trials=n_trials, batch_size=batch_size,
-                            timeout_s=timeout_s, start=start, done=done, bar=bar)
+                            timeout_s=timeout_s, start=start, done=done, bar=bar,
+                            inflight=inflight)
+        finished = _finished(study)
+    except Exception as exc:
+        _storage_error(exc, storage_text(storage, storage_dir), done)
+        raise
     finally:
+        heartbeat.stop()
+        _fail_inflight(study, inflight)
         if bar is not None:
             bar.close()
-    finished = _finished(study)
     configs = list(dict.fromkeys(ParallelConfig.from_dict(t.user_attrs[_CONFIG_ATTR])
                                  for t in finished if t.state is TrialState.COMPLETE))
     import pandas as pd
@@ -612,9 +686,18 @@ def _search_loop(study: optuna.Study, predictor: Predictor, space: SearchSpace,
                  cache: dict[ParallelConfig, tuple[float, tuple[float, float]]],
                  params_of: dict[ParallelConfig, dict[str, Any]], worker: str,
                  refine_from: int, refine_beam: int, n_trials: int, batch_size: int,
-                 timeout_s: float | None, start: float, done: int, bar: Any) -> int:
+                 timeout_s: float | None, start: float, done: int, bar: Any,
+                 inflight: dict[int, Any]) -> int:
     """Ask, predict and tell batches of trials until the study holds ``n_trials`` finished
-    ones (or ``timeout_s`` passes); returns the finished count."""
+    ones (or ``timeout_s`` passes); returns the finished count.
+
+    ``n_trials`` holds for the whole study under concurrency: a batch asks only for what is
+    left once the trials other workers are running are counted, and a trial that still
+    finds ``n_trials`` trials ahead of it (finished or running; another worker asked at the
+    same moment) is failed, marked ``over_budget``, not told. Configs other workers have
+    finished meanwhile join the cache (scored from it, not predicted again), and trials of
+    workers that died are failed (see :func:`_fail_stale`). ``inflight`` holds this
+    worker's asked trials until they are told."""
     from optuna.trial import TrialState
 
     pending: list[tuple[ParallelConfig, dict[str, Any]]] = []
@@ -622,10 +705,20 @@ def _search_loop(study: optuna.Study, predictor: Predictor, space: SearchSpace,
     centre: list[ParallelConfig] | None = None
     probes: list[tuple[ParallelConfig, dict[str, Any]]] | None = None
     probed: dict[ParallelConfig, dict[str, Any]] = {}
-    while done < n_trials:
+    while True:
+        trials = study.get_trials(deepcopy=False)
+        _absorb(trials, cache, params_of)
+        done = sum(t.state in (TrialState.COMPLETE, TrialState.PRUNED) for t in trials)
+        if done >= n_trials:
+            break
         if timeout_s is not None and time.perf_counter() - start > timeout_s:
             break
-        size = min(batch_size, n_trials - done)
+        others = sum(t.state is TrialState.RUNNING and t.number not in inflight for t in trials)
+        size = min(batch_size, n_trials - done - others)
+        if size <= 0:  # the rest is being run by other workers: wait for them (or their end)
+            _fail_stale(study, trials, worker)
+            time.sleep(_WAIT_FOR_OTHERS_S)
+            continue
         if done >= refine_from:
             if probes is None:
                 # around the best feasible config, or, where none was found, the one nearest
@@ -655,7 +748,7 @@ def _search_loop(study: optuna.Study, predictor: Predictor, space: SearchSpace,
                 study.enqueue_trial(params, skip_if_exists=True)
                 queued.add(cfg)
                 left -= 1
-        asked = [study.ask() for _ in range(size)]
+        asked = _ask(study, size, worker, inflight, n_trials)
         drawn = [space.suggest(trial) for trial in asked]
         fresh = list(dict.fromkeys(cfg for cfg, _ in drawn
                                    if cfg is not None and cfg not in cache))
@@ -668,6 +761,7 @@ def _search_loop(study: optuna.Study, predictor: Predictor, space: SearchSpace,
             if cfg is None:
                 trial.set_user_attr(_REASON_ATTR, reason)
                 study.tell(trial, state=TrialState.PRUNED)
+                inflight.pop(trial.number, None)
                 continue
             value, violations = cache[cfg]
             params_of.setdefault(cfg, dict(trial.params))
@@ -678,10 +772,10 @@ def _search_loop(study: optuna.Study, predictor: Predictor, space: SearchSpace,
                     probes.append(up)
                     probed[up[0]] = up[1]
             trial.set_user_attr(_CONFIG_ATTR, cfg.to_dict())
-            trial.set_user_attr("worker", worker)
             trial.set_constraint("feasible_prob", violations[0])
             trial.set_constraint("memory", violations[1])
             study.tell(trial, value)
+            inflight.pop(trial.number, None)
         now = len(_finished(study))
         if bar is not None:
             top = max((value for value, viol in cache.values() if max(viol) <= 0),
@@ -691,3 +785,173 @@ def _search_loop(study: optuna.Study, predictor: Predictor, space: SearchSpace,
             bar.update(max(0, min(now, n_trials) - bar.n))
         done = now
     return done
+
+
+_WAIT_FOR_OTHERS_S = 0.5
+"""How often a worker whose study's remaining trials are all run by others looks again."""
+_OVER_BUDGET_ATTR = "over_budget"
+
+
+def _ask(study: optuna.Study, size: int, worker: str, inflight: dict[int, Any],
+         n_trials: int) -> list[Any]:
+    """Ask ``size`` trials, each recorded as this ``worker``'s (and its heartbeat started);
+    those beyond the study's ``n_trials`` (another worker asked at the same time) are failed
+    as ``over_budget`` and left out."""
+    import bisect
+
+    from optuna.trial import TrialState
+
+    asked = []
+    with warnings.catch_warnings():
+        # heartbeats are recorded here for ask-and-tell trials (see _Heartbeat)
+        warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed")
+        for _ in range(size):
+            trial = study.ask()
+            inflight[trial.number] = trial
+            trial.set_user_attr("worker", worker)
+            _record_heartbeat(study, trial)
+            asked.append(trial)
+    ahead = sorted(t.number for t in study.get_trials(
+        deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED, TrialState.RUNNING)))
+    kept = []
+    for trial in asked:
+        if bisect.bisect_left(ahead, trial.number) >= n_trials:
+            trial.set_user_attr(_OVER_BUDGET_ATTR, True)
+            study.tell(trial, state=TrialState.FAIL)
+            inflight.pop(trial.number, None)
+        else:
+            kept.append(trial)
+    return kept
+
+
+def _absorb(trials: Sequence[Any], cache: dict[ParallelConfig, tuple[float, tuple[float, float]]],
+            params_of: dict[ParallelConfig, dict[str, Any]]) -> None:
+    """Add the complete trials (this worker's or others') not yet in ``cache``."""
+    from optuna.trial import TrialState
+
+    for trial in trials:
+        if trial.state is not TrialState.COMPLETE or _CONFIG_ATTR not in trial.user_attrs:
+            continue
+        cfg = ParallelConfig.from_dict(trial.user_attrs[_CONFIG_ATTR])
+        if cfg not in cache:
+            cache[cfg] = (float(trial.value), (trial.constraints.get("feasible_prob", 0.0),
+                                               trial.constraints.get("memory", 0.0)))
+            params_of.setdefault(cfg, dict(trial.params))
+
+
+def _fail_stale(study: optuna.Study, trials: Sequence[Any], worker: str) -> None:
+    """Fail the running trials of workers that are gone: on a database with heartbeats,
+    those whose worker recorded none for :data:`HEARTBEAT_GRACE_S` (Optuna's
+    ``fail_stale_trials``); on any storage, those of a worker process on this machine that
+    no longer exists (a ``kill -9``)."""
+    import optuna
+    from optuna.trial import TrialState
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        optuna.storages.fail_stale_trials(study)
+    host = worker.rsplit(":", 1)[0]
+    for trial in trials:
+        owner = str(trial.user_attrs.get("worker", ""))
+        if trial.state is not TrialState.RUNNING or owner == worker or ":" not in owner:
+            continue
+        their_host, pid = owner.rsplit(":", 1)
+        if their_host != host or not pid.isdigit() or _alive(int(pid)):
+            continue
+        try:
+            study._storage.set_trial_state_values(trial._trial_id, state=TrialState.FAIL)
+        except optuna.exceptions.UpdateFinishedTrialError:
+            pass  # another worker failed (or its worker told) it first
+        else:
+            logger.info("failed trial %d of %s: its worker (pid %s) is gone", trial.number,
+                        study.study_name, pid)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _fail_inflight(study: optuna.Study, inflight: dict[int, Any]) -> None:
+    """Fail this worker's trials that were asked but not told (it is stopping: an error, an
+    interrupt, SIGTERM), so that none stays running for ever; a storage that cannot be
+    reached then leaves them to the next worker (see :func:`_fail_stale`)."""
+    from optuna.trial import TrialState
+
+    for number, trial in list(inflight.items()):
+        try:
+            study.tell(trial, state=TrialState.FAIL)
+        except Exception as exc:  # the storage is gone (or the trial was failed meanwhile)
+            logger.debug("could not fail trial %d: %s", number, exc)
+        inflight.pop(number, None)
+
+
+def _heartbeat_storage(study: optuna.Study) -> Any:
+    from optuna.storages._heartbeat import BaseHeartbeat, is_heartbeat_enabled
+
+    storage = study._storage
+    if isinstance(storage, BaseHeartbeat) and is_heartbeat_enabled(storage):
+        return storage
+    return None
+
+
+def _record_heartbeat(study: optuna.Study, trial: Any) -> None:
+    storage = _heartbeat_storage(study)
+    if storage is not None:
+        storage.record_heartbeat(trial._trial_id)
+
+
+class _Heartbeat:
+    """Records, every :data:`HEARTBEAT_INTERVAL_S`, that this worker's in-flight trials are
+    still running (Optuna does so only inside ``Study.optimize``; the search asks and tells).
+    Does nothing on a storage without heartbeats."""
+
+    def __init__(self, study: optuna.Study, inflight: dict[int, Any]) -> None:
+        import threading
+
+        self.storage = _heartbeat_storage(study)
+        self.inflight = inflight
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True, name="paratune-heartbeat")
+
+    def start(self) -> None:
+        if self.storage is not None:
+            self.thread.start()
+
+    def _run(self) -> None:
+        while not self.done.wait(HEARTBEAT_INTERVAL_S):
+            for trial in list(self.inflight.values()):
+                try:
+                    self.storage.record_heartbeat(trial._trial_id)
+                except Exception as exc:  # the database is away: the main thread says so
+                    logger.debug("heartbeat of trial %d failed: %s", trial.number, exc)
+
+    def stop(self) -> None:
+        self.done.set()
+        if self.thread.is_alive():
+            self.thread.join(timeout=5)
+
+
+def _storage_error(exc: BaseException, where: str | None, done: int) -> None:
+    """Raise a one-line :class:`ConfigError` where ``exc`` says the study's database stopped
+    answering (else return, and the caller re-raises ``exc``)."""
+    import optuna
+
+    from paratune.tracking import unreachable
+
+    reason = unreachable(exc)
+    if reason is None and not isinstance(exc, optuna.exceptions.StorageInternalError):
+        return
+    if reason is None:
+        cause = exc.__cause__ or exc.__context__ or exc
+        reason = next((line.strip() for line in str(cause).splitlines() if line.strip()),
+                      type(cause).__name__)[:200]
+    raise ConfigError("storage", where, f"stopped answering after {done} finished trials "
+                      f"({_masked(reason, where or '')}): the trials told are kept in the "
+                      "study; start the database again and rerun the same command to resume"
+                      ) from exc

@@ -24,7 +24,15 @@ from typing import TYPE_CHECKING, Any
 
 from paratune.errors import ConfigError
 from paratune.hardware import HardwareSpec, get_hardware
-from paratune.parallel import ParallelConfig, Recompute, Schedule, Sharding
+from paratune.parallel import (
+    MAX_DEVICES,
+    MAX_GLOBAL_BATCH,
+    ParallelConfig,
+    Recompute,
+    Schedule,
+    Sharding,
+    check_magnitude,
+)
 from paratune.space import ConfigSpace, SpaceEnumeration, divisors
 from paratune.spec import ModelSpec
 
@@ -53,7 +61,7 @@ def check_gpus(gpus: object) -> int:
         raise ConfigError("gpus", gpus, "must be a positive integer") from None
     if not number.is_integer() or number < 1:
         raise ConfigError("gpus", gpus, "must be a positive integer")
-    return int(number)
+    return check_magnitude("gpus", int(number), MAX_DEVICES)
 
 
 MAX_BATCH_SIZES = 64
@@ -98,6 +106,9 @@ def parse_batch_sizes(text: str | int | Sequence[int]) -> tuple[int, ...]:
     values = sorted(set(values))
     if len(values) > MAX_BATCH_SIZES:
         raise ConfigError("global_batch_sizes", text, _too_many(len(values)))
+    if values[-1] > MAX_GLOBAL_BATCH:
+        raise ConfigError("global_batch_sizes", text, f"batch size {values[-1]} is beyond the "
+                          f"plausible range (at most {MAX_GLOBAL_BATCH} sequences)")
     return tuple(values)
 
 

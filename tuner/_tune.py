@@ -324,6 +324,57 @@ def tune(model: ModelSpec | str, gpus: int, gpu: HardwareSpec | str,
     options = dict(search=search, sampler=sampler, seed=seed, n_trials=n_trials,
                    batch_size=batch_size, top_k=top_k, verify=verify)
 
+    journal = None  # a journal file this call creates: removed if it is refused unused
+    if search != "exhaustive":
+        candidate = (Path(storage) if storage is not None and "://" not in str(storage)
+                     else output / "study.journal" if storage is None and output is not None
+                     else None)
+        journal = candidate if candidate is not None and not candidate.exists() else None
+    new_output = output is not None and not output.exists()
+    try:
+        return _tune(spec, hw, gpus, predictor, search_space, obj, options, b_noise=b_noise,
+                     gns=gns, storage=storage, study_name=study_name, output=output,
+                     track=track, tracking_uri=tracking_uri, verify_options=verify_options,
+                     verify_where=where, risk_aware=risk_aware, risk_quantile=risk_quantile,
+                     export_infeasible=export_infeasible, on_ranked=on_ranked,
+                     progress=progress)
+    except ConfigError:
+        _remove_unused(journal, output if new_output else None)
+        raise
+
+
+def _remove_unused(journal: Path | None, output: Path | None) -> None:
+    """After a refusal: remove the journal file the call created where it holds no finished
+    trial, then the output directory it created where nothing else is in it."""
+    if journal is not None and journal.is_file():
+        from optuna.storages.journal import JournalFileBackend, JournalStorage
+        from optuna.trial import TrialState
+
+        try:
+            store = JournalStorage(JournalFileBackend(str(journal.resolve())))
+            finished = [t for study in store.get_all_studies() for t in store.get_all_trials(
+                study._study_id, deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED))]
+        except Exception:  # not a journal Optuna reads: not ours to remove
+            return
+        if finished:
+            return
+        journal.unlink(missing_ok=True)
+    if output is not None and output.is_dir() and not any(output.iterdir()):
+        output.rmdir()
+
+
+def _tune(spec: ModelSpec, hw: HardwareSpec, gpus: int, predictor: Predictor | str | Path,
+          search_space: SearchSpace, obj: Objective, options: dict[str, Any], *,
+          b_noise: float | None, gns: Any, storage: str | Path | None, study_name: str | None,
+          output: Path | None, track: bool, tracking_uri: str | None,
+          verify_options: dict[str, Any] | None, verify_where: str,
+          risk_aware: bool | None, risk_quantile: str | None, export_infeasible: bool,
+          on_ranked: Callable[[TuneResult], None] | None, progress: bool) -> TuneResult:
+    """The body of :func:`tune` once its arguments are checked (``verify_where``: where
+    :func:`~paratune.tuner.verify_location` said the configs are verified)."""
+    search, sampler, seed = options["search"], options["sampler"], options["seed"]
+    n_trials, batch_size = options["n_trials"], options["batch_size"]
+    top_k, verify = options["top_k"], options["verify"]
     with contextlib.ExitStack() as stack:
         run = None
         pred = load_predictor(predictor)  # a predictor that does not load opens no run
@@ -377,11 +428,12 @@ def tune(model: ModelSpec | str, gpus: int, gpu: HardwareSpec | str,
                    if output is not None else {})
         out = TuneResult(search=result, recommendation=rec, outputs=outputs, study=study)
         if run is not None:
-            out.run_id = run.run_id
             _log_outcome(run, out, search_space, obj, top_k=top_k)
+            # a store that went away is reported by the run itself; no run to open then
+            out.run_id = run.run_id if run.lost is None else None
         if on_ranked is not None:
             on_ranked(out)
-        if verify and where == "here":
+        if verify and verify_where == "here":
             from paratune.tuner._verify import verify_top_k
 
             out.verification = verify_top_k(out, verify, **(verify_options or {}))

@@ -522,7 +522,7 @@ def test_a_signal_ends_the_workers_and_leaves_a_resumable_run(tmp_path, capsys, 
                            and find_checkpoint(ckpt) is not None, 60), run.poll()
 
         # A second run on the same output is refused; the first keeps its files.
-        assert main(_gns_command(out, 3)) == 2
+        assert main(_gns_command(out, 3, "--force")) == 2  # even --force: it is in use
         err = capsys.readouterr().err
         assert err.startswith(f"paratune gns: error: --out='{out}': is in use: another "
                               f"process (pid {run.pid}) is writing this trajectory (it holds "

@@ -186,10 +186,10 @@ def test_gns_command_saves_no_checkpoint_when_told_or_when_the_layout_cannot(tmp
     assert main([*base, "--config", "dp=1,gb=4"]) == 0
     assert jobs[-1].checkpoint_every == _gns_cli.DEFAULT_CHECKPOINT_EVERY == 50
     assert jobs[-1].checkpoint_dir == str(tmp_path / "t-checkpoint")
-    assert main([*base, "--config", "dp=1,gb=4", "--checkpoint-every", "0"]) == 0
+    assert main([*base, "--config", "dp=1,gb=4", "--checkpoint-every", "0", "--force"]) == 0
     assert jobs[-1].checkpoint_every == 0 and jobs[-1].checkpoint_dir is not None
     # A layout that cannot be checkpointed runs without, and says so.
-    assert main([*base, "--config", "dp=2,gb=4,sharding=zero1"]) == 0
+    assert main([*base, "--config", "dp=2,gb=4,sharding=zero1", "--force"]) == 0
     assert jobs[-1].checkpoint_every == 0
     assert "cannot be checkpointed" in capsys.readouterr().err
 

@@ -234,7 +234,9 @@ def test_a_range_without_a_power_of_two_is_named():
 
 def test_too_many_batch_sizes_are_refused_before_they_are_built():
     assert len(parse_batch_sizes("1:64:1")) == 64
-    assert len(parse_batch_sizes(f"1:{2 ** 63}")) == 64
+    assert len(parse_batch_sizes(f"1:{2 ** 24}")) == 25
+    with pytest.raises(ConfigError, match=r"batch size 9223372036854775808 is beyond"):
+        parse_batch_sizes(f"1:{2 ** 63}")  # 64 sizes, but batches no job runs
     rule = r"gives {} batch sizes; at most 64 are searched"
     for text, count in [("1:1000:1", 1000), (f"1:{2 ** 64}", 65), (f"1:{3 ** 64}:x3", 65),
                         (",".join(str(v) for v in range(1, 66)), 65),
