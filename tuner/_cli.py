@@ -79,9 +79,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                       help="throughput: tokens/s at one global batch; goodput: tokens/s times "
                            "statistical efficiency (needs --gns) (default: %(default)s)")
     tune.add_argument("--gns", default=None,
-                      help="gradient noise scale B_noise in sequences of MODEL, or a "
+                      help="gradient noise scale B_noise in sequences of MODEL, a "
                            "trajectory file (CSV/JSON with step, tokens, b_simple in the "
-                           "measuring run's sequences, seq_len)")
+                           "measuring run's sequences, seq_len), or a critical-batch law "
+                           "(kaplan2020, minicpm2024, constant:TOKENS) along MODEL's "
+                           "Chinchilla loss curve")
     _add_trajectory_seq_len(tune)
     tune.add_argument("--b0", type=float, default=None,
                       help="reference batch of the Pollux efficiency (default: smallest batch)")
