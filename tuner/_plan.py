@@ -36,6 +36,8 @@ from paratune.tuner._search import config_from_row, evaluate, rank
 from paratune.tuner.gns_trajectory import Trajectory
 
 if TYPE_CHECKING:
+    import pandas as pd
+
     from paratune.space import ConfigSpace
     from paratune.spec import ModelSpec
     from paratune.tuner._space import SearchSpace
@@ -46,8 +48,17 @@ MAX_BATCH_SIZES = 64
 DEFAULT_BASE_LR = 3e-4
 """Learning rate at the base batch where none is given (Llama 3 8B's peak learning rate)."""
 
-__all__ = ["Plan", "default_batch_range", "effective_b_noise", "plan_phases", "progress_segments",
-           "smallest_busy_batch"]
+__all__ = [
+    "ConfigTimes",
+    "Plan",
+    "config_times",
+    "default_batch_range",
+    "effective_b_noise",
+    "plan_phases",
+    "predict_configs",
+    "progress_segments",
+    "smallest_busy_batch",
+]
 
 
 @dataclass
@@ -452,12 +463,80 @@ def check_plan_options(*, reconfig_cost_s: float, batch_change_cost_s: float,
         _check_max_segments(max_segments)
 
 
+def predict_configs(predictor: Predictor, space: SearchSpace,
+                    objective: Objective | None = None) -> pd.DataFrame:
+    """Every valid config of ``space`` predicted once and ranked, the feasible ones kept.
+
+    The frame :func:`plan_phases` times configs from (pass it as ``ranked`` to plan the same
+    space several times, e.g. under several ``B_noise`` trajectories).
+
+    Raises:
+        ConfigError: no config is predicted feasible.
+    """
+    base = objective or Objective()
+    scoring = Objective(kind="throughput", risk_quantile=base.risk_quantile,
+                        min_feasible_prob=base.min_feasible_prob,
+                        memory_limit_gb=base.memory_limit_gb,
+                        memory_fraction=base.memory_fraction)
+    ranked = rank(evaluate(predictor, space, space.enumerate().valid, scoring))
+    # time each config by the throughput the tuner ranks it by (the expected throughput
+    # where the predictor gives one, or the risk quantile), not by its fast regime: a
+    # pipeline likely to stall must not win a phase on its point prediction
+    throughput = ranked["ranked_tokens_per_s"].to_numpy(dtype=float)
+    runs = ranked["feasible"].to_numpy(dtype=bool) & np.isfinite(throughput) & (throughput > 0)
+    ranked = ranked[runs].reset_index(drop=True)
+    if ranked.empty:
+        raise ConfigError("space", space.model.name, "no config is predicted feasible")
+    return ranked
+
+
+@dataclass
+class ConfigTimes:
+    """Seconds of every predicted config on every stretch of training."""
+
+    configs: list[ParallelConfig]
+    layouts: list[tuple]
+    """The layout (config without its global batch) of each config."""
+    batch: np.ndarray
+    throughput: np.ndarray
+    """Cluster tokens/s each config is timed by."""
+    step: np.ndarray
+    """Step time of each config."""
+    times: np.ndarray
+    """``[stretch, config]`` seconds: ``E_min (1 + B / B_noise) / B * step``."""
+    quantile_times: dict[str, np.ndarray]
+    """The same at the predictor's ``q10`` and ``q90`` throughput, where it gives them."""
+
+
+def config_times(ranked: pd.DataFrame, segments: list[Segment], *, seq_len: int
+                 ) -> ConfigTimes:
+    """:class:`ConfigTimes` of the configs of :func:`predict_configs` on ``segments``."""
+    batch = ranked["global_batch_size"].to_numpy(dtype=float)
+    throughput = ranked["ranked_tokens_per_s"].to_numpy(dtype=float)
+    step = batch * seq_len / throughput
+    e_min = np.array([s.e_min for s in segments])[:, None]
+    b_noise = np.array([s.b_noise for s in segments])[:, None]
+    steps = e_min * (1.0 + batch[None, :] / b_noise) / batch[None, :]
+    quantile_times = {}
+    for q in ("q10", "q90"):
+        column = f"{PRED_TOKENS_PER_SEC_PER_GPU}_{q}"
+        if column in ranked.columns:
+            q_tps = ranked[column].to_numpy(dtype=float) * ranked["world_size"].to_numpy(float)
+            with np.errstate(divide="ignore", invalid="ignore"):
+                q_step = np.where(q_tps > 0, batch * seq_len / q_tps, np.nan)
+            quantile_times[q] = steps * q_step[None, :]
+    configs = [config_from_row(row) for _, row in ranked.iterrows()]
+    return ConfigTimes(configs=configs, layouts=[_layout_key(c) for c in configs], batch=batch,
+                       throughput=throughput, step=step, times=steps * step[None, :],
+                       quantile_times=quantile_times)
+
+
 def plan_phases(predictor: Predictor, space: SearchSpace, trajectory: Trajectory, *,
                 reconfig_cost_s: float = 600.0, batch_change_cost_s: float = 0.0,
                 threshold: float = 0.05, max_segments: int = 32,
                 objective: Objective | None = None, lr_rule: str = "sqrt",
                 base_lr: float = DEFAULT_BASE_LR, base_batch: float | None = None,
-                spacing: str = "auto") -> Plan:
+                spacing: str = "auto", ranked: pd.DataFrame | None = None) -> Plan:
     """Schedule (batch, parallelism) over training from a ``B_noise`` trajectory.
 
     Every feasible config of ``space`` (all its global batch sizes) is predicted once; the
@@ -490,6 +569,8 @@ def plan_phases(predictor: Predictor, space: SearchSpace, trajectory: Trajectory
         base_lr: Learning rate at ``base_batch``.
         base_batch: Batch at which ``base_lr`` holds (default: the first phase's).
         spacing: How training is cut into stretches (see :func:`progress_segments`).
+        ranked: The configs of :func:`predict_configs` for ``space`` (predicted here where
+            not given).
 
     Returns:
         A :class:`Plan`: per phase its tokens (of the reference run and of the planned
@@ -512,37 +593,11 @@ def plan_phases(predictor: Predictor, space: SearchSpace, trajectory: Trajectory
     # unit problems of the trajectory surface before the (slow) prediction
     segments = progress_segments(trajectory, seq_len=space.model.seq_len,
                                  max_segments=max_segments, spacing=spacing)
-    base = objective or Objective()
-    scoring = Objective(kind="throughput", risk_quantile=base.risk_quantile,
-                        min_feasible_prob=base.min_feasible_prob,
-                        memory_limit_gb=base.memory_limit_gb,
-                        memory_fraction=base.memory_fraction)
-    ranked = rank(evaluate(predictor, space, space.enumerate().valid, scoring))
-    # time each config by the throughput the tuner ranks it by (the expected throughput
-    # where the predictor gives one, or the risk quantile), not by its fast regime: a
-    # pipeline likely to stall must not win a phase on its point prediction
-    throughput = ranked["ranked_tokens_per_s"].to_numpy(dtype=float)
-    runs = ranked["feasible"].to_numpy(dtype=bool) & np.isfinite(throughput) & (throughput > 0)
-    ranked = ranked[runs].reset_index(drop=True)
-    if ranked.empty:
-        raise ConfigError("space", space.model.name, "no config is predicted feasible")
-    batch = ranked["global_batch_size"].to_numpy(dtype=float)
-    throughput = ranked["ranked_tokens_per_s"].to_numpy(dtype=float)
-    step = batch * space.model.seq_len / throughput
-    e_min = np.array([s.e_min for s in segments])[:, None]
-    b_noise = np.array([s.b_noise for s in segments])[:, None]
-    times = e_min * (1.0 + batch[None, :] / b_noise) / batch[None, :] * step[None, :]
-    quantile_times = {}
-    for q in ("q10", "q90"):
-        column = f"{PRED_TOKENS_PER_SEC_PER_GPU}_{q}"
-        if column in ranked.columns:
-            q_tps = ranked[column].to_numpy(dtype=float) * ranked["world_size"].to_numpy(float)
-            with np.errstate(divide="ignore", invalid="ignore"):
-                q_step = np.where(q_tps > 0, batch * space.model.seq_len / q_tps, np.nan)
-            quantile_times[q] = (e_min * (1.0 + batch[None, :] / b_noise) / batch[None, :]
-                                 * q_step[None, :])
-    configs = [config_from_row(row) for _, row in ranked.iterrows()]
-    layouts = [_layout_key(c) for c in configs]
+    if ranked is None:
+        ranked = predict_configs(predictor, space, objective)
+    ct = config_times(ranked, segments, seq_len=space.model.seq_len)
+    batch, throughput, step, times = ct.batch, ct.throughput, ct.step, ct.times
+    quantile_times, configs, layouts = ct.quantile_times, ct.configs, ct.layouts
     layout_ids = {lay: i for i, lay in enumerate(dict.fromkeys(layouts))}
     choice, total = _schedule(times, np.array([layout_ids[lay] for lay in layouts]),
                               reconfig_cost_s=reconfig_cost_s,
