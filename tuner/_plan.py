@@ -249,8 +249,9 @@ class Plan:
     phases: list[dict[str, Any]]
     """One mapping per phase: start/end tokens of the reference run, ``B_noise`` range (in
     sequences of the planned model), the config, its step time and tokens/s (as the tuner
-    ranks configs: expected, or the objective's risk quantile) and the phase's predicted
-    seconds."""
+    ranks configs: expected, or the objective's risk quantile), the phase's predicted
+    seconds, and ``segment_range``: the stretches of :attr:`segments` it covers
+    (``[first, stop)``)."""
     total_time_s: float
     """Predicted seconds to the target (the reference run's final loss), switches included."""
     num_switches: int
@@ -638,7 +639,9 @@ def plan_phases(predictor: Predictor, space: SearchSpace, trajectory: Trajectory
     base = float(first_batch if base_batch is None else base_batch)
     for phase in phases:
         c = phase.pop("_index")
-        stretch = [segments[i] for i in phase.pop("_segments")]
+        indices = phase.pop("_segments")
+        stretch = [segments[i] for i in indices]
+        phase["segment_range"] = [indices[0], indices[-1] + 1]
         e = sum(sg.e_min for sg in stretch)
         b_eff = e / sum(sg.e_min / sg.b_noise for sg in stretch)
         sequences = sum(sg.e_min * (1.0 + batch[c] / sg.b_noise) for sg in stretch)
