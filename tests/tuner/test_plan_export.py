@@ -141,13 +141,20 @@ def test_megatron_parses_a_phase_with_its_own_parser(closed_form, monkeypatch):
         pytest.skip(f"Megatron-LM's argument parser does not import here: {exc!r}")
     plan, space = _plan(closed_form)
     launch = plan_launch(plan, MODEL, space.hardware)
+    extra = ["--mock-data", "--tokenizer-type", "NullTokenizer",
+             "--vocab-size", str(MODEL.vocab_size)]
     for phase in launch["phases"]:
-        monkeypatch.setattr("sys.argv", ["pretrain_gpt.py", *phase["megatron_args"],
-                                         "--mock-data", "--tokenizer-type", "NullTokenizer",
-                                         "--vocab-size", str(MODEL.vocab_size)])
+        monkeypatch.setattr("sys.argv", ["pretrain_gpt.py", *phase["megatron_args"], *extra])
         monkeypatch.setenv("WORLD_SIZE", str(phase["config"]["dp"] * phase["config"]["tp"]
                                              * phase["config"]["pp"]))
         args = parse_args()
         assert args.global_batch_size == phase["global_batch_size"]
         assert args.train_samples == phase["end_samples"]
-        validate_args(args)
+        assert args.lr == pytest.approx(phase["lr"], rel=1e-5)
+        if "--num-layers" in phase["megatron_args"]:  # a complete model shape to validate
+            validate_args(args)
+    for layout in launch["layouts"]:
+        monkeypatch.setattr("sys.argv", ["pretrain_gpt.py", *layout["megatron_args"], *extra])
+        args = parse_args()
+        if "--step-batch-size-schedule" in layout["megatron_args"]:
+            assert args.step_batch_size_schedule == layout["step_batch_size_schedule"]
