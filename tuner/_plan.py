@@ -526,7 +526,10 @@ def config_times(ranked: pd.DataFrame, segments: list[Segment], *, seq_len: int
             with np.errstate(divide="ignore", invalid="ignore"):
                 q_step = np.where(q_tps > 0, batch * seq_len / q_tps, np.nan)
             quantile_times[q] = steps * q_step[None, :]
-    configs = [config_from_row(row) for _, row in ranked.iterrows()]
+    columns = ["dp", "tp", "pp", "micro_batch_size", "global_batch_size", "schedule",
+               "virtual_stages", "sharding", "recompute"]
+    # records of the config columns only: iterrows over the whole prediction frame is slow
+    configs = [config_from_row(row) for row in ranked[columns].to_dict("records")]
     return ConfigTimes(configs=configs, layouts=[_layout_key(c) for c in configs], batch=batch,
                        throughput=throughput, step=step, times=steps * step[None, :],
                        quantile_times=quantile_times)
