@@ -18,6 +18,9 @@ Per phase (``phase_NN/``):
   pipeline parallelism changes; from the second phase on ``--override-opt_param-scheduler``
   makes the new learning rate take over the one saved in the checkpoint.
 
+``run_plan.sh``: paratune's own trainer (``python -m paratune.profiler.train --plan
+launch.json``) running the whole plan in one launch, switching layouts through a checkpoint.
+
 Per layout (``megatron_layout_NN/``): the phases that share a layout as ONE Megatron-LM
 launch with ``--step-batch-size-schedule "0:B0 T1:B1 ..."`` (thresholds in tokens consumed
 by the run, Megatron-LM's format: ``THRESHOLD:BATCH`` pairs, the first at 0, suffixes K, M,
@@ -39,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 from paratune._io import atomic_write_text
 from paratune.errors import ConfigError
 from paratune.parallel import ParallelConfig
-from paratune.tuner._export import megatron_args, torchtitan_toml
+from paratune.tuner._export import megatron_args, torchrun_command, torchtitan_toml
 
 if TYPE_CHECKING:
     from paratune.hardware import HardwareSpec
@@ -247,9 +250,28 @@ def plan_launch(plan: Plan, model: ModelSpec, hardware: HardwareSpec, *,
                      "without the data loader's state (exclude_from_loading), so each phase "
                      "reads its data from the start of its loader unless the dataset is "
                      "offset by the samples already consumed")
+    trainer = _trainer_command(model, ParallelConfig.from_dict(phases[0]["config"]), hardware)
+    if trainer is None:
+        notes.append("paratune's trainer cannot build this model (neither a preset nor read "
+                     "from a config.json): no whole-plan launch is written for it")
     return {"model": model.name, "hardware": hardware.name, "seq_len": seq,
+            "trainer_command": trainer,
             "lr_rule": plan.lr_rule, "base_lr": plan.base_lr, "base_batch": plan.base_batch,
             "phases": phases, "layouts": layouts, "notes": notes}
+
+
+def _trainer_command(model: ModelSpec, config: ParallelConfig, hardware: HardwareSpec
+                     ) -> str | None:
+    """``torchrun ... -m paratune.profiler.train ... --plan launch.json``: paratune's own
+    trainer running the whole plan in one launch (``None`` where it cannot build ``model``)."""
+    try:
+        command = torchrun_command(model, config, hardware, steps=1)
+    except ConfigError:
+        return None
+    cut = command.find(" --steps ")
+    if cut < 0:
+        return None
+    return command[:cut] + f" --plan launch.json --checkpoint-dir {CHECKPOINT_DIR}-trainer"
 
 
 def _readme(launch: dict[str, Any]) -> str:
@@ -271,6 +293,9 @@ def _readme(launch: dict[str, Any]) -> str:
                  f"reconfigure at {layout['start_tokens']:.6g} tokens")
         lines.append(f"megatron_layout_{i:02d} ({where}): phases {layout['phases']}, "
                      f"--step-batch-size-schedule \"{layout['step_batch_size_schedule']}\"")
+    if launch.get("trainer_command"):
+        lines += ["", "paratune's own trainer, the whole plan in one launch (run_plan.sh):",
+                  launch["trainer_command"]]
     for note in launch["notes"]:
         lines.append(f"note: {note}")
     return "\n".join(lines) + "\n"
@@ -311,6 +336,9 @@ def write_plan_launch(plan: Plan, model: ModelSpec, hardware: HardwareSpec,
         put(f"{base}/megatron_args.txt", shlex.join(layout["megatron_args"]) + "\n")
         put(f"{base}/megatron_args.json", json.dumps(layout["megatron_args"], indent=1) + "\n")
     put("launch.json", json.dumps(launch, indent=2, default=_plain) + "\n")
+    if launch.get("trainer_command"):
+        put("run_plan.sh", "#!/bin/sh\n# every phase of the plan with paratune's trainer, run "
+                           "from this directory\n" + launch["trainer_command"] + "\n")
     put("README", _readme(launch))
     return written
 

@@ -61,6 +61,10 @@ def test_every_phase_gets_a_torchtitan_config_that_resumes_the_last(closed_form,
     launch = json.loads(files["launch.json"].read_text())
     assert [p["end_step"] for p in launch["phases"]][-1] == steps
     assert "phase 01" in files["README"].read_text()
+    # paratune's trainer takes the whole plan in one launch (its own test trains one)
+    script = files["run_plan.sh"].read_text()
+    assert "-m paratune.profiler.train" in script and "--plan launch.json" in script
+    assert "--nproc-per-node=8" in script and "--nnodes=8" in script  # 64 H100s
 
 
 def test_megatron_phases_count_samples_over_the_run_and_carry_the_lr(closed_form, tmp_path):
