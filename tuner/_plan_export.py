@@ -156,7 +156,8 @@ def _phase_config(phase: dict[str, Any]) -> ParallelConfig:
 
 
 def plan_launch(plan: Plan, model: ModelSpec, hardware: HardwareSpec, *,
-                checkpoint_dir: str = CHECKPOINT_DIR) -> dict[str, Any]:
+                checkpoint_dir: str = CHECKPOINT_DIR,
+                devices_per_node: int | None = None) -> dict[str, Any]:
     """The launch settings of every phase of ``plan`` and of every layout.
 
     Args:
@@ -164,6 +165,8 @@ def plan_launch(plan: Plan, model: ModelSpec, hardware: HardwareSpec, *,
         model: The planned model.
         hardware: The device kind.
         checkpoint_dir: Checkpoint directory shared by the launches.
+        devices_per_node: Node size of the trainer's torchrun command (default: the
+            hardware's).
 
     Returns:
         ``{"phases": [...], "layouts": [...], "notes": [...]}``: per phase its batch,
@@ -250,7 +253,8 @@ def plan_launch(plan: Plan, model: ModelSpec, hardware: HardwareSpec, *,
                      "without the data loader's state (exclude_from_loading), so each phase "
                      "reads its data from the start of its loader unless the dataset is "
                      "offset by the samples already consumed")
-    trainer = _trainer_command(model, ParallelConfig.from_dict(phases[0]["config"]), hardware)
+    trainer = _trainer_command(model, ParallelConfig.from_dict(phases[0]["config"]), hardware,
+                               devices_per_node=devices_per_node)
     if trainer is None:
         notes.append("paratune's trainer cannot build this model (neither a preset nor read "
                      "from a config.json): no whole-plan launch is written for it")
@@ -260,12 +264,13 @@ def plan_launch(plan: Plan, model: ModelSpec, hardware: HardwareSpec, *,
             "phases": phases, "layouts": layouts, "notes": notes}
 
 
-def _trainer_command(model: ModelSpec, config: ParallelConfig, hardware: HardwareSpec
-                     ) -> str | None:
+def _trainer_command(model: ModelSpec, config: ParallelConfig, hardware: HardwareSpec, *,
+                     devices_per_node: int | None = None) -> str | None:
     """``torchrun ... -m paratune.profiler.train ... --plan launch.json``: paratune's own
     trainer running the whole plan in one launch (``None`` where it cannot build ``model``)."""
     try:
-        command = torchrun_command(model, config, hardware, steps=1)
+        command = torchrun_command(model, config, hardware, steps=1,
+                                   devices_per_node=devices_per_node)
     except ConfigError:
         return None
     cut = command.find(" --steps ")
@@ -304,7 +309,7 @@ def _readme(launch: dict[str, Any]) -> str:
 def write_plan_launch(plan: Plan, model: ModelSpec, hardware: HardwareSpec,
                       directory: str | Path, *, devices_per_node: int | None = None
                       ) -> dict[str, Path]:
-    """Write :func:`plan_launch`'s files under ``directory``.
+    """Write :func:`plan_launch`'s files under ``directory`` (``devices_per_node`` as there).
 
     Returns:
         The written paths by name (``README``, ``launch.json``, ``phase_NN/...``,
@@ -313,10 +318,9 @@ def write_plan_launch(plan: Plan, model: ModelSpec, hardware: HardwareSpec,
     Raises:
         ConfigError: the plan has no phase.
     """
-    del devices_per_node  # the exports take the layout's own world size
     if not plan.phases:
         raise ConfigError("plan", 0, "has no phase to launch")
-    launch = plan_launch(plan, model, hardware)
+    launch = plan_launch(plan, model, hardware, devices_per_node=devices_per_node)
     directory = Path(directory)
     written: dict[str, Path] = {}
 
