@@ -162,10 +162,21 @@ def _goodput_stage(result: QuickstartResult, spec: Any, *, gpus: int, gns_steps:
     from paratune.tuner._tune import load_predictor
 
     out, model, timings = result.out, spec.model, result.timings_s
-    log(f"[goodput 1/3] profiling {gpus} processes at global batches "
-        f"{list(GOODPUT_BATCHES[1:])}, measuring B_noise for {gns_steps} steps on real text")
+    # the options of the two best configs only: profiling every layout again at two more
+    # batches would double the quickstart
+    top = result.tuning.search.configs(2)
+    options = spec.space.replace(
+        tp_degrees=tuple(sorted({c.tp for c in top})),
+        pp_degrees=tuple(sorted({c.pp for c in top})),
+        schedules=tuple(dict.fromkeys(c.schedule for c in top)),
+        shardings=tuple(dict.fromkeys(c.sharding for c in top)),
+        recomputes=tuple(dict.fromkeys(c.recompute for c in top)),
+        micro_batch_sizes=tuple(sorted({c.micro_batch_size for c in top})))
+    log(f"[goodput 1/3] profiling the two best layouts on {gpus} processes at global "
+        f"batches {list(GOODPUT_BATCHES[1:])}, measuring B_noise for {gns_steps} steps on "
+        "real text")
     started = time.monotonic()
-    space = spec.space.replace(global_batch_sizes=GOODPUT_BATCHES[1:])
+    space = options.replace(global_batch_sizes=GOODPUT_BATCHES[1:])
     batches_dir = out / "campaign-batches"
     run_campaign(replace(spec, world_sizes=(gpus,), space=space), batches_dir,
                  resume=(batches_dir / "campaign.json").exists(), track=track,
@@ -183,7 +194,7 @@ def _goodput_stage(result: QuickstartResult, spec: Any, *, gpus: int, gns_steps:
     log(f"[goodput 2/3] goodput over global batches {list(GOODPUT_BATCHES)} with the "
         "measured B_noise")
     started = time.monotonic()
-    options = spec.space.replace(global_batch_sizes=GOODPUT_BATCHES)
+    options = options.replace(global_batch_sizes=GOODPUT_BATCHES)
     result.goodput = tune(model, gpus, "cpu", model_dir, objective="goodput", gns=gns_path,
                           search="exhaustive", space=options,
                           global_batch_sizes=list(GOODPUT_BATCHES),
