@@ -89,6 +89,28 @@ class Job:
     runs: list[dict[str, Any]] = field(default_factory=list)
     profile: bool = False
     profile_steps: int = 8
+    lr_rule: str = "none"
+    """How the learning rate follows the batch (:func:`paratune.tuner.lr_scale`)."""
+    lr_base_batch: int = 16
+    """Batch at which ``lr`` holds."""
+    gns_every: int = 1
+    """Measure the noise scale on every ``gns_every``-th step (the meter's
+    ``measure_every``)."""
+
+    def lr_at(self, batch: int) -> float:
+        """The learning rate of a run at global batch ``batch`` under ``lr_rule``."""
+        from paratune.tuner import lr_scale
+
+        if self.lr_rule == "adascale":  # needs B_noise, which the arms do not share
+            raise ValueError("lr_rule adascale is not supported by this experiment")
+        return self.lr * float(lr_scale([batch], self.lr_base_batch, self.lr_rule)[0])
+
+
+def set_lr(trainer: Any, lr: float) -> None:
+    """Set every optimizer's learning rate (after a checkpoint load restored the old one)."""
+    for optimizer in trainer.optimizers:
+        for group in optimizer.param_groups:
+            group["lr"] = lr
 
 
 # ---------------------------------------------------------------------- policies
@@ -220,12 +242,13 @@ def train_to_target(job: Job, run: dict[str, Any], corpus: Any, evaluator: _Eval
     config = policy.initial()
 
     def make_meter(cfg: ParallelConfig) -> NoiseScaleMeter | None:
-        return NoiseScaleMeter(cfg, beta=job.gns_beta) if policy.needs_gns else None
+        return (NoiseScaleMeter(cfg, beta=job.gns_beta, measure_every=job.gns_every)
+                if policy.needs_gns else None)
 
     def build(cfg: ParallelConfig) -> Trainer:
         meter_cfg = make_meter(cfg)
         return Trainer(spec, meter_cfg.trainer_config if meter_cfg else cfg, device=device,
-                       seed=seed, lr=job.lr)
+                       seed=seed, lr=job.lr_at(cfg.global_batch_size))
 
     meter = make_meter(config)
     trainer = build(config)
@@ -265,6 +288,8 @@ def train_to_target(job: Job, run: dict[str, Any], corpus: Any, evaluator: _Eval
                     trainer, state, new_meter.trainer_config if new_meter else new,
                     checkpoint_dir=ckpt, build_trainer=lambda c: Trainer(
                         spec, c, device=device, seed=seed, lr=job.lr))
+                # the checkpoint brought the old batch's learning rate back
+                set_lr(trainer, job.lr_at(new.global_batch_size))
                 state.config = new
                 if new_meter is not None:
                     new_meter.tracker.load_state_dict(state.gns)
@@ -312,11 +337,12 @@ def time_measuring_steps(job: Job, config: ParallelConfig, device: torch.device,
                          warmup_steps: int = 2) -> tuple[list[float], str]:
     """Step times of a noise-measuring run under ``config`` (collective): what the pilot and
     the batch and coadapt arms run, a :class:`NoiseScaleMeter` step (in ``accumulate`` mode
-    one reduction per chunk of half the batch), each the slowest rank's. Also the mode."""
+    one reduction per chunk of half the batch on measured steps), each the slowest rank's,
+    over whole cycles of ``gns_every`` steps. Also the mode."""
     from paratune.profiler.gns import NoiseScaleMeter
     from paratune.profiler.trainer import Trainer, synthetic_batch
 
-    meter = NoiseScaleMeter(config, beta=job.gns_beta)
+    meter = NoiseScaleMeter(config, beta=job.gns_beta, measure_every=job.gns_every)
     trainer = Trainer(job.model, meter.trainer_config, device=device, seed=0, lr=job.lr)
     times: list[float] = []
     try:

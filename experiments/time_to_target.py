@@ -82,7 +82,7 @@ MODELLED_COLUMNS = {"arm": "arm", "modelled_mean_s": "modelled_s", "modelled_std
 WORLD_SIZE = 4
 """The gloo processes every run and profiling uses."""
 
-SETTINGS_VERSION = 2
+SETTINGS_VERSION = 3
 """Version of ``settings.json`` and of the profile table (2: rows keyed by config and
 ``measure``). The measurement journal ``profile.jsonl`` only adds a file (``profile.json``
 keeps its format), so a version-2 folder stays valid and is not refused."""
@@ -426,6 +426,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", type=_integers(1), default=[4, 8, 16, 32, 64],
                         help="comma-separated global batch sizes (default: 4,8,16,32,64)")
     parser.add_argument("--pilot-batch", type=at_least(1), default=16)
+    parser.add_argument("--lr-rule", choices=("sqrt", "linear", "none"), default="sqrt",
+                        help="how the learning rate follows the batch: --lr at --lr-base-batch, "
+                             "scaled by sqrt (Adam's rule, default), linearly, or not")
+    parser.add_argument("--lr-base-batch", type=at_least(1), default=16,
+                        help="global batch at which --lr holds (default: %(default)s)")
+    parser.add_argument("--gns-every", type=at_least(1), default=4,
+                        help="measure the noise scale on every K-th step (default: "
+                             "%(default)s)")
     parser.add_argument("--eval-every-tokens", type=at_least(1), default=4096)
     parser.add_argument("--max-tokens", type=at_least(1), default=3_000_000)
     parser.add_argument("--corpus-mb", type=at_least(1e-3, float), default=4.0)
@@ -452,7 +460,8 @@ def main(argv: list[str] | None = None) -> int:
     base = dict(model=model, out_dir=str(out), target_loss=args.target, lr=args.lr,
                 corpus_bytes=int(args.corpus_mb * (1 << 20)), val_seqs=64,
                 eval_every_tokens=args.eval_every_tokens, max_tokens=args.max_tokens,
-                batches=batches, gns_beta=0.9)
+                batches=batches, gns_beta=0.9, lr_rule=args.lr_rule,
+                lr_base_batch=args.lr_base_batch, gns_every=args.gns_every)
 
     with contextlib.ExitStack() as stack:
         try:
@@ -462,6 +471,9 @@ def main(argv: list[str] | None = None) -> int:
             check_settings(out, experiment_settings(
                 args, model, batches, {"val_seqs": base["val_seqs"],
                                        "gns_beta": base["gns_beta"],
+                                       "lr_rule": args.lr_rule,
+                                       "lr_base_batch": args.lr_base_batch,
+                                       "gns_every": args.gns_every,
                                        "profile_steps": Job.profile_steps}))
         except ConfigError as error:
             parser.error(str(error))
@@ -526,7 +538,9 @@ def _run(args: argparse.Namespace, model: Any, batches: list[int], seeds: list[i
 
         with start_script_run(__file__, params={
                 "model": model.name, "model_spec": model.to_dict(), "target_loss": args.target,
-                "lr": args.lr, "batches": batches, "seeds": seeds, "world_sizes": [4],
+                "lr": args.lr, "lr_rule": args.lr_rule, "lr_base_batch": args.lr_base_batch,
+                "gns_every": args.gns_every, "batches": batches, "seeds": seeds,
+                "world_sizes": [4],
                 "hardware": "cpu", "backend": "gloo",
                 "fixed_config": settings["fixed_config"],
                 "follow_layout": settings["follow_layout"],

@@ -3,7 +3,10 @@
 A short real profiling campaign of the ``tiny`` model on gloo, a performance model fitted on
 it, a tuning run against that model, and the top recommendation profiled for real to check
 the prediction; the campaign, the fit and the tuning (with its verification, as
-``paratune tune --verify``) are MLflow runs in the local store.
+``paratune tune --verify``) are MLflow runs in the local store. Then goodput: the tuned job's
+processes profiled at two larger global batches, a short measurement of the gradient noise
+scale on real text, a goodput recommendation over the three batch sizes and a phase plan
+(batch and parallelism along the measured ``B_noise``).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ if TYPE_CHECKING:
     import pandas as pd
 
     from paratune.profiler.campaign import CampaignResult
-    from paratune.tuner import TuneResult
+    from paratune.tuner import Plan, TuneResult
 
 __all__ = ["QuickstartResult", "quickstart", "register"]
 
@@ -33,6 +36,10 @@ class QuickstartResult:
     tuning: TuneResult
     verification: pd.DataFrame | None
     timings_s: dict[str, float] = field(default_factory=dict)
+    goodput: TuneResult | None = None
+    """The goodput recommendation over several batch sizes (``None`` with ``goodput=False``)."""
+    plan: Plan | None = None
+    """The phase plan along the measured ``B_noise``."""
 
 
 def _say(line: str) -> None:
@@ -43,8 +50,8 @@ def _say(line: str) -> None:
 def quickstart(out: str | Path = "paratune-quickstart", *,
                world_sizes: tuple[int, ...] = (1, 2, 4), gpus: int = 4,
                warmup_steps: int = 2, measured_steps: int = 5, verify: int = 1,
-               track: bool = True, progress: bool = True,
-               log: Any = _say) -> QuickstartResult:
+               track: bool = True, progress: bool = True, goodput: bool = True,
+               gns_steps: int = 24, log: Any = _say) -> QuickstartResult:
     """Profile ``tiny`` on this CPU, fit, tune for ``gpus`` processes, verify the winner.
 
     Re-running with the same ``out`` resumes the campaign (nothing measured is redone).
@@ -58,6 +65,9 @@ def quickstart(out: str | Path = "paratune-quickstart", *,
         verify: Top configs to profile again after tuning (0 to skip).
         track: Log every stage to MLflow.
         progress: Show progress bars.
+        goodput: Run the goodput stage (profile two larger batches on ``gpus`` processes,
+            measure ``B_noise`` for ``gns_steps`` steps, recommend by goodput, plan phases).
+        gns_steps: Steps of the noise-scale measurement.
         log: Where progress lines go.
 
     Returns:
@@ -126,8 +136,78 @@ def quickstart(out: str | Path = "paratune-quickstart", *,
 
         timings["verify"] = time.monotonic() - started
         log(format_table(tuning.verification.to_dict("records"), floatfmt=".4g"))
-    return QuickstartResult(out=out, campaign=campaign, model_dir=model_dir, tuning=tuning,
-                            verification=tuning.verification, timings_s=timings)
+    result = QuickstartResult(out=out, campaign=campaign, model_dir=model_dir, tuning=tuning,
+                              verification=tuning.verification, timings_s=timings)
+    if goodput:
+        _goodput_stage(result, spec, gpus=gpus, gns_steps=gns_steps, track=track,
+                       progress=progress, log=log)
+    return result
+
+
+GOODPUT_BATCHES = (8, 16, 32)
+"""Global batch sizes of the quickstart's goodput stage (the campaign's 8 and two more)."""
+
+
+def _goodput_stage(result: QuickstartResult, spec: Any, *, gpus: int, gns_steps: int,
+                   track: bool, progress: bool, log: Any) -> None:
+    """Profile ``gpus`` processes at the larger batches, measure ``B_noise``, recommend by
+    goodput over :data:`GOODPUT_BATCHES` and plan phases (resumable, as the rest)."""
+    from dataclasses import replace
+
+    from paratune.models._workflows import fit_model
+    from paratune.parallel import ParallelConfig
+    from paratune.profiler.campaign import run_campaign
+    from paratune.profiler.gns import GNSJob, run_gns
+    from paratune.tuner import SearchSpace, load_trajectory, plan_phases, tune
+    from paratune.tuner._tune import load_predictor
+
+    out, model, timings = result.out, spec.model, result.timings_s
+    # the options of the two best configs only: profiling every layout again at two more
+    # batches would double the quickstart
+    top = result.tuning.search.configs(2)
+    options = spec.space.replace(
+        tp_degrees=tuple(sorted({c.tp for c in top})),
+        pp_degrees=tuple(sorted({c.pp for c in top})),
+        schedules=tuple(dict.fromkeys(c.schedule for c in top)),
+        shardings=tuple(dict.fromkeys(c.sharding for c in top)),
+        recomputes=tuple(dict.fromkeys(c.recompute for c in top)),
+        micro_batch_sizes=tuple(sorted({c.micro_batch_size for c in top})))
+    log(f"[goodput 1/3] profiling the two best layouts on {gpus} processes at global "
+        f"batches {list(GOODPUT_BATCHES[1:])}, measuring B_noise for {gns_steps} steps on "
+        "real text")
+    started = time.monotonic()
+    space = options.replace(global_batch_sizes=GOODPUT_BATCHES[1:])
+    batches_dir = out / "campaign-batches"
+    run_campaign(replace(spec, world_sizes=(gpus,), space=space), batches_dir,
+                 resume=(batches_dir / "campaign.json").exists(), track=track,
+                 progress=progress)
+    gns_path = out / "gns.csv"
+    if not gns_path.exists() or len(gns_path.read_text().splitlines()) < gns_steps + 1:
+        config = ParallelConfig(dp=gpus, micro_batch_size=1, global_batch_size=8)
+        run_gns(GNSJob(model=model, config=config, steps=gns_steps, out=str(gns_path),
+                       corpus_bytes=1 << 20, measure_every=1), progress=progress)
+    model_dir = out / "model-goodput"
+    fit_model([out / "campaign", batches_dir], model_dir, n_estimators=300,
+              experiment="paratune-fit" if track else None, force=True)
+    timings["goodput_measure"] = time.monotonic() - started
+
+    log(f"[goodput 2/3] goodput over global batches {list(GOODPUT_BATCHES)} with the "
+        "measured B_noise")
+    started = time.monotonic()
+    options = options.replace(global_batch_sizes=GOODPUT_BATCHES)
+    result.goodput = tune(model, gpus, "cpu", model_dir, objective="goodput", gns=gns_path,
+                          search="exhaustive", space=options,
+                          global_batch_sizes=list(GOODPUT_BATCHES),
+                          output_dir=out / "recommendation-goodput", track=track)
+    log(result.goodput.table(5))
+    log("[goodput 3/3] training phases along the measured B_noise")
+    trajectory = load_trajectory(gns_path)
+    search_space = SearchSpace.build(model, gpus, "cpu", space=options,
+                                     global_batch_sizes=list(GOODPUT_BATCHES))
+    result.plan = plan_phases(load_predictor(model_dir), search_space, trajectory,
+                              reconfig_cost_s=1.0, threshold=0.0, max_segments=8)
+    log(result.plan.table())
+    timings["goodput"] = time.monotonic() - started
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -135,7 +215,8 @@ def _run(args: argparse.Namespace) -> int:
 
     result = quickstart(args.out, world_sizes=args.world_sizes, gpus=args.gpus,
                         warmup_steps=args.warmup, measured_steps=args.steps,
-                        verify=args.verify, track=not args.no_track)
+                        verify=args.verify, track=not args.no_track,
+                        goodput=not args.no_goodput)
     rec = result.tuning.recommendation
     print()
     print(f"Recommendation for {rec.get('model', {}).get('name', 'tiny')} on {args.gpus} "
@@ -143,6 +224,15 @@ def _run(args: argparse.Namespace) -> int:
     for name, path in sorted(result.tuning.outputs.items()):
         print(f"  {name:<11} {path}")
     timing = ", ".join(f"{k} {v:.0f} s" for k, v in result.timings_s.items())
+    if result.goodput is not None:
+        b_noise = result.goodput.recommendation.get("objective", {}).get("b_noise")
+        shown = f" (B_noise {b_noise:.3g} sequences)" if b_noise else ""
+        print(f"Goodput recommendation{shown}: {result.goodput.best.key()} "
+              f"({result.goodput.outputs.get('json', '')})")
+        plan = result.plan
+        print(f"Phase plan: {len(plan.phases)} phase(s), "
+              + " -> ".join(f"gb{p['config']['global_batch_size']}" for p in plan.phases)
+              + f", {plan.speedup('fixed'):.3f}x the best fixed config")
     print(f"Stages: {timing}.")
     print(f"Dataset: paratune datasets show {result.campaign.out}")
     if not args.no_track:
@@ -172,6 +262,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--steps", type=int, default=5, help="timed steps per config")
     parser.add_argument("--verify", type=int, default=1,
                         help="top configs to profile again after tuning (default: %(default)s)")
+    parser.add_argument("--no-goodput", action="store_true",
+                        help="stop after the throughput recommendation (no batch-size "
+                             "profiling, noise-scale measurement, goodput or phase plan)")
     add_track_flag(parser)
     parser.set_defaults(func=_run, field_flags={"warmup_steps": "--warmup",
                                                 "measured_steps": "--steps",

@@ -32,6 +32,7 @@ _FIELD_FLAGS = {
     "data_seed": "--seed",
     "num_small_batches": "--small-batches",
     "beta": "--ema",
+    "measure_every": "--measure-every",
 }
 _MIN_CORPUS_MB = 4096 / (1 << 20)  # TextCorpus.from_stdlib reads at least 4096 bytes
 
@@ -110,6 +111,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                              "(default none: plain Euclidean norms)")
     parser.add_argument("--ema", type=float, default=0.95,
                         help="decay of the moving averages of |G|^2 and tr(Sigma)")
+    parser.add_argument("--measure-every", dest="measure_every", type=at_least(1), default=1,
+                        metavar="K",
+                        help="measure the noise scale on every K-th step only (one "
+                             "trajectory row each); the steps between train as usual "
+                             "(default: every step)")
     parser.add_argument("--corpus-mb", type=at_least(_MIN_CORPUS_MB, float), default=8.0,
                         help="MiB of standard-library source to read (default 8)")
     parser.add_argument("--checkpoint-every", type=int, default=None, metavar="STEPS",
@@ -158,7 +164,8 @@ def _gns(args: argparse.Namespace) -> int:
     job = GNSJob(model=model, config=config, steps=args.steps, out=str(out), seed=args.seed,
                  data_seed=args.seed, lr=args.lr, mode=args.mode,
                  num_small_batches=args.small_batches, precondition=args.precondition,
-                 beta=args.ema, corpus_bytes=int(args.corpus_mb * (1 << 20)),
+                 beta=args.ema, measure_every=args.measure_every,
+                 corpus_bytes=int(args.corpus_mb * (1 << 20)),
                  checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
                  resume=args.resume, device=args.device)
     job.validate()  # a bad argument is refused before a run is opened
@@ -175,7 +182,8 @@ def _gns(args: argparse.Namespace) -> int:
                 params={"model": model.name, "seq_len": model.seq_len,
                         "config": config.key(), "steps": args.steps,
                         "lr": args.lr, "seed": args.seed, "mode": args.mode,
-                        "precondition": args.precondition, "ema": args.ema}))
+                        "precondition": args.precondition, "ema": args.ema,
+                        "measure_every": args.measure_every}))
         try:
             path = run_gns(job, progress=not args.no_progress)
         except (KeyboardInterrupt, Terminated):

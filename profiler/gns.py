@@ -365,6 +365,9 @@ class GNSStep:
     """Sequences in the full batch."""
     estimate: GNSEstimate
     """The smoothed estimate after this step."""
+    measured: bool = True
+    """Whether this step measured the norms (``False`` on the steps between two measured
+    ones under ``measure_every > 1``: the norms are NaN and the estimate is unchanged)."""
 
 
 def resolve_mode(config: Any, mode: str = "auto") -> str:
@@ -430,14 +433,28 @@ class NoiseScaleMeter:
         num_small_batches: Chunks per step in ``accumulate`` mode (``>= 2``).
         precondition: ``"none"`` or ``"adam"`` (see the module docstring).
         beta: Moving-average decay of :class:`GradientNoiseScale`.
+        measure_every: Measure the norms on every ``measure_every``-th step only (the first
+            step is measured); the steps between train as the trainer does without a meter.
+            In ``dp`` mode the norms are nearly free already (this rank's gradient before the
+            one all-reduce); in ``accumulate`` mode a measured step reduces each chunk
+            separately, and measuring one step in ``k`` divides that cost by ``k``.
 
     Raises:
         ConfigError: a field breaks a rule (named in the message).
     """
 
     def __init__(self, config: Any, *, mode: str = "auto", num_small_batches: int = 2,
-                 precondition: str = "none", beta: float = 0.95) -> None:
+                 precondition: str = "none", beta: float = 0.95,
+                 measure_every: int = 1) -> None:
         from paratune.parallel import Sharding
+
+        if (isinstance(measure_every, bool) or not isinstance(measure_every, int)
+                or measure_every < 1):
+            raise ConfigError("measure_every", measure_every, "must be an integer >= 1")
+        self.measure_every = measure_every
+        self.steps = 0
+        """Steps taken (a resumed run sets it to the step it resumes at, so that the same
+        steps are measured)."""
 
         self.config = config
         self.mode = resolve_mode(config, mode)
@@ -486,6 +503,9 @@ class NoiseScaleMeter:
         if tokens.shape[0] != gb:
             raise ConfigError("tokens", tuple(tokens.shape),
                               f"first dim must be global_batch_size={gb}")
+        self.steps += 1
+        if (self.steps - 1) % self.measure_every:
+            return self._plain_step(trainer, tokens)
         params = [p for part in trainer.model_parts for p in part.parameters()
                   if p.requires_grad]
         pp_group = (trainer.mesh[MeshAxis.PP.value].get_group() if self.config.pp > 1
@@ -525,6 +545,37 @@ class NoiseScaleMeter:
         trainer.optimizer_step()
         return GNSStep(loss=float(loss), small_sqnorm=small, big_sqnorm=big,
                        b_small=self.b_small, b_big=gb, estimate=estimate)
+
+    def _plain_step(self, trainer: Any, tokens: torch.Tensor) -> GNSStep:
+        """A step that measures nothing: the trainer's own step on the whole batch (in
+        ``accumulate`` mode the chunks' gradients summed, as gradient accumulation does)."""
+        if self.mode == "dp":
+            loss = trainer.forward_backward(tokens)
+        else:
+            params = [p for part in trainer.model_parts for p in part.parameters()
+                      if p.requires_grad]
+            k, chunk = self.num_small_batches, self.b_small
+            sums: list[torch.Tensor | None] = [None] * len(params)
+            loss = 0.0
+            for i in range(k):
+                for p in params:
+                    p.grad = None
+                loss += trainer.forward_backward(tokens[i * chunk:(i + 1) * chunk]) / k
+                for j, p in enumerate(params):
+                    if p.grad is None:
+                        continue
+                    if sums[j] is None:
+                        sums[j] = p.grad.detach().clone()
+                    else:
+                        _local(sums[j]).add_(_local(p.grad.detach()))
+            for p, total in zip(params, sums):
+                if total is not None:
+                    _local(total).div_(k)
+                p.grad = total
+        trainer.optimizer_step()
+        return GNSStep(loss=float(loss), small_sqnorm=math.nan, big_sqnorm=math.nan,
+                       b_small=self.b_small, b_big=self.config.global_batch_size,
+                       estimate=self.tracker.estimate(), measured=False)
 
 
 # ---------------------------------------------------------------------- the measured run
@@ -567,6 +618,9 @@ class GNSJob:
     """``"none"`` or ``"adam"``."""
     beta: float = 0.95
     """Moving-average decay."""
+    measure_every: int = 1
+    """Measure on every ``measure_every``-th step (the trajectory has a row for each measured
+    step only; see :class:`NoiseScaleMeter`)."""
     corpus_bytes: int | None = 8 << 20
     """Bytes of the standard library to read."""
     checkpoint_dir: str | None = None
@@ -610,7 +664,8 @@ class GNSJob:
 
         check_supported(self.model, self.config)
         NoiseScaleMeter(self.config, mode=self.mode, num_small_batches=self.num_small_batches,
-                        precondition=self.precondition, beta=self.beta)
+                        precondition=self.precondition, beta=self.beta,
+                        measure_every=self.measure_every)
 
 
 def _append_row(path: str, row: dict[str, Any]) -> None:
@@ -1009,7 +1064,8 @@ def _gns_worker(rank: int, world_size: int, port: int, job: GNSJob) -> None:
         corpus = TextCorpus.from_stdlib(max_bytes=job.corpus_bytes)
         meter = NoiseScaleMeter(job.config, mode=job.mode,
                                 num_small_batches=job.num_small_batches,
-                                precondition=job.precondition, beta=job.beta)
+                                precondition=job.precondition, beta=job.beta,
+                                measure_every=job.measure_every)
         trainer = Trainer(job.model, meter.trainer_config, device=device, seed=job.seed,
                           lr=job.lr, weight_decay=job.weight_decay)
         fingerprint = _job_fingerprint(job)
@@ -1024,6 +1080,7 @@ def _gns_worker(rank: int, world_size: int, port: int, job: GNSJob) -> None:
             if rank == 0:
                 _truncate_rows(job.out, state.step, seq_len=job.model.seq_len)
         dist.barrier()
+        meter.steps = state.step
         gb, seq_len = job.config.global_batch_size, job.model.seq_len
         elapsed = float(state.extra.get("elapsed_s", 0.0))
         while state.step < job.steps:
@@ -1034,7 +1091,7 @@ def _gns_worker(rank: int, world_size: int, port: int, job: GNSJob) -> None:
             state.step += 1
             state.samples_seen += gb
             state.tokens_seen += gb * seq_len
-            if rank == 0:
+            if rank == 0 and result.measured:
                 est = result.estimate
                 _append_row(job.out, {
                     "step": state.step, "tokens": state.tokens_seen, "loss": result.loss,
@@ -1257,7 +1314,8 @@ def _layouts_worker(rank: int, world_size: int, port: int, model: Any, runs: lis
             config = run["config"]
             meter = NoiseScaleMeter(config, mode=run.get("mode", "auto"),
                                     num_small_batches=run.get("num_small_batches", 2),
-                                    precondition=run.get("precondition", "none"))
+                                    precondition=run.get("precondition", "none"),
+                                    measure_every=run.get("measure_every", 1))
             trainer = Trainer(model, meter.trainer_config, device=device, seed=seed, lr=1e-3)
             records = []
             for step in range(steps):
@@ -1281,7 +1339,7 @@ def measure_layouts(model: Any, runs: list[dict[str, Any]], *, world_size: int, 
     Args:
         model: The model shape.
         runs: Dicts with ``config`` (a ParallelConfig of ``world_size`` devices) and optional
-            ``mode``, ``num_small_batches``, ``precondition``.
+            ``mode``, ``num_small_batches``, ``precondition``, ``measure_every``.
         world_size: Processes to start.
         steps: Steps per run.
         seed: Initialisation and data seed.

@@ -7,6 +7,11 @@ Run it with torchrun (one process per device), e.g.::
         --model tiny --seq-len 128 --config '{"dp": 2, "tp": 2, "global_batch_size": 8}' \\
         --steps 50
 
+A whole training-phase plan runs in one launch with ``--plan launch.json`` (the file
+``paratune plan --output DIR`` writes) in place of ``--config``: each phase trains its steps
+under its config and learning rate, and where the config changes the run switches through a
+``torch.distributed.checkpoint`` hand-over (``--checkpoint-dir``), keeping its data position.
+
 Without torchrun's environment it runs as a single process. It trains on real text (the
 byte-level corpus of Python's own sources) or on random tokens, and prints the loss and the
 throughput every ``--log-every`` steps on rank 0.
@@ -23,7 +28,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["TrainReport", "main", "parse_args", "resolve_model", "train"]
+__all__ = ["TrainReport", "main", "parse_args", "resolve_model", "train", "train_plan"]
 
 
 @dataclass
@@ -134,6 +139,117 @@ def train(model_name: str, config_json: str, *, steps: int, seq_len: int | None 
                        global_batch_size=config.global_batch_size, seq_len=spec.seq_len)
 
 
+def _plan_phases(launch: dict) -> list[tuple[object, int, float]]:
+    """``(config, steps, lr)`` of every phase of a plan's ``launch.json``.
+
+    Raises:
+        ConfigError: no phase, a phase without a positive step count, or a phase the
+            checkpoint hand-over cannot switch into or out of.
+    """
+    from paratune.errors import ConfigError
+    from paratune.parallel import ParallelConfig
+    from paratune.profiler.reconfigure import _check_supported
+
+    phases = launch.get("phases") if isinstance(launch, dict) else None
+    if not phases:
+        raise ConfigError("plan", None, "has no phases (expected paratune plan's launch.json)")
+    out = []
+    for i, phase in enumerate(phases, 1):
+        config = ParallelConfig.from_dict(phase["config"])
+        steps = int(phase["end_step"]) - int(phase["start_step"])
+        if steps < 1:
+            raise ConfigError("plan", f"phase {i}", "must have at least one step")
+        if len(phases) > 1:
+            _check_supported(config)
+        out.append((config, steps, float(phase["lr"])))
+    return out
+
+
+def train_plan(model_name: str, launch: dict, *, checkpoint_dir: str,
+               seq_len: int | None = None, data: str = "text", seed: int = 0,
+               log_every: int = 10, out: object = None) -> TrainReport:
+    """Train every phase of a plan in one process group, switching layouts in between.
+
+    Args:
+        model_name: A preset name or a Hugging Face ``config.json`` path.
+        launch: The plan's ``launch.json`` (:func:`paratune.tuner.plan_launch`).
+        checkpoint_dir: Where the hand-over checkpoints are written.
+        seq_len, data, seed, log_every, out: As for :func:`train`.
+
+    Returns:
+        A :class:`TrainReport` of the whole run (its batch: the last phase's).
+
+    Raises:
+        ConfigError: a bad model, plan or argument (named in the message).
+    """
+    import torch
+    import torch.distributed as dist
+
+    from paratune.profiler.reconfigure import RunState, reconfigure
+    from paratune.profiler.trainer import Trainer, _synchronize, synthetic_batch
+
+    spec = resolve_model(model_name, seq_len)
+    phases = _plan_phases(launch)
+    device = _device()
+    for config, _steps, _lr in phases:
+        config.validate(spec, dist.get_world_size())
+    corpus = None
+    if data == "text":
+        from paratune.profiler.corpus import TextCorpus
+
+        corpus = TextCorpus.from_stdlib()
+    config, _steps, lr = phases[0]
+    trainer = Trainer(spec, config, device=device, seed=seed, lr=lr)
+    state = RunState(config=config)
+    stream = out if out is not None else sys.stdout
+    rank = dist.get_rank()
+    times: list[float] = []
+    loss = float("nan")
+    for number, (new, steps, lr) in enumerate(phases, 1):
+        if new != state.config:
+            trainer, state, _cost = reconfigure(
+                trainer, state, new, checkpoint_dir=checkpoint_dir,
+                build_trainer=lambda c, lr=lr: Trainer(spec, c, device=device, seed=seed,
+                                                       lr=lr))
+        for optimizer in trainer.optimizers:  # a checkpoint restores the old rate
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+        gb = new.global_batch_size
+        if rank == 0:
+            print(f"phase {number}: {new.key()}, lr {lr:.4g}, {steps} steps", file=stream,
+                  flush=True)
+        for _ in range(steps):
+            if corpus is not None:
+                batch = corpus.sequences(state.samples_seen, gb, spec.seq_len, seed=seed)
+            else:
+                batch = synthetic_batch(spec, gb, step=state.step, seed=seed)
+            _synchronize(device)
+            dist.barrier()
+            started = time.perf_counter()
+            local_loss = trainer.train_step(batch)
+            _synchronize(device)
+            elapsed = torch.tensor([time.perf_counter() - started], dtype=torch.float64,
+                                   device=device)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            times.append(float(elapsed))
+            state.step += 1
+            state.samples_seen += gb
+            state.tokens_seen += gb * spec.seq_len
+            logged = bool(log_every) and state.step % log_every == 0
+            if logged or state.step == sum(p[1] for p in phases):
+                loss = trainer.global_loss(local_loss)
+            if rank == 0 and logged:
+                print(f"step {state.step:>6}  loss {loss:.4f}  step {times[-1]:.3f} s",
+                      file=stream, flush=True)
+    trainer.close()
+    timed = times[1:] or times
+    mean = sum(timed) / len(timed)
+    last = phases[-1][0].global_batch_size
+    return TrainReport(steps=state.step, final_loss=loss, mean_step_time_s=mean,
+                       tokens_per_s=state.tokens_seen / sum(times),
+                       global_batch_size=last, seq_len=spec.seq_len)
+
+
 def _device() -> object:
     import torch
 
@@ -179,7 +295,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seq-len", type=at_least(1), default=None, metavar="TOKENS",
                         help="tokens per sequence (default: the preset's, or a config.json's "
                              "max_position_embeddings, with a warning)")
-    parser.add_argument("--config", required=True, help="ParallelConfig as JSON")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--config", help="ParallelConfig as JSON")
+    source.add_argument("--plan", default=None, metavar="LAUNCH_JSON",
+                        help="a training-phase plan's launch.json (paratune plan --output): "
+                             "every phase in this one launch")
+    parser.add_argument("--checkpoint-dir", default="plan-checkpoint",
+                        help="with --plan: where layout switches hand over (default: "
+                             "%(default)s)")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--data", choices=("text", "synthetic"), default="text")
     parser.add_argument("--seed", type=int, default=0)
@@ -199,9 +322,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     _init_process_group()
     try:
         with closing_process_group():
-            report = train(args.model, args.config, steps=args.steps, seq_len=args.seq_len,
-                           data=args.data, seed=args.seed, lr=args.lr,
-                           log_every=args.log_every)
+            if args.plan is not None:
+                try:
+                    with open(args.plan) as handle:
+                        launch = json.load(handle)
+                except (OSError, json.JSONDecodeError) as exc:
+                    raise ConfigError("plan", args.plan, f"could not be read ({exc})") \
+                        from None
+                report = train_plan(args.model, launch, checkpoint_dir=args.checkpoint_dir,
+                                    seq_len=args.seq_len, data=args.data, seed=args.seed,
+                                    log_every=args.log_every)
+            else:
+                report = train(args.model, args.config, steps=args.steps,
+                               seq_len=args.seq_len, data=args.data, seed=args.seed,
+                               lr=args.lr, log_every=args.log_every)
     except ConfigError as exc:
         print(f"paratune.profiler.train: error: {exc}", file=sys.stderr)
         return 2

@@ -79,9 +79,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                       help="throughput: tokens/s at one global batch; goodput: tokens/s times "
                            "statistical efficiency (needs --gns) (default: %(default)s)")
     tune.add_argument("--gns", default=None,
-                      help="gradient noise scale B_noise in sequences of MODEL, or a "
+                      help="gradient noise scale B_noise in sequences of MODEL, a "
                            "trajectory file (CSV/JSON with step, tokens, b_simple in the "
-                           "measuring run's sequences, seq_len)")
+                           "measuring run's sequences, seq_len), or a critical-batch law "
+                           "(kaplan2020, minicpm2024, constant:TOKENS) along MODEL's "
+                           "Chinchilla loss curve")
     _add_trajectory_seq_len(tune)
     tune.add_argument("--b0", type=float, default=None,
                       help="reference batch of the Pollux efficiency (default: smallest batch)")
@@ -145,11 +147,34 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "target, switch costs included, among those whose switches each gain "
                     "more than the threshold; compare with a fixed batch and with a batch "
                     "that follows B_noise under one fixed parallelism.")
-    _add_job(plan, default_batch="the powers of two from half the trajectory's smallest "
-                                 "B_noise to twice its largest, and at least --gpus")
-    plan.add_argument("--trajectory", type=Path, required=True,
-                      help="B_noise trajectory (CSV/JSON with step, tokens, b_simple in the "
-                           "measuring run's sequences, seq_len)")
+    _add_job(plan, default_batch="from the smallest batch that keeps every device busy "
+                                 "under some layout (dp x micro-batch) up in factors of two "
+                                 "to twice the largest B_noise")
+    source = plan.add_mutually_exclusive_group(required=True)
+    source.add_argument("--trajectory", type=Path, default=None,
+                        help="B_noise trajectory (CSV/JSON with step, tokens, b_simple in the "
+                             "measuring run's sequences, seq_len)")
+    source.add_argument("--law", default=None, metavar="NAME",
+                        help="a published critical-batch law instead of a measured "
+                             "trajectory: kaplan2020 (B_crit = 2e8 tokens / L^(1/0.21)), "
+                             "minicpm2024 (1.21e9 tokens / L^6.24) or constant:TOKENS, "
+                             "along --loss-curve")
+    plan.add_argument("--loss-curve", dest="loss_curve", default="chinchilla",
+                      metavar="FILE|chinchilla",
+                      help="with --law: loss against tokens, a CSV/JSON file with tokens, "
+                           "loss, or chinchilla (Hoffmann et al. 2022's fit for MODEL's "
+                           "parameters) (default: %(default)s)")
+    plan.add_argument("--tokens", default="2e8:2e11", metavar="FROM:TO",
+                      help="with --law and the chinchilla curve: the stretch of training "
+                           "planned, in tokens (default: %(default)s)")
+    plan.add_argument("--lr-rule", dest="lr_rule", default="sqrt",
+                      choices=("sqrt", "linear", "adascale", "none"),
+                      help="how the learning rate follows the batch: sqrt (Adam, default), "
+                           "linear (SGD), adascale (AdaScale's gain, as Pollux), none")
+    plan.add_argument("--base-lr", dest="base_lr", type=float, default=3e-4,
+                      help="learning rate at --base-batch (default: %(default)s)")
+    plan.add_argument("--base-batch", dest="base_batch", type=float, default=None,
+                      help="batch at which --base-lr holds (default: the first phase's)")
     _add_trajectory_seq_len(plan)
     plan.add_argument("--reconfig-cost-s", type=float, default=600.0,
                       help="seconds lost to a change of parallelism")
@@ -164,11 +189,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                       help="running-median window over the trajectory's b_simple")
     plan.add_argument("--output", type=Path, default=None, metavar="PATH",
                       help="write the plan as JSON: PATH itself if it ends in .json, else "
-                           "PATH/plan.json")
+                           "PATH/plan.json with the launch files of every phase beside it "
+                           "(torchtitan TOML and Megatron-LM arguments per phase, Megatron's "
+                           "batch schedule per layout, paratune's trainer for the whole plan)")
     plan.set_defaults(func=_plan, field_flags={
         **_JOB_FIELD_FLAGS, "max_segments": "--segments", "threshold": "--threshold",
         "reconfig_cost_s": "--reconfig-cost-s", "batch_change_cost_s": "--batch-change-cost-s",
-        "trajectory": "--trajectory"})
+        "trajectory": "--trajectory", "law": "--law", "loss_curve": "--loss-curve",
+        "tokens": "--tokens", "lr_rule": "--lr-rule", "base_lr": "--base-lr",
+        "base_batch": "--base-batch"})
 
 
 def _space(args: argparse.Namespace):
@@ -276,15 +305,23 @@ def _plan(args: argparse.Namespace) -> int:
                        batch_change_cost_s=args.batch_change_cost_s, threshold=args.threshold,
                        max_segments=args.segments)
     model = get_model(args.model, seq_len=args.seq_len)
-    trajectory = load_trajectory(args.trajectory, smooth=args.smooth,
-                                 seq_len=args.trajectory_seq_len)
+    if args.trajectory is not None:
+        trajectory = load_trajectory(args.trajectory, smooth=args.smooth,
+                                     seq_len=args.trajectory_seq_len)
+    else:
+        trajectory = law_trajectory_for(model, args.law, args.loss_curve, args.tokens)
     options = _space(args)
     if args.tp_across_nodes:
         options = (options or ConfigSpace()).replace(tp_within_node=False)
     # --global-batch, else the space file's batches, else the range the trajectory spans
     batches = args.global_batch
     if batches is None and not (options is not None and options.global_batch_sizes_given):
-        batches = _default_plan_batches(trajectory, args.gpus, seq_len=model.seq_len)
+        from paratune.hardware import get_hardware
+        from paratune.tuner._plan import default_batch_range
+
+        node = args.devices_per_node or get_hardware(args.hardware).devices_per_node
+        batches = default_batch_range(model, args.gpus, trajectory.b_noise_in(model.seq_len),
+                                      space=options, devices_per_node=node)
     space = SearchSpace.build(model, args.gpus, args.hardware, space=options,
                               global_batch_sizes=batches,
                               devices_per_node=args.devices_per_node)
@@ -304,7 +341,9 @@ def _plan(args: argparse.Namespace) -> int:
                 "hardware": space.hardware.name,
                 "devices_per_node": space.devices_per_node,
                 **predictor_params(args.predictor, predictor),
-                "trajectory": str(args.trajectory.resolve()),
+                "trajectory": (str(args.trajectory.resolve()) if args.trajectory
+                               else trajectory.source),
+                "lr_rule": args.lr_rule, "base_lr": args.base_lr,
                 "trajectory_seq_len": trajectory.seq_len, "smooth": args.smooth,
                 "reconfig_cost_s": args.reconfig_cost_s,
                 "batch_change_cost_s": args.batch_change_cost_s,
@@ -317,7 +356,8 @@ def _plan(args: argparse.Namespace) -> int:
                            reconfig_cost_s=args.reconfig_cost_s,
                            batch_change_cost_s=args.batch_change_cost_s,
                            threshold=args.threshold, max_segments=args.segments,
-                           objective=objective)
+                           objective=objective, lr_rule=args.lr_rule, base_lr=args.base_lr,
+                           base_batch=args.base_batch)
         print(f"{model.name} ({model.seq_len} tokens per sequence) on {args.gpus} x "
               f"{space.hardware.name}, global batch sizes "
               f"{_batches_text(space.global_batch_sizes)}")
@@ -327,6 +367,13 @@ def _plan(args: argparse.Namespace) -> int:
                        else args.output)
             atomic_write_text(written, json.dumps(plan.to_dict(), indent=2, default=float))
             print(f"\nwrote {written}")
+            if args.output.suffix != ".json":
+                from paratune.tuner._plan_export import write_plan_launch
+
+                files = write_plan_launch(plan, model, space.hardware, args.output,
+                                          devices_per_node=space.devices_per_node)
+                print(f"wrote {len(files)} launch files under {args.output} "
+                      f"(see {files['README']})")
         if run is not None:
             run.log_metrics({"total_time_s": plan.total_time_s,
                              "num_switches": plan.num_switches,
@@ -348,13 +395,22 @@ def _batches_text(batches) -> str:
     return f"{batches[0]}, {batches[1]}, ..., {batches[-1]} ({len(batches)} sizes)"
 
 
-def _default_plan_batches(trajectory, gpus: int, *, seq_len: int) -> str:
-    """Powers of two spanning the trajectory's B_noise in sequences of ``seq_len`` tokens
-    (and at least the device count)."""
-    import math
+def law_trajectory_for(model, law: str, loss_curve: str, tokens: str):
+    """The ``B_noise`` trajectory of ``--law`` along ``--loss-curve`` for ``model``."""
+    from paratune.errors import ConfigError
+    from paratune.tuner.gns_trajectory import (
+        chinchilla_loss_curve,
+        law_trajectory,
+        load_loss_curve,
+    )
 
-    b_noise = trajectory.b_noise_in(seq_len)
-    lo = max(1, 1 << math.floor(math.log2(max(1.0, float(b_noise.min()) / 2))))
-    lo = max(lo, 1 << math.ceil(math.log2(gpus)) if gpus > 1 else 1)
-    hi = max(lo, 1 << math.ceil(math.log2(max(1.0, float(b_noise.max()) * 2))))
-    return f"{lo}:{hi}"
+    if str(loss_curve).lower() == "chinchilla":
+        try:
+            low, high = (float(x) for x in str(tokens).split(":"))
+        except ValueError:
+            raise ConfigError("tokens", tokens, "must be FROM:TO in tokens, e.g. 2e8:2e11") \
+                from None
+        curve = chinchilla_loss_curve(model.num_params, tokens_from=low, tokens_to=high)
+    else:
+        curve = load_loss_curve(loss_curve)
+    return law_trajectory(law, curve, seq_len=model.seq_len)

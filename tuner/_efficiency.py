@@ -18,6 +18,11 @@ Two views of the same empirical law, both driven by the gradient noise scale ``B
   ``B_crit`` (and for Pollux's ``B_noise``). The time to the target is
   ``S(B) * step_time(B)``.
 
+The learning rate moves with the batch (:func:`lr_scale`): the square-root rule for Adam
+(Malladi et al. 2022, "On the SDEs and Scaling Rules for Adaptive Gradient Algorithms"), the
+linear rule for SGD (Goyal et al. 2017), or AdaScale's gain (Johnson et al. 2020), which
+Pollux uses: ``r = (B / B0) E(B)`` with ``E`` the Pollux efficiency above.
+
 For a fixed ``B_noise`` the two rank configurations identically: goodput is proportional
 to ``B / ((B_noise + B) * step_time)``, the inverse of the time to target. Pollux gives a
 dimensionless rate; McCandlish an absolute time once ``S_min`` (or ``E_min``) is known.
@@ -33,7 +38,8 @@ from numpy.typing import ArrayLike
 
 from paratune.errors import ConfigError
 
-__all__ = ["examples_to_target", "pollux_efficiency", "steps_to_target", "time_to_target"]
+__all__ = ["LR_RULES", "examples_to_target", "lr_scale", "pollux_efficiency", "steps_to_target",
+           "time_to_target"]
 
 
 def _positive(name: str, value: object, rule: str, *, zero: bool = False) -> float:
@@ -109,3 +115,46 @@ def time_to_target(batch: ArrayLike, step_time_s: ArrayLike, b_noise: float,
                       zero=True)
     steps = steps_to_target(batch, b_noise, e_min / b_noise)
     return steps * np.asarray(step_time_s, dtype=float)
+
+
+LR_RULES = ("sqrt", "linear", "adascale", "none")
+"""Learning-rate rules of :func:`lr_scale`."""
+
+
+def lr_scale(batch: ArrayLike, base_batch: float, rule: str = "sqrt", *,
+             b_noise: float | None = None) -> np.ndarray:
+    """Factor on the learning rate tuned at ``base_batch`` for a run at ``batch``.
+
+    * ``sqrt``: ``sqrt(B / B0)``, the square-root scaling rule of Adam-type optimizers
+      (Malladi et al. 2022); the default.
+    * ``linear``: ``B / B0``, the linear rule of SGD (Goyal et al. 2017).
+    * ``adascale``: AdaScale's gain ``(B / B0) (B_noise + B0) / (B_noise + B)`` (Johnson et
+      al. 2020, as Pollux applies it): linear while ``B << B_noise``, flat above it; needs
+      ``b_noise``.
+    * ``none``: 1 (the learning rate does not follow the batch).
+
+    Args:
+        batch: Global batch size(s) in sequences.
+        base_batch: Batch at which the base learning rate was tuned.
+        rule: One of :data:`LR_RULES`.
+        b_noise: Gradient noise scale in sequences (``adascale`` only).
+
+    Raises:
+        ConfigError: an unknown rule, a non-positive batch, or ``adascale`` without a
+            positive ``b_noise``.
+    """
+    if rule not in LR_RULES:
+        raise ConfigError("lr_rule", rule, f"must be one of {', '.join(LR_RULES)}")
+    batch = _check_batch(batch)
+    base = _positive("base_batch", base_batch, "the batch the base learning rate was tuned at "
+                     "must be a positive, finite number of sequences")
+    ratio = batch / base
+    if rule == "sqrt":
+        return np.sqrt(ratio)
+    if rule == "linear":
+        return ratio
+    if rule == "none":
+        return np.ones_like(ratio)
+    if b_noise is None:
+        raise ConfigError("b_noise", None, "lr_rule=adascale needs the gradient noise scale")
+    return ratio * pollux_efficiency(batch, b_noise, base)

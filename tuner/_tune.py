@@ -156,7 +156,8 @@ def load_predictor(predictor: Predictor | str | Path) -> Predictor:
 
 
 def resolve_gns(gns: float | str | Path | None, *, seq_len: int,
-                trajectory_seq_len: int | None = None) -> float | None:
+                trajectory_seq_len: int | None = None,
+                num_params: float | None = None) -> float | None:
     """``B_noise`` in sequences of the planned model, from a number or a trajectory file.
 
     A number is taken as already in sequences of ``seq_len`` tokens. A trajectory's
@@ -171,6 +172,10 @@ def resolve_gns(gns: float | str | Path | None, *, seq_len: int,
         seq_len: Tokens per sequence of the planned model.
         trajectory_seq_len: Tokens per sequence of the run that measured a trajectory file
             without a ``seq_len`` column.
+        num_params: Parameters of the planned model, for a critical-batch law named as
+            ``gns`` (``kaplan2020``, ``minicpm2024``, ``constant:TOKENS``): its ``B_noise``
+            along the model's Chinchilla loss curve from 0.2B to 200B tokens, reduced like a
+            trajectory's.
 
     Returns:
         ``B_noise`` in sequences of ``seq_len`` tokens, or ``None``.
@@ -191,6 +196,17 @@ def resolve_gns(gns: float | str | Path | None, *, seq_len: int,
         except ValueError:
             pass
     from paratune.tuner._plan import effective_b_noise
+    from paratune.tuner.gns_trajectory import NOISE_LAWS
+
+    text = str(gns).strip().lower()
+    if not isinstance(gns, Path) and (text in NOISE_LAWS or text.startswith("constant:")):
+        from paratune.tuner.gns_trajectory import chinchilla_loss_curve, law_trajectory
+
+        if num_params is None:
+            raise ConfigError("gns", gns, "a critical-batch law needs the model's parameter "
+                              "count (num_params) for its Chinchilla loss curve")
+        trajectory = law_trajectory(text, chinchilla_loss_curve(num_params), seq_len=seq_len)
+        return effective_b_noise(trajectory, seq_len=seq_len)
     from paratune.tuner.gns_trajectory import load_trajectory
 
     trajectory = load_trajectory(gns, seq_len=trajectory_seq_len)
@@ -282,7 +298,8 @@ def tune(model: ModelSpec | str, gpus: int, gpu: HardwareSpec | str,
     gpus = check_gpus(gpus)
     spec = get_model(model) if isinstance(model, str) else model
     hw = get_hardware(gpu) if isinstance(gpu, str) else gpu
-    b_noise = resolve_gns(gns, seq_len=spec.seq_len, trajectory_seq_len=trajectory_seq_len)
+    b_noise = resolve_gns(gns, seq_len=spec.seq_len, trajectory_seq_len=trajectory_seq_len,
+                          num_params=spec.num_params)
     if isinstance(space, (str, Path)):
         space = ConfigSpace.from_file(space)
     space = space or ConfigSpace()

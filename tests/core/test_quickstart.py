@@ -53,11 +53,24 @@ def test_quickstart_runs_the_whole_loop_and_resumes(tmp_path, monkeypatch):
     assert tune_run.info.status == "FINISHED" and tune_run.data.params["verify"] == "1"
     artifacts = {a.path for a in mlflow.MlflowClient().list_artifacts(result.tuning.run_id)}
     assert "verification.csv" in artifacts
-    assert set(result.timings_s) == {"profile", "fit", "tune", "verify"}
+    # the goodput stage: profiled at more batches, B_noise measured, goodput over the three
+    # batch sizes, and a phase plan along the measured trajectory
+    assert set(result.timings_s) == {"profile", "fit", "tune", "verify", "goodput_measure",
+                                     "goodput"}
+    assert any(line.startswith("[goodput 3/3]") for line in lines)
+    searched = set(result.goodput.ranked["global_batch_size"])
+    assert searched == {8, 16, 32} and result.goodput.best.global_batch_size in searched
+    goodput_rec = json.loads(result.goodput.outputs["json"].read_text())
+    assert goodput_rec["objective"]["kind"] == "goodput"
+    assert goodput_rec["objective"]["b_noise"] > 0
+    assert result.plan.phases and result.plan.total_time_s <= (
+        result.plan.baselines["fixed"]["time_s"] * (1 + 1e-12))
+    assert (result.out / "gns.csv").exists()
 
     # A second run resumes: nothing is measured again.
     again = quickstart(out, world_sizes=(1, 2), gpus=2, warmup_steps=1, measured_steps=2,
-                       verify=0, track=False, progress=False, log=lines.append)
+                       verify=0, track=False, progress=False, goodput=False,
+                       log=lines.append)
     assert again.campaign.num_measured == 0
     assert again.campaign.footer().startswith(
         f"nothing new to measure: {len(measured)} configs already measured")

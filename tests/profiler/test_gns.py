@@ -188,6 +188,40 @@ def test_3d_parallel_estimate_equals_single_process_on_same_batches():
                                                            rel=1e-3)
 
 
+@pytest.mark.slow
+def test_measuring_every_kth_step_trains_the_same_and_measures_the_same_norms():
+    from paratune import ParallelConfig
+    from paratune.profiler.gns import measure_layouts
+
+    spec = _small_llama()
+    runs = []
+    for config in (ParallelConfig(dp=4, global_batch_size=8),
+                   ParallelConfig(dp=2, tp=2, global_batch_size=8)):
+        runs += [{"config": config}, {"config": config, "measure_every": 2}]
+    got = measure_layouts(spec, runs, world_size=4, steps=4)
+    for every_step, every_other in (got[0:2], got[2:4]):
+        for i, (a, b) in enumerate(zip(every_step, every_other)):
+            # the steps between measured ones train exactly as measured steps do
+            assert b["loss"] == pytest.approx(a["loss"], rel=1e-9)
+            assert b["measured"] is (i % 2 == 0)
+            if b["measured"]:
+                assert b["small_sqnorm"] == pytest.approx(a["small_sqnorm"], rel=1e-9)
+                assert b["big_sqnorm"] == pytest.approx(a["big_sqnorm"], rel=1e-9)
+            else:
+                assert math.isnan(b["small_sqnorm"]) and math.isnan(b["big_sqnorm"])
+        assert every_other[-1]["estimate"]["num_updates"] == 2
+        assert math.isfinite(every_other[-1]["estimate"]["b_simple"])
+
+
+def test_measure_every_must_be_a_positive_integer():
+    from paratune import ParallelConfig
+    from paratune.profiler.gns import NoiseScaleMeter
+
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ConfigError, match="measure_every"):
+            NoiseScaleMeter(ParallelConfig(dp=2, global_batch_size=4), measure_every=bad)
+
+
 # ---------------------------------------------------------------------- the `gns` command
 def test_parse_config_reads_both_spellings():
     from paratune import ParallelConfig

@@ -185,3 +185,31 @@ def test_the_exported_torchrun_command_trains_the_model_tuned(tmp_path):
                           timeout=300, cwd=tmp_path.parent)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.splitlines()[-1].startswith("done: 20 steps of 2 x 32 tokens")
+
+
+@pytest.mark.slow
+def test_a_whole_plan_trains_in_one_launch_switching_layouts(tmp_path):
+    """Two phases of a plan's launch.json: batch 4 on dp2, then batch 8 on tp2 at a higher
+    learning rate, handed over through a checkpoint in one torchrun launch."""
+    launch = {"phases": [
+        {"config": {"dp": 2, "global_batch_size": 4, "micro_batch_size": 2},
+         "start_step": 0, "end_step": 3, "lr": 1e-3},
+        {"config": {"tp": 2, "global_batch_size": 8, "micro_batch_size": 4},
+         "start_step": 3, "end_step": 5, "lr": 1.4e-3}]}
+    path = tmp_path / "launch.json"
+    path.write_text(json.dumps(launch))
+    proc = _run("--model", "tiny", "--plan", str(path), "--log-every", "1",
+                "--checkpoint-dir", str(tmp_path / "ckpt"), nproc=2)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = proc.stdout
+    assert "phase 1: dp2-tp1-pp1-mb2-gb4" in out and "lr 0.001, 3 steps" in out
+    assert "phase 2: dp1-tp2-pp1-mb4-gb8" in out and "lr 0.0014, 2 steps" in out
+    assert len(_losses(out)) == 5
+    assert "done: 5 steps of 8 x" in out.splitlines()[-1]
+
+
+def test_a_plan_that_cannot_switch_is_named_and_exits_2(tmp_path):
+    path = tmp_path / "launch.json"
+    path.write_text(json.dumps({"phases": []}))
+    proc = _run("--model", "tiny", "--plan", str(path))
+    assert proc.returncode == 2 and "plan" in proc.stderr and "no phases" in proc.stderr

@@ -428,3 +428,33 @@ def test_tune_refuses_a_verification_it_cannot_run_before_searching(job, tmp_pat
                                    "job's hardware here")
     assert captured.out == ""
     assert not (tmp_path / "out").exists()
+
+
+def test_plan_from_a_published_law_writes_launch_files_per_phase(model_dir, tmp_path, capsys):
+    out = tmp_path / "plan"
+    code = main(["plan", "--model", "llama3-8b", "--gpus", "64", "--hardware", "H100",
+                 "--predictor", str(model_dir), "--law", "kaplan2020", "--tokens", "2e8:2e10",
+                 "--reconfig-cost-s", "0", "--threshold", "0", "--output", str(out),
+                 "--no-track"])
+    text = capsys.readouterr().out
+    assert code == 0 and "Training phases" in text and "sqrt rule" in text
+    plan = json.loads((out / "plan.json").read_text())
+    assert "kaplan2020" in plan["source"]
+    # the default range starts at the smallest batch some layout runs, not at --gpus
+    assert "global batch sizes 1, 2," in text
+    for i in range(1, len(plan["phases"]) + 1):
+        assert (out / f"phase_{i:02d}" / "torchtitan.toml").exists()
+        assert (out / f"phase_{i:02d}" / "megatron_args.json").exists()
+    assert (out / "megatron_layout_01" / "megatron_args.txt").exists()
+    assert "launch files" in text
+
+
+def test_tune_takes_a_law_for_the_noise_scale(model_dir, tmp_path, capsys):
+    from paratune import get_model
+    from paratune.tuner._tune import resolve_gns
+
+    model = get_model("llama3-8b")
+    b = resolve_gns("kaplan2020", seq_len=model.seq_len, num_params=model.num_params)
+    assert 40 < b < 700  # between the law's values at 0.2B and 200B tokens
+    with pytest.raises(Exception, match="num_params"):
+        resolve_gns("kaplan2020", seq_len=model.seq_len)

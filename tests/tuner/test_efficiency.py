@@ -77,3 +77,18 @@ def test_extreme_noise_scales_stay_finite():
     # B_noise >> B: every batch is as efficient as the reference; B_noise << B: E = B0 / B
     np.testing.assert_allclose(pollux_efficiency(batch, 1e300, 64), 1.0)
     np.testing.assert_allclose(pollux_efficiency(batch, 1e-300, 64), [1.0, 0.5, 1 / 16])
+
+
+def test_learning_rate_rules():
+    from paratune.tuner import lr_scale
+
+    np.testing.assert_allclose(lr_scale([64, 256], 64), [1.0, 2.0])
+    np.testing.assert_allclose(lr_scale([64, 256], 64, "linear"), [1.0, 4.0])
+    np.testing.assert_allclose(lr_scale([256], 64, "none"), [1.0])
+    # AdaScale's gain: linear far below B_noise, flat far above it
+    assert lr_scale([256], 64, "adascale", b_noise=1e9)[0] == pytest.approx(4.0, rel=1e-6)
+    assert lr_scale([1e6], 64, "adascale", b_noise=10.0)[0] == pytest.approx(74 / 64, rel=1e-3)
+    with pytest.raises(ConfigError, match="b_noise"):
+        lr_scale([256], 64, "adascale")
+    with pytest.raises(ConfigError, match="lr_rule"):
+        lr_scale([256], 64, "cubic")

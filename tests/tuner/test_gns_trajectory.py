@@ -265,3 +265,45 @@ def test_the_missing_seq_len_message_names_the_flag_not_library_syntax(tmp_path)
         effective_b_noise(load_trajectory(path), seq_len=8192)
     assert "--trajectory-seq-len N" in info.value.rule
     assert "load_trajectory(" not in info.value.rule
+
+
+def test_published_laws_give_a_trajectory_in_the_planned_sequences():
+    from paratune import get_model
+    from paratune.tuner.gns_trajectory import (
+        NOISE_LAWS,
+        chinchilla_loss_curve,
+        get_law,
+        law_trajectory,
+    )
+
+    kaplan = NOISE_LAWS["kaplan2020"]
+    assert kaplan.b_crit_tokens(2.0) == pytest.approx(2e8 / 2.0 ** (1 / 0.21))
+    assert get_law("MiniCPM2024").b_crit_tokens(1.0) == pytest.approx(1.21e9)
+    assert get_law("constant:4e6").b_crit_tokens([3.0, 2.0]).tolist() == [4e6, 4e6]
+    model = get_model("llama3-8b")
+    curve = chinchilla_loss_curve(model.num_params, tokens_from=2e8, tokens_to=2e11)
+    # Chinchilla's fit: E + A / N^alpha + B / D^beta
+    assert curve.loss[-1] == pytest.approx(1.69 + 406.4 / model.num_params ** 0.34
+                                           + 410.7 / 2e11 ** 0.28)
+    traj = law_trajectory("kaplan2020", curve, seq_len=model.seq_len)
+    assert traj.reference_batch() == pytest.approx(1.0)
+    np.testing.assert_allclose(traj.b_noise_tokens(), kaplan.b_crit_tokens(curve.loss))
+    assert np.all(np.diff(traj.b_noise) > 0)  # the loss falls, the critical batch grows
+    for bad in ("kaplan", "constant:-1", "constant:x"):
+        with pytest.raises(ConfigError, match="law"):
+            get_law(bad)
+
+
+def test_a_loss_curve_file(tmp_path):
+    from paratune.tuner.gns_trajectory import load_loss_curve
+
+    path = tmp_path / "curve.csv"
+    path.write_text("tokens,loss\n1e9,3.0\n1e10,2.5\n1e11,2.2\n")
+    curve = load_loss_curve(path)
+    assert curve.loss_at(1e10) == pytest.approx(2.5)
+    path.write_text("tokens,loss\n1e9,3.0\n1e10,-1\n")
+    with pytest.raises(ConfigError, match="loss"):
+        load_loss_curve(path)
+    with pytest.raises(ConfigError, match="missing column"):
+        (tmp_path / "x.csv").write_text("tokens\n1\n")
+        load_loss_curve(tmp_path / "x.csv")

@@ -374,3 +374,56 @@ def test_switches_record_their_kind_and_baselines_pay_batch_changes(closed_form)
     assert text.split("plan:")[1].splitlines()[0].endswith(
         "2 batch-only changes at 100 s (200 s in all)")
     assert "600 s" not in text.split("plan:")[1].splitlines()[0]
+
+
+def test_the_batch_range_starts_where_a_layout_keeps_every_device_busy():
+    from paratune.tuner import default_batch_range, smallest_busy_batch
+
+    model = get_model("llama3-8b")
+    # tp <= 8 (heads, node), pp <= 32 layers: 4,096 devices need dp >= 16
+    assert smallest_busy_batch(model, 4096) == 16
+    assert smallest_busy_batch(model, 64) == 1
+    assert smallest_busy_batch(model, 4096, space=ConfigSpace(micro_batch_sizes=(2, 4))) == 32
+    batches = default_batch_range(model, 4096, [100.0, 3000.0])
+    assert batches[0] == 16 and batches[-1] >= 6000 and batches[-2] < 6000
+    assert all(b == 2 * a for a, b in itertools.pairwise(batches))
+
+
+def test_phases_state_their_learning_rate_tokens_and_loss(closed_form):
+    step = np.arange(200, dtype=float) * 100
+    traj = Trajectory(step=step, tokens=step * 256 * SEQ, b_noise=np.geomspace(40, 4000, 200),
+                      loss=np.linspace(4.0, 2.0, 200), seq_len=SEQ)
+    plan = plan_phases(closed_form, _space(), traj, reconfig_cost_s=60, threshold=0.0,
+                       base_lr=2e-4, base_batch=64)
+    assert len(plan.phases) >= 2
+    for phase in plan.phases:
+        batch = phase["config"]["global_batch_size"]
+        assert phase["lr"] == pytest.approx(2e-4 * math.sqrt(batch / 64))
+        assert phase["start_loss"] >= phase["end_loss"]
+    # the run's own tokens: E = E_min (1 + B / B_noise) >= the minimal examples
+    assert plan.phases[0]["run_start_tokens"] == 0
+    for a, b in itertools.pairwise(plan.phases):
+        assert a["run_end_tokens"] == b["run_start_tokens"]
+        assert a["end_time_s"] < b["end_time_s"]
+    e_min = sum(s.e_min for s in plan.segments) * SEQ
+    assert plan.phases[-1]["run_end_tokens"] > e_min
+    assert plan.phases[-1]["end_time_s"] == pytest.approx(plan.total_time_s)
+    assert "sqrt rule" in plan.table()
+    adascale = plan_phases(closed_form, _space(), traj, reconfig_cost_s=60, threshold=0.0,
+                           lr_rule="adascale", base_batch=64)
+    for phase in adascale.phases:
+        batch = phase["config"]["global_batch_size"]
+        gain = batch / 64 * (phase["b_noise"] + 64) / (phase["b_noise"] + batch)
+        assert phase["lr_scale"] == pytest.approx(gain)
+    with pytest.raises(ConfigError, match="lr_rule"):
+        plan_phases(closed_form, _space(), traj, lr_rule="cubic")
+
+
+def test_log_spacing_resolves_early_training():
+    tokens = np.geomspace(1e8, 1e11, 300)
+    traj = Trajectory(step=tokens / SEQ, tokens=tokens, b_noise=np.geomspace(10, 1000, 300),
+                      loss=np.full(300, np.nan), seq_len=SEQ)
+    log = progress_segments(traj, seq_len=SEQ, max_segments=10, spacing="auto")
+    linear = progress_segments(traj, seq_len=SEQ, max_segments=10, spacing="linear")
+    assert log[0].end_tokens < 1e9 < linear[0].end_tokens
+    assert sum(s.e_min for s in log) == pytest.approx(sum(s.e_min for s in linear))

@@ -1,0 +1,164 @@
+"""A plan's phases as launch files: torchtitan TOML and Megatron-LM arguments per phase, and
+Megatron-LM's step batch schedule per layout, checked by Megatron-LM's own code where it
+installs."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import json
+import shlex
+import tomllib
+
+import numpy as np
+import pytest
+
+from paratune import ConfigError, get_model
+from paratune.space import ConfigSpace
+from paratune.tuner import SearchSpace, Trajectory, plan_phases
+from paratune.tuner._plan_export import megatron_step_schedule, plan_launch, write_plan_launch
+
+MODEL = get_model("llama3-8b")
+SEQ = MODEL.seq_len
+
+
+def _plan(closed_form, **options):
+    step = np.arange(200, dtype=float) * 100
+    traj = Trajectory(step=step, tokens=step * 256 * SEQ, b_noise=np.geomspace(40, 4000, 200),
+                      loss=np.linspace(4.0, 2.0, 200), seq_len=SEQ)
+    space = SearchSpace.build(MODEL, 64, "H100", global_batch_sizes="64:4096",
+                              space=ConfigSpace(micro_batch_sizes=(1, 2),
+                                                shardings=("none", "zero1"),
+                                                recomputes=("none",), schedules=("1f1b",)))
+    return plan_phases(closed_form, space, traj, reconfig_cost_s=60, threshold=0.0,
+                       **options), space
+
+
+def _value(args: list[str], flag: str) -> str:
+    return args[args.index(flag) + 1]
+
+
+def test_every_phase_gets_a_torchtitan_config_that_resumes_the_last(closed_form, tmp_path):
+    plan, space = _plan(closed_form)
+    assert len(plan.phases) >= 2
+    files = write_plan_launch(plan, MODEL, space.hardware, tmp_path)
+    steps, previous_dump = 0, None
+    for i, phase in enumerate(plan.phases, 1):
+        toml = tomllib.loads(files[f"phase_{i:02d}/torchtitan.toml"].read_text())
+        assert toml["training"]["global_batch_size"] == phase["config"]["global_batch_size"]
+        assert toml["training"]["steps"] > steps  # counted over the whole run
+        assert toml["optimizer"]["lr"] == pytest.approx(phase["lr"])
+        assert toml["checkpoint"]["enable"] is True
+        if previous_dump is None:
+            assert "initial_load_path" not in toml["checkpoint"]
+        else:
+            assert toml["checkpoint"]["initial_load_path"] == (
+                f"{previous_dump}/checkpoints/step-{steps}")
+            assert toml["checkpoint"]["exclude_from_loading"] == ["dataloader"]
+        steps = toml["training"]["steps"]
+        previous_dump = toml["job"]["dump_folder"]
+        assert (phase["steps"] == steps - sum(p["steps"] for p in plan.phases[:i - 1]))
+    launch = json.loads(files["launch.json"].read_text())
+    assert [p["end_step"] for p in launch["phases"]][-1] == steps
+    assert "phase 01" in files["README"].read_text()
+    # paratune's trainer takes the whole plan in one launch (its own test trains one)
+    script = files["run_plan.sh"].read_text()
+    assert "-m paratune.profiler.train" in script and "--plan launch.json" in script
+    assert "--nproc-per-node=8" in script and "--nnodes=8" in script  # 64 H100s
+
+
+def test_megatron_phases_count_samples_over_the_run_and_carry_the_lr(closed_form, tmp_path):
+    plan, space = _plan(closed_form, lr_rule="linear", base_lr=1e-4, base_batch=64)
+    files = write_plan_launch(plan, MODEL, space.hardware, tmp_path)
+    end = 0
+    for i, phase in enumerate(plan.phases, 1):
+        args = json.loads(files[f"phase_{i:02d}/megatron_args.json"].read_text())
+        assert shlex.split(files[f"phase_{i:02d}/megatron_args.txt"].read_text()) == args
+        batch = phase["config"]["global_batch_size"]
+        assert int(_value(args, "--global-batch-size")) == batch
+        assert args.count("--global-batch-size") == 1
+        assert float(_value(args, "--lr")) == pytest.approx(1e-4 * batch / 64, rel=1e-5)
+        samples = int(_value(args, "--train-samples"))
+        assert samples == end + phase["steps"] * batch
+        end = samples
+        assert ("--override-opt_param-scheduler" in args) == (i > 1)
+        assert _value(args, "--load") == _value(args, "--save")
+
+
+def test_step_schedule_spelling():
+    assert megatron_step_schedule([(0, 768), (250e9, 1536), (500e9, 3072)],
+                                  seq_len=1000) == "0:768 250B:1536 500B:3072"
+    # thresholds fall on whole sequences; a repeated batch is dropped
+    assert megatron_step_schedule([(0, 64), (10_000, 64), (20_500, 128)],
+                                  seq_len=1000) == "0:64 20K:128"
+    with pytest.raises(ConfigError, match="increase"):
+        megatron_step_schedule([(0, 64), (0, 128)], seq_len=1000)
+
+
+def _megatron_calculator():
+    """Megatron-LM's step-schedule calculator, loaded from the installed megatron-core's own
+    file (importing ``megatron.core`` pulls GPU-only packages)."""
+    try:
+        dist = importlib.metadata.distribution("megatron-core")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("megatron-core is not installed")
+    path = dist.locate_file("megatron/core/num_microbatches_calculator.py")
+    if not path.exists():
+        pytest.skip(f"megatron-core {dist.version} ships no num_microbatches_calculator.py")
+    spec = importlib.util.spec_from_file_location("_megatron_num_microbatches", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if not hasattr(module, "StepBatchsizeNumMicroBatchesCalculator"):
+        pytest.skip(f"megatron-core {dist.version} has no --step-batch-size-schedule "
+                    "(0.19.2 has it, and needs Python >= 3.12)")
+    return module.StepBatchsizeNumMicroBatchesCalculator
+
+
+def test_megatron_reads_the_layout_schedule_as_planned(closed_form):
+    calculator = _megatron_calculator()
+    plan, space = _plan(closed_form, batch_change_cost_s=0.0)
+    launch = plan_launch(plan, MODEL, space.hardware)
+    checked = 0
+    for layout in launch["layouts"]:
+        args = layout["megatron_args"]
+        if "--step-batch-size-schedule" not in args:
+            continue
+        assert "--global-batch-size" not in args  # Megatron-LM refuses both
+        cfg = layout["layout"]
+        calc = calculator(micro_batch_size=cfg["micro_batch_size"],
+                          data_parallel_size=cfg["dp"], decrease_batch_size_if_needed=False,
+                          rank=0, schedule=_value(args, "--step-batch-size-schedule"),
+                          seq_length=SEQ)
+        for number in layout["phases"]:
+            phase = launch["phases"][number - 1]
+            calc.update(phase["start_samples"], consistency_check=True)
+            assert calc.get_current_global_batch_size() == phase["global_batch_size"]
+            checked += 1
+    if not checked:
+        pytest.skip("the plan changes no batch within a layout")
+
+
+def test_megatron_parses_a_phase_with_its_own_parser(closed_form, monkeypatch):
+    try:
+        from megatron.training.arguments import parse_args, validate_args
+    except Exception as exc:
+        pytest.skip(f"Megatron-LM's argument parser does not import here: {exc!r}")
+    plan, space = _plan(closed_form)
+    launch = plan_launch(plan, MODEL, space.hardware)
+    extra = ["--mock-data", "--tokenizer-type", "NullTokenizer",
+             "--vocab-size", str(MODEL.vocab_size)]
+    for phase in launch["phases"]:
+        monkeypatch.setattr("sys.argv", ["pretrain_gpt.py", *phase["megatron_args"], *extra])
+        monkeypatch.setenv("WORLD_SIZE", str(phase["config"]["dp"] * phase["config"]["tp"]
+                                             * phase["config"]["pp"]))
+        args = parse_args()
+        assert args.global_batch_size == phase["global_batch_size"]
+        assert args.train_samples == phase["end_samples"]
+        assert args.lr == pytest.approx(phase["lr"], rel=1e-5)
+        if "--num-layers" in phase["megatron_args"]:  # a complete model shape to validate
+            validate_args(args)
+    for layout in launch["layouts"]:
+        monkeypatch.setattr("sys.argv", ["pretrain_gpt.py", *layout["megatron_args"], *extra])
+        args = parse_args()
+        if "--step-batch-size-schedule" in layout["megatron_args"]:
+            assert args.step_batch_size_schedule == layout["step_batch_size_schedule"]
