@@ -8,7 +8,11 @@ Run in an environment where paratune is installed with its extras (CI's, or
 Every requirement of paratune (its extras included, where their packages are installed) is
 followed through the installed distributions' own metadata, so the file holds that tree and
 nothing else that happens to be in the environment. A local version label (``+cpu``) is
-dropped: ``torch==2.13.0`` matches a CPU and a CUDA build alike.
+dropped: ``torch==2.13.0`` matches a CPU and a CUDA build alike. The installer's own tools
+(pip, setuptools, wheel) are left out: they come with the virtual environment, and a pin of
+an old one would clash with a package that needs a newer one at run time. A requirement the
+installed version does not meet is reported and the script fails, so the file only ever holds
+a set that pip's resolver accepts.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 ROOT = Path(__file__).resolve().parent.parent
+TOOLS = {"pip", "setuptools", "wheel"}
 
 
 def _extras() -> list[str]:
@@ -44,8 +49,9 @@ def _requirements(dist: metadata.Distribution, extras: set[str]) -> list[Require
     return out
 
 
-def tree(root: str, extras: set[str]) -> dict[str, str]:
-    """``{name: version}`` of every installed distribution ``root[extras]`` needs."""
+def tree(root: str, extras: set[str], problems: list[str]) -> dict[str, str]:
+    """``{name: version}`` of every installed distribution ``root[extras]`` needs; a
+    requirement the installed version does not satisfy is appended to ``problems``."""
     pins: dict[str, str] = {}
     todo = [(root, extras)]
     seen: set[tuple[str, frozenset[str]]] = set()
@@ -63,13 +69,26 @@ def tree(root: str, extras: set[str]) -> dict[str, str]:
         if canonicalize_name(name) != canonicalize_name(root):
             pins[canonicalize_name(name)] = re.sub(r"\+.*$", "", dist.version)
         for req in _requirements(dist, wanted):
+            if canonicalize_name(req.name) in TOOLS:
+                continue
+            try:
+                version = metadata.version(req.name)
+            except metadata.PackageNotFoundError:
+                version = None
+            if version is not None and not req.specifier.contains(version, prereleases=True):
+                problems.append(f"{name} requires {req}, installed {version}")
             todo.append((req.name, set(req.extras)))
     return pins
 
 
 def main() -> int:
     extras = _extras()
-    pins = tree("paratune", set(extras))
+    problems: list[str] = []
+    pins = tree("paratune", set(extras), problems)
+    if problems:
+        print("constraints: the installed set is inconsistent (run pip install -e "
+              "'.[dev]' first):\n  " + "\n  ".join(problems), file=sys.stderr)
+        return 1
     print("# Known-good versions of paratune's dependencies (tested together by CI).")
     print("# Use: pip install -c constraints.txt -e '.[dev]'")
     print("# Regenerate: python .ci/constraints.py > constraints.txt  (in a CI-like environment)")
