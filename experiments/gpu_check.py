@@ -6,10 +6,11 @@ wall clock, set-up included:
 1. runs the tests marked ``gpu`` (NCCL, bf16 autocast, CUDA synchronise, allocator peaks,
    MFU), with pytest in a child process;
 2. profiles a real campaign at world size 1 of ``llama3.2-1b`` (1.24B parameters, tied
-   embeddings) at sequence length 2048 in bf16: micro-batches 1 to 16, global batches 8 to
-   64 sequences, recompute ``none``, ``selective`` and ``full``, with the profiler's warm-up
-   and measured steps (``--warmup``, ``--steps``); a config that runs out of memory is
-   recorded as ``oom``, as the campaign records any failure;
+   embeddings) at sequence length 2048 in bf16: micro-batches 1, 2, 4, 8 and 16, global
+   batches 8, 16, 32 and 64 sequences, recompute ``none``, ``selective`` and ``full`` (25
+   configs, planned at about 340 s), with the profiler's warm-up and measured steps
+   (``--warmup``, ``--steps``); a config that runs out of memory is recorded as ``oom``, as
+   the campaign records any failure;
 3. writes into ``--out`` (at most 8 files)::
 
        dataset/card.json, dataset/measurements-*.parquet   the measurements (the card names
@@ -114,9 +115,9 @@ def default_parts(tiny: bool) -> list[Part]:
                 Part("full", "full", (2,), (16,)),
                 Part("none-fill", "none", (4,), (4, 16))]
     return [Part("none-core", "none", (1, 4, 16), (8, 16, 32, 64)),
-            Part("selective", "selective", (1, 4, 16), (16, 64)),
-            Part("full", "full", (1, 4, 16), (16, 64)),
-            Part("none-fill", "none", (2, 8), (8, 16, 32, 64))]
+            Part("selective", "selective", (1, 4, 16), (8, 32)),
+            Part("full", "full", (1, 4, 16), (8, 32)),
+            Part("none-fill", "none", (2, 8), (16, 64))]
 
 
 def estimate_part_s(part: Part, step_s: Any, *, device: str, steps: int,
@@ -235,13 +236,23 @@ def machine(device: str) -> dict[str, Any]:
         info.update(gpu=torch.cuda.get_device_name(0), driver=driver_version(),
                     gpu_memory_gb=round(props.total_memory / 1e9, 1),
                     multiprocessors=props.multi_processor_count,
-                    nccl=".".join(map(str, torch.cuda.nccl.version())),
+                    nccl=_nccl_version(),
                     cudnn=str(torch.backends.cudnn.version()))
     else:
         from paratune.profiler.fingerprint import cpu_model
 
         info.update(cpu=cpu_model(), cores=os.cpu_count())
     return info
+
+
+def _nccl_version() -> str:
+    import torch
+
+    try:
+        version = torch.cuda.nccl.version()
+    except (RuntimeError, AttributeError):
+        return ""
+    return ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
 
 
 # ---------------------------------------------------------------------- tests
@@ -515,6 +526,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-tests", action="store_true", help="do not run the gpu tests")
     parser.add_argument("--hardware", default=None,
                         help="catalogue name of the device (detected by default)")
+    parser.add_argument("--plan-only", action="store_true",
+                        help="print the planned parts and their estimated seconds, and stop "
+                             "(with --hardware, also where the device is not present)")
     args = parser.parse_args(argv)
     started = time.monotonic()
     deadline = started + args.budget_s
@@ -559,10 +573,13 @@ def _run(args: argparse.Namespace, out: Path, work: Path, deadline: float, start
     timings: dict[str, float] = {}
     import torch
 
-    if args.device == "cuda" and not torch.cuda.is_available():
-        log("no CUDA device is visible: use --device cpu")
+    if args.device == "cuda" and not torch.cuda.is_available() and not (
+            args.plan_only and args.hardware):
+        log("no CUDA device is visible: use --device cpu (or --plan-only --hardware NAME)")
         return 1
     hardware = args.hardware or detect_hardware(args.device)
+    if args.plan_only:
+        return _plan_only(args, hardware, log)
     info = machine(args.device)
     log("machine: " + json.dumps(info))
     timings["set-up"] = time.monotonic() - started
@@ -638,6 +655,26 @@ def _run(args: argparse.Namespace, out: Path, work: Path, deadline: float, start
     ok_rows = 0 if summary is None else int((summary["status"] == "ok").sum())
     tests_ok = args.skip_tests or tests["returncode"] == 0
     return 0 if tests_ok and ok_rows and not heavy else 1
+
+
+def _plan_only(args: argparse.Namespace, hardware: str, log: Any) -> int:
+    from paratune import get_model
+
+    model = get_model("tiny" if args.tiny else "llama3.2-1b",
+                      seq_len=args.seq_len or (64 if args.tiny else 2048))
+    step_s = _step_estimator(model, hardware, args.device)
+    steps = args.warmup + args.steps
+    total = 0.0
+    for part in default_parts(args.tiny):
+        seconds = estimate_part_s(part, step_s, device=args.device, steps=steps)
+        total += seconds
+        log(f"{part.name}: recompute {part.recompute}, mb {part.micro_batch_sizes}, gb "
+            f"{part.global_batch_sizes}: {len(part.configs())} configs, {seconds:.0f} s")
+        for m, g in part.configs():
+            log(f"    mb{m} gb{g}: {step_s(part.recompute, m, g):.2f} s per step")
+    log(f"{model.name} on {hardware}: {total:.0f} s planned for the campaign, before the "
+        f"gpu tests and set-up (budget {args.budget_s:.0f} s)")
+    return 0
 
 
 def _measured_configs(directory: Path) -> set[tuple[int, int]]:
