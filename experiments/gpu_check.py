@@ -19,7 +19,7 @@ wall clock, set-up included:
                      beside the analytical step time, MFU and memory estimate, and ratios
        summary.md    the same as a Markdown table, with the machine and the test result
        gpu_tests.txt pytest's output
-       log.txt       this script's log (and a worker log's tail where a group failed)
+       log.txt       this script's log (with the workers' output where a group failed)
 
 The grid is run in four parts, most valuable first (recompute none at micro-batches 1, 4
 and 16; selective; full; then micro-batches 2 and 8), each planned against the time left
@@ -58,6 +58,7 @@ config was measured ``ok``; 1 otherwise.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -277,7 +278,9 @@ def run_gpu_tests(stage: Path, extra_path: str | None, out: Path, timeout_s: flo
                               timeout=timeout_s)
         text, code = proc.stdout + proc.stderr, proc.returncode
     except subprocess.TimeoutExpired as exc:
-        text = f"{exc.stdout or ''}{exc.stderr or ''}\ntimed out after {timeout_s:.0f} s\n"
+        parts = [p.decode(errors="replace") if isinstance(p, bytes) else (p or "")
+                 for p in (exc.stdout, exc.stderr)]
+        text = "".join(parts) + f"\ntimed out after {timeout_s:.0f} s\n"
         code = -1
     (out / "gpu_tests.txt").write_text(text)
     lines = [ln for ln in text.strip().splitlines() if ln.strip()]
@@ -309,32 +312,31 @@ def _children() -> list[int]:
 
 
 def _stop_children() -> None:
+    """Kill the campaign's workers (each leads its own session) and reap them."""
     for pid in _children():
-        with _suppress():
-            os.killpg(pid, signal.SIGKILL)  # each worker leads its own session
-        with _suppress():
+        with contextlib.suppress(OSError):
+            os.killpg(pid, signal.SIGKILL)
+        with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGKILL)
     for pid in _children():
-        with _suppress():
+        with contextlib.suppress(OSError):
             os.waitpid(pid, 0)
 
 
-class _suppress:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> bool:
-        return exc[0] is not None and issubclass(exc[0], OSError)
-
-
 def run_part(part: Part, model: Any, *, args: argparse.Namespace, hardware: str,
-             work: Path, deadline: float, next_config_s: float, log: Any) -> Path | None:
-    """Profile one part as a campaign of its own; returns its directory (None if empty)."""
+             work: Path, deadline: float, next_config_s: float, log: Any
+             ) -> tuple[Path | None, bool]:
+    """Profile one part as a campaign of its own.
+
+    Returns:
+        Its directory (``None`` when no config finished), and whether the campaign failed
+        (its worker group could not run: the parts after it are not tried).
+    """
     from paratune.profiler.campaign import CampaignSpec, materialise, run_campaign
     from paratune.space import ConfigSpace
 
     if not part.configs():
-        return None
+        return None, False
     spec = CampaignSpec(model=model, world_sizes=(1,), device=args.device, hardware=hardware,
                         warmup_steps=args.warmup, measured_steps=args.steps,
                         timeout_s=args.config_timeout_s, seed=0,
@@ -348,16 +350,23 @@ def run_part(part: Part, model: Any, *, args: argparse.Namespace, hardware: str,
             _stop_children()
             raise OutOfTime(key)
 
+    failed = False
     try:
-        run_campaign(spec, directory, track=False, progress=False, on_record=on_record)
+        run_campaign(spec, directory, track=False, progress=False, on_record=on_record,
+                     startup_timeout_s=args.config_timeout_s)
+        return directory, False
     except OutOfTime:
-        log(f"  {part.name}: the deadline is near; stopped after the config in flight")
-        try:
-            materialise(directory)
-        except Exception as exc:  # nothing finished: no dataset to write
-            log(f"  {part.name}: no dataset ({exc})")
-            return None
-    return directory
+        log(f"  {part.name}: the deadline is near: stopped, keeping the configs measured")
+    except Exception as exc:  # e.g. a group that never starts: its output is in the message
+        _stop_children()
+        failed = True
+        log(f"  {part.name}: the campaign failed: {type(exc).__name__}: {exc}")
+    try:  # what was journaled before it stopped
+        materialise(directory)
+    except Exception as exc:
+        log(f"  {part.name}: no dataset ({exc})")
+        return None, failed
+    return directory, failed
 
 
 # ---------------------------------------------------------------------- results
@@ -605,8 +614,13 @@ def _run(args: argparse.Namespace, out: Path, work: Path, deadline: float, start
     directories: list[Path] = []
     dropped: list[str] = []
     pace, campaign_start, planned_run = 1.0, time.monotonic(), 0.0
+    broken = False
     for part in parts:
-        left = end - time.monotonic()
+        if broken:
+            dropped += [f"{part.recompute} mb{m} gb{g}: not run, an earlier part's campaign "
+                        "failed" for m, g in part.configs()]
+            continue
+        left = max(0.0, end - time.monotonic())
         fitted = fit_part(part, left, step_s, device=args.device, steps=steps, pace=pace)
         dropped += fitted.dropped
         if not fitted.configs():
@@ -619,8 +633,8 @@ def _run(args: argparse.Namespace, out: Path, work: Path, deadline: float, start
         largest = max(BUILD_S[args.device] + steps * step_s(fitted.recompute, m, g)
                       for m, g in fitted.configs())
         begin = time.monotonic()
-        directory = run_part(fitted, model, args=args, hardware=hardware, work=work,
-                             deadline=end, next_config_s=pace * largest, log=log)
+        directory, broken = run_part(fitted, model, args=args, hardware=hardware, work=work,
+                                     deadline=end, next_config_s=pace * largest, log=log)
         took = time.monotonic() - begin
         unplanned = estimate_part_s(fitted, step_s, device=args.device, steps=steps)
         planned_run += unplanned
@@ -628,11 +642,12 @@ def _run(args: argparse.Namespace, out: Path, work: Path, deadline: float, start
         pace = max(0.25, (time.monotonic() - campaign_start) / planned_run)
         log(f"  {part.name}: {took:.0f} s (planned {unplanned:.0f} s at the assumed pace); "
             f"pace now {pace:.2f}")
+        why = "its campaign failed" if broken else "the deadline passed"
+        measured = set() if directory is None else _measured_configs(directory)
+        dropped += [f"{fitted.recompute} mb{m} gb{g}: not run, {why}"
+                    for m, g in fitted.configs() if (m, g) not in measured]
         if directory is not None:
             directories.append(directory)
-            measured = _measured_configs(directory)
-            dropped += [f"{fitted.recompute} mb{m} gb{g}: not run, the deadline passed"
-                        for m, g in fitted.configs() if (m, g) not in measured]
             timings["campaign"] = time.monotonic() - campaign_start
             write_outputs(directories, out, model=model, hardware=hardware, info=info,
                           tests=tests, dropped=dropped, timings=timings, log=log)
