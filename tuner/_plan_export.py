@@ -206,7 +206,9 @@ def plan_launch(plan: Plan, model: ModelSpec, hardware: HardwareSpec, *,
                 + toml)
         args = _drop(_flat(megatron_args(model, config)), "--global-batch-size")
         args += ["--global-batch-size", str(batch), "--train-samples", str(samples),
-                 "--lr", f"{lr:.6g}", "--save", checkpoint_dir, "--load", checkpoint_dir]
+                 "--lr", f"{lr:.6g}", "--save", checkpoint_dir, "--load", checkpoint_dir,
+                 # Megatron-LM refuses --save without an interval; the phase's last step saves
+                 "--save-interval", str(max(1, num_steps))]
         if not _has(args, "--ckpt-format"):
             args += ["--ckpt-format", "torch_dist"]
         if i:

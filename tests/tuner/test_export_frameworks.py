@@ -16,7 +16,6 @@ import contextlib
 import importlib
 import io
 import sys
-import typing
 import warnings
 from pathlib import Path
 
@@ -33,6 +32,7 @@ from paratune.tuner import (
     torchtitan_toml,
     write_recommendation,
 )
+from tests.tuner._frameworks import CUDA_MAJOR, megatron_arguments
 
 _FRAMEWORKS = "pip install -e '.[dev,frameworks]'"
 
@@ -71,7 +71,6 @@ MATRIX = [
 IDS = [f"{name}-{config.key()}-{hw}" for name, config, hw in MATRIX]
 
 # CUDA compute capability (major) of each device, as Megatron-LM's validate_args reads it
-_CUDA_MAJOR = {"H100-80GB": 9, "H200": 9, "A100-80GB": 8, "B200": 10}
 
 
 def _stage_counts(model, config) -> list[int]:
@@ -265,28 +264,6 @@ def test_torchtitan_loads_and_splits_every_export(name, config, hardware, tmp_pa
 # ----------------------------------------------------------------------------- Megatron-LM
 
 
-def _megatron_arguments():
-    """Megatron-LM's ``megatron.training.arguments``, or a skip saying why not.
-
-    megatron-core (which ships ``megatron/training`` from 0.17 on) declares Python 3.12 and
-    uses ``typing.override`` (3.12) in two modules; on Python 3.11 that one name is taken
-    from typing_extensions before the import, and nothing else of Megatron is changed.
-    """
-    if not hasattr(typing, "override"):
-        try:
-            import typing_extensions
-        except ImportError as exc:
-            pytest.skip(f"typing_extensions is missing ({exc})")
-        typing.override = typing_extensions.override
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return importlib.import_module("megatron.training.arguments")
-    except ImportError as exc:
-        pytest.skip(f"Megatron-LM's parser does not import ({exc}); {_FRAMEWORKS} and "
-                    f"tests/tuner/install_megatron_parser.sh install it")
-
-
 def _megatron_parse(arguments, model, config, hw, monkeypatch, *, env=None):
     """Megatron-LM's parsed and validated arguments of the export, launched with ``env``
     (default: :func:`megatron_env`) on ``hw``."""
@@ -297,7 +274,7 @@ def _megatron_parse(arguments, model, config, hw, monkeypatch, *, env=None):
     monkeypatch.setenv("RANK", "0")
     # validate_args asks CUDA for the device's generation; this machine has none, so it is
     # told the one of the hardware recommended for
-    monkeypatch.setattr(arguments, "get_device_arch_version", lambda: _CUDA_MAJOR[hw.name])
+    monkeypatch.setattr(arguments, "get_device_arch_version", lambda: CUDA_MAJOR[hw.name])
     monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *megatron_args(model, config, hw)])
     with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -309,7 +286,7 @@ def _megatron_parse(arguments, model, config, hw, monkeypatch, *, env=None):
 @pytest.mark.slow
 @pytest.mark.parametrize("name,config,hardware", MATRIX, ids=IDS)
 def test_megatron_parses_and_validates_every_export(name, config, hardware, monkeypatch):
-    arguments = _megatron_arguments()
+    arguments = megatron_arguments()
     from megatron.core.transformer.transformer_block import get_num_layers_to_build
     from megatron.training.argument_utils import core_transformer_config_from_args
 
@@ -365,7 +342,7 @@ def test_megatron_parses_and_validates_every_export(name, config, hardware, monk
 
 @pytest.mark.slow
 def test_megatron_refuses_tensor_parallelism_without_its_environment(monkeypatch):
-    arguments = _megatron_arguments()
+    arguments = megatron_arguments()
     model, hw = get_model("llama3-8b"), get_hardware("H100")
     config = ParallelConfig(dp=4, tp=2, micro_batch_size=1, global_batch_size=32)
     assert megatron_env(config, hw) == {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}

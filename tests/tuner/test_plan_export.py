@@ -4,11 +4,14 @@ installs."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import importlib.util
+import io
 import json
 import shlex
 import tomllib
+import warnings
 
 import numpy as np
 import pytest
@@ -17,6 +20,7 @@ from paratune import ConfigError, get_model
 from paratune.space import ConfigSpace
 from paratune.tuner import SearchSpace, Trajectory, plan_phases
 from paratune.tuner._plan_export import megatron_step_schedule, plan_launch, write_plan_launch
+from tests.tuner._frameworks import CUDA_MAJOR, megatron_arguments
 
 MODEL = get_model("llama3-8b")
 SEQ = MODEL.seq_len
@@ -139,26 +143,42 @@ def test_megatron_reads_the_layout_schedule_as_planned(closed_form):
 
 
 def test_megatron_parses_a_phase_with_its_own_parser(closed_form, monkeypatch):
-    try:
-        from megatron.training.arguments import parse_args, validate_args
-    except Exception as exc:
-        pytest.skip(f"Megatron-LM's argument parser does not import here: {exc!r}")
+    arguments = megatron_arguments()
     plan, space = _plan(closed_form)
     launch = plan_launch(plan, MODEL, space.hardware)
-    extra = ["--mock-data", "--tokenizer-type", "NullTokenizer",
-             "--vocab-size", str(MODEL.vocab_size)]
+    extra = ["--mock-data", "--tokenizer-type", "NullTokenizer"]
+    # validate_args asks CUDA for the device's generation: told the planned hardware's
+    monkeypatch.setattr(arguments, "get_device_arch_version",
+                        lambda: CUDA_MAJOR[space.hardware.name])
+    monkeypatch.setenv("RANK", "0")
+
+    def parse(argv, world_size, *, validate):
+        monkeypatch.setattr("sys.argv", ["pretrain_gpt.py", *argv, *extra])
+        monkeypatch.setenv("WORLD_SIZE", str(world_size))
+        monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+        with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            args = arguments.parse_args()
+            if validate:
+                arguments.validate_args(args, {})
+        return args
+
     for phase in launch["phases"]:
-        monkeypatch.setattr("sys.argv", ["pretrain_gpt.py", *phase["megatron_args"], *extra])
-        monkeypatch.setenv("WORLD_SIZE", str(phase["config"]["dp"] * phase["config"]["tp"]
-                                             * phase["config"]["pp"]))
-        args = parse_args()
+        config = phase["config"]
+        world = config["dp"] * config["tp"] * config["pp"]
+        assert "--num-layers" in phase["megatron_args"]  # a complete model shape
+        args = parse(phase["megatron_args"], world, validate=True)
         assert args.global_batch_size == phase["global_batch_size"]
         assert args.train_samples == phase["end_samples"]
         assert args.lr == pytest.approx(phase["lr"], rel=1e-5)
-        if "--num-layers" in phase["megatron_args"]:  # a complete model shape to validate
-            validate_args(args)
+        assert args.num_layers == MODEL.num_layers
+    steps_checked = 0
     for layout in launch["layouts"]:
-        monkeypatch.setattr("sys.argv", ["pretrain_gpt.py", *layout["megatron_args"], *extra])
-        args = parse_args()
+        config = layout["layout"]
+        args = parse(layout["megatron_args"], config["dp"] * config["tp"] * config["pp"],
+                     validate=True)
+        assert args.num_layers == MODEL.num_layers
         if "--step-batch-size-schedule" in layout["megatron_args"]:
+            steps_checked += 1
             assert args.step_batch_size_schedule == layout["step_batch_size_schedule"]
+    assert steps_checked, "the plan changes no batch within a layout"
