@@ -67,7 +67,7 @@ __all__ = [
     "source_family",
 ]
 
-SCHEMA_VERSION = 11
+SCHEMA_VERSION = 12
 """Version of the saved-model directory format; loading another version fails (2: the
 layer-passes feature; 3: the data-parallel ring latency in the analytical estimate; 4: the
 step-time models for models not in the training data; 5: the stalled-pipeline regime; 6:
@@ -78,7 +78,9 @@ training ranges; 8: the memory correction on its own features, with monotone dir
 the families whose pipelines never stalled, kept out of the stalled regime; 10: the models
 each family's step-time model has seen, and family names fit for file names; 11: the
 training ranges per family, the interval's widening with distance from them and the
-few-shot calibration of families). A
+few-shot calibration of families; 12: the stall classifier for models not in the
+training data on the regime's physics, see :func:`~paratune.models.features.stall_features`).
+A
 model learns corrections to the analytical estimate, so one fitted on another version's
 estimate would apply them to a different baseline."""
 PRED_TOKENS_Q10 = f"{PRED_TOKENS_PER_SEC_PER_GPU}_q10"
@@ -103,6 +105,8 @@ _COMPONENT_FILE = re.compile(  # a booster file save writes (transfer and family
     r"|transfer-.+|family-.+)\.json$")
 _TRANSFER_COLUMNS = np.asarray([F.FEATURE_NAMES.index(name) for name in F.TRANSFER_FEATURE_NAMES])
 _MEMORY_COLUMNS = np.asarray([F.FEATURE_NAMES.index(name) for name in F.MEMORY_FEATURE_NAMES])
+_STALL_MONOTONE = "({})".format(",".join(str(F.STALL_MONOTONE.get(name, 0))
+                                           for name in F.STALL_FEATURE_NAMES))
 _MEMORY_MONOTONE = "({})".format(",".join(str(F.MEMORY_MONOTONE.get(name, 0))
                                           for name in F.MEMORY_FEATURE_NAMES))
 
@@ -278,8 +282,13 @@ class PerformanceModel(_Base):
       whatever the model's size). The point prediction is the more likely regime's time;
       the expected step time weighs the two by the probability (the tuner ranks by it); the
       upper time quantile is the stalled time where the probability exceeds the upper
-      quantile's tail. All three come, like the step-time models, on all features and on the
-      transfer features. Stalling belongs to how a framework runs its pipelines: a
+      quantile's tail. All three come on all features for the models trained on, and on the
+      regime's physics (:func:`~paratune.models.features.stall_features`: compute per device
+      per step and per micro-batch, nodes) for the others, the classifier never rising with
+      the compute, so a larger model's layouts with seconds of compute per device are not
+      given the small models' stalls. Where the normal regime's step already takes longer
+      than the learned stalled one, the fixed cost hides behind the compute and the
+      probability is 0. Stalling belongs to how a framework runs its pipelines: a
       measurement family with at least ``min_stall_rows`` pipeline runs, none of them
       stalled, keeps a stall probability of 0 (``stall_free_families_``, by a row's source,
       else by its hardware) also on layouts it was not measured on;
@@ -435,7 +444,11 @@ class PerformanceModel(_Base):
                 and (has_time & ~stalled).any()):
             per_micro = np.log(step / F.num_microbatches(c))
             self.stall_ = self._fit_stall(X, pipeline, stalled, per_micro)
-            self.stall_transfer_ = self._fit_stall(X[:, transfer], pipeline, stalled, per_micro)
+            # for a model not trained on, the regime's physics alone (compute per device
+            # per step and per micro-batch, nodes): nothing that names a model size
+            self.stall_transfer_ = self._fit_stall(
+                F.stall_features(c), pipeline, stalled, per_micro,
+                monotone=_STALL_MONOTONE)
             has_time = has_time & ~stalled
         self.num_stall_rows_ = int(stalled.sum()) if self.stall_ is not None else 0
         # Stalling is a property of how a framework runs its pipelines (of nanotron's in the
@@ -642,13 +655,16 @@ class PerformanceModel(_Base):
         return median, refine, quantile
 
     def _fit_stall(self, X: np.ndarray, pipeline: np.ndarray, stalled: np.ndarray,
-                   per_micro: np.ndarray) -> tuple[Any, Any, Any]:
-        """Classifier of stalling among pipeline runs, then the median and quantile boosters
-        of a stalled run's log time per micro-batch."""
+                   per_micro: np.ndarray, *, monotone: str | None = None
+                   ) -> tuple[Any, Any, Any]:
+        """Classifier of stalling among pipeline runs (keeping the ``monotone`` directions
+        where given), then the median and quantile boosters of a stalled run's log time per
+        micro-batch."""
         import xgboost as xgb
 
+        extra = {"monotone_constraints": monotone} if monotone else {}
         classifier = xgb.XGBClassifier(tree_method="hist", objective="binary:logistic",
-                                       **self._classifier_params(stalled[pipeline])
+                                       **self._classifier_params(stalled[pipeline]), **extra
                                        ).fit(X[pipeline], stalled[pipeline])
         median = _xgb_regressor(self._booster_params(aux=True), objective="reg:absoluteerror"
                                 ).fit(X[stalled], per_micro[stalled])
@@ -768,8 +784,13 @@ class PerformanceModel(_Base):
         # from predictors that do not model it (not 0, which would claim it never stalls)
         prob = np.full(len(X), np.nan)
         if self.stall_ is not None:
-            prob, stall, stall_lo, stall_hi = self._stall(c, X, seen,
-                                                          self._stall_free(len(X), *origin))
+            prob, stall, stall_lo, stall_hi = self._stall(
+                c, X, F.stall_features(c), seen,
+                self._stall_free(len(X), *origin))
+            # the stall is a fixed cost per micro-batch: where the normal regime's step
+            # already takes longer than the learned stalled one, that cost hides behind the
+            # compute and the regime vanishes
+            prob = np.where(stall <= step, 0.0, prob)
             # a stalled run is by definition slower than the stall thresholds, and no faster
             # than the same configuration not stalling: for a model larger than any trained
             # on, the learned cost per micro-batch alone can fall below its normal step
@@ -907,11 +928,14 @@ class PerformanceModel(_Base):
                     "interval widened"), dtype=object)
         return step, lo, hi, expected, dist, warning
 
-    def _stall(self, c: F.Columns, X: np.ndarray, seen: np.ndarray, stall_free: np.ndarray
+    def _stall(self, c: F.Columns, X: np.ndarray, X_stall: np.ndarray, seen: np.ndarray,
+               stall_free: np.ndarray
                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """Probability of the stalled regime, and the median, lower and upper quantiles of
         the step time in it (zero probability and NaN times off pipelines and on the
-        ``stall_free`` rows)."""
+        ``stall_free`` rows): from the features ``X`` for the models trained on, from the
+        regime's physics ``X_stall`` (:func:`~paratune.models.features.stall_features`) for
+        the others."""
         n = len(X)
         prob = np.zeros(n)
         per_micro = np.full((n, 3), np.nan)
@@ -921,7 +945,7 @@ class PerformanceModel(_Base):
             if not rows.any():
                 continue
             classifier, median, quantile = self.stall_ if known else self.stall_transfer_
-            Xr = X[rows] if known else X[rows][:, _TRANSFER_COLUMNS]
+            Xr = X[rows] if known else X_stall[rows]
             prob[rows] = classifier.predict_proba(Xr)[:, 1]
             q = np.asarray(quantile.predict(Xr)).reshape(int(rows.sum()), -1)
             per_micro[rows] = np.column_stack([median.predict(Xr), q[:, 0], q[:, -1]])
@@ -1004,6 +1028,7 @@ class PerformanceModel(_Base):
                 "feature_names": list(F.FEATURE_NAMES),
                 "feasibility_feature_names": [*F.FEATURE_NAMES, "log2_pred_mem_fraction"],
                 "transfer_feature_names": list(F.TRANSFER_FEATURE_NAMES),
+                "stall_transfer_feature_names": list(F.STALL_FEATURE_NAMES),
                 "memory_feature_names": list(F.MEMORY_FEATURE_NAMES),
                 "seen_models": self.seen_models_,
                 "target": "log(measured_step_time_s / analytical_step_time_s)",

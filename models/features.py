@@ -47,8 +47,10 @@ __all__ = [
     "MEMORY_MONOTONE",
     "MEMORY_OVERHEAD_GB",
     "MODEL_SIZE_FEATURES",
+    "STALL_FEATURE_NAMES",
     "STALL_MAX_MFU",
     "STALL_MIN_SECONDS_PER_MICROBATCH",
+    "STALL_MONOTONE",
     "TRANSFER_FEATURE_NAMES",
     "Columns",
     "activation_memory_bytes",
@@ -70,6 +72,7 @@ __all__ = [
     "parameter_memory_bytes",
     "pp_crosses_nodes",
     "pp_p2p_bytes_per_microbatch",
+    "stall_features",
     "stall_floor_s",
     "stalled_pipeline",
     "step_time_at_mfu",
@@ -286,6 +289,41 @@ def stall_floor_s(frame: pd.DataFrame | Columns) -> np.ndarray:
     c = _cols(frame)
     return np.maximum(STALL_MIN_SECONDS_PER_MICROBATCH * num_microbatches(c),
                       step_time_at_mfu(c, STALL_MAX_MFU))
+
+
+STALL_FEATURE_NAMES: tuple[str, ...] = (
+    "log10_compute_s_per_step", "log10_compute_s_per_micro", "log2_nodes")
+"""Columns of :func:`stall_features`: the physics of the stalled regime, free of model size.
+A stalled micro-batch costs about a fixed second whatever the model; that cost matters where
+it is large next to the compute per device (runs spread thin over many nodes) and vanishes
+where the compute is large. In the public H100 sweep no pipeline run with three seconds or
+more of model FLOPs per device per step stalled. The memory fraction and which axes cross
+nodes are left out: within the sweep they follow the model's size (larger models stalled
+more often at the same compute), and a classifier on them called nearly every deep pipeline
+of a ten-times larger model stalled."""
+
+STALL_MONOTONE: dict[str, int] = {"log10_compute_s_per_step": -1,
+                                  "log10_compute_s_per_micro": -1}
+"""Directions the stall probability for an unseen model keeps: never rising with the compute
+per device, so a larger model's layouts are no likelier to stall than the ones measured."""
+
+
+def stall_features(frame: pd.DataFrame | Columns) -> np.ndarray:
+    """The stall classifier's matrix for models not in the training data
+    (:data:`STALL_FEATURE_NAMES`): log model-FLOPs seconds at peak per device per step and
+    per micro-batch, and log2 nodes."""
+    c = _cols(frame)
+    compute = step_time_at_mfu(c)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        columns = {
+            "log10_compute_s_per_step": np.log10(compute),
+            "log10_compute_s_per_micro": np.log10(compute / num_microbatches(c)),
+            "log2_nodes": np.log2(np.ceil(c.world / c.per_node)),
+        }
+    matrix = np.column_stack([columns[name] for name in STALL_FEATURE_NAMES]).astype(
+        np.float32)
+    matrix[~np.isfinite(matrix)] = np.nan
+    return matrix
 
 
 def step_time_at_mfu(frame: pd.DataFrame | Columns, mfu: float = 1.0) -> np.ndarray:
