@@ -305,11 +305,13 @@ def test_a_search_whose_sampler_found_nothing_feasible_probes_the_least_memory_c
 
 
 def test_a_layout_whose_best_needs_less_than_the_most_sharding_is_found(public_data):
-    """llama3-70b on 1024 H100s, fitted on the Ultra-Scale runs: the best config (dp128 tp2
-    pp4, ZeRO-2) does not fit at the sharding of the sampler's best (ZeRO-1) and looks slow
-    at ZeRO-3, which gathers every micro-batch. A probe that does not fit is followed by the
-    same config a sharding level up, so the local search starts from that layout (this seed
-    stopped 24% short of the best without)."""
+    """llama3-70b on 1024 H100s, fitted on the Ultra-Scale runs: the best config (ZeRO-2)
+    does not fit at the sharding of the sampler's best (ZeRO-1) and looks slow at ZeRO-3,
+    which gathers every micro-batch. A probe that does not fit is followed by the same config
+    a sharding level up, so the local search starts from that layout (this seed stopped 24%
+    short of the best without). Which layout is best moves with the model (dp128 tp2 pp4
+    before the stalled regime of unseen models came from compute per device); that it needs
+    ZeRO-2, less than the most sharding, is what the test is about."""
     from paratune.models import PerformanceModel, load_measurements
 
     model = PerformanceModel(n_jobs=1).fit(load_measurements(
@@ -324,4 +326,5 @@ def test_a_layout_whose_best_needs_less_than_the_most_sharding_is_found(public_d
     best = exhaustive(model, space, objective).ranked.iloc[0]
     found, _ = optuna_search(model, space, objective, n_trials=200, seed=3)
     assert found.ranked.iloc[0]["objective"] == pytest.approx(best["objective"], rel=1e-9)
-    assert (best["dp"], best["tp"], best["pp"], best["sharding"]) == (128, 2, 4, "zero2")
+    assert best["sharding"] == "zero2"
+    assert found.ranked.iloc[0]["sharding"] == "zero2"

@@ -229,7 +229,12 @@ def test_a_stopped_workers_trials_do_not_stay_running(postgres_cluster, how):
     finished = sum(_states(storage).get(s, 0) for s in ("COMPLETE", "PRUNED"))
     follower = _study_worker(storage, n_trials=finished + 2, seed=1, delay=0.0)
     _go(follower)
-    _, err = follower.communicate(timeout=120)
+    try:  # at worst the killed worker's heartbeats run out (HEARTBEAT_GRACE_S) first
+        _, err = follower.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        follower.kill()
+        _, err = follower.communicate()
+        pytest.fail(f"the next worker did not finish in 300 s: {err[-2000:]}")
     assert follower.returncode == 0, err
     states = _states(storage)
     assert states.get("RUNNING", 0) == 0 and states.get("FAIL", 0) > 0, states
