@@ -38,8 +38,8 @@ from numpy.typing import ArrayLike
 
 from paratune.errors import ConfigError
 
-__all__ = ["LR_RULES", "examples_to_target", "lr_scale", "pollux_efficiency", "steps_to_target",
-           "time_to_target"]
+__all__ = ["LR_RULES", "examples_to_target", "lr_scale", "pollux_efficiency", "positive_int",
+           "steps_to_target", "time_to_target"]
 
 
 def _positive(name: str, value: object, rule: str, *, zero: bool = False) -> float:
@@ -51,6 +51,17 @@ def _positive(name: str, value: object, rule: str, *, zero: bool = False) -> flo
     if not math.isfinite(number) or number < 0 or (number == 0 and not zero):
         raise ConfigError(name, value, rule)
     return number
+
+
+def positive_int(name: str, value: object, rule: str = "must be a positive integer") -> int:
+    """``value`` as an ``int`` when it is an integer >= 1 (not a bool).
+
+    Raises:
+        ConfigError: naming ``name`` and ``rule`` otherwise.
+    """
+    if isinstance(value, bool | np.bool_) or not isinstance(value, int | np.integer) or value < 1:
+        raise ConfigError(name, value, rule)
+    return int(value)
 
 
 def _check_noise(b_noise: float) -> float:
