@@ -17,7 +17,7 @@ import numpy as np
 from paratune.errors import ConfigError
 from paratune.parallel import ParallelConfig
 from paratune.tuner._efficiency import positive_int
-from paratune.tuner._space import MAX_BATCH_SIZES, check_gpus
+from paratune.tuner._space_params import MAX_BATCH_SIZES, check_gpus
 from paratune.tuner.gns_trajectory import Trajectory
 
 if TYPE_CHECKING:
