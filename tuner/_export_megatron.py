@@ -9,7 +9,8 @@ import shlex
 from paratune.hardware import HardwareSpec
 from paratune.parallel import ParallelConfig, Recompute, Schedule, Sharding
 from paratune.spec import ModelSpec
-from paratune.tuner._export_torchrun import shell_line, stage_layer_counts, torchrun_prefix
+from paratune.stages import stage_layer_counts
+from paratune.tuner._export_torchrun import shell_line, torchrun_prefix
 
 __all__ = ["MEGATRON_ENTRY", "MEGATRON_SELECTIVE_MODULES", "megatron_args", "megatron_command",
            "megatron_env", "megatron_notes"]

@@ -13,7 +13,8 @@ from __future__ import annotations
 from paratune.hardware import HardwareSpec
 from paratune.parallel import ParallelConfig, Recompute, Schedule, Sharding
 from paratune.spec import MODEL_PRESETS, ModelSpec
-from paratune.tuner._export_torchrun import shell_line, stage_layer_counts, torchrun_prefix
+from paratune.stages import stage_layer_counts
+from paratune.tuner._export_torchrun import shell_line, torchrun_prefix
 
 __all__ = ["TITAN_SCHEDULES", "TORCHTITAN_CONFIG_MODULE", "stage_fqns", "titan_data_parallel",
            "titan_flavor", "titan_local_batch", "torchtitan_args", "torchtitan_command",

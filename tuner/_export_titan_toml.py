@@ -9,6 +9,7 @@ import textwrap
 from paratune.hardware import HardwareSpec
 from paratune.parallel import ParallelConfig, Recompute, Schedule
 from paratune.spec import ModelSpec
+from paratune.stages import stage_layer_counts
 from paratune.tuner._export_titan import (
     TITAN_SCHEDULES,
     stage_fqns,
@@ -17,7 +18,6 @@ from paratune.tuner._export_titan import (
     titan_local_batch,
     torchtitan_notes,
 )
-from paratune.tuner._export_torchrun import stage_layer_counts
 
 __all__ = ["TORCHTITAN_TOML_HEADER", "torchtitan_toml"]
 

@@ -1,8 +1,8 @@
 """paratune's own trainer under ``torchrun``, and what every launch shares.
 
-The rendezvous arguments and the node shape of a job (:func:`torchrun_prefix`), the
-pipeline's layer split as paratune's workload measures it (:func:`stage_layer_counts`), and
-the command that starts paratune's trainer on a recommended config (:func:`torchrun_command`).
+The rendezvous arguments and the node shape of a job (:func:`torchrun_prefix`), a command
+line from its arguments, and the command that starts paratune's trainer on a recommended
+config (:func:`torchrun_command`).
 """
 
 from __future__ import annotations
@@ -17,27 +17,10 @@ from paratune.parallel import ParallelConfig
 from paratune.spec import MODEL_PRESETS, ModelSpec, get_model
 
 __all__ = ["PROFILER_MODULE", "argument_lines", "launch_shape", "shell_line",
-           "stage_layer_counts", "torchrun_command", "torchrun_prefix", "trainer_model_args"]
+           "torchrun_command", "torchrun_prefix", "trainer_model_args"]
 
 PROFILER_MODULE = "paratune.profiler.train"
 """Module torchrun starts for paratune's own workload (one training job, one config)."""
-
-
-def stage_layer_counts(num_layers: int, num_stages: int) -> list[int]:
-    """Transformer layers of each pipeline stage, in stage order.
-
-    The split of paratune's workload (``paratune.profiler.pipeline.layer_ranges``), which
-    is what the predictions were measured on: as even as possible, the earlier stages
-    taking one layer more where ``num_stages`` does not divide ``num_layers``.
-
-    Raises:
-        ConfigError: fewer layers than stages.
-    """
-    if num_stages < 1 or num_layers < num_stages:
-        raise ConfigError("pp", num_stages, f"{num_stages} pipeline stages need at least as "
-                          f"many layers (num_layers={num_layers})")
-    base, extra = divmod(num_layers, num_stages)
-    return [base + (1 if stage < extra else 0) for stage in range(num_stages)]
 
 
 def launch_shape(world_size: int, devices_per_node: int) -> tuple[int, int]:
