@@ -99,11 +99,8 @@ def verify_on_cluster(result: TuneResult, k: int, *,
         out_dir: Where the campaigns go (default: ``verify/`` beside the recommendation);
             on a filesystem the cluster's nodes see.
         refit_dir: Where the refitted model is saved (default: ``out_dir/refit``).
-        warmup_steps: Warm-up steps per config.
-        measured_steps: Timed steps per config.
-        timeout_s: Per-config timeout.
-        model_factory: Callable returning an unfitted model with ``fit``/``save``
-            (default: :class:`paratune.models.PerformanceModel`).
+        warmup_steps, measured_steps, timeout_s, model_factory: As for
+            :func:`~paratune.tuner.verify_top_k`.
 
     Raises:
         ConfigError: ``k`` is not positive, no ranked config can run in paratune's trainer,
