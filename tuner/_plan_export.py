@@ -44,6 +44,7 @@ from paratune._io import atomic_write_text
 from paratune.errors import ConfigError
 from paratune.parallel import ParallelConfig
 from paratune.tuner._export import megatron_args, torchrun_command, torchtitan_toml
+from paratune.tuner._plan_schedule import layout_of
 
 if TYPE_CHECKING:
     from paratune.hardware import HardwareSpec
@@ -289,7 +290,7 @@ def _layout_launches(phases: list[dict[str, Any]], *, seq_len: int, lr_rule: str
     schedule where the batch changes), and the notes on where one launch is not exact."""
     layouts: list[dict[str, Any]] = []
     for i, phase in enumerate(phases):
-        key = {k: v for k, v in phase["config"].items() if k != "global_batch_size"}
+        key = layout_of(phase["config"])
         if layouts and layouts[-1]["layout"] == key:
             layouts[-1]["phases"].append(i + 1)
             continue

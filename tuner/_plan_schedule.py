@@ -14,14 +14,19 @@ from paratune.errors import ConfigError
 from paratune.parallel import ParallelConfig
 from paratune.tuner._plan_progress import Segment, check_max_segments
 
-__all__ = ["check_plan_options", "follow_critical", "layout_key", "optimal_schedule"]
+__all__ = ["check_plan_options", "follow_critical", "layout_key", "layout_of",
+           "optimal_schedule"]
+
+
+def layout_of(config: dict[str, Any]) -> dict[str, Any]:
+    """The layout of a config (as :meth:`~paratune.ParallelConfig.to_dict` gives it):
+    everything but its global batch, which a batch-only switch changes."""
+    return {k: v for k, v in config.items() if k != "global_batch_size"}
 
 
 def layout_key(cfg: ParallelConfig) -> tuple:
-    """The layout of ``cfg``: everything but its global batch, as a hashable key."""
-    d = cfg.to_dict()
-    d.pop("global_batch_size")
-    return tuple(sorted(d.items()))
+    """The layout of ``cfg`` (:func:`layout_of`) as a hashable key."""
+    return tuple(sorted(layout_of(cfg.to_dict()).items()))
 
 
 def _check_cost(name: str, value: float) -> float:
@@ -183,7 +188,7 @@ def follow_critical(times: np.ndarray, configs: list[ParallelConfig], layouts: l
                 "num_switches": num_switches, "switch_time_s": switch_time,
                 "describe": "no single layout is valid and feasible at every critical batch"}
     first = configs[index[best_layout][wanted[0]]]
-    layout = {k: v for k, v in first.to_dict().items() if k != "global_batch_size"}
+    layout = layout_of(first.to_dict())
     return {"time_s": best_time + switch_time, "config": layout, "batches": wanted,
             "num_switches": num_switches, "switch_time_s": switch_time,
             "describe": (f"batch {int(min(wanted))}->{int(max(wanted))} following B_noise, "
