@@ -29,7 +29,7 @@ from paratune._table import format_table
 from paratune.errors import ConfigError
 from paratune.parallel import ParallelConfig
 from paratune.predictor import PRED_TOKENS_PER_SEC_PER_GPU, Predictor
-from paratune.tuner._efficiency import LR_RULES, lr_scale
+from paratune.tuner._efficiency import _positive, check_lr_rule, lr_scale
 from paratune.tuner._objective import Objective
 from paratune.tuner._plan_progress import (
     Segment,
@@ -339,11 +339,8 @@ def plan_phases(predictor: Predictor, space: SearchSpace, trajectory: Trajectory
 
 
 def _check_learning_rate(lr_rule: Any, base_lr: Any) -> None:
-    if lr_rule not in LR_RULES:
-        raise ConfigError("lr_rule", lr_rule, f"must be one of {', '.join(LR_RULES)}")
-    if (isinstance(base_lr, bool) or not isinstance(base_lr, (int, float, np.floating))
-            or not (math.isfinite(base_lr) and base_lr > 0)):
-        raise ConfigError("base_lr", base_lr, "must be a positive, finite learning rate")
+    check_lr_rule(lr_rule)
+    _positive("base_lr", base_lr, "must be a positive, finite learning rate")
 
 
 @dataclass(frozen=True)

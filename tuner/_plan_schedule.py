@@ -10,8 +10,8 @@ from typing import Any
 
 import numpy as np
 
-from paratune.errors import ConfigError
 from paratune.parallel import ParallelConfig
+from paratune.tuner._efficiency import _positive
 from paratune.tuner._plan_progress import Segment, check_max_segments
 
 __all__ = ["check_plan_options", "follow_critical", "layout_key", "layout_of",
@@ -30,10 +30,7 @@ def layout_key(cfg: ParallelConfig) -> tuple:
 
 
 def _check_cost(name: str, value: float) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)) \
-            or not (math.isfinite(value) and value >= 0):
-        raise ConfigError(name, value, "must be a finite number of seconds >= 0")
-    return float(value)
+    return _positive(name, value, "must be a finite number of seconds >= 0", zero=True)
 
 
 def optimal_schedule(times: np.ndarray, layouts: np.ndarray, *, reconfig_cost_s: float,
@@ -153,11 +150,8 @@ def check_plan_options(*, reconfig_cost_s: float, batch_change_cost_s: float,
     """
     reconfig_cost_s = _check_cost("reconfig_cost_s", reconfig_cost_s)
     batch_change_cost_s = _check_cost("batch_change_cost_s", batch_change_cost_s)
-    if (isinstance(threshold, bool) or not isinstance(threshold, (int, float, np.number))
-            or not (threshold >= 0 and math.isfinite(threshold))):
-        raise ConfigError("threshold", threshold, "must be a finite number >= 0")
-    return reconfig_cost_s, batch_change_cost_s, float(threshold), \
-        check_max_segments(max_segments)
+    threshold = _positive("threshold", threshold, "must be a finite number >= 0", zero=True)
+    return reconfig_cost_s, batch_change_cost_s, threshold, check_max_segments(max_segments)
 
 
 
