@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from paratune.errors import ConfigError
 from paratune.parallel import ParallelConfig
+from paratune.tuner._efficiency import positive_int
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -29,9 +30,7 @@ def check_num_configs(k: object) -> int:
     Raises:
         ConfigError: ``k`` is not a positive integer (field ``verify``).
     """
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise ConfigError("verify", k, "must be a positive number of configs")
-    return k
+    return positive_int("verify", k, "must be a positive number of configs")
 
 
 LAYOUT_COLUMNS = ("tp", "pp")
