@@ -40,6 +40,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from paratune.errors import ConfigError, ParatuneError, Terminated
+from paratune.trajectory import LEGACY_TRAJECTORY_COLUMNS as _LEGACY_TRAJECTORY_COLUMNS
+from paratune.trajectory import TRAJECTORY_COLUMNS
 
 if TYPE_CHECKING:
     import torch
@@ -579,17 +581,6 @@ class NoiseScaleMeter:
 
 
 # ---------------------------------------------------------------------- the measured run
-TRAJECTORY_COLUMNS = ("step", "tokens", "loss", "b_simple", "g2", "trace", "g2_ema",
-                      "trace_ema", "small_sqnorm", "big_sqnorm", "b_small", "b_big",
-                      "elapsed_s", "seq_len")
-"""Columns of the trajectory CSV: ``step, tokens, loss, b_simple`` (what the tuner reads;
-``b_simple`` in sequences) followed by the estimator's parts and ``seq_len``, the measuring
-run's tokens per sequence (the same on every row)."""
-
-_LEGACY_TRAJECTORY_COLUMNS = TRAJECTORY_COLUMNS[:-1]
-"""Columns of trajectories written before ``seq_len`` was recorded; a resume upgrades them."""
-
-
 @dataclass(frozen=True)
 class GNSJob:
     """A training run on the text corpus that records the ``B_noise`` trajectory."""

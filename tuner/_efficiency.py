@@ -38,8 +38,8 @@ from numpy.typing import ArrayLike
 
 from paratune.errors import ConfigError
 
-__all__ = ["LR_RULES", "examples_to_target", "lr_scale", "pollux_efficiency", "steps_to_target",
-           "time_to_target"]
+__all__ = ["LR_RULES", "check_lr_rule", "examples_to_target", "lr_scale", "pollux_efficiency",
+           "positive_int", "steps_to_target", "time_to_target"]
 
 
 def _positive(name: str, value: object, rule: str, *, zero: bool = False) -> float:
@@ -51,6 +51,17 @@ def _positive(name: str, value: object, rule: str, *, zero: bool = False) -> flo
     if not math.isfinite(number) or number < 0 or (number == 0 and not zero):
         raise ConfigError(name, value, rule)
     return number
+
+
+def positive_int(name: str, value: object, rule: str = "must be a positive integer") -> int:
+    """``value`` as an ``int`` when it is an integer >= 1 (not a bool).
+
+    Raises:
+        ConfigError: naming ``name`` and ``rule`` otherwise.
+    """
+    if isinstance(value, bool | np.bool_) or not isinstance(value, int | np.integer) or value < 1:
+        raise ConfigError(name, value, rule)
+    return int(value)
 
 
 def _check_noise(b_noise: float) -> float:
@@ -121,6 +132,17 @@ LR_RULES = ("sqrt", "linear", "adascale", "none")
 """Learning-rate rules of :func:`lr_scale`."""
 
 
+def check_lr_rule(rule: object) -> str:
+    """``rule`` when it is one of :data:`LR_RULES`.
+
+    Raises:
+        ConfigError: ``lr_rule`` is not.
+    """
+    if rule not in LR_RULES:
+        raise ConfigError("lr_rule", rule, f"must be one of {', '.join(LR_RULES)}")
+    return str(rule)
+
+
 def lr_scale(batch: ArrayLike, base_batch: float, rule: str = "sqrt", *,
              b_noise: float | None = None) -> np.ndarray:
     """Factor on the learning rate tuned at ``base_batch`` for a run at ``batch``.
@@ -143,8 +165,7 @@ def lr_scale(batch: ArrayLike, base_batch: float, rule: str = "sqrt", *,
         ConfigError: an unknown rule, a non-positive batch, or ``adascale`` without a
             positive ``b_noise``.
     """
-    if rule not in LR_RULES:
-        raise ConfigError("lr_rule", rule, f"must be one of {', '.join(LR_RULES)}")
+    check_lr_rule(rule)
     batch = _check_batch(batch)
     base = _positive("base_batch", base_batch, "the batch the base learning rate was tuned at "
                      "must be a positive, finite number of sequences")

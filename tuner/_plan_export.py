@@ -36,6 +36,7 @@ import json
 import math
 import re
 import shlex
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -43,6 +44,7 @@ from paratune._io import atomic_write_text
 from paratune.errors import ConfigError
 from paratune.parallel import ParallelConfig
 from paratune.tuner._export import megatron_args, torchrun_command, torchtitan_toml
+from paratune.tuner._plan_schedule import layout_of
 
 if TYPE_CHECKING:
     from paratune.hardware import HardwareSpec
@@ -175,66 +177,131 @@ def plan_launch(plan: Plan, model: ModelSpec, hardware: HardwareSpec, *,
         its Megatron-LM arguments with the step batch schedule and the run tokens where it
         starts (a reconfiguration point after the first).
     """
-    seq = model.seq_len
+    phases = _phase_launches(plan, model, checkpoint_dir)
+    layouts, notes = _layout_launches(phases, seq_len=model.seq_len, lr_rule=plan.lr_rule)
+    if any(p["config"]["dp"] != phases[0]["config"]["dp"] for p in phases):
+        notes.append("the data-parallel degree changes between phases: torchtitan resumes "
+                     "without the data loader's state (exclude_from_loading), so each phase "
+                     "reads its data from the start of its loader unless the dataset is "
+                     "offset by the samples already consumed")
+    trainer = _trainer_command(model, ParallelConfig.from_dict(phases[0]["config"]), hardware,
+                               devices_per_node=devices_per_node)
+    if trainer is None:
+        notes.append("paratune's trainer cannot build this model (neither a preset nor read "
+                     "from a config.json): no whole-plan launch is written for it")
+    return {"model": model.name, "hardware": hardware.name, "seq_len": model.seq_len,
+            "trainer_command": trainer,
+            "lr_rule": plan.lr_rule, "base_lr": plan.base_lr, "base_batch": plan.base_batch,
+            "phases": phases, "layouts": layouts, "notes": notes}
+
+
+@dataclass(frozen=True)
+class _PhaseSpan:
+    """Where one phase of a plan sits in the run: its samples and steps, counted over the
+    whole run (Megatron-LM and torchtitan both count from the run's start)."""
+
+    index: int
+    """The phase's position (0 first)."""
+    config: ParallelConfig
+    lr: float
+    start_samples: int
+    end_samples: int
+    start_step: int
+    end_step: int
+
+    @property
+    def num_steps(self) -> int:
+        return self.end_step - self.start_step
+
+    @property
+    def previous(self) -> str | None:
+        """The directory name of the phase it resumes from (None for the first)."""
+        return f"phase_{self.index:02d}" if self.index else None
+
+
+def _phase_launches(plan: Plan, model: ModelSpec, checkpoint_dir: str) -> list[dict[str, Any]]:
+    """Each phase's launch settings: its span of the run, torchtitan TOML, Megatron-LM
+    arguments and the checkpoint it resumes from."""
     phases: list[dict[str, Any]] = []
     samples = 0
     steps = 0
     for i, phase in enumerate(plan.phases):
         config = _phase_config(phase)
-        batch = config.global_batch_size
         num_steps = max(1, int(phase["steps"]))
-        start_samples, start_steps = samples, steps
-        samples += num_steps * batch
-        steps += num_steps
-        lr = float(phase["lr"])
-        previous = f"phase_{i:02d}" if i else None
-        toml = torchtitan_toml(model, config)
-        toml = _toml_set(toml, "job", {"dump_folder": f"outputs/phase_{i + 1:02d}"})
-        toml = _toml_set(toml, "training", {"steps": steps})
-        toml = _toml_set(toml, "optimizer", {"lr": lr})
-        checkpoint: dict[str, Any] = {"enable": True, "folder": checkpoint_dir,
-                                      "interval": max(1, num_steps), "last_save_model_only": False}
-        if previous is not None:
-            checkpoint.update({"initial_load_path": f"outputs/{previous}/{checkpoint_dir}"
-                                                    f"/step-{start_steps}",
-                               "initial_load_model_only": False,
-                               "exclude_from_loading": ["dataloader"]})
-        toml = _toml_set(toml, "checkpoint", checkpoint)
-        toml = (f"# phase {i + 1} of {len(plan.phases)}: global batch {batch}, lr {lr:.4g} "
-                f"({plan.lr_rule} rule), steps {start_steps + 1}-{steps} of the run, "
+        span = _PhaseSpan(index=i, config=config, lr=float(phase["lr"]),
+                          start_samples=samples,
+                          end_samples=samples + num_steps * config.global_batch_size,
+                          start_step=steps, end_step=steps + num_steps)
+        samples, steps = span.end_samples, span.end_step
+        toml = _phase_toml(model, span, checkpoint_dir=checkpoint_dir)
+        toml = (f"# phase {i + 1} of {len(plan.phases)}: global batch "
+                f"{config.global_batch_size}, lr {span.lr:.4g} ({plan.lr_rule} rule), steps "
+                f"{span.start_step + 1}-{span.end_step} of the run, "
                 f"{phase['run_start_tokens']:.4g}-{phase['run_end_tokens']:.4g} tokens\n"
                 + toml)
-        args = _drop(_flat(megatron_args(model, config)), "--global-batch-size")
-        args += ["--global-batch-size", str(batch), "--train-samples", str(samples),
-                 "--lr", f"{lr:.6g}", "--save", checkpoint_dir, "--load", checkpoint_dir,
-                 # Megatron-LM refuses --save without an interval; the phase's last step saves
-                 "--save-interval", str(max(1, num_steps))]
-        if not _has(args, "--ckpt-format"):
-            args += ["--ckpt-format", "torch_dist"]
-        if i:
-            args.append("--override-opt_param-scheduler")
-        phases.append({"phase": i + 1, "config": config.to_dict(), "global_batch_size": batch,
-                       "lr": lr, "start_samples": start_samples, "end_samples": samples,
-                       "start_step": start_steps, "end_step": steps,
+        phases.append({"phase": i + 1, "config": config.to_dict(),
+                       "global_batch_size": config.global_batch_size, "lr": span.lr,
+                       "start_samples": span.start_samples, "end_samples": span.end_samples,
+                       "start_step": span.start_step, "end_step": span.end_step,
                        "run_start_tokens": float(phase["run_start_tokens"]),
                        "run_end_tokens": float(phase["run_end_tokens"]),
-                       "resume_from": previous, "torchtitan_toml": toml,
-                       "megatron_args": args})
+                       "resume_from": span.previous, "torchtitan_toml": toml,
+                       "megatron_args": _phase_megatron_args(model, span, checkpoint_dir)})
+    return phases
 
+
+def _phase_toml(model: ModelSpec, span: _PhaseSpan, *, checkpoint_dir: str) -> str:
+    """The phase's torchtitan TOML: the config's, with its dump folder, last step, learning
+    rate and checkpoint (resumed from the previous phase's last step)."""
+    toml = torchtitan_toml(model, span.config)
+    toml = _toml_set(toml, "job", {"dump_folder": f"outputs/phase_{span.index + 1:02d}"})
+    toml = _toml_set(toml, "training", {"steps": span.end_step})
+    toml = _toml_set(toml, "optimizer", {"lr": span.lr})
+    checkpoint: dict[str, Any] = {"enable": True, "folder": checkpoint_dir,
+                                  "interval": max(1, span.num_steps),
+                                  "last_save_model_only": False}
+    if span.previous is not None:
+        checkpoint.update({"initial_load_path": f"outputs/{span.previous}/{checkpoint_dir}"
+                                                f"/step-{span.start_step}",
+                           "initial_load_model_only": False,
+                           "exclude_from_loading": ["dataloader"]})
+    return _toml_set(toml, "checkpoint", checkpoint)
+
+
+def _phase_megatron_args(model: ModelSpec, span: _PhaseSpan, checkpoint_dir: str) -> list[str]:
+    """The phase's Megatron-LM arguments: the config's, with its batch, the samples at its
+    end, its learning rate and the shared checkpoint."""
+    args = _drop(_flat(megatron_args(model, span.config)), "--global-batch-size")
+    args += ["--global-batch-size", str(span.config.global_batch_size),
+             "--train-samples", str(span.end_samples),
+             "--lr", f"{span.lr:.6g}", "--save", checkpoint_dir, "--load", checkpoint_dir,
+             # Megatron-LM refuses --save without an interval; the phase's last step saves
+             "--save-interval", str(max(1, span.num_steps))]
+    if not _has(args, "--ckpt-format"):
+        args += ["--ckpt-format", "torch_dist"]
+    if span.index:
+        args.append("--override-opt_param-scheduler")
+    return args
+
+
+def _layout_launches(phases: list[dict[str, Any]], *, seq_len: int, lr_rule: str
+                     ) -> tuple[list[dict[str, Any]], list[str]]:
+    """The phases that share a layout as one Megatron-LM launch each (with a step batch
+    schedule where the batch changes), and the notes on where one launch is not exact."""
     layouts: list[dict[str, Any]] = []
     for i, phase in enumerate(phases):
-        key = {k: v for k, v in phase["config"].items() if k != "global_batch_size"}
+        key = layout_of(phase["config"])
         if layouts and layouts[-1]["layout"] == key:
             layouts[-1]["phases"].append(i + 1)
             continue
         layouts.append({"layout": key, "phases": [i + 1],
-                        "start_tokens": phase["start_samples"] * seq})
+                        "start_tokens": phase["start_samples"] * seq_len})
     notes: list[str] = []
     for layout in layouts:
         members = [phases[p - 1] for p in layout["phases"]]
         first, last = members[0], members[-1]
-        entries = [(m["start_samples"] * seq, m["global_batch_size"]) for m in members]
-        schedule = megatron_step_schedule(entries, seq_len=seq)
+        entries = [(m["start_samples"] * seq_len, m["global_batch_size"]) for m in members]
+        schedule = megatron_step_schedule(entries, seq_len=seq_len)
         args = _drop(list(first["megatron_args"]), "--global-batch-size")
         args = _drop(args, "--train-samples")
         if len(set(m["global_batch_size"] for m in members)) > 1:
@@ -247,23 +314,10 @@ def plan_launch(plan: Plan, model: ModelSpec, hardware: HardwareSpec, *,
         lrs = sorted({round(m["lr"], 12) for m in members})
         if len(lrs) > 1:
             notes.append(f"layout of phases {layout['phases']}: one Megatron-LM launch keeps "
-                         f"one --lr ({first['lr']:.4g}); the {plan.lr_rule} rule gives "
+                         f"one --lr ({first['lr']:.4g}); the {lr_rule} rule gives "
                          f"{', '.join(f'{x:.4g}' for x in lrs)} over its batches: launch its "
                          "phases one by one for the exact learning rates")
-    if any(p["config"]["dp"] != phases[0]["config"]["dp"] for p in phases):
-        notes.append("the data-parallel degree changes between phases: torchtitan resumes "
-                     "without the data loader's state (exclude_from_loading), so each phase "
-                     "reads its data from the start of its loader unless the dataset is "
-                     "offset by the samples already consumed")
-    trainer = _trainer_command(model, ParallelConfig.from_dict(phases[0]["config"]), hardware,
-                               devices_per_node=devices_per_node)
-    if trainer is None:
-        notes.append("paratune's trainer cannot build this model (neither a preset nor read "
-                     "from a config.json): no whole-plan launch is written for it")
-    return {"model": model.name, "hardware": hardware.name, "seq_len": seq,
-            "trainer_command": trainer,
-            "lr_rule": plan.lr_rule, "base_lr": plan.base_lr, "base_batch": plan.base_batch,
-            "phases": phases, "layouts": layouts, "notes": notes}
+    return layouts, notes
 
 
 def _trainer_command(model: ModelSpec, config: ParallelConfig, hardware: HardwareSpec, *,

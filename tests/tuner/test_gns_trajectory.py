@@ -307,3 +307,17 @@ def test_a_loss_curve_file(tmp_path):
     with pytest.raises(ConfigError, match="missing column"):
         (tmp_path / "x.csv").write_text("tokens\n1\n")
         load_loss_curve(tmp_path / "x.csv")
+
+
+def test_the_writer_and_the_reader_share_one_record():
+    """``paratune gns`` writes and the tuner reads the columns of one definition: what the
+    reader needs or uses is written, and ``seq_len`` comes last (a row cut short lacks it)."""
+    from paratune import trajectory
+    from paratune.profiler import gns
+    from paratune.tuner import gns_trajectory
+
+    assert gns.TRAJECTORY_COLUMNS is trajectory.TRAJECTORY_COLUMNS
+    assert gns_trajectory.REQUIRED_COLUMNS is trajectory.REQUIRED_TRAJECTORY_COLUMNS
+    read = trajectory.REQUIRED_TRAJECTORY_COLUMNS + trajectory.OPTIONAL_TRAJECTORY_COLUMNS
+    assert set(read) <= set(trajectory.TRAJECTORY_COLUMNS)
+    assert trajectory.TRAJECTORY_COLUMNS[-1] == "seq_len"

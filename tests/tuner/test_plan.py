@@ -11,7 +11,8 @@ from paratune import ConfigError, get_model
 from paratune.space import ConfigSpace
 from paratune.tuner import SearchSpace, Trajectory, effective_b_noise, plan_phases, time_to_target
 from paratune.tuner._objective import Objective
-from paratune.tuner._plan import _layout_key, _schedule, progress_segments
+from paratune.tuner._plan import progress_segments
+from paratune.tuner._plan_schedule import layout_key, optimal_schedule
 from paratune.tuner._search import config_from_row, evaluate, rank
 
 SEQ = get_model("llama3-8b").seq_len
@@ -250,16 +251,16 @@ def test_schedule_is_the_brute_force_optimum(seed):
     times = rng.uniform(1, 10, (n, k))
     layouts = rng.integers(0, 3, k)
     rc, bc = float(rng.uniform(0, 6)), float(rng.uniform(0, 3))
-    choice, total = _schedule(times, layouts, reconfig_cost_s=rc, batch_change_cost_s=bc,
-                              threshold=0.0)
+    choice, total = optimal_schedule(times, layouts, reconfig_cost_s=rc, batch_change_cost_s=bc,
+                                     threshold=0.0)
     assert total == pytest.approx(_path_cost(times, layouts, choice, rc, bc))
     # threshold 0 with bc <= 2 rc: the unconstrained optimum
     assert total == pytest.approx(_brute_force(times, layouts, rc, bc))
     assert total <= times.sum(axis=0).min() + 1e-9
     # a threshold filters switches: the optimum among plans whose switches all clear it
     thr = float(rng.choice([0.1, 0.5]))
-    _, gated = _schedule(times, layouts, reconfig_cost_s=rc, batch_change_cost_s=bc,
-                         threshold=thr)
+    _, gated = optimal_schedule(times, layouts, reconfig_cost_s=rc, batch_change_cost_s=bc,
+                                threshold=thr)
     assert gated == pytest.approx(_brute_force(times, layouts, rc, bc, threshold=thr))
     assert total - 1e-9 <= gated <= times.sum(axis=0).min() + 1e-9
 
@@ -285,7 +286,7 @@ def _dense_optimum(predictor, space, trajectory, rc, bc, max_segments):
     e = np.array([s.e_min for s in segs])[:, None]
     bn = np.array([s.b_noise for s in segs])[:, None]
     times = e * (1 + b[None] / bn) / b[None] * step[None]
-    lays = [_layout_key(config_from_row(r)) for _, r in ranked.iterrows()]
+    lays = [layout_key(config_from_row(r)) for _, r in ranked.iterrows()]
     cost = np.where(np.array([[x == y for y in lays] for x in lays]), bc, rc)
     np.fill_diagonal(cost, 0)
     best = times[0].copy()

@@ -6,6 +6,7 @@ import pytest
 from paratune import ConfigError, get_model
 from paratune.space import ConfigSpace
 from paratune.tuner import SearchSpace, parse_batch_sizes
+from paratune.tuner._space_moves import work_keeping_moves
 
 
 @pytest.mark.parametrize(("text", "expected"), [
@@ -174,7 +175,7 @@ def test_unsorted_space_lists_keep_the_sampled_indices_ordinal():
     params = {**base, "global_batch_size_index": 0}
     centre, _ = space.suggest(optuna.trial.FixedTrial(params))
     assert centre.micro_batch_size == 1
-    moves = space._work_keeping_moves(params, space.param_choices())
+    moves = work_keeping_moves(space, params, space.param_choices())
     assert moves
     for move in moves:
         cfg, reason = space.suggest(optuna.trial.FixedTrial({**params, **move}))

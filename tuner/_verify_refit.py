@@ -1,0 +1,126 @@
+"""Measuring the verified configs and refitting on them: each config a one-config campaign
+(:func:`pinned_space`), then the model refitted on the old data plus the new runs, and each
+config's prediction before, measurement and prediction after, side by side."""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from paratune.parallel import ParallelConfig, Schedule
+from paratune.space import ConfigSpace
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+    from paratune.profiler.campaign import CampaignSpec
+    from paratune.tuner._space import SearchSpace
+    from paratune.tuner._tune import TuneResult
+
+__all__ = ["VerifyRuns", "pinned_space", "refit_and_compare"]
+
+# the verification's modules log under one name, the one users and their filters know
+logger = logging.getLogger("paratune.tuner._verify")
+
+
+def pinned_space(config: ParallelConfig) -> ConfigSpace:
+    """The :class:`ConfigSpace` whose only valid config on ``config.world_size`` devices is
+    ``config``."""
+    interleaved = config.schedule is Schedule.INTERLEAVED_1F1B
+    return ConfigSpace(global_batch_sizes=(config.global_batch_size,),
+                       micro_batch_sizes=(config.micro_batch_size,),
+                       schedules=(config.schedule,),
+                       virtual_stages=(config.virtual_stages if interleaved else 2,),
+                       shardings=(config.sharding,), recomputes=(config.recompute,),
+                       tp_degrees=(config.tp,), pp_degrees=(config.pp,), tp_within_node=False)
+
+
+@dataclass(frozen=True)
+class VerifyRuns:
+    """How each verified config is measured (the same here and on the cluster)."""
+
+    warmup_steps: int = 2
+    """Warm-up steps per config."""
+    measured_steps: int = 5
+    """Timed steps per config."""
+    timeout_s: float = 300.0
+    """Per-config timeout."""
+
+    def campaign(self, space: SearchSpace, config: ParallelConfig, *,
+                 device: str) -> CampaignSpec:
+        """The one-config profiling campaign that measures ``config`` of ``space``'s job."""
+        from paratune.profiler.campaign import CampaignSpec
+
+        return CampaignSpec(model=space.model, world_sizes=(config.world_size,),
+                            space=pinned_space(config), warmup_steps=self.warmup_steps,
+                            measured_steps=self.measured_steps, timeout_s=self.timeout_s,
+                            device=device, hardware=space.hardware.name,
+                            devices_per_node=space.devices_per_node)
+
+
+def refit_and_compare(result: TuneResult, configs: list[ParallelConfig],
+                      frames: list[pd.DataFrame], predicted: list[float], *,
+                      dataset: str | Path | Sequence[str | Path] | None, refit_path: Path,
+                      model_factory: Any) -> pd.DataFrame:
+    """Refit on ``dataset`` plus the verified runs (``frames``, one per config) and tabulate
+    each config's prediction before, measurement and prediction after."""
+    import pandas as pd
+
+    measured = pd.concat(frames, ignore_index=True)
+    after = _refit(result, configs, measured, dataset=dataset, refit_path=refit_path,
+                   model_factory=model_factory)
+    rows = [_comparison(cfg, own, predicted[i], float(after.iloc[i]))
+            for i, (cfg, own) in enumerate(zip(configs, frames))]
+    logger.info("verified %d configs; refitted model saved to %s", len(rows), refit_path)
+    return pd.DataFrame(rows)
+
+
+def _refit(result: TuneResult, configs: list[ParallelConfig], measured: pd.DataFrame, *,
+           dataset: str | Path | Sequence[str | Path] | None, refit_path: Path,
+           model_factory: Any) -> pd.Series:
+    """The refitted model's throughput of each of ``configs`` (NaN where nothing ran)."""
+    import pandas as pd
+
+    from paratune.models import load_measurements
+    from paratune.tuner._search import evaluate
+
+    training = [measured]
+    if dataset is not None:
+        paths = [dataset] if isinstance(dataset, (str, Path)) else list(dataset)
+        training.insert(0, load_measurements(paths))
+    frame = pd.concat(training, ignore_index=True)
+    if model_factory is None:
+        from paratune.models import PerformanceModel
+
+        model_factory = PerformanceModel
+    if not (frame["status"] == "ok").any():
+        logger.warning("no verified config ran (statuses: %s); nothing to refit on",
+                       ", ".join(measured["status"].astype(str)))
+        return pd.Series([math.nan] * len(configs))
+    refit = model_factory().fit(frame)
+    if hasattr(refit, "save"):
+        refit.save(refit_path)
+    return evaluate(refit, result.search.space, configs, result.search.objective)["tokens_per_s"]
+
+
+def _comparison(cfg: ParallelConfig, own: pd.DataFrame, pred: float, new: float
+                ) -> dict[str, Any]:
+    """One row of the comparison: ``cfg``'s prediction before, its measurement (from its own
+    campaign ``own``) and the refit's prediction."""
+    from paratune.tuner._search import config_from_row
+
+    # matched on the whole config: configs that differ only in sharding, recomputation or
+    # schedule share their degrees and batch sizes
+    match = own.iloc[[j for j, (_, row) in enumerate(own.iterrows())
+                      if config_from_row(row) == cfg]]
+    status = str(match["status"].iloc[0]) if len(match) else "missing"
+    got = float(match["tokens_per_s"].iloc[0]) if len(match) and status == "ok" else math.nan
+    return {"config": cfg.key(), "status": status, "pred_tokens_per_s": pred,
+            "measured_tokens_per_s": got,
+            "error_pct": 100 * (pred - got) / got if got > 0 else math.nan,
+            "refit_tokens_per_s": new,
+            "refit_error_pct": 100 * (new - got) / got if got > 0 else math.nan}
