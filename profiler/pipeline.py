@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from paratune.errors import ConfigError
-from paratune.parallel import ParallelConfig, Schedule
+from paratune.parallel import ParallelConfig, Schedule, stage_layer_counts
 
 if TYPE_CHECKING:
     from torch import nn
@@ -45,13 +45,8 @@ def layer_ranges(num_layers: int, num_stages: int) -> list[range]:
     Raises:
         ConfigError: fewer layers than stages.
     """
-    if num_layers < num_stages:
-        raise ConfigError("pp", num_stages, f"{num_stages} pipeline stages need at least as "
-                          f"many layers (num_layers={num_layers})")
-    base, extra = divmod(num_layers, num_stages)
     ranges, start = [], 0
-    for stage in range(num_stages):
-        size = base + (1 if stage < extra else 0)
+    for size in stage_layer_counts(num_layers, num_stages):
         ranges.append(range(start, start + size))
         start += size
     return ranges

@@ -1,0 +1,543 @@
+"""Many configurations at once: :class:`ConfigBatch`, typed numpy columns of (model shape,
+parallel layout, hardware), one row per configuration.
+
+A batch is built from objects (:meth:`ConfigBatch.from_configs`) or from a config frame
+(:meth:`ConfigBatch.from_frame`, the columns of :data:`paratune.predictor.CONFIG_COLUMNS`)
+and turns back into either (:meth:`~ConfigBatch.configs`, :meth:`~ConfigBatch.to_frame`).
+Its layout rules are one table, :data:`LAYOUT_RULES`, in the order
+:class:`~paratune.ParallelConfig` checks them, so that :meth:`ConfigBatch.validate` names
+for each row the first rule it breaks with the same ``ConfigError(field, value, rule)`` that
+``ParallelConfig(...).validate(model)`` raises for that row.
+
+Options (schedule, sharding, recompute) are stored as codes: a value's position in its enum
+(:func:`option_codes`), ``-1`` for text that is none of them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from paratune.errors import ConfigError
+from paratune.hardware import HardwareSpec, get_hardware
+from paratune.parallel import (
+    MAX_DEVICES,
+    MAX_GLOBAL_BATCH,
+    ParallelConfig,
+    Recompute,
+    Schedule,
+    Sharding,
+    layout_key,
+    max_stage_layers,
+)
+from paratune.predictor import CONFIG_COLUMNS, PARALLEL_COLUMNS
+from paratune.spec import (
+    ModelSpec,
+    block_params,
+    forward_flops_per_token,
+    total_params,
+    training_flops_per_token,
+)
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+__all__ = ["LAYOUT_RULES", "MLP_KINDS", "OPTIONS", "ConfigBatch", "LayoutRule", "option_codes"]
+
+OPTIONS: dict[str, type[StrEnum]] = {"schedule": Schedule, "sharding": Sharding,
+                                     "recompute": Recompute}
+"""The option columns and the enum each one's codes come from."""
+MLP_KINDS: tuple[str, ...] = ("swiglu", "gelu")
+"""Values of ``ModelSpec.mlp``; a batch stores the position (0: SwiGLU, three matrices)."""
+_LAYOUT_INTS = ("dp", "tp", "pp", "micro_batch_size", "global_batch_size", "virtual_stages")
+_MODEL_INTS = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "ffn_hidden_size",
+               "vocab_size", "seq_len")
+_REQUIRED = ("num_layers", "hidden_size", "num_heads", "ffn_hidden_size", "vocab_size",
+             "seq_len", "dp", "tp", "pp", "micro_batch_size", "global_batch_size")
+"""Config-frame columns :meth:`ConfigBatch.from_frame` needs; the others have defaults."""
+
+
+def option_codes(name: str) -> dict[str, int]:
+    """The code of each value of option ``name`` (its position in the enum of
+    :data:`OPTIONS`): ``option_codes("sharding")["zero2"] == 2``."""
+    return {member.value: i for i, member in enumerate(OPTIONS[name])}
+
+
+_CODES = {name: option_codes(name) for name in OPTIONS}
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ParallelConfig)}
+_DEFAULTS.update({f.name: f.default for f in dataclasses.fields(ModelSpec)
+                  if f.default is not dataclasses.MISSING})
+
+
+@dataclass(frozen=True, eq=False)
+class ConfigBatch:
+    """Configurations as columns: int64 sizes and degrees, option codes (int8), the MLP kind
+    code, floats for the rotary base and norm epsilon, and the hardware names.
+
+    Rows are not validated when built; :meth:`validate` says which break which rule.
+    """
+
+    model_name: np.ndarray
+    """Model labels (object array of str)."""
+    num_layers: np.ndarray
+    hidden_size: np.ndarray
+    num_heads: np.ndarray
+    num_kv_heads: np.ndarray
+    """Key/value heads (``num_heads`` where a frame leaves it empty)."""
+    ffn_hidden_size: np.ndarray
+    vocab_size: np.ndarray
+    seq_len: np.ndarray
+    tie_embeddings: np.ndarray
+    """bool."""
+    mlp: np.ndarray
+    """Codes into :data:`MLP_KINDS` (int8; -1: none of them)."""
+    rope_theta: np.ndarray
+    norm_eps: np.ndarray
+    dp: np.ndarray
+    tp: np.ndarray
+    pp: np.ndarray
+    micro_batch_size: np.ndarray
+    global_batch_size: np.ndarray
+    schedule: np.ndarray
+    """Codes of :class:`~paratune.Schedule` (int8; -1: none of them)."""
+    virtual_stages: np.ndarray
+    sharding: np.ndarray
+    """Codes of :class:`~paratune.Sharding`, equal to the ZeRO stage (int8; -1: none)."""
+    recompute: np.ndarray
+    """Codes of :class:`~paratune.Recompute` (int8; -1: none of them)."""
+    hardware: np.ndarray
+    """Catalogue names as given (object array of str)."""
+    devices_per_node: np.ndarray
+    """Devices per node (the catalogue's where not given; 0 for an unknown device)."""
+    unknown: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
+    """For an option or ``mlp`` column holding values of no code: the values as given (an
+    object array, for the messages that name them)."""
+
+    # ------------------------------------------------------------------ building
+    @classmethod
+    def from_configs(cls, model: ModelSpec, configs: Iterable[ParallelConfig],
+                     hardware: HardwareSpec | str, *,
+                     devices_per_node: int | None = None) -> ConfigBatch:
+        """A batch of ``configs`` of one ``model`` on one ``hardware``.
+
+        Args:
+            model: The model.
+            configs: Layouts (not validated here).
+            hardware: Catalogue entry or its name.
+            devices_per_node: Overrides the catalogue's node size.
+        """
+        hw = get_hardware(hardware) if isinstance(hardware, str) else hardware
+        configs = list(configs)
+        n = len(configs)
+        columns: dict[str, np.ndarray] = {
+            "model_name": np.full(n, model.name, dtype=object),
+            "tie_embeddings": np.full(n, bool(model.tie_embeddings)),
+            "mlp": np.full(n, MLP_KINDS.index(model.mlp), dtype=np.int8),
+            "rope_theta": np.full(n, float(model.rope_theta)),
+            "norm_eps": np.full(n, float(model.norm_eps)),
+            "hardware": np.full(n, hw.name, dtype=object),
+            "devices_per_node": np.full(n, devices_per_node or hw.devices_per_node,
+                                        dtype=np.int64)}
+        for name in _MODEL_INTS:
+            columns[name] = np.full(n, getattr(model, name), dtype=np.int64)
+        for name in _LAYOUT_INTS:
+            columns[name] = np.fromiter((getattr(c, name) for c in configs), np.int64, n)
+        for name in OPTIONS:
+            codes = _CODES[name]
+            columns[name] = np.fromiter((codes[getattr(c, name).value] for c in configs),
+                                        np.int8, n)
+        return cls(**columns)
+
+    @classmethod
+    def from_frame(cls, frame: pd.DataFrame) -> ConfigBatch:
+        """A batch of a config frame's rows.
+
+        Columns other than :data:`_REQUIRED` may be missing (the dataclass defaults; the
+        hardware ``cpu``); empty ``num_kv_heads`` are ``num_heads`` and empty
+        ``devices_per_node`` the catalogue's; option and ``mlp`` text is matched exactly
+        (text of no code is kept for the messages).
+
+        Raises:
+            ConfigError: a required column is missing, or a size or degree is not a whole
+                number (the error's ``row`` attribute is the row's position).
+        """
+        n = len(frame)
+        columns: dict[str, np.ndarray] = {}
+        for name in _REQUIRED:
+            if name not in frame.columns:
+                raise ConfigError(name, None, "column missing from the config frame")
+        for name in (*_MODEL_INTS, *_LAYOUT_INTS):
+            if name == "num_kv_heads":
+                continue
+            columns[name] = _integers(frame, name, _DEFAULTS.get(name), n)
+        kv = (np.asarray(frame["num_kv_heads"], dtype=float) if "num_kv_heads" in frame.columns
+              else np.full(n, np.nan))
+        heads = columns["num_heads"]
+        columns["num_kv_heads"] = np.where(np.isnan(kv), heads, np.nan_to_num(kv)).astype(np.int64)
+        if "num_kv_heads" in frame.columns:
+            _check_whole("num_kv_heads", kv, np.isnan(kv))
+        unknown: dict[str, np.ndarray] = {}
+        for name, table in (*((k, v) for k, v in _CODES.items()),
+                            ("mlp", {k: i for i, k in enumerate(MLP_KINDS)})):
+            columns[name], text = _coded(frame, name, table, _DEFAULTS[name], n)
+            if text is not None:
+                unknown[name] = text
+        columns["model_name"] = (np.asarray(frame["model_name"], dtype=object)
+                                 if "model_name" in frame.columns
+                                 else np.full(n, "model", dtype=object))
+        columns["tie_embeddings"] = (np.asarray(frame["tie_embeddings"], dtype=bool)
+                                     if "tie_embeddings" in frame.columns else np.zeros(n, bool))
+        for name in ("rope_theta", "norm_eps"):
+            columns[name] = (np.asarray(frame[name], dtype=float) if name in frame.columns
+                             else np.full(n, float(_DEFAULTS[name])))
+        columns["hardware"] = (np.asarray(frame["hardware"], dtype=object)
+                               if "hardware" in frame.columns else np.full(n, "cpu", dtype=object))
+        given = (np.asarray(frame["devices_per_node"], dtype=float)
+                 if "devices_per_node" in frame.columns else np.full(n, np.nan))
+        columns["devices_per_node"] = np.where(
+            np.isnan(given) | (given < 1), _catalogue_node_sizes(columns["hardware"]),
+            np.nan_to_num(given)).astype(np.int64)
+        return cls(**columns, unknown=unknown)
+
+    # ------------------------------------------------------------------ rows
+    def __len__(self) -> int:
+        return len(self.dp)
+
+    def take(self, indices: Any) -> ConfigBatch:
+        """The rows at ``indices`` (positions, a boolean mask or a slice), in that order."""
+        columns = {f.name: getattr(self, f.name)[indices] for f in dataclasses.fields(self)
+                   if f.name != "unknown"}
+        return ConfigBatch(**columns, unknown={k: v[indices] for k, v in self.unknown.items()})
+
+    def __getitem__(self, indices: Any) -> ConfigBatch:
+        return self.take(indices)
+
+    def option_text(self, name: str) -> np.ndarray:
+        """The values of option (or ``mlp``) column ``name`` as text (object array)."""
+        values = (MLP_KINDS if name == "mlp" else tuple(_CODES[name]))
+        table = np.asarray([*values, ""], dtype=object)
+        text = table[np.where(getattr(self, name) < 0, len(values), getattr(self, name))]
+        if name in self.unknown:
+            text = np.where(getattr(self, name) < 0, self.unknown[name], text)
+        return text
+
+    def configs(self) -> list[ParallelConfig]:
+        """The layouts, one :class:`~paratune.ParallelConfig` per row.
+
+        Raises:
+            ConfigError: a row's fields break a rule the dataclass checks.
+        """
+        columns = [self.dp.tolist(), self.tp.tolist(), self.pp.tolist(),
+                   self.micro_batch_size.tolist(), self.global_batch_size.tolist(),
+                   self.option_text("schedule").tolist(), self.virtual_stages.tolist(),
+                   self.option_text("sharding").tolist(), self.option_text("recompute").tolist()]
+        return [ParallelConfig(**dict(zip(PARALLEL_COLUMNS, row))) for row in zip(*columns)]
+
+    def model_at(self, i: int) -> ModelSpec:
+        """Row ``i``'s model (raises :class:`ConfigError` for a shape the spec refuses)."""
+        values = {name: int(getattr(self, name)[i]) for name in _MODEL_INTS}
+        return ModelSpec(name=str(self.model_name[i]), **values,
+                         tie_embeddings=bool(self.tie_embeddings[i]),
+                         mlp=self.option_text("mlp")[i],
+                         rope_theta=float(self.rope_theta[i]), norm_eps=float(self.norm_eps[i]))
+
+    def keys(self) -> list[str]:
+        """Each row's layout identity, :meth:`ParallelConfig.key`."""
+        columns = [self.dp.tolist(), self.tp.tolist(), self.pp.tolist(),
+                   self.micro_batch_size.tolist(), self.global_batch_size.tolist(),
+                   self.option_text("schedule").tolist(), self.virtual_stages.tolist(),
+                   self.option_text("sharding").tolist(), self.option_text("recompute").tolist()]
+        return [layout_key(*row) for row in zip(*columns)]
+
+    def to_frame(self) -> pd.DataFrame:
+        """The config frame: the columns of :data:`~paratune.predictor.CONFIG_COLUMNS`."""
+        import pandas as pd
+
+        data: dict[str, Any] = {}
+        for name in CONFIG_COLUMNS:
+            if name in ("world_size", "num_microbatches"):
+                data[name] = getattr(self, name)
+            elif name in OPTIONS or name == "mlp":
+                data[name] = self.option_text(name)
+            else:
+                data[name] = getattr(self, name)
+        return pd.DataFrame(data, columns=list(CONFIG_COLUMNS))
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def world_size(self) -> np.ndarray:
+        return self.dp * self.tp * self.pp
+
+    @property
+    def num_microbatches(self) -> np.ndarray:
+        """``global_batch_size // (dp * micro_batch_size)`` (0 where a degree is 0)."""
+        with np.errstate(all="ignore"):
+            return np.floor_divide(self.global_batch_size, self.dp * self.micro_batch_size)
+
+    @property
+    def num_stages(self) -> np.ndarray:
+        return self.pp * self.virtual_stages
+
+    @property
+    def layers_per_stage(self) -> np.ndarray:
+        """Layers of the fullest pipeline rank (float)."""
+        return max_stage_layers(self.num_layers, self.pp)
+
+    @property
+    def kv_dim(self) -> np.ndarray:
+        return self.num_kv_heads * (self.hidden_size // self.num_heads)
+
+    @property
+    def mlp_matrices(self) -> np.ndarray:
+        return np.where(self.mlp == MLP_KINDS.index("gelu"), 2, 3)
+
+    @property
+    def params_per_layer(self) -> np.ndarray:
+        """:attr:`ModelSpec.params_per_layer` of each row (int64)."""
+        return block_params(self.hidden_size, self.kv_dim, self.ffn_hidden_size,
+                            self.mlp_matrices)
+
+    @property
+    def num_params(self) -> np.ndarray:
+        """:attr:`ModelSpec.num_params` of each row (int64)."""
+        return total_params(self.num_layers, self.params_per_layer, self.vocab_size,
+                            self.hidden_size, self.tie_embeddings.astype(np.int64))
+
+    def flops_per_token(self, *, training: bool = True, recompute: bool = False) -> np.ndarray:
+        """:meth:`ModelSpec.flops_per_token` of each row."""
+        forward = forward_flops_per_token(self.num_layers, self.params_per_layer,
+                                          self.hidden_size, self.seq_len, self.vocab_size)
+        if not training:
+            return forward
+        return training_flops_per_token(forward, self.hidden_size, self.vocab_size,
+                                        recompute=recompute)
+
+    # ------------------------------------------------------------------ rules
+    def violations(self, *, world_size: int | None = None, runnable: bool = True,
+                   shape: bool = True, layout: bool = True) -> np.ndarray:
+        """The position in :data:`LAYOUT_RULES` of the first rule each row breaks (-1: none).
+
+        Args:
+            world_size: Devices available (``dp*tp*pp`` must equal it) when given.
+            runnable: Also the limits of paratune's own trainer (as
+                :meth:`ParallelConfig.validate`).
+            shape: Also the rules between the layout and the row's model shape.
+            layout: Also the layout rules (``False``: only the fields' own rules, those a
+                ``ParallelConfig`` checks when built).
+        """
+        first = np.full(len(self), -1, dtype=np.int64)
+        context = _Context(world_size=world_size, runnable=runnable)
+        enabled = {name for name, on in (("layout", layout), ("world", world_size is not None),
+                                         ("runnable", runnable), ("shape", shape)) if on}
+        with np.errstate(all="ignore"):
+            for position, rule in enumerate(LAYOUT_RULES):
+                if rule.needs <= enabled:
+                    first[rule.broken(self, context) & (first < 0)] = position
+        return first
+
+    def validate(self, *, world_size: int | None = None, runnable: bool = True,
+                 shape: bool = True, layout: bool = True) -> list[ConfigError | None]:
+        """Each row's first broken rule as the :class:`ConfigError` that
+        ``ParallelConfig(...)`` (``layout=False``) or its ``validate(model, world_size,
+        runnable=runnable)`` raises for it; ``None`` for a row that breaks none.
+
+        Args: as :meth:`violations`.
+        """
+        first = self.violations(world_size=world_size, runnable=runnable, shape=shape,
+                                layout=layout)
+        context = _Context(world_size=world_size, runnable=runnable)
+        out: list[ConfigError | None] = [None] * len(self)
+        for i in np.flatnonzero(first >= 0).tolist():
+            rule = LAYOUT_RULES[first[i]]
+            value, text = rule.describe(self, i, context)
+            out[i] = ConfigError(rule.field, value, text)
+        return out
+
+
+# ---------------------------------------------------------------------- the rule table
+@dataclass(frozen=True)
+class _Context:
+    world_size: int | None
+    runnable: bool
+
+
+@dataclass(frozen=True)
+class LayoutRule:
+    """One rule: the field it names, when it applies, which rows break it and its words."""
+
+    field: str
+    needs: frozenset[str]
+    """When it applies: always (empty: a field's own rule), or with all of ``layout`` (the
+    layout rules), ``world`` (a world size given), ``runnable`` (paratune's own trainer)
+    and ``shape`` (against the model)."""
+    broken: Callable[[ConfigBatch, _Context], np.ndarray]
+    describe: Callable[[ConfigBatch, int, _Context], tuple[Any, str]]
+
+
+_ALWAYS: frozenset[str] = frozenset()
+_LAYOUT = frozenset({"layout"})
+_WORLD = frozenset({"layout", "world"})
+_RUNNABLE = frozenset({"layout", "runnable"})
+_SHAPE = frozenset({"layout", "shape"})
+
+
+def _int(batch: ConfigBatch, name: str, i: int) -> int:
+    return int(getattr(batch, name)[i])
+
+
+def _option_rules() -> list[LayoutRule]:
+    rules = []
+    for name, enum in OPTIONS.items():
+        allowed = ", ".join(m.value for m in enum)
+        rules.append(LayoutRule(
+            name, _ALWAYS, lambda b, c, name=name: getattr(b, name) < 0,
+            lambda b, i, c, name=name, allowed=allowed: (
+                b.option_text(name)[i], f"must be one of {allowed}")))
+    return rules
+
+
+def _field_rules() -> list[LayoutRule]:
+    rules = []
+    for name in _LAYOUT_INTS:
+        limit = MAX_GLOBAL_BATCH if "batch" in name else MAX_DEVICES
+        rules.append(LayoutRule(name, _ALWAYS, lambda b, c, name=name: getattr(b, name) < 1,
+                                lambda b, i, c, name=name: (_int(b, name, i),
+                                                            "must be a positive integer")))
+        rules.append(LayoutRule(
+            name, _ALWAYS, lambda b, c, name=name, limit=limit: getattr(b, name) > limit,
+            lambda b, i, c, name=name, limit=limit: (
+                _int(b, name, i), f"is beyond the plausible range (at most {limit}): "
+                                  "check the value")))
+    return rules
+
+
+_INTERLEAVED = _CODES["schedule"][Schedule.INTERLEAVED_1F1B.value]
+_ONE_F_ONE_B = _CODES["schedule"][Schedule.ONE_F_ONE_B.value]
+
+
+def _describe_world(b: ConfigBatch, i: int, c: _Context) -> tuple[Any, str]:
+    dp, tp, pp = _int(b, "dp", i), _int(b, "tp", i), _int(b, "pp", i)
+    return dp, f"dp*tp*pp = {dp}*{tp}*{pp} = {dp * tp * pp} must equal the world size " \
+               f"{c.world_size}"
+
+
+def _describe_divisible(b: ConfigBatch, i: int, c: _Context) -> tuple[Any, str]:
+    dp, mbs = _int(b, "dp", i), _int(b, "micro_batch_size", i)
+    return _int(b, "global_batch_size", i), (f"must be divisible by dp*micro_batch_size = "
+                                             f"{dp}*{mbs} = {dp * mbs}")
+
+
+def _layout_rules() -> list[LayoutRule]:
+    def interleaved(b: ConfigBatch) -> np.ndarray:
+        return b.schedule == _INTERLEAVED
+
+    return [
+        LayoutRule("dp", _WORLD, lambda b, c: b.world_size != c.world_size, _describe_world),
+        LayoutRule("global_batch_size", _LAYOUT,
+                   lambda b, c: np.mod(b.global_batch_size, b.dp * b.micro_batch_size) != 0,
+                   _describe_divisible),
+        LayoutRule("schedule", _LAYOUT, lambda b, c: interleaved(b) & (b.pp < 2),
+                   lambda b, i, c: ("interleaved_1f1b", "interleaved_1f1b needs pp >= 2")),
+        LayoutRule("virtual_stages", _LAYOUT,
+                   lambda b, c: interleaved(b) & (b.virtual_stages < 2),
+                   lambda b, i, c: (_int(b, "virtual_stages", i),
+                                    "must be >= 2 with schedule=interleaved_1f1b")),
+        LayoutRule("global_batch_size", _LAYOUT,
+                   lambda b, c: interleaved(b) & (np.mod(b.num_microbatches, b.pp) != 0),
+                   lambda b, i, c: (_int(b, "global_batch_size", i), (
+                       f"interleaved_1f1b needs the number of micro-batches "
+                       f"({int(b.num_microbatches[i])}) to be a multiple of "
+                       f"pp={_int(b, 'pp', i)}"))),
+        LayoutRule("virtual_stages", _LAYOUT,
+                   lambda b, c: ~interleaved(b) & (b.virtual_stages != 1),
+                   lambda b, i, c: (_int(b, "virtual_stages", i), (
+                       f"must be 1 unless schedule=interleaved_1f1b "
+                       f"(schedule={b.option_text('schedule')[i]})"))),
+        # torch.distributed.pipelining.Schedule1F1B refuses fewer micro-batches than stages
+        LayoutRule("global_batch_size", _RUNNABLE,
+                   lambda b, c: ((b.schedule == _ONE_F_ONE_B) & (b.virtual_stages == 1)
+                                 & (b.pp > 1) & (b.num_microbatches < b.pp)),
+                   lambda b, i, c: (_int(b, "global_batch_size", i), (
+                       f"1f1b needs at least pp={_int(b, 'pp', i)} micro-batches per step "
+                       f"(num_microbatches={int(b.num_microbatches[i])})"))),
+    ]
+
+
+def _shape_rules() -> list[LayoutRule]:
+    rules = []
+    for name in ("num_heads", "num_kv_heads", "ffn_hidden_size", "vocab_size"):
+        needs = _SHAPE | _RUNNABLE if name == "vocab_size" else _SHAPE
+        rules.append(LayoutRule(
+            "tp", needs, lambda b, c, name=name: np.mod(getattr(b, name), b.tp) != 0,
+            lambda b, i, c, name=name: (_int(b, "tp", i),
+                                        f"must divide {name}={_int(b, name, i)}")))
+    rules.append(LayoutRule(
+        "pp", _SHAPE | _RUNNABLE, lambda b, c: b.num_layers < b.num_stages,
+        lambda b, i, c: (_int(b, "pp", i), (
+            f"pp*virtual_stages = {int(b.num_stages[i])} pipeline stages need at least as "
+            f"many layers (num_layers={_int(b, 'num_layers', i)})"))))
+    return rules
+
+
+LAYOUT_RULES: tuple[LayoutRule, ...] = (*_option_rules(), *_field_rules(), *_layout_rules(),
+                                        *_shape_rules())
+"""Every layout rule, in the order :class:`~paratune.ParallelConfig` checks them (its
+constructor's, then :meth:`~paratune.ParallelConfig.validate`'s); a property test holds the
+two to the same verdict and message on random configurations."""
+
+
+# ---------------------------------------------------------------------- frame helpers
+def _integers(frame: pd.DataFrame, name: str, default: Any, n: int) -> np.ndarray:
+    if name not in frame.columns:
+        return np.full(n, default, dtype=np.int64)
+    values = frame[name].to_numpy()
+    if values.dtype.kind in "iu":
+        return values.astype(np.int64, copy=False)
+    numbers = np.asarray(values, dtype=float)
+    _check_whole(name, numbers, np.zeros(n, dtype=bool))
+    return numbers.astype(np.int64)
+
+
+def _check_whole(name: str, numbers: np.ndarray, allowed_missing: np.ndarray) -> None:
+    with np.errstate(invalid="ignore"):
+        bad = ~allowed_missing & ~((numbers == np.round(numbers)) & (np.abs(numbers) < 2.0**62))
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        value = None if np.isnan(numbers[i]) else float(numbers[i])
+        error = ConfigError(name, value, "must be a positive integer")
+        error.row = i  # type: ignore[attr-defined]
+        raise error
+
+
+def _coded(frame: pd.DataFrame, name: str, table: dict[str, int], default: Any, n: int
+           ) -> tuple[np.ndarray, np.ndarray | None]:
+    """Codes of column ``name`` (``default`` where absent) and, where some value has no code,
+    the values as given."""
+    import pandas as pd
+
+    if name not in frame.columns:
+        return np.full(n, table[str(default)], dtype=np.int8), None
+    values = np.asarray(frame[name], dtype=object)
+    codes, uniques = pd.factorize(pd.Series(values), sort=False, use_na_sentinel=True)
+    lookup = np.asarray([table.get(u, -1) if isinstance(u, str) else -1 for u in uniques]
+                        + [-1], dtype=np.int8)
+    out = lookup[codes]
+    return out, (values if (out < 0).any() else None)
+
+
+def _catalogue_node_sizes(names: np.ndarray) -> np.ndarray:
+    import pandas as pd
+
+    codes, uniques = pd.factorize(pd.Series(names), sort=False)
+    sizes = []
+    for name in uniques:
+        try:
+            sizes.append(get_hardware(str(name)).devices_per_node)
+        except ConfigError:
+            sizes.append(0)
+    return np.asarray([*sizes, 0], dtype=np.int64)[codes]
