@@ -30,7 +30,6 @@ and the rule.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import hashlib
 import json
 import math
@@ -41,6 +40,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from paratune._io import atomic_write_bytes, atomic_write_text, exclusive_lock
+from paratune.batch import ConfigBatch
 from paratune.datasets.schema import (
     CARD_FILE,
     SCHEMA_VERSION,
@@ -50,8 +50,10 @@ from paratune.datasets.schema import (
     column_types,
     required_columns,
 )
-from paratune.errors import DatasetError, SchemaVersionError
+from paratune.errors import ConfigError, DatasetError, SchemaVersionError
 from paratune.measurement import Measurement, Status
+from paratune.predictor import MODEL_COLUMNS, PARALLEL_COLUMNS
+from paratune.scalars import plain
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -236,8 +238,8 @@ def _check_rows(table: pa.Table, where: str) -> None:
     ``world_size`` other than ``dp*tp*pp`` or ``num_microbatches`` other than
     ``global_batch_size // (dp*micro_batch_size)``, or a measured value out of its range.
 
-    The layout rules are screened over all rows at once; only rows the screen flags are
-    built as objects, whose checks decide and word the error.
+    The layout rules are those of :class:`~paratune.batch.ConfigBatch`, checked over all
+    rows at once.
 
     Raises:
         DatasetError: ``<where>: row <i>: <column>=<value>: <rule>`` (rows counted from 0).
@@ -245,63 +247,20 @@ def _check_rows(table: pa.Table, where: str) -> None:
     import numpy as np
     import pyarrow.compute as pc
 
-    from paratune.errors import ConfigError
-    from paratune.parallel import ParallelConfig, Recompute, Schedule, Sharding
-    from paratune.spec import ModelSpec
-
     if table.num_rows == 0:
         return
-    model_fields = [f.name for f in dataclasses.fields(ModelSpec) if f.name not in ("name",
-                                                                                       "extra")]
-    config_fields = [f.name for f in dataclasses.fields(ParallelConfig)]
-    frame = table.select(["model_name", *model_fields, *config_fields, "world_size",
+    frame = table.select(["model_name", *MODEL_COLUMNS[1:], *PARALLEL_COLUMNS, "world_size",
                           "num_microbatches"]).to_pandas()
-
-    def plain(i: int, names: Sequence[str]) -> dict[str, Any]:
-        values = {}
-        for name in names:
-            value = frame[name].iat[i]
-            value = value.item() if hasattr(value, "item") else value
-            if isinstance(value, float) and value.is_integer():  # an int column with nulls
-                value = int(value)
-            values[name] = None if value is None or value != value else value
-        return values
-
-    def model_at(i: int) -> ModelSpec:
-        values = plain(i, ["model_name", *model_fields])
-        return ModelSpec(name=str(values.pop("model_name")), **values)
-
-    models = frame[["model_name", *model_fields]].drop_duplicates()
-    for i in models.index:
+    try:
+        batch = ConfigBatch.from_frame(frame)
+    except ConfigError as exc:
+        raise DatasetError(f"{where}: row {getattr(exc, 'row', 0)}: {exc}") from None
+    for i in frame[list(MODEL_COLUMNS)].drop_duplicates().index:
         try:
-            model_at(int(i))
+            batch.model_at(int(i))
         except ConfigError as exc:
             raise DatasetError(f"{where}: row {i}: {exc}") from None
-
-    def numbers(name: str) -> np.ndarray:
-        return frame[name].to_numpy(dtype=float, na_value=math.nan)
-
-    dp, tp, pp, mbs, gbs, stages = (numbers(c) for c in (
-        "dp", "tp", "pp", "micro_batch_size", "global_batch_size", "virtual_stages"))
-    with np.errstate(all="ignore"):
-        suspect = np.zeros(table.num_rows, dtype=bool)
-        for values in (dp, tp, pp, mbs, gbs, stages):
-            suspect |= ~(values >= 1)
-        for name, kind in (("schedule", Schedule), ("sharding", Sharding),
-                           ("recompute", Recompute)):
-            suspect |= ~frame[name].isin([m.value for m in kind]).to_numpy()
-        microbatches = np.floor_divide(gbs, dp * mbs)
-        suspect |= np.mod(gbs, dp * mbs) != 0
-        interleaved = (frame["schedule"] == Schedule.INTERLEAVED_1F1B.value).to_numpy()
-        suspect |= interleaved & ((pp < 2) | (stages < 2) | (np.mod(microbatches, pp) != 0))
-        suspect |= ~interleaved & (stages != 1)
-        for name in ("num_heads", "num_kv_heads", "ffn_hidden_size"):
-            suspect |= np.mod(numbers(name), tp) != 0
-        suspect |= numbers("world_size") != dp * tp * pp
-        suspect |= numbers("num_microbatches") != microbatches
-    for i in np.flatnonzero(suspect):
-        _check_layout(int(i), model_at(int(i)), plain(int(i), [*config_fields, "world_size",
-                                                                "num_microbatches"]), where)
+    _check_layouts(batch, frame, where)
 
     for names, rule, check in _VALUE_RULES:
         for name in names:
@@ -324,28 +283,42 @@ def _number(value: float) -> int | float:
     return int(value) if value.is_integer() else float(value)
 
 
-def _check_layout(i: int, model: Any, values: dict[str, Any], where: str) -> None:
-    """Check the layout of row ``i`` (its config fields, ``world_size`` and
-    ``num_microbatches``) as the reader will, on ``model``."""
-    from paratune.errors import ConfigError
-    from paratune.parallel import ParallelConfig
+def _stated(value: float) -> int | float | None:
+    """A stated count as the message names it (``None`` where the cell is empty)."""
+    return None if math.isnan(value) else _number(value)
 
-    world_size = values.pop("world_size")
-    microbatches = values.pop("num_microbatches")
-    try:
-        config = ParallelConfig(**values)
-        if world_size != config.world_size:
-            raise ConfigError("world_size", world_size,
-                              f"must equal dp*tp*pp = {config.dp}*{config.tp}*{config.pp} = "
-                              f"{config.world_size}")
-        config.validate(model, runnable=False)
-        if microbatches != config.num_microbatches:
-            raise ConfigError("num_microbatches", microbatches,
-                              f"must equal global_batch_size // (dp*micro_batch_size) = "
-                              f"{config.global_batch_size} // ({config.dp}*"
-                              f"{config.micro_batch_size}) = {config.num_microbatches}")
-    except ConfigError as exc:
-        raise DatasetError(f"{where}: row {i}: {exc}") from None
+
+def _check_layouts(batch: ConfigBatch, frame: pd.DataFrame, where: str) -> None:
+    """Refuse the first row whose layout breaks a rule, in the order a reader checks it: the
+    fields (as ``ParallelConfig`` is built), the stated ``world_size``, the layout on the
+    row's model (``runnable=False``), the stated ``num_microbatches``."""
+    import numpy as np
+
+    world = frame["world_size"].to_numpy(dtype=float, na_value=math.nan)
+    microbatches = frame["num_microbatches"].to_numpy(dtype=float, na_value=math.nan)
+    built = batch.violations(layout=False) >= 0
+    world_wrong = world != batch.world_size
+    layout_wrong = batch.violations(runnable=False) >= 0
+    micro_wrong = microbatches != batch.num_microbatches
+    bad = np.flatnonzero(built | world_wrong | layout_wrong | micro_wrong)
+    if not len(bad):
+        return
+    i = int(bad[0])
+    row = batch.take([i])
+    dp, tp, pp = int(row.dp[0]), int(row.tp[0]), int(row.pp[0])
+    if built[i]:
+        error = row.validate(layout=False)[0]
+    elif world_wrong[i]:
+        error = ConfigError("world_size", _stated(world[i]),
+                            f"must equal dp*tp*pp = {dp}*{tp}*{pp} = {dp * tp * pp}")
+    elif layout_wrong[i]:
+        error = row.validate(runnable=False)[0]
+    else:
+        gbs, mbs = int(row.global_batch_size[0]), int(row.micro_batch_size[0])
+        error = ConfigError("num_microbatches", _stated(microbatches[i]),
+                            f"must equal global_batch_size // (dp*micro_batch_size) = "
+                            f"{gbs} // ({dp}*{mbs}) = {int(row.num_microbatches[0])}")
+    raise DatasetError(f"{where}: row {i}: {error}")
 
 
 # ---------------------------------------------------------------------- write
@@ -659,10 +632,7 @@ def _config_key(row: Mapping[str, Any]) -> str:
     from paratune.parallel import ParallelConfig
 
     try:
-        return ParallelConfig(**{k: (v.item() if hasattr(v, "item") else v) for k, v in row.items()
-                                 if k in ("dp", "tp", "pp", "micro_batch_size",
-                                          "global_batch_size", "schedule", "virtual_stages",
-                                          "sharding", "recompute")}).key()
+        return ParallelConfig(**{k: plain(row[k]) for k in PARALLEL_COLUMNS if k in row}).key()
     except Exception:  # a public row with an unusual layout still gets summarised
         return f"dp{row.get('dp')}-tp{row.get('tp')}-pp{row.get('pp')}"
 

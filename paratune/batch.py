@@ -243,7 +243,7 @@ class ConfigBatch:
         values = {name: int(getattr(self, name)[i]) for name in _MODEL_INTS}
         return ModelSpec(name=str(self.model_name[i]), **values,
                          tie_embeddings=bool(self.tie_embeddings[i]),
-                         mlp=self.option_text("mlp")[i],
+                         mlp=self.take([i]).option_text("mlp")[0],
                          rope_theta=float(self.rope_theta[i]), norm_eps=float(self.norm_eps[i]))
 
     def keys(self) -> list[str]:
@@ -522,12 +522,15 @@ def _coded(frame: pd.DataFrame, name: str, table: dict[str, int], default: Any, 
 
     if name not in frame.columns:
         return np.full(n, table[str(default)], dtype=np.int8), None
-    values = np.asarray(frame[name], dtype=object)
+    values = np.array(frame[name], dtype=object)  # a copy: empty cells are set below
     codes, uniques = pd.factorize(pd.Series(values), sort=False, use_na_sentinel=True)
     lookup = np.asarray([table.get(u, -1) if isinstance(u, str) else -1 for u in uniques]
                         + [-1], dtype=np.int8)
     out = lookup[codes]
-    return out, (values if (out < 0).any() else None)
+    if not (out < 0).any():
+        return out, None
+    values[codes < 0] = None  # an empty cell: no value (NaN, None or pandas' NA)
+    return out, values
 
 
 def _catalogue_node_sizes(names: np.ndarray) -> np.ndarray:
