@@ -33,9 +33,10 @@ from pathlib import Path
 from typing import Any
 
 from paratune.errors import ConfigError, DatasetError
-from paratune.hardware import get_hardware
+from paratune.hardware import HardwareSpec, get_hardware
 from paratune.measurement import Measurement, Status
 from paratune.parallel import ParallelConfig, Recompute, Schedule, Sharding
+from paratune.scalars import plain
 from paratune.spec import ModelSpec
 
 __all__ = [
@@ -54,6 +55,7 @@ __all__ = [
     "parse_public_csv",
     "public_header_problem",
     "public_row_config",
+    "public_row_layout",
     "read_public_csv",
 ]
 
@@ -611,11 +613,11 @@ def config_from_public(raw: dict[str, str], *, check_grad_accum: bool = True
     return config, num_gpus
 
 
-def public_row_config(raw: dict[str, str]) -> dict[str, Any]:
-    """A config-frame row (:data:`paratune.predictor.CONFIG_COLUMNS`) for a public row.
+def public_row_layout(raw: dict[str, str]) -> tuple[ModelSpec, ParallelConfig, HardwareSpec]:
+    """The model, layout and hardware of a public row, as a prediction needs them.
 
     Only the configuration is checked (not the metrics, nor a stated ``grad_accum`` that
-    contradicts ``global_batch``): this is what a prediction needs.
+    contradicts ``global_batch``).
 
     Raises:
         ValueError: the configuration cannot be mapped (missing degrees, contradictions, a
@@ -630,20 +632,27 @@ def public_row_config(raw: dict[str, str]) -> dict[str, Any]:
         hardware = get_hardware(raw.get("gpu", ""))
     except ConfigError as exc:
         raise ValueError(f"gpu={raw.get('gpu', '')!r} {exc.rule}") from None
-    name, per_node = hardware.name, hardware.devices_per_node
     try:
         nodes = _integer(raw, "nodes", required=False)
     except _Unmappable as exc:
         raise ValueError(str(exc)) from None
     if nodes is not None and hardware.num_nodes(config.world_size) != nodes:
         raise ValueError(f"nodes={nodes} contradicts num_gpus={config.world_size} on "
-                         f"{per_node}-GPU nodes")
-    row: dict[str, Any] = {"model_name": model.name}
-    row.update({k: v for k, v in model.to_dict().items() if k != "name"})
-    row.update(config.to_dict())
-    row.update(world_size=config.world_size, num_microbatches=config.num_microbatches,
-               hardware=name, devices_per_node=per_node)
-    return row
+                         f"{hardware.devices_per_node}-GPU nodes")
+    return model, config, hardware
+
+
+def public_row_config(raw: dict[str, str]) -> dict[str, Any]:
+    """A config-frame row (:data:`paratune.predictor.CONFIG_COLUMNS`) for a public row.
+
+    Raises:
+        ValueError: as :func:`public_row_layout`.
+    """
+    from paratune.batch import ConfigBatch
+
+    model, config, hardware = public_row_layout(raw)
+    frame = ConfigBatch.from_configs(model, [config], hardware).to_frame()
+    return {k: plain(v) for k, v in frame.iloc[0].items()}
 
 
 def _row_to_measurement(raw: dict[str, str]) -> Measurement:

@@ -16,7 +16,7 @@ Options (schedule, sharding, recompute) are stored as codes: a value's position 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any
@@ -120,37 +120,51 @@ class ConfigBatch:
 
     # ------------------------------------------------------------------ building
     @classmethod
-    def from_configs(cls, model: ModelSpec, configs: Iterable[ParallelConfig],
-                     hardware: HardwareSpec | str, *,
-                     devices_per_node: int | None = None) -> ConfigBatch:
-        """A batch of ``configs`` of one ``model`` on one ``hardware``.
+    def from_configs(cls, model: ModelSpec | Sequence[ModelSpec],
+                     configs: Iterable[ParallelConfig],
+                     hardware: HardwareSpec | str | Sequence[HardwareSpec | str], *,
+                     devices_per_node: int | Sequence[int | None] | None = None
+                     ) -> ConfigBatch:
+        """A batch of ``configs`` of ``model`` on ``hardware``.
 
         Args:
-            model: The model.
+            model: The model, or one per config.
             configs: Layouts (not validated here).
-            hardware: Catalogue entry or its name.
-            devices_per_node: Overrides the catalogue's node size.
+            hardware: Catalogue entry or its name, or one per config.
+            devices_per_node: Overrides the catalogue's node size (one figure, or one per
+                config; ``None`` keeps the catalogue's).
         """
-        hw = get_hardware(hardware) if isinstance(hardware, str) else hardware
         configs = list(configs)
         n = len(configs)
+        models = [model] * n if isinstance(model, ModelSpec) else list(model)
+        specs = ([hardware] * n if isinstance(hardware, str | HardwareSpec) else list(hardware))
+        specs = [get_hardware(h) if isinstance(h, str) else h for h in specs]
+        sizes = (list(devices_per_node) if isinstance(devices_per_node, Sequence)
+                 else [devices_per_node] * n)
+        if not len(models) == len(specs) == len(sizes) == n:
+            raise ConfigError("configs", n, "needs one model, hardware and node size per "
+                              "config where a list of them is given")
+
+        def column(values: Iterable[Any], dtype: Any) -> np.ndarray:
+            return np.fromiter(values, dtype, n) if dtype is not object else np.asarray(
+                list(values), dtype=object)
+
         columns: dict[str, np.ndarray] = {
-            "model_name": np.full(n, model.name, dtype=object),
-            "tie_embeddings": np.full(n, bool(model.tie_embeddings)),
-            "mlp": np.full(n, MLP_KINDS.index(model.mlp), dtype=np.int8),
-            "rope_theta": np.full(n, float(model.rope_theta)),
-            "norm_eps": np.full(n, float(model.norm_eps)),
-            "hardware": np.full(n, hw.name, dtype=object),
-            "devices_per_node": np.full(n, devices_per_node or hw.devices_per_node,
-                                        dtype=np.int64)}
+            "model_name": column((m.name for m in models), object),
+            "tie_embeddings": column((bool(m.tie_embeddings) for m in models), bool),
+            "mlp": column((MLP_KINDS.index(m.mlp) for m in models), np.int8),
+            "rope_theta": column((float(m.rope_theta) for m in models), float),
+            "norm_eps": column((float(m.norm_eps) for m in models), float),
+            "hardware": column((h.name for h in specs), object),
+            "devices_per_node": column((size or h.devices_per_node
+                                        for size, h in zip(sizes, specs)), np.int64)}
         for name in _MODEL_INTS:
-            columns[name] = np.full(n, getattr(model, name), dtype=np.int64)
+            columns[name] = column((getattr(m, name) for m in models), np.int64)
         for name in _LAYOUT_INTS:
-            columns[name] = np.fromiter((getattr(c, name) for c in configs), np.int64, n)
+            columns[name] = column((getattr(c, name) for c in configs), np.int64)
         for name in OPTIONS:
             codes = _CODES[name]
-            columns[name] = np.fromiter((codes[getattr(c, name).value] for c in configs),
-                                        np.int8, n)
+            columns[name] = column((codes[getattr(c, name).value] for c in configs), np.int8)
         return cls(**columns)
 
     @classmethod
