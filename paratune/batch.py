@@ -168,54 +168,62 @@ class ConfigBatch:
         return cls(**columns)
 
     @classmethod
-    def from_frame(cls, frame: pd.DataFrame) -> ConfigBatch:
+    def from_frame(cls, frame: pd.DataFrame, *, loose: bool = False) -> ConfigBatch:
         """A batch of a config frame's rows.
 
         Columns other than :data:`_REQUIRED` may be missing (the dataclass defaults; the
         hardware ``cpu``); empty ``num_kv_heads`` are ``num_heads`` and empty
-        ``devices_per_node`` the catalogue's; option and ``mlp`` text is matched exactly
-        (text of no code is kept for the messages).
+        ``devices_per_node`` (or below 1) the catalogue's. Option and ``mlp`` text of no
+        code is kept for the messages.
+
+        Args:
+            frame: A config frame.
+            loose: Read the frame as predictions do rather than check it: option text
+                matched without case or surrounding spaces, an empty cell taking the
+                default, and sizes and degrees kept as float64 as given (NaN for an empty
+                cell) rather than refused when they are not whole numbers.
 
         Raises:
-            ConfigError: a required column is missing, or a size or degree is not a whole
-                number (the error's ``row`` attribute is the row's position).
+            ConfigError: a required column is missing, or (unless ``loose``) a size or
+                degree is not a whole number (the error's ``row`` attribute is the row's
+                position).
         """
         n = len(frame)
-        columns: dict[str, np.ndarray] = {}
         for name in _REQUIRED:
             if name not in frame.columns:
                 raise ConfigError(name, None, "column missing from the config frame")
-        for name in (*_MODEL_INTS, *_LAYOUT_INTS):
-            if name == "num_kv_heads":
-                continue
-            columns[name] = _integers(frame, name, _DEFAULTS.get(name), n)
+        columns = {name: _numbers(frame, name, _DEFAULTS.get(name), n, loose)
+                   for name in (*_MODEL_INTS, *_LAYOUT_INTS) if name != "num_kv_heads"}
         kv = (np.asarray(frame["num_kv_heads"], dtype=float) if "num_kv_heads" in frame.columns
               else np.full(n, np.nan))
-        heads = columns["num_heads"]
-        columns["num_kv_heads"] = np.where(np.isnan(kv), heads, np.nan_to_num(kv)).astype(np.int64)
-        if "num_kv_heads" in frame.columns:
+        columns["num_kv_heads"] = np.where(np.isnan(kv), columns["num_heads"], kv)
+        if not loose:
             _check_whole("num_kv_heads", kv, np.isnan(kv))
+            columns["num_kv_heads"] = columns["num_kv_heads"].astype(np.int64)
         unknown: dict[str, np.ndarray] = {}
-        for name, table in (*((k, v) for k, v in _CODES.items()),
-                            ("mlp", {k: i for i, k in enumerate(MLP_KINDS)})):
-            columns[name], text = _coded(frame, name, table, _DEFAULTS[name], n)
+        for name, table in (*_CODES.items(), ("mlp", {k: i for i, k in enumerate(MLP_KINDS)})):
+            columns[name], text = _coded(frame, name, table, _DEFAULTS[name], n, loose)
             if text is not None:
                 unknown[name] = text
-        columns["model_name"] = (np.asarray(frame["model_name"], dtype=object)
-                                 if "model_name" in frame.columns
-                                 else np.full(n, "model", dtype=object))
-        columns["tie_embeddings"] = (np.asarray(frame["tie_embeddings"], dtype=bool)
-                                     if "tie_embeddings" in frame.columns else np.zeros(n, bool))
+
+        def column(name: str, default: Any, dtype: Any) -> np.ndarray:
+            if name not in frame.columns:
+                return np.full(n, default, dtype=dtype)
+            return np.asarray(frame[name], dtype=dtype)
+
+        columns["model_name"] = column("model_name", "model", object)
+        if "tie_embeddings" in frame.columns and frame["tie_embeddings"].dtype != bool:
+            columns["tie_embeddings"] = column("tie_embeddings", 0.0, float) > 0  # NaN: untied
+        else:
+            columns["tie_embeddings"] = column("tie_embeddings", False, bool)
         for name in ("rope_theta", "norm_eps"):
-            columns[name] = (np.asarray(frame[name], dtype=float) if name in frame.columns
-                             else np.full(n, float(_DEFAULTS[name])))
-        columns["hardware"] = (np.asarray(frame["hardware"], dtype=object)
-                               if "hardware" in frame.columns else np.full(n, "cpu", dtype=object))
-        given = (np.asarray(frame["devices_per_node"], dtype=float)
-                 if "devices_per_node" in frame.columns else np.full(n, np.nan))
-        columns["devices_per_node"] = np.where(
-            np.isnan(given) | (given < 1), _catalogue_node_sizes(columns["hardware"]),
-            np.nan_to_num(given)).astype(np.int64)
+            columns[name] = column(name, float(_DEFAULTS[name]), float)
+        columns["hardware"] = column("hardware", "cpu", object)
+        given = column("devices_per_node", np.nan, float)
+        missing = np.isnan(given) | (given < 1)
+        columns["devices_per_node"] = (np.where(
+            missing, _catalogue_node_sizes(columns["hardware"]), given) if missing.any()
+            else given).astype(np.int64)
         return cls(**columns, unknown=unknown)
 
     # ------------------------------------------------------------------ rows
@@ -506,10 +514,13 @@ two to the same verdict and message on random configurations."""
 
 
 # ---------------------------------------------------------------------- frame helpers
-def _integers(frame: pd.DataFrame, name: str, default: Any, n: int) -> np.ndarray:
+def _numbers(frame: pd.DataFrame, name: str, default: Any, n: int, loose: bool) -> np.ndarray:
+    """Column ``name`` as int64 (as float64 where ``loose``), ``default`` where absent."""
     if name not in frame.columns:
-        return np.full(n, default, dtype=np.int64)
+        return np.full(n, default, dtype=float if loose else np.int64)
     values = frame[name].to_numpy()
+    if loose:
+        return np.asarray(values, dtype=float)
     if values.dtype.kind in "iu":
         return values.astype(np.int64, copy=False)
     numbers = np.asarray(values, dtype=float)
@@ -528,18 +539,21 @@ def _check_whole(name: str, numbers: np.ndarray, allowed_missing: np.ndarray) ->
         raise error
 
 
-def _coded(frame: pd.DataFrame, name: str, table: dict[str, int], default: Any, n: int
-           ) -> tuple[np.ndarray, np.ndarray | None]:
-    """Codes of column ``name`` (``default`` where absent) and, where some value has no code,
-    the values as given."""
+def _coded(frame: pd.DataFrame, name: str, table: dict[str, int], default: Any, n: int,
+           loose: bool = False) -> tuple[np.ndarray, np.ndarray | None]:
+    """Codes of column ``name`` (``default`` where absent, and where ``loose`` for an empty
+    cell) and, where some value has no code, the values as given."""
     import pandas as pd
 
     if name not in frame.columns:
         return np.full(n, table[str(default)], dtype=np.int8), None
     values = np.array(frame[name], dtype=object)  # a copy: empty cells are set below
     codes, uniques = pd.factorize(pd.Series(values), sort=False, use_na_sentinel=True)
-    lookup = np.asarray([table.get(u, -1) if isinstance(u, str) else -1 for u in uniques]
-                        + [-1], dtype=np.int8)
+    if loose:
+        keys = [str(u).strip().lower() for u in uniques] + [str(default)]
+    else:
+        keys = [u if isinstance(u, str) else None for u in uniques] + [None]
+    lookup = np.asarray([table.get(k, -1) if k is not None else -1 for k in keys], dtype=np.int8)
     out = lookup[codes]
     if not (out < 0).any():
         return out, None
