@@ -178,3 +178,37 @@ def test_plain_unwraps_numpy_scalars_only():
     assert plain([1, 2]) == [1, 2] and plain("x") == "x" and plain(None) is None
     array = np.arange(3)
     assert plain(array) is array  # several values stay an array
+
+
+def test_one_model_and_hardware_per_config():
+    models = [get_model("tiny"), get_model("llama3-8b"), get_model("tiny")]
+    batch = ConfigBatch.from_configs(models, _configs(), ["cpu", "H100", "A100"],
+                                     devices_per_node=[None, 4, None])
+    frame = batch.to_frame()
+    assert frame["model_name"].tolist() == ["tiny", "llama3-8b", "tiny"]
+    assert frame["hardware"].tolist() == ["cpu", "H100-80GB", "A100-80GB"]
+    assert frame["devices_per_node"].tolist() == [1024, 4, 8]
+    for i, model in enumerate(models):
+        assert batch.model_at(i) == model
+        pd.testing.assert_frame_equal(
+            frame.iloc[[i]].reset_index(drop=True),
+            ConfigBatch.from_configs(model, [_configs()[i]], frame["hardware"][i],
+                                     devices_per_node=int(frame["devices_per_node"][i])
+                                     ).to_frame())
+    with pytest.raises(ConfigError, match="one model, hardware and node size per config"):
+        ConfigBatch.from_configs(models[:2], _configs(), "cpu")
+
+
+def test_loose_frames_read_as_predictions_read_them():
+    frame = ConfigBatch.from_configs(get_model("tiny"), _configs(), "cpu").to_frame()
+    frame["schedule"] = [" Interleaved_1F1B", None, "GPIPE"]
+    frame["dp"] = [2.0, np.nan, 1.0]
+    loose = ConfigBatch.from_frame(frame, loose=True)
+    assert loose.option_text("schedule").tolist() == ["interleaved_1f1b", "1f1b", "gpipe"]
+    assert loose.dp.dtype == float and np.isnan(loose.dp[1])
+    with pytest.raises(ConfigError, match="dp=None: must be a positive integer"):
+        ConfigBatch.from_frame(frame)
+    strict = ConfigBatch.from_frame(frame.assign(dp=[2, 4, 1]))
+    assert strict.option_text("schedule").tolist() == [" Interleaved_1F1B", None, "GPIPE"]
+    assert str(strict.validate()[2]) == ("schedule='GPIPE': must be one of gpipe, 1f1b, "
+                                         "interleaved_1f1b")
