@@ -67,11 +67,12 @@ class Sharding(StrEnum):
 
     @property
     def stage(self) -> int:
-        return {"none": 0, "zero1": 1, "zero2": 2, "zero3": 3}[self.value]
+        """The ZeRO stage: the member's position (its code in a config batch)."""
+        return list(Sharding).index(self)
 
     @classmethod
     def from_stage(cls, stage: int) -> Sharding:
-        return [cls.NONE, cls.ZERO1, cls.ZERO2, cls.ZERO3][int(stage)]
+        return list(cls)[int(stage)]
 
 
 class Recompute(StrEnum):
