@@ -4,7 +4,7 @@ parallel layout, hardware), one row per configuration.
 A batch is built from objects (:meth:`ConfigBatch.from_configs`) or from a config frame
 (:meth:`ConfigBatch.from_frame`, the columns of :data:`paratune.predictor.CONFIG_COLUMNS`)
 and turns back into either (:meth:`~ConfigBatch.configs`, :meth:`~ConfigBatch.to_frame`).
-Its layout rules are one table, :data:`LAYOUT_RULES`, in the order
+Its layout rules are one table, :data:`~paratune.layout_rules.LAYOUT_RULES`, in the order
 :class:`~paratune.ParallelConfig` checks them, so that :meth:`ConfigBatch.validate` names
 for each row the first rule it breaks with the same ``ConfigError(field, value, rule)`` that
 ``ParallelConfig(...).validate(model)`` raises for that row.
@@ -16,25 +16,24 @@ Options (schedule, sharding, recompute) are stored as codes: a value's position 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from paratune.errors import ConfigError
 from paratune.hardware import HardwareSpec, get_hardware
-from paratune.parallel import (
-    MAX_DEVICES,
-    MAX_GLOBAL_BATCH,
-    ParallelConfig,
-    Recompute,
-    Schedule,
-    Sharding,
-    layout_key,
-    max_stage_layers,
+from paratune.layout_rules import (
+    LAYOUT_INTS,
+    LAYOUT_RULES,
+    MLP_KINDS,
+    OPTIONS,
+    LayoutRule,
+    RuleContext,
+    option_codes,
 )
+from paratune.parallel import ParallelConfig, layout_key, max_stage_layers
 from paratune.predictor import CONFIG_COLUMNS, PARALLEL_COLUMNS
 from paratune.spec import (
     ModelSpec,
@@ -49,26 +48,14 @@ if TYPE_CHECKING:
 
 __all__ = ["LAYOUT_RULES", "MLP_KINDS", "OPTIONS", "ConfigBatch", "LayoutRule", "option_codes"]
 
-OPTIONS: dict[str, type[StrEnum]] = {"schedule": Schedule, "sharding": Sharding,
-                                     "recompute": Recompute}
-"""The option columns and the enum each one's codes come from."""
-MLP_KINDS: tuple[str, ...] = ("swiglu", "gelu")
-"""Values of ``ModelSpec.mlp``; a batch stores the position (0: SwiGLU, three matrices)."""
-_LAYOUT_INTS = ("dp", "tp", "pp", "micro_batch_size", "global_batch_size", "virtual_stages")
 _MODEL_INTS = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "ffn_hidden_size",
                "vocab_size", "seq_len")
 _REQUIRED = ("num_layers", "hidden_size", "num_heads", "ffn_hidden_size", "vocab_size",
              "seq_len", "dp", "tp", "pp", "micro_batch_size", "global_batch_size")
 """Config-frame columns :meth:`ConfigBatch.from_frame` needs; the others have defaults."""
-
-
-def option_codes(name: str) -> dict[str, int]:
-    """The code of each value of option ``name`` (its position in the enum of
-    :data:`OPTIONS`): ``option_codes("sharding")["zero2"] == 2``."""
-    return {member.value: i for i, member in enumerate(OPTIONS[name])}
-
-
 _CODES = {name: option_codes(name) for name in OPTIONS}
+
+
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(ParallelConfig)}
 _DEFAULTS.update({f.name: f.default for f in dataclasses.fields(ModelSpec)
                   if f.default is not dataclasses.MISSING})
@@ -160,7 +147,7 @@ class ConfigBatch:
                                         for size, h in zip(sizes, specs)), np.int64)}
         for name in _MODEL_INTS:
             columns[name] = column((getattr(m, name) for m in models), np.int64)
-        for name in _LAYOUT_INTS:
+        for name in LAYOUT_INTS:
             columns[name] = column((getattr(c, name) for c in configs), np.int64)
         for name in OPTIONS:
             codes = _CODES[name]
@@ -193,7 +180,7 @@ class ConfigBatch:
             if name not in frame.columns:
                 raise ConfigError(name, None, "column missing from the config frame")
         columns = {name: _numbers(frame, name, _DEFAULTS.get(name), n, loose)
-                   for name in (*_MODEL_INTS, *_LAYOUT_INTS) if name != "num_kv_heads"}
+                   for name in (*_MODEL_INTS, *LAYOUT_INTS) if name != "num_kv_heads"}
         kv = (np.asarray(frame["num_kv_heads"], dtype=float) if "num_kv_heads" in frame.columns
               else np.full(n, np.nan))
         columns["num_kv_heads"] = np.where(np.isnan(kv), columns["num_heads"], kv)
@@ -353,7 +340,7 @@ class ConfigBatch:
                 ``ParallelConfig`` checks when built).
         """
         first = np.full(len(self), -1, dtype=np.int64)
-        context = _Context(world_size=world_size, runnable=runnable)
+        context = RuleContext(world_size=world_size, runnable=runnable)
         enabled = {name for name, on in (("layout", layout), ("world", world_size is not None),
                                          ("runnable", runnable), ("shape", shape)) if on}
         with np.errstate(all="ignore"):
@@ -372,145 +359,13 @@ class ConfigBatch:
         """
         first = self.violations(world_size=world_size, runnable=runnable, shape=shape,
                                 layout=layout)
-        context = _Context(world_size=world_size, runnable=runnable)
+        context = RuleContext(world_size=world_size, runnable=runnable)
         out: list[ConfigError | None] = [None] * len(self)
         for i in np.flatnonzero(first >= 0).tolist():
             rule = LAYOUT_RULES[first[i]]
             value, text = rule.describe(self, i, context)
             out[i] = ConfigError(rule.field, value, text)
         return out
-
-
-# ---------------------------------------------------------------------- the rule table
-@dataclass(frozen=True)
-class _Context:
-    world_size: int | None
-    runnable: bool
-
-
-@dataclass(frozen=True)
-class LayoutRule:
-    """One rule: the field it names, when it applies, which rows break it and its words."""
-
-    field: str
-    needs: frozenset[str]
-    """When it applies: always (empty: a field's own rule), or with all of ``layout`` (the
-    layout rules), ``world`` (a world size given), ``runnable`` (paratune's own trainer)
-    and ``shape`` (against the model)."""
-    broken: Callable[[ConfigBatch, _Context], np.ndarray]
-    describe: Callable[[ConfigBatch, int, _Context], tuple[Any, str]]
-
-
-_ALWAYS: frozenset[str] = frozenset()
-_LAYOUT = frozenset({"layout"})
-_WORLD = frozenset({"layout", "world"})
-_RUNNABLE = frozenset({"layout", "runnable"})
-_SHAPE = frozenset({"layout", "shape"})
-
-
-def _int(batch: ConfigBatch, name: str, i: int) -> int:
-    return int(getattr(batch, name)[i])
-
-
-def _option_rules() -> list[LayoutRule]:
-    rules = []
-    for name, enum in OPTIONS.items():
-        allowed = ", ".join(m.value for m in enum)
-        rules.append(LayoutRule(
-            name, _ALWAYS, lambda b, c, name=name: getattr(b, name) < 0,
-            lambda b, i, c, name=name, allowed=allowed: (
-                b.option_text(name)[i], f"must be one of {allowed}")))
-    return rules
-
-
-def _field_rules() -> list[LayoutRule]:
-    rules = []
-    for name in _LAYOUT_INTS:
-        limit = MAX_GLOBAL_BATCH if "batch" in name else MAX_DEVICES
-        rules.append(LayoutRule(name, _ALWAYS, lambda b, c, name=name: getattr(b, name) < 1,
-                                lambda b, i, c, name=name: (_int(b, name, i),
-                                                            "must be a positive integer")))
-        rules.append(LayoutRule(
-            name, _ALWAYS, lambda b, c, name=name, limit=limit: getattr(b, name) > limit,
-            lambda b, i, c, name=name, limit=limit: (
-                _int(b, name, i), f"is beyond the plausible range (at most {limit}): "
-                                  "check the value")))
-    return rules
-
-
-_INTERLEAVED = _CODES["schedule"][Schedule.INTERLEAVED_1F1B.value]
-_ONE_F_ONE_B = _CODES["schedule"][Schedule.ONE_F_ONE_B.value]
-
-
-def _describe_world(b: ConfigBatch, i: int, c: _Context) -> tuple[Any, str]:
-    dp, tp, pp = _int(b, "dp", i), _int(b, "tp", i), _int(b, "pp", i)
-    return dp, f"dp*tp*pp = {dp}*{tp}*{pp} = {dp * tp * pp} must equal the world size " \
-               f"{c.world_size}"
-
-
-def _describe_divisible(b: ConfigBatch, i: int, c: _Context) -> tuple[Any, str]:
-    dp, mbs = _int(b, "dp", i), _int(b, "micro_batch_size", i)
-    return _int(b, "global_batch_size", i), (f"must be divisible by dp*micro_batch_size = "
-                                             f"{dp}*{mbs} = {dp * mbs}")
-
-
-def _layout_rules() -> list[LayoutRule]:
-    def interleaved(b: ConfigBatch) -> np.ndarray:
-        return b.schedule == _INTERLEAVED
-
-    return [
-        LayoutRule("dp", _WORLD, lambda b, c: b.world_size != c.world_size, _describe_world),
-        LayoutRule("global_batch_size", _LAYOUT,
-                   lambda b, c: np.mod(b.global_batch_size, b.dp * b.micro_batch_size) != 0,
-                   _describe_divisible),
-        LayoutRule("schedule", _LAYOUT, lambda b, c: interleaved(b) & (b.pp < 2),
-                   lambda b, i, c: ("interleaved_1f1b", "interleaved_1f1b needs pp >= 2")),
-        LayoutRule("virtual_stages", _LAYOUT,
-                   lambda b, c: interleaved(b) & (b.virtual_stages < 2),
-                   lambda b, i, c: (_int(b, "virtual_stages", i),
-                                    "must be >= 2 with schedule=interleaved_1f1b")),
-        LayoutRule("global_batch_size", _LAYOUT,
-                   lambda b, c: interleaved(b) & (np.mod(b.num_microbatches, b.pp) != 0),
-                   lambda b, i, c: (_int(b, "global_batch_size", i), (
-                       f"interleaved_1f1b needs the number of micro-batches "
-                       f"({int(b.num_microbatches[i])}) to be a multiple of "
-                       f"pp={_int(b, 'pp', i)}"))),
-        LayoutRule("virtual_stages", _LAYOUT,
-                   lambda b, c: ~interleaved(b) & (b.virtual_stages != 1),
-                   lambda b, i, c: (_int(b, "virtual_stages", i), (
-                       f"must be 1 unless schedule=interleaved_1f1b "
-                       f"(schedule={b.option_text('schedule')[i]})"))),
-        # torch.distributed.pipelining.Schedule1F1B refuses fewer micro-batches than stages
-        LayoutRule("global_batch_size", _RUNNABLE,
-                   lambda b, c: ((b.schedule == _ONE_F_ONE_B) & (b.virtual_stages == 1)
-                                 & (b.pp > 1) & (b.num_microbatches < b.pp)),
-                   lambda b, i, c: (_int(b, "global_batch_size", i), (
-                       f"1f1b needs at least pp={_int(b, 'pp', i)} micro-batches per step "
-                       f"(num_microbatches={int(b.num_microbatches[i])})"))),
-    ]
-
-
-def _shape_rules() -> list[LayoutRule]:
-    rules = []
-    for name in ("num_heads", "num_kv_heads", "ffn_hidden_size", "vocab_size"):
-        needs = _SHAPE | _RUNNABLE if name == "vocab_size" else _SHAPE
-        rules.append(LayoutRule(
-            "tp", needs, lambda b, c, name=name: np.mod(getattr(b, name), b.tp) != 0,
-            lambda b, i, c, name=name: (_int(b, "tp", i),
-                                        f"must divide {name}={_int(b, name, i)}")))
-    rules.append(LayoutRule(
-        "pp", _SHAPE | _RUNNABLE, lambda b, c: b.num_layers < b.num_stages,
-        lambda b, i, c: (_int(b, "pp", i), (
-            f"pp*virtual_stages = {int(b.num_stages[i])} pipeline stages need at least as "
-            f"many layers (num_layers={_int(b, 'num_layers', i)})"))))
-    return rules
-
-
-LAYOUT_RULES: tuple[LayoutRule, ...] = (*_option_rules(), *_field_rules(), *_layout_rules(),
-                                        *_shape_rules())
-"""Every layout rule, in the order :class:`~paratune.ParallelConfig` checks them (its
-constructor's, then :meth:`~paratune.ParallelConfig.validate`'s); a property test holds the
-two to the same verdict and message on random configurations."""
 
 
 # ---------------------------------------------------------------------- frame helpers
