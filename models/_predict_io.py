@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from paratune.batch import FRAME_DEFAULTS, LAYOUT_INTS, MLP_KINDS, MODEL_INTS, OPTIONS, option_codes
 from paratune.errors import DatasetError
 from paratune.parallel import MAX_DEVICES, MAX_GLOBAL_BATCH
 from paratune.predictor import CONFIG_COLUMNS, MODEL_COLUMNS, PARALLEL_COLUMNS
@@ -26,14 +27,8 @@ _LIMITS = {"dp": MAX_DEVICES, "tp": MAX_DEVICES, "pp": MAX_DEVICES, "world_size"
            "num_microbatches": MAX_GLOBAL_BATCH, "micro_batch_size": MAX_GLOBAL_BATCH,
            "global_batch_size": MAX_GLOBAL_BATCH}
 """The largest value of a parallel column a prediction row may give."""
-_INTEGER = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "ffn_hidden_size",
-            "vocab_size", "seq_len", "dp", "tp", "pp", "micro_batch_size", "global_batch_size",
-            "virtual_stages", "world_size", "num_microbatches", "devices_per_node")
-_DEFAULTS: dict[str, Any] = {"model_name": "model", "num_kv_heads": np.nan,
-                             "tie_embeddings": False, "mlp": "swiglu", "rope_theta": 500000.0,
-                             "norm_eps": 1e-5, "schedule": "1f1b", "virtual_stages": 1,
-                             "sharding": "none", "recompute": "none",
-                             "devices_per_node": np.nan}
+_INTEGER = (*MODEL_INTS, *LAYOUT_INTS, "world_size", "num_microbatches", "devices_per_node")
+_DEFAULTS: dict[str, Any] = {k: (np.nan if v is None else v) for k, v in FRAME_DEFAULTS.items()}
 _TRUE = ("true", "1", "yes")
 _FALSE = ("false", "0", "no", "")
 
@@ -179,8 +174,8 @@ def read_config_csv(path: str | Path) -> tuple[pd.DataFrame, pd.DataFrame, np.nd
         for i in np.flatnonzero(bad.to_numpy() & (errors == "")):
             errors[i] = f"{column}={raw[column].iloc[i]!r} must be a positive number"
         configs[column] = values.fillna(_DEFAULTS[column])
-    for column, default in (("schedule", "1f1b"), ("sharding", "none"), ("recompute", "none"),
-                            ("mlp", "swiglu")):
+    for column in (*OPTIONS, "mlp"):
+        default = _DEFAULTS[column]
         configs[column] = configs[column].replace("", default).fillna(default)
     configs["virtual_stages"] = configs["virtual_stages"].fillna(1)
     configs["world_size"] = configs["dp"] * configs["tp"] * configs["pp"]
@@ -203,9 +198,8 @@ def read_config_csv(path: str | Path) -> tuple[pd.DataFrame, pd.DataFrame, np.nd
             errors[i] = (f"num_microbatches={raw['num_microbatches'].iloc[i]} contradicts "
                          "global_batch_size/(dp*micro_batch_size) = "
                          f"{int(configs['num_microbatches'].iloc[i])}")
-    for column, rule in (("schedule", ("gpipe", "1f1b", "interleaved_1f1b")),
-                         ("sharding", ("none", "zero1", "zero2", "zero3")),
-                         ("recompute", ("none", "full", "selective")), ("mlp", ("swiglu", "gelu"))):
+    for column, rule in (*((name, tuple(option_codes(name))) for name in OPTIONS),
+                         ("mlp", MLP_KINDS)):
         wrong = ~configs[column].astype(str).str.lower().isin(rule)
         for i in np.flatnonzero(wrong.to_numpy() & (errors == "")):
             errors[i] = f"{column}={configs[column].iloc[i]!r} must be one of {', '.join(rule)}"

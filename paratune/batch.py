@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -46,19 +47,28 @@ from paratune.spec import (
 if TYPE_CHECKING:
     import pandas as pd
 
-__all__ = ["LAYOUT_RULES", "MLP_KINDS", "OPTIONS", "ConfigBatch", "LayoutRule", "option_codes"]
+__all__ = ["FRAME_DEFAULTS", "LAYOUT_INTS", "LAYOUT_RULES", "MLP_KINDS", "MODEL_INTS", "OPTIONS",
+           "ConfigBatch", "LayoutRule", "option_codes"]
 
-_MODEL_INTS = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "ffn_hidden_size",
-               "vocab_size", "seq_len")
+MODEL_INTS = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "ffn_hidden_size",
+              "vocab_size", "seq_len")
+"""The integer fields of a model shape, in declaration order."""
 _REQUIRED = ("num_layers", "hidden_size", "num_heads", "ffn_hidden_size", "vocab_size",
              "seq_len", "dp", "tp", "pp", "micro_batch_size", "global_batch_size")
 """Config-frame columns :meth:`ConfigBatch.from_frame` needs; the others have defaults."""
 _CODES = {name: option_codes(name) for name in OPTIONS}
 
 
-_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ParallelConfig)}
+_DEFAULTS = {f.name: (f.default.value if isinstance(f.default, StrEnum) else f.default)
+             for f in dataclasses.fields(ParallelConfig)}
 _DEFAULTS.update({f.name: f.default for f in dataclasses.fields(ModelSpec)
-                  if f.default is not dataclasses.MISSING})
+                  if f.default is not dataclasses.MISSING and f.name != "name"})
+FRAME_DEFAULTS: dict[str, Any] = {
+    "model_name": "model", **{k: v for k, v in _DEFAULTS.items() if k not in _REQUIRED},
+    "hardware": "cpu", "devices_per_node": None}
+"""What :meth:`ConfigBatch.from_frame` takes for a config-frame column a frame lacks
+(``None``: derived, ``num_kv_heads`` from ``num_heads`` and ``devices_per_node`` from the
+catalogue)."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -145,7 +155,7 @@ class ConfigBatch:
             "hardware": column((h.name for h in specs), object),
             "devices_per_node": column((size or h.devices_per_node
                                         for size, h in zip(sizes, specs)), np.int64)}
-        for name in _MODEL_INTS:
+        for name in MODEL_INTS:
             columns[name] = column((getattr(m, name) for m in models), np.int64)
         for name in LAYOUT_INTS:
             columns[name] = column((getattr(c, name) for c in configs), np.int64)
@@ -180,7 +190,7 @@ class ConfigBatch:
             if name not in frame.columns:
                 raise ConfigError(name, None, "column missing from the config frame")
         columns = {name: _numbers(frame, name, _DEFAULTS.get(name), n, loose)
-                   for name in (*_MODEL_INTS, *LAYOUT_INTS) if name != "num_kv_heads"}
+                   for name in (*MODEL_INTS, *LAYOUT_INTS) if name != "num_kv_heads"}
         kv = (np.asarray(frame["num_kv_heads"], dtype=float) if "num_kv_heads" in frame.columns
               else np.full(n, np.nan))
         columns["num_kv_heads"] = np.where(np.isnan(kv), columns["num_heads"], kv)
@@ -249,7 +259,7 @@ class ConfigBatch:
 
     def model_at(self, i: int) -> ModelSpec:
         """Row ``i``'s model (raises :class:`ConfigError` for a shape the spec refuses)."""
-        values = {name: int(getattr(self, name)[i]) for name in _MODEL_INTS}
+        values = {name: int(getattr(self, name)[i]) for name in MODEL_INTS}
         return ModelSpec(name=str(self.model_name[i]), **values,
                          tie_embeddings=bool(self.tie_embeddings[i]),
                          mlp=self.take([i]).option_text("mlp")[0],
