@@ -14,7 +14,7 @@ import math
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from paratune.batch import ConfigBatch
+from paratune.batch import LAYOUT_RULES, ConfigBatch
 from paratune.datasets.schema import (
     arrow_schema,
     column_defaults,
@@ -225,9 +225,10 @@ def _check_layouts(batch: ConfigBatch, frame: pd.DataFrame, where: str) -> None:
 
     world = frame["world_size"].to_numpy(dtype=float, na_value=math.nan)
     microbatches = frame["num_microbatches"].to_numpy(dtype=float, na_value=math.nan)
-    built = batch.violations(layout=False) >= 0
+    first = batch.violations(runnable=False)
+    layout_wrong = first >= 0
+    built = layout_wrong & np.asarray([not rule.needs for rule in LAYOUT_RULES])[first]
     world_wrong = world != batch.world_size
-    layout_wrong = batch.violations(runnable=False) >= 0
     micro_wrong = microbatches != batch.num_microbatches
     bad = np.flatnonzero(built | world_wrong | layout_wrong | micro_wrong)
     if not len(bad):
