@@ -412,8 +412,7 @@ def _coded(frame: pd.DataFrame, name: str, table: dict[str, int], default: Any, 
 
     if name not in frame.columns:
         return np.full(n, table[str(default)], dtype=np.int8), None
-    values = np.array(frame[name], dtype=object)  # a copy: empty cells are set below
-    codes, uniques = pd.factorize(pd.Series(values), sort=False, use_na_sentinel=True)
+    codes, uniques = pd.factorize(frame[name], sort=False, use_na_sentinel=True)
     if loose:
         keys = [str(u).strip().lower() for u in uniques] + [str(default)]
     else:
@@ -422,6 +421,7 @@ def _coded(frame: pd.DataFrame, name: str, table: dict[str, int], default: Any, 
     out = lookup[codes]
     if not (out < 0).any():
         return out, None
+    values = np.array(frame[name], dtype=object)  # a copy: empty cells are set below
     values[codes < 0] = None  # an empty cell: no value (NaN, None or pandas' NA)
     return out, values
 
