@@ -251,11 +251,8 @@ class ConfigBatch:
         Raises:
             ConfigError: a row's fields break a rule the dataclass checks.
         """
-        columns = [self.dp.tolist(), self.tp.tolist(), self.pp.tolist(),
-                   self.micro_batch_size.tolist(), self.global_batch_size.tolist(),
-                   self.option_text("schedule").tolist(), self.virtual_stages.tolist(),
-                   self.option_text("sharding").tolist(), self.option_text("recompute").tolist()]
-        return [ParallelConfig(**dict(zip(PARALLEL_COLUMNS, row))) for row in zip(*columns)]
+        return [ParallelConfig(**dict(zip(PARALLEL_COLUMNS, row)))
+                for row in zip(*self._layout_lists())]
 
     def model_at(self, i: int) -> ModelSpec:
         """Row ``i``'s model (raises :class:`ConfigError` for a shape the spec refuses)."""
@@ -267,24 +264,20 @@ class ConfigBatch:
 
     def keys(self) -> list[str]:
         """Each row's layout identity, :meth:`ParallelConfig.key`."""
-        columns = [self.dp.tolist(), self.tp.tolist(), self.pp.tolist(),
-                   self.micro_batch_size.tolist(), self.global_batch_size.tolist(),
-                   self.option_text("schedule").tolist(), self.virtual_stages.tolist(),
-                   self.option_text("sharding").tolist(), self.option_text("recompute").tolist()]
-        return [layout_key(*row) for row in zip(*columns)]
+        return [layout_key(*row) for row in zip(*self._layout_lists())]
+
+    def _layout_lists(self) -> list[list[Any]]:
+        """The layout columns as Python lists, in ``ParallelConfig`` field order (options as
+        text)."""
+        return [(self.option_text(name) if name in OPTIONS else getattr(self, name)).tolist()
+                for name in PARALLEL_COLUMNS]
 
     def to_frame(self) -> pd.DataFrame:
         """The config frame: the columns of :data:`~paratune.predictor.CONFIG_COLUMNS`."""
         import pandas as pd
 
-        data: dict[str, Any] = {}
-        for name in CONFIG_COLUMNS:
-            if name in ("world_size", "num_microbatches"):
-                data[name] = getattr(self, name)
-            elif name in OPTIONS or name == "mlp":
-                data[name] = self.option_text(name)
-            else:
-                data[name] = getattr(self, name)
+        data = {name: (self.option_text(name) if name in OPTIONS or name == "mlp"
+                       else getattr(self, name)) for name in CONFIG_COLUMNS}
         return pd.DataFrame(data, columns=list(CONFIG_COLUMNS))
 
     # ------------------------------------------------------------------ derived
