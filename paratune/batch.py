@@ -228,7 +228,10 @@ class ConfigBatch:
         return len(self.dp)
 
     def take(self, indices: Any) -> ConfigBatch:
-        """The rows at ``indices`` (positions, a boolean mask or a slice), in that order."""
+        """The rows at ``indices`` (positions, a boolean mask or a slice), in that order; one
+        position gives a batch of one row."""
+        if isinstance(indices, int | np.integer):
+            indices = [indices]
         columns = {f.name: getattr(self, f.name)[indices] for f in dataclasses.fields(self)
                    if f.name != "unknown"}
         return ConfigBatch(**columns, unknown={k: v[indices] for k, v in self.unknown.items()})

@@ -121,6 +121,7 @@ def test_take_and_slices_keep_rows_together():
     assert batch.take([2, 0]).configs() == [_configs()[2], _configs()[0]]
     assert batch[1:].keys() == [c.key() for c in _configs()[1:]]
     assert batch[np.array([False, True, False])].configs() == [_configs()[1]]
+    assert batch[2].configs() == [_configs()[2]] and len(batch[np.int64(0)]) == 1
     frame = batch.to_frame()
     frame.loc[1, "recompute"] = "sometimes"
     odd = ConfigBatch.from_frame(frame)
