@@ -20,38 +20,34 @@ without it, one writer's removal of the previous data file could delete the file
 another writer's card is about to name, and two writers that must not replace a dataset
 could both find the directory empty.
 
-Every row is checked before anything is written, by the rules its reader applies (the
-model shape and the layout, as :class:`~paratune.ModelSpec` and
-:class:`~paratune.ParallelConfig` check them, with ``world_size == dp*tp*pp``) and the
-ranges of the measured values; a row breaking one is refused, naming the row, the column
-and the rule.
+Every row is checked before anything is written (see :mod:`paratune.datasets._rows`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import hashlib
 import json
-import math
 import uuid
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from paratune._io import atomic_write_bytes, atomic_write_text, exclusive_lock
+from paratune.datasets._rows import _check_rows as _check_rows  # re-exported
+from paratune.datasets._rows import _fill_optional, _normalise, records_to_frame
+from paratune.datasets._summary import summarise_dataset
+from paratune.datasets._summary import summary_rows as summary_rows  # re-exported
 from paratune.datasets.schema import (
     CARD_FILE,
     SCHEMA_VERSION,
     DatasetCard,
-    arrow_schema,
-    column_defaults,
     column_types,
     required_columns,
 )
 from paratune.errors import DatasetError, SchemaVersionError
-from paratune.measurement import Measurement, Status
+from paratune.measurement import Measurement
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -98,254 +94,6 @@ class Dataset:
     def measurements(self) -> list[Measurement]:
         """The rows as :class:`~paratune.Measurement` records."""
         return [Measurement.from_row(row) for row in self.frame.to_dict("records")]
-
-
-# ---------------------------------------------------------------------- frames
-def records_to_frame(records: Iterable[Measurement | Mapping[str, Any]]) -> pd.DataFrame:
-    """A frame of rows from measurements (or from ``to_row()`` dicts)."""
-    import pandas as pd
-
-    rows = [r.to_row() if isinstance(r, Measurement) else dict(r) for r in records]
-    if not rows:
-        return pd.DataFrame({name: [] for name in column_types()})
-    return pd.DataFrame(rows)
-
-
-def _fill_optional(frame: pd.DataFrame) -> None:
-    """Add the optional columns ``frame`` lacks: derived from others where they can be (world
-    size, micro-batches, key-value heads), else their defaults. In place."""
-    import pandas as pd
-
-    n = len(frame)
-    for name, default in column_defaults().items():
-        if name in frame.columns:
-            continue
-        if name in _DERIVED:
-            frame[name] = _derived(frame, name)
-        elif isinstance(default, list):
-            frame[name] = pd.Series([[] for _ in range(n)], index=frame.index, dtype=object)
-        else:
-            frame[name] = pd.Series([default] * n, index=frame.index, dtype=object)
-
-
-_DERIVED = ("num_kv_heads", "world_size", "num_microbatches")
-
-
-def _derived(frame: pd.DataFrame, name: str) -> pd.Series:
-    """Column ``name`` of :data:`_DERIVED` computed from the others (missing where the
-    degrees it needs are not positive integers)."""
-    import pandas as pd
-
-    if name == "num_kv_heads":
-        return frame["num_heads"]
-    degrees = {c: pd.to_numeric(frame[c], errors="coerce")
-               for c in ("dp", "tp", "pp", "micro_batch_size", "global_batch_size")}
-    valid = pd.Series(True, index=frame.index)
-    for values in degrees.values():
-        valid &= values >= 1
-    if name == "world_size":
-        value = degrees["dp"] * degrees["tp"] * degrees["pp"]
-    else:
-        value = degrees["global_batch_size"] // (degrees["dp"] * degrees["micro_batch_size"])
-    return value if valid.all() else value.where(valid)
-
-
-def _normalise(frame: pd.DataFrame, where: str) -> pa.Table:
-    """Check ``frame`` against the schema, fill optional columns, and type it."""
-    import numpy as np
-    import pandas as pd
-    import pyarrow as pa
-
-    frame = frame.reset_index(drop=True).copy()
-    missing = [c for c in required_columns() if c not in frame.columns]
-    if missing:
-        raise DatasetError(f"{where}: column {missing[0]!r} is required "
-                           f"(missing: {', '.join(missing)})")
-    for name in required_columns():
-        nulls = frame[name].isna()
-        if nulls.any():
-            raise DatasetError(f"{where}: column {name!r} must not be empty "
-                               f"(row {int(np.flatnonzero(nulls.to_numpy())[0])})")
-    bad_status = sorted(set(frame["status"].astype(str)) - {s.value for s in Status})
-    if bad_status:
-        raise DatasetError(f"{where}: status={bad_status[0]!r} must be one of "
-                           f"{', '.join(s.value for s in Status)}")
-    _fill_optional(frame)
-    if "num_kv_heads" in frame.columns:  # a null means multi-head attention
-        frame["num_kv_heads"] = frame["num_kv_heads"].fillna(frame["num_heads"])
-    if frame["tokens_per_s_per_device"].isna().all():
-        frame["tokens_per_s_per_device"] = frame["tokens_per_s"] / frame["world_size"]
-    # an object column even without rows (a list assigned to an empty frame is float64)
-    frame["step_times_s"] = pd.Series(
-        [[] if v is None or (isinstance(v, float) and math.isnan(v)) else [float(t) for t in v]
-         for v in frame["step_times_s"]], index=frame.index, dtype=object)
-    for name, kind in column_types().items():  # "" for unknown numbers (as to_row writes it)
-        # object or (pandas 3) str columns: "" is a missing number
-        if kind in ("int64", "float64") and not pd.api.types.is_numeric_dtype(frame[name]):
-            frame[name] = frame[name].astype(object).replace("", None)
-    for name in ("world_size", "num_microbatches"):  # an empty cell is derived too
-        if frame[name].isna().any():
-            frame[name] = frame[name].fillna(_derived(frame, name))
-    standard = list(column_types())
-    extra_names = [c for c in frame.columns if c not in column_types()]
-    extra_types: dict[str, pa.DataType] = {}
-    for name in extra_names:
-        try:
-            extra_types[name] = pa.Table.from_pandas(frame[[name]], preserve_index=False
-                                                     ).schema.field(name).type
-        except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
-            raise DatasetError(f"{where}: column {name!r} has no single type ({exc})") from None
-    schema = arrow_schema(extra_types)
-    try:
-        table = pa.Table.from_pandas(frame[standard + extra_names], schema=schema,
-                                     preserve_index=False)
-    except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
-        column = next((c for c in standard if c in str(exc)), None)
-        for name in standard:  # find the offending column for a precise message
-            try:
-                pa.Table.from_pandas(frame[[name]], schema=pa.schema([schema.field(name)]),
-                                     preserve_index=False)
-            except (pa.ArrowInvalid, pa.ArrowTypeError):
-                column = name
-                break
-        raise DatasetError(f"{where}: column {column!r} does not fit type "
-                           f"{column_types().get(column or '', '?')} ({exc})") from None
-    _check_rows(table, where)
-    return table
-
-
-# Measured values: (columns, rule, check on a float array; a missing value is not checked).
-_VALUE_RULES: tuple[tuple[tuple[str, ...], str, Any], ...] = (
-    (("step_time_s", "step_time_mean_s", "step_time_p10_s", "step_time_p90_s", "tokens_per_s",
-      "tokens_per_s_per_device"), "must be a positive finite number (empty where not known)",
-     lambda v: (v > 0) & (v < math.inf)),
-    (("step_time_std_s", "peak_mem_allocated_gb", "peak_mem_reserved_gb", "peak_rss_gb"),
-     "must be a non-negative finite number (empty where not known)",
-     lambda v: (v >= 0) & (v < math.inf)),
-    (("mfu",), "must be a fraction in [0, 1] (0.43 = 43%; empty where not known)",
-     lambda v: (v >= 0) & (v <= 1)),
-    (("warmup_steps", "measured_steps"), "must be a non-negative integer", lambda v: v >= 0),
-    (("devices_per_node",), "must be a positive integer", lambda v: v >= 1),
-)
-
-
-def _check_rows(table: pa.Table, where: str) -> None:
-    """Refuse a row its reader would refuse or misread: a model shape
-    :class:`~paratune.ModelSpec` refuses (checked once per distinct model), a layout
-    :class:`~paratune.ParallelConfig` refuses (``validate(model, runnable=False)``), a
-    ``world_size`` other than ``dp*tp*pp`` or ``num_microbatches`` other than
-    ``global_batch_size // (dp*micro_batch_size)``, or a measured value out of its range.
-
-    The layout rules are screened over all rows at once; only rows the screen flags are
-    built as objects, whose checks decide and word the error.
-
-    Raises:
-        DatasetError: ``<where>: row <i>: <column>=<value>: <rule>`` (rows counted from 0).
-    """
-    import numpy as np
-    import pyarrow.compute as pc
-
-    from paratune.errors import ConfigError
-    from paratune.parallel import ParallelConfig, Recompute, Schedule, Sharding
-    from paratune.spec import ModelSpec
-
-    if table.num_rows == 0:
-        return
-    model_fields = [f.name for f in dataclasses.fields(ModelSpec) if f.name not in ("name",
-                                                                                       "extra")]
-    config_fields = [f.name for f in dataclasses.fields(ParallelConfig)]
-    frame = table.select(["model_name", *model_fields, *config_fields, "world_size",
-                          "num_microbatches"]).to_pandas()
-
-    def plain(i: int, names: Sequence[str]) -> dict[str, Any]:
-        values = {}
-        for name in names:
-            value = frame[name].iat[i]
-            value = value.item() if hasattr(value, "item") else value
-            if isinstance(value, float) and value.is_integer():  # an int column with nulls
-                value = int(value)
-            values[name] = None if value is None or value != value else value
-        return values
-
-    def model_at(i: int) -> ModelSpec:
-        values = plain(i, ["model_name", *model_fields])
-        return ModelSpec(name=str(values.pop("model_name")), **values)
-
-    models = frame[["model_name", *model_fields]].drop_duplicates()
-    for i in models.index:
-        try:
-            model_at(int(i))
-        except ConfigError as exc:
-            raise DatasetError(f"{where}: row {i}: {exc}") from None
-
-    def numbers(name: str) -> np.ndarray:
-        return frame[name].to_numpy(dtype=float, na_value=math.nan)
-
-    dp, tp, pp, mbs, gbs, stages = (numbers(c) for c in (
-        "dp", "tp", "pp", "micro_batch_size", "global_batch_size", "virtual_stages"))
-    with np.errstate(all="ignore"):
-        suspect = np.zeros(table.num_rows, dtype=bool)
-        for values in (dp, tp, pp, mbs, gbs, stages):
-            suspect |= ~(values >= 1)
-        for name, kind in (("schedule", Schedule), ("sharding", Sharding),
-                           ("recompute", Recompute)):
-            suspect |= ~frame[name].isin([m.value for m in kind]).to_numpy()
-        microbatches = np.floor_divide(gbs, dp * mbs)
-        suspect |= np.mod(gbs, dp * mbs) != 0
-        interleaved = (frame["schedule"] == Schedule.INTERLEAVED_1F1B.value).to_numpy()
-        suspect |= interleaved & ((pp < 2) | (stages < 2) | (np.mod(microbatches, pp) != 0))
-        suspect |= ~interleaved & (stages != 1)
-        for name in ("num_heads", "num_kv_heads", "ffn_hidden_size"):
-            suspect |= np.mod(numbers(name), tp) != 0
-        suspect |= numbers("world_size") != dp * tp * pp
-        suspect |= numbers("num_microbatches") != microbatches
-    for i in np.flatnonzero(suspect):
-        _check_layout(int(i), model_at(int(i)), plain(int(i), [*config_fields, "world_size",
-                                                                "num_microbatches"]), where)
-
-    for names, rule, check in _VALUE_RULES:
-        for name in names:
-            values = table.column(name).to_numpy(zero_copy_only=False).astype(float)
-            with np.errstate(invalid="ignore"):
-                bad = ~(check(values) | np.isnan(values))
-            if bad.any():
-                i = int(np.flatnonzero(bad)[0])
-                raise DatasetError(f"{where}: row {i}: {name}={_number(values[i])!r}: {rule}")
-    times = table.column("step_times_s")
-    flat = pc.list_flatten(times).to_numpy(zero_copy_only=False).astype(float)
-    bad = ~((flat > 0) & (flat < math.inf))
-    if bad.any():
-        i = int(pc.list_parent_indices(times).to_numpy()[np.flatnonzero(bad)[0]])
-        raise DatasetError(f"{where}: row {i}: step_times_s={times[i].as_py()!r}: must hold "
-                           f"positive finite step times")
-
-
-def _number(value: float) -> int | float:
-    return int(value) if value.is_integer() else float(value)
-
-
-def _check_layout(i: int, model: Any, values: dict[str, Any], where: str) -> None:
-    """Check the layout of row ``i`` (its config fields, ``world_size`` and
-    ``num_microbatches``) as the reader will, on ``model``."""
-    from paratune.errors import ConfigError
-    from paratune.parallel import ParallelConfig
-
-    world_size = values.pop("world_size")
-    microbatches = values.pop("num_microbatches")
-    try:
-        config = ParallelConfig(**values)
-        if world_size != config.world_size:
-            raise ConfigError("world_size", world_size,
-                              f"must equal dp*tp*pp = {config.dp}*{config.tp}*{config.pp} = "
-                              f"{config.world_size}")
-        config.validate(model, runnable=False)
-        if microbatches != config.num_microbatches:
-            raise ConfigError("num_microbatches", microbatches,
-                              f"must equal global_batch_size // (dp*micro_batch_size) = "
-                              f"{config.global_batch_size} // ({config.dp}*"
-                              f"{config.micro_batch_size}) = {config.num_microbatches}")
-    except ConfigError as exc:
-        raise DatasetError(f"{where}: row {i}: {exc}") from None
 
 
 # ---------------------------------------------------------------------- write
@@ -652,73 +400,3 @@ def read_datasets(paths: Sequence[str | Path] | str | Path, *,
             frame[label_column] = str(p)
         frames.append(frame)
     return pd.concat(frames, ignore_index=True)
-
-
-# ---------------------------------------------------------------------- summary
-def _config_key(row: Mapping[str, Any]) -> str:
-    from paratune.parallel import ParallelConfig
-
-    try:
-        return ParallelConfig(**{k: (v.item() if hasattr(v, "item") else v) for k, v in row.items()
-                                 if k in ("dp", "tp", "pp", "micro_batch_size",
-                                          "global_batch_size", "schedule", "virtual_stages",
-                                          "sharding", "recompute")}).key()
-    except Exception:  # a public row with an unusual layout still gets summarised
-        return f"dp{row.get('dp')}-tp{row.get('tp')}-pp{row.get('pp')}"
-
-
-def summary_rows(frame: pd.DataFrame) -> list[dict[str, Any]]:
-    """Per (model, hardware, world size): counts by status and the fastest ok config."""
-    rows = []
-    if frame.empty:
-        return rows
-    for (model, hardware, world_size), group in frame.groupby(
-            ["model_name", "hardware", "world_size"], sort=True):
-        counts = group["status"].value_counts()
-        row: dict[str, Any] = {"model": model, "hardware": hardware,
-                               "world_size": int(world_size), "configs": len(group)}
-        for status in Status:
-            row[status.value] = int(counts.get(status.value, 0))
-        ok = group[(group["status"] == "ok") & group["tokens_per_s"].notna()]
-        if len(ok):
-            best = ok.loc[ok["tokens_per_s"].idxmax()]
-            row["best_tokens_per_s"] = float(best["tokens_per_s"])
-            row["best_step_s"] = float(best["step_time_s"])
-            row["best_config"] = _config_key(best.to_dict())
-        rows.append(row)
-    return rows
-
-
-def summarise_dataset(dataset: Dataset) -> str:
-    """A few lines about the card and a table of counts and best configs per world size."""
-    from paratune._table import format_table
-
-    card = dataset.card
-    fp = card.fingerprint or {}
-    lines = [f"dataset   {dataset.path}",
-             f"campaign  {card.campaign_id or '-'}   source {card.source}   "
-             f"created {card.created}   schema v{card.schema_version}",
-             f"rows      {len(dataset)}"]
-    if fp:
-        lines.append("machine   " + ", ".join(f"{k}={fp[k]}" for k in (
-            "device_name", "device_count", "cpu", "torch_version", "cuda_version",
-            "nccl_version") if fp.get(k) not in (None, "")))
-    if card.grid:
-        grid = {k: card.grid[k] for k in ("model", "world_sizes", "warmup_steps",
-                                          "measured_steps") if k in card.grid}
-        if grid:
-            lines.append("grid      " + ", ".join(f"{k}={v}" for k, v in grid.items()))
-    rows = summary_rows(dataset.frame)
-    skipped = (card.notes or {}).get("skipped_per_world_size") or {}
-    columns = ["model", "hardware", "world_size", "configs", "ok", "oom", "error", "timeout"]
-    if skipped:
-        for row in rows:
-            row["skipped"] = int(skipped.get(str(row["world_size"]), 0))
-        columns.append("skipped")
-    columns += ["best_tokens_per_s", "best_step_s", "best_config"]
-    lines.append("")
-    lines.append(format_table(rows, columns, headers={"world_size": "world",
-                                                      "best_tokens_per_s": "best tok/s",
-                                                      "best_step_s": "step s"})
-                 if rows else "(no rows)")
-    return "\n".join(lines)

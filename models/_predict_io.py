@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from paratune.batch import FRAME_DEFAULTS, LAYOUT_INTS, MLP_KINDS, MODEL_INTS, OPTIONS, option_codes
 from paratune.errors import DatasetError
 from paratune.parallel import MAX_DEVICES, MAX_GLOBAL_BATCH
 from paratune.predictor import CONFIG_COLUMNS, MODEL_COLUMNS, PARALLEL_COLUMNS
@@ -26,14 +27,8 @@ _LIMITS = {"dp": MAX_DEVICES, "tp": MAX_DEVICES, "pp": MAX_DEVICES, "world_size"
            "num_microbatches": MAX_GLOBAL_BATCH, "micro_batch_size": MAX_GLOBAL_BATCH,
            "global_batch_size": MAX_GLOBAL_BATCH}
 """The largest value of a parallel column a prediction row may give."""
-_INTEGER = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "ffn_hidden_size",
-            "vocab_size", "seq_len", "dp", "tp", "pp", "micro_batch_size", "global_batch_size",
-            "virtual_stages", "world_size", "num_microbatches", "devices_per_node")
-_DEFAULTS: dict[str, Any] = {"model_name": "model", "num_kv_heads": np.nan,
-                             "tie_embeddings": False, "mlp": "swiglu", "rope_theta": 500000.0,
-                             "norm_eps": 1e-5, "schedule": "1f1b", "virtual_stages": 1,
-                             "sharding": "none", "recompute": "none",
-                             "devices_per_node": np.nan}
+_INTEGER = (*MODEL_INTS, *LAYOUT_INTS, "world_size", "num_microbatches", "devices_per_node")
+_DEFAULTS: dict[str, Any] = {k: (np.nan if v is None else v) for k, v in FRAME_DEFAULTS.items()}
 _TRUE = ("true", "1", "yes")
 _FALSE = ("false", "0", "no", "")
 
@@ -107,27 +102,29 @@ def read_config_csv(path: str | Path) -> tuple[pd.DataFrame, pd.DataFrame, np.nd
     """
     import pandas as pd
 
+    from paratune.batch import ConfigBatch
     from paratune.datasets.importers import (
         missing_public_columns,
         public_header_problem,
-        public_row_config,
+        public_row_layout,
     )
 
     path = Path(path)
     raw, errors = _read_raw(path)
-    rows: list[dict[str, Any]] = []
     # the header as read above (is_public_csv would read the file again)
     if not missing_public_columns(list(raw.columns)):
+        parts = []
         for i, cells in enumerate(raw.to_dict("records")):
-            if errors[i]:
-                rows.append({})
-                continue
-            try:
-                rows.append(public_row_config({k: str(v).strip() for k, v in cells.items()}))
-            except ValueError as exc:
-                errors[i] = str(exc)
-                rows.append({})
-        configs = pd.DataFrame(rows, columns=list(CONFIG_COLUMNS))
+            if not errors[i]:
+                try:
+                    parts.append(public_row_layout({k: str(v).strip() for k, v in cells.items()}))
+                    continue
+                except ValueError as exc:
+                    errors[i] = str(exc)
+            parts.append(_placeholder_parts())
+        batch = ConfigBatch.from_configs([p[0] for p in parts], [p[1] for p in parts],
+                                         [p[2] for p in parts])
+        configs = batch.to_frame()
         configs["source"] = raw["source"].to_numpy() if "source" in raw.columns else ""
         return raw, _fill_placeholders(configs, errors), errors
     missing = [c for c in _OWN_REQUIRED if c not in raw.columns]
@@ -177,8 +174,8 @@ def read_config_csv(path: str | Path) -> tuple[pd.DataFrame, pd.DataFrame, np.nd
         for i in np.flatnonzero(bad.to_numpy() & (errors == "")):
             errors[i] = f"{column}={raw[column].iloc[i]!r} must be a positive number"
         configs[column] = values.fillna(_DEFAULTS[column])
-    for column, default in (("schedule", "1f1b"), ("sharding", "none"), ("recompute", "none"),
-                            ("mlp", "swiglu")):
+    for column in (*OPTIONS, "mlp"):
+        default = _DEFAULTS[column]
         configs[column] = configs[column].replace("", default).fillna(default)
     configs["virtual_stages"] = configs["virtual_stages"].fillna(1)
     configs["world_size"] = configs["dp"] * configs["tp"] * configs["pp"]
@@ -201,9 +198,8 @@ def read_config_csv(path: str | Path) -> tuple[pd.DataFrame, pd.DataFrame, np.nd
             errors[i] = (f"num_microbatches={raw['num_microbatches'].iloc[i]} contradicts "
                          "global_batch_size/(dp*micro_batch_size) = "
                          f"{int(configs['num_microbatches'].iloc[i])}")
-    for column, rule in (("schedule", ("gpipe", "1f1b", "interleaved_1f1b")),
-                         ("sharding", ("none", "zero1", "zero2", "zero3")),
-                         ("recompute", ("none", "full", "selective")), ("mlp", ("swiglu", "gelu"))):
+    for column, rule in (*((name, tuple(option_codes(name))) for name in OPTIONS),
+                         ("mlp", MLP_KINDS)):
         wrong = ~configs[column].astype(str).str.lower().isin(rule)
         for i in np.flatnonzero(wrong.to_numpy() & (errors == "")):
             errors[i] = f"{column}={configs[column].iloc[i]!r} must be one of {', '.join(rule)}"
@@ -216,36 +212,49 @@ def read_config_csv(path: str | Path) -> tuple[pd.DataFrame, pd.DataFrame, np.nd
 def _check_layouts(configs: pd.DataFrame, errors: np.ndarray) -> None:
     """Write into ``errors`` why a row's layout cannot run its model (tp must divide the heads,
     a stage needs a layer, virtual stages need the interleaved schedule...), for the rows
-    read without error; each distinct layout is checked once."""
+    read without error: the first rule of :class:`~paratune.batch.ConfigBatch` each breaks
+    (the model's own shape first, as :class:`~paratune.ModelSpec` checks it)."""
+    from paratune.batch import ConfigBatch
     from paratune.errors import ConfigError
-    from paratune.parallel import ParallelConfig
-    from paratune.spec import ModelSpec
 
-    model_fields = [c for c in MODEL_COLUMNS if c != "model_name"]
-    columns = [*model_fields, *PARALLEL_COLUMNS]
-    readable = np.flatnonzero(errors == "")
-    if not len(readable):
-        return
-    part = configs.iloc[readable][columns]
-    keys = np.asarray(["|".join(map(str, row)) for row in part.itertuples(index=False)])
-    _, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
-    reasons = []
-    for i in first:
-        cells = part.iloc[i]
+    while True:
+        readable = np.flatnonzero(errors == "")
+        if not len(readable):
+            return
+        part = configs.iloc[readable].copy()
+        for column in ("schedule", "sharding", "recompute", "mlp"):
+            part[column] = part[column].astype(str).str.strip().str.lower()
         try:
-            # the shape the layout rules read (integers, checked above); the rest of the
-            # model (rope, norm epsilon) plays no part in them
-            shape = {k: (None if k == "num_kv_heads" and _missing(cells[k]) else int(cells[k]))
-                     for k in model_fields if k in _INTEGER}
-            shape["mlp"] = str(cells["mlp"]).strip().lower()
-            layout = ParallelConfig(**{k: (int(cells[k]) if k in _INTEGER
-                                           else str(cells[k]).strip().lower())
-                                       for k in PARALLEL_COLUMNS})
-            layout.validate(ModelSpec(**shape), runnable=False)
-            reasons.append("")
-        except (ConfigError, ValueError, TypeError) as exc:
-            reasons.append(str(exc))
-    errors[readable] = np.asarray(reasons, dtype=object)[inverse]
+            batch = ConfigBatch.from_frame(part)
+            break
+        except ConfigError as exc:  # a size past int64 (1e30 layers): refused, not predicted
+            errors[readable[exc.row]] = str(exc)
+    built = batch.validate(layout=False)
+    laid_out = batch.validate(runnable=False)
+    shapes = part[[c for c in MODEL_COLUMNS if c != "model_name"]]
+    keys = np.asarray(["|".join(map(str, row)) for row in shapes.itertuples(index=False)])
+    _, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
+    shape_errors = []
+    for i in first.tolist():
+        try:
+            # the shape the layout rules read; the rope base and norm epsilon are not checked
+            batch.take([i]).model_at(0)
+            shape_errors.append(None)
+        except ConfigError as exc:
+            shape_errors.append(exc)
+    shape_error = [shape_errors[k] for k in inverse.tolist()]
+    # in the order a reader meets them: the layout's fields, the model, the layout's rules
+    errors[readable] = np.asarray([str(a or b or c or "") for a, b, c in
+                                   zip(built, shape_error, laid_out)], dtype=object)
+
+
+def _placeholder_parts() -> tuple[Any, Any, Any]:
+    """A model, layout and hardware standing in for a row that could not be read (its
+    predictions are blanked)."""
+    from paratune.parallel import ParallelConfig
+    from paratune.spec import get_model
+
+    return get_model("tiny"), ParallelConfig(), "cpu"
 
 
 def _missing(value: Any) -> bool:

@@ -29,8 +29,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from paratune.batch import option_codes
 from paratune.errors import ConfigError
 from paratune.hardware import HardwareSpec, get_hardware
+from paratune.parallel import max_stage_layers
+from paratune.spec import block_params
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -88,9 +91,7 @@ DP_BUCKET_BYTES = 25e6
 """Gradient bytes per data-parallel reduction call (PyTorch DDP's default bucket, 25 MB)."""
 DP_HOP_LATENCY_S = 20e-6
 """Latency of one inter-node step of a ring collective (NIC, switch and NCCL proxy)."""
-_SCHEDULES = {"gpipe": 0, "1f1b": 1, "interleaved_1f1b": 2}
-_SHARDING = {"none": 0, "zero1": 1, "zero2": 2, "zero3": 3}
-_RECOMPUTE = {"none": 0, "full": 1, "selective": 2}
+_SCHEDULES = option_codes("schedule")
 
 
 # ---------------------------------------------------------------------------------- columns
@@ -103,69 +104,49 @@ class Columns:
     """
 
     def __init__(self, frame: pd.DataFrame) -> None:
-        def num(name: str, default: float | None = None) -> np.ndarray:
-            if name not in frame.columns:
-                if default is None:
-                    raise ConfigError(name, None, "column missing from the config frame")
-                return np.full(len(frame), float(default))
-            return np.asarray(frame[name], dtype=float)
+        from paratune.batch import ConfigBatch
 
-        option_errors = np.full(len(frame), "", dtype=object)
+        batch = ConfigBatch.from_frame(frame, loose=True)
+        self.n = len(batch)
+        self.layers = batch.num_layers
+        self.hidden = batch.hidden_size
+        self.heads = batch.num_heads
+        self.kv_heads = np.where(batch.num_kv_heads <= 0, self.heads, batch.num_kv_heads)
+        self.ffn = batch.ffn_hidden_size
+        self.vocab = batch.vocab_size
+        self.seq = batch.seq_len
+        self.tied = batch.tie_embeddings
+        self.mlp_matrices = batch.mlp_matrices.astype(float)
+        self.dp = batch.dp
+        self.tp = batch.tp
+        self.pp = batch.pp
+        self.micro = batch.micro_batch_size
+        self.global_batch = batch.global_batch_size
+        self.virtual = np.maximum(batch.virtual_stages, 1.0)
+        option_errors = np.full(self.n, "", dtype=object)
 
-        def codes(name: str, table: dict[str, int], default: str) -> np.ndarray:
-            if name not in frame.columns:
-                return np.full(len(frame), float(table[default]))
-
-            def code(value: Any) -> float:
-                if value is None or (isinstance(value, float) and np.isnan(value)):
-                    return float(table[default])  # an empty cell: the default
-                return float(table.get(str(value).strip().lower(), np.nan))
-
-            out = _lookup(frame[name], code)
-            bad = np.isnan(out)
+        def codes(name: str) -> np.ndarray:
+            code = getattr(batch, name)
+            bad = code < 0
             if bad.any():
-                values = np.asarray(frame[name], dtype=object)
-                rule = f"must be one of {', '.join(table)}"
-                option_errors[bad & (option_errors == "")] = [
-                    f"{name}={v!r} {rule}" for v in values[bad & (option_errors == "")]]
-            return out
+                rule = f"must be one of {', '.join(option_codes(name))}"
+                fresh = bad & (option_errors == "")
+                option_errors[fresh] = [f"{name}={v!r} {rule}" for v in batch.unknown[name][fresh]]
+            return np.where(bad, np.nan, code.astype(float))
 
-        self.n = len(frame)
-        self.layers = num("num_layers")
-        self.hidden = num("hidden_size")
-        self.heads = num("num_heads")
-        kv = num("num_kv_heads", 0.0)
-        self.kv_heads = np.where(np.isnan(kv) | (kv <= 0), self.heads, kv)
-        self.ffn = num("ffn_hidden_size")
-        self.vocab = num("vocab_size")
-        self.seq = num("seq_len")
-        self.tied = num("tie_embeddings", 0.0) > 0
-        if "mlp" in frame.columns:
-            self.mlp_matrices = _lookup(frame["mlp"],
-                                        lambda v: 2.0 if str(v).lower() == "gelu" else 3.0)
-        else:
-            self.mlp_matrices = np.full(self.n, 3.0)
-        self.dp = num("dp")
-        self.tp = num("tp")
-        self.pp = num("pp")
-        self.micro = num("micro_batch_size")
-        self.global_batch = num("global_batch_size")
-        self.virtual = np.maximum(num("virtual_stages", 1.0), 1.0)
-        self.schedule = codes("schedule", _SCHEDULES, "1f1b")
+        self.schedule = codes("schedule")
         # ZeRO-1 over a single data-parallel rank shards nothing: the same run as none (what
         # every framework does), and so the same features, not a rarely-seen category
-        self.sharding = codes("sharding", _SHARDING, "none")
+        self.sharding = codes("sharding")
         self.sharding = np.where((self.sharding == 1) & (self.dp == 1), 0.0, self.sharding)
-        self.recompute = codes("recompute", _RECOMPUTE, "none")
-        hw = hardware_columns(frame["hardware"] if "hardware" in frame.columns
-                              else np.full(self.n, "cpu"))
+        self.recompute = codes("recompute")
+        hw = hardware_columns(batch.hardware)
         self.peak_flops = hw["peak_flops"]
         self.memory_gb = hw["memory_gb"]
         self.intra_bw = hw["intra_node_bw"]
         self.inter_bw = hw["inter_node_bw"]
-        per_node = num("devices_per_node", np.nan)
-        self.per_node = np.where(np.isnan(per_node) | (per_node < 1), hw["devices_per_node"],
-                                 per_node)
+        per_node = batch.devices_per_node.astype(float)
+        self.per_node = np.where(per_node < 1, hw["devices_per_node"], per_node)
         self.hardware_error = hw["error"]
         self.error = np.where(self.hardware_error != "", self.hardware_error, option_errors)
         self.accelerator = hw["accelerator"]
@@ -178,14 +159,13 @@ class Columns:
 
     @property
     def params_per_layer(self) -> np.ndarray:
-        h = self.hidden
-        kv_dim = self.kv_heads * self.head_dim
-        return 2 * h * h + 2 * h * kv_dim + self.mlp_matrices * h * self.ffn + 2 * h
+        return block_params(self.hidden, self.kv_heads * self.head_dim, self.ffn,
+                            self.mlp_matrices)
 
     @property
     def layers_per_stage(self) -> np.ndarray:
         """Layers on the fullest pipeline rank (at least one)."""
-        return np.maximum(np.ceil(self.layers / self.pp), 1.0)
+        return max_stage_layers(self.layers, self.pp)
 
 
 def _lookup(values: Any, convert: Any, *, dtype: Any = float) -> np.ndarray:

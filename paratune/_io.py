@@ -12,6 +12,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from paratune.scalars import plain
+
 __all__ = ["append_jsonl", "atomic_write_bytes", "atomic_write_text", "exclusive_lock",
            "fsync_dir", "read_jsonl"]
 
@@ -217,8 +219,9 @@ def exclusive_lock(path: str | Path, *, field: str, value: str, what: str,
 
 
 def _default(value: Any) -> Any:
-    if hasattr(value, "item"):
-        return value.item()
+    unwrapped = plain(value)  # a numpy scalar
+    if unwrapped is not value:
+        return unwrapped
     if hasattr(value, "value"):
         return value.value
     raise TypeError(f"not JSON serialisable: {type(value).__name__}")

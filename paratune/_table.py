@@ -6,6 +6,8 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from paratune.scalars import plain
+
 __all__ = ["format_table"]
 
 
@@ -16,8 +18,9 @@ def _cell(value: Any, floatfmt: str) -> str:
         if math.isnan(value):
             return ""
         return format(value, floatfmt)
-    if hasattr(value, "item"):
-        return _cell(value.item(), floatfmt)
+    unwrapped = plain(value)  # a numpy scalar
+    if unwrapped is not value:
+        return _cell(unwrapped, floatfmt)
     return str(value)
 
 

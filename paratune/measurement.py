@@ -11,6 +11,7 @@ from typing import Any
 
 from paratune.errors import ConfigError
 from paratune.parallel import ParallelConfig
+from paratune.scalars import plain
 from paratune.spec import ModelSpec
 
 __all__ = ["FINGERPRINT_FIELDS", "Measurement", "Status"]
@@ -148,27 +149,19 @@ class Measurement:
         try:
             model_fields = {f.name for f in dataclasses.fields(ModelSpec)} - {"name", "extra"}
             model = ModelSpec(name=str(row["model_name"]),
-                              **{k: _plain(row[k]) for k in model_fields if k in row})
+                              **{k: plain(row[k]) for k in model_fields if k in row})
             config_fields = {f.name for f in dataclasses.fields(ParallelConfig)}
-            config = ParallelConfig(**{k: _plain(row[k]) for k in config_fields if k in row})
+            config = ParallelConfig(**{k: plain(row[k]) for k in config_fields if k in row})
         except KeyError as exc:
             raise ConfigError(str(exc.args[0]), None, "missing from the record") from None
         metrics = {}
         for f in dataclasses.fields(cls):
             if f.name in row and f.name not in ("model", "config", "fingerprint", "step_times_s"):
-                metrics[f.name] = _plain(row[f.name])
+                metrics[f.name] = plain(row[f.name])
         times = row.get("step_times_s")
         times = [] if times is None else [float(t) for t in times]
-        fingerprint = {k: _plain(row[k]) for k in FINGERPRINT_FIELDS if k in row}
+        fingerprint = {k: plain(row[k]) for k in FINGERPRINT_FIELDS if k in row}
         return cls(model=model, config=config, fingerprint=fingerprint, step_times_s=times,
                    **metrics)
 
 
-def _plain(value: Any) -> Any:
-    """numpy / pandas scalars to Python ones (so dataclass validation sees ints as ints)."""
-    if hasattr(value, "item") and not isinstance(value, (list, tuple, dict)):
-        try:
-            return value.item()
-        except (ValueError, AttributeError):
-            return value
-    return value

@@ -13,7 +13,8 @@ if TYPE_CHECKING:
     from paratune.spec import ModelSpec
 
 __all__ = ["MAX_DEVICES", "MAX_GLOBAL_BATCH", "MeshAxis", "ParallelConfig", "Recompute",
-           "Schedule", "Sharding", "check_magnitude"]
+           "Schedule", "Sharding", "check_magnitude", "layout_key", "max_stage_layers",
+           "stage_layer_counts"]
 
 MAX_DEVICES = 1 << 20
 """The most devices (world size, or any one degree) paratune plans for: about ten times the
@@ -66,11 +67,12 @@ class Sharding(StrEnum):
 
     @property
     def stage(self) -> int:
-        return {"none": 0, "zero1": 1, "zero2": 2, "zero3": 3}[self.value]
+        """The ZeRO stage: the member's position (its code in a config batch)."""
+        return list(Sharding).index(self)
 
     @classmethod
     def from_stage(cls, stage: int) -> Sharding:
-        return [cls.NONE, cls.ZERO1, cls.ZERO2, cls.ZERO3][int(stage)]
+        return list(cls)[int(stage)]
 
 
 class Recompute(StrEnum):
@@ -266,9 +268,39 @@ class ParallelConfig:
 
     def key(self) -> str:
         """A short, stable, readable identity: ``dp2-tp2-pp1-mb1-gb8-1f1b-v1-none-none``."""
-        return (f"dp{self.dp}-tp{self.tp}-pp{self.pp}-mb{self.micro_batch_size}"
-                f"-gb{self.global_batch_size}-{self.schedule.value}-v{self.virtual_stages}"
-                f"-{self.sharding.value}-{self.recompute.value}")
+        return layout_key(self.dp, self.tp, self.pp, self.micro_batch_size,
+                          self.global_batch_size, self.schedule.value, self.virtual_stages,
+                          self.sharding.value, self.recompute.value)
 
     def __str__(self) -> str:
         return self.key()
+
+
+def layout_key(dp: Any, tp: Any, pp: Any, micro_batch_size: Any, global_batch_size: Any,
+               schedule: str, virtual_stages: Any, sharding: str, recompute: str) -> str:
+    """The identity of a layout (:meth:`ParallelConfig.key`), from its fields in
+    declaration order: ``dp2-tp2-pp1-mb1-gb8-1f1b-v1-none-none``."""
+    return (f"dp{dp}-tp{tp}-pp{pp}-mb{micro_batch_size}-gb{global_batch_size}-{schedule}"
+            f"-v{virtual_stages}-{sharding}-{recompute}")
+
+
+def stage_layer_counts(num_layers: int, num_stages: int) -> list[int]:
+    """Decoder layers of each pipeline stage: as even as possible, the earlier stages taking
+    one more where ``num_stages`` does not divide ``num_layers``.
+
+    Raises:
+        ConfigError: fewer layers than stages.
+    """
+    if num_stages < 1 or num_layers < num_stages:
+        raise ConfigError("pp", num_stages, f"{num_stages} pipeline stages need at least as "
+                          f"many layers (num_layers={num_layers})")
+    base, extra = divmod(num_layers, num_stages)
+    return [base + (1 if stage < extra else 0) for stage in range(num_stages)]
+
+
+def max_stage_layers(num_layers: Any, num_stages: Any) -> Any:
+    """Layers of the fullest stage of :func:`stage_layer_counts` (its first),
+    ``ceil(num_layers / num_stages)`` and at least one; for numbers or numpy arrays."""
+    import numpy as np
+
+    return np.maximum(np.ceil(num_layers / num_stages), 1.0)

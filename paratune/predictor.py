@@ -12,7 +12,7 @@ import dataclasses
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-from paratune.hardware import HardwareSpec, get_hardware
+from paratune.hardware import HardwareSpec
 from paratune.parallel import ParallelConfig
 from paratune.spec import ModelSpec
 
@@ -66,7 +66,8 @@ class Predictor(Protocol):
 def config_frame(model: ModelSpec, configs: Iterable[ParallelConfig],
                  hardware: HardwareSpec | str, *,
                  devices_per_node: int | None = None) -> pd.DataFrame:
-    """Build a config frame for ``configs`` of ``model`` on ``hardware``.
+    """Build a config frame for ``configs`` of ``model`` on ``hardware`` (the frame of
+    :meth:`paratune.batch.ConfigBatch.from_configs`).
 
     Args:
         model: The model.
@@ -74,16 +75,7 @@ def config_frame(model: ModelSpec, configs: Iterable[ParallelConfig],
         hardware: Catalogue entry or its name.
         devices_per_node: Overrides the catalogue's node size.
     """
-    import pandas as pd
+    from paratune.batch import ConfigBatch
 
-    hw = get_hardware(hardware) if isinstance(hardware, str) else hardware
-    per_node = devices_per_node or hw.devices_per_node
-    base = {"model_name": model.name, **{k: v for k, v in model.to_dict().items() if k != "name"}}
-    rows = []
-    for cfg in configs:
-        row = dict(base)
-        row.update(cfg.to_dict())
-        row.update(world_size=cfg.world_size, num_microbatches=cfg.num_microbatches,
-                   hardware=hw.name, devices_per_node=per_node)
-        rows.append(row)
-    return pd.DataFrame(rows, columns=list(CONFIG_COLUMNS))
+    return ConfigBatch.from_configs(model, configs, hardware,
+                                    devices_per_node=devices_per_node).to_frame()

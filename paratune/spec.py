@@ -13,7 +13,8 @@ from typing import Any
 
 from paratune.errors import ConfigError
 
-__all__ = ["MODEL_PRESETS", "ModelSpec", "get_model"]
+__all__ = ["MODEL_PRESETS", "ModelSpec", "block_params", "forward_flops_per_token", "get_model",
+           "total_params", "training_flops_per_token"]
 
 logger = logging.getLogger(__name__)
 
@@ -100,10 +101,8 @@ class ModelSpec:
     @property
     def params_per_layer(self) -> int:
         """Weights of one transformer block (attention, MLP and the two norms)."""
-        h = self.hidden_size
-        attention = h * h * 2 + h * self.kv_dim * 2  # q, o and k, v
-        mlp = self.num_mlp_matrices * h * self.ffn_hidden_size
-        return attention + mlp + 2 * h
+        return block_params(self.hidden_size, self.kv_dim, self.ffn_hidden_size,
+                            self.num_mlp_matrices)
 
     @property
     def embedding_params(self) -> int:
@@ -112,9 +111,8 @@ class ModelSpec:
     @property
     def num_params(self) -> int:
         """All trainable parameters (the tied output matrix counted once)."""
-        output = 0 if self.tie_embeddings else self.embedding_params
-        return (self.embedding_params + output + self.num_layers * self.params_per_layer
-                + self.hidden_size)
+        return total_params(self.num_layers, self.params_per_layer, self.vocab_size,
+                            self.hidden_size, self.tie_embeddings)
 
     @property
     def num_matmul_params(self) -> int:
@@ -138,14 +136,12 @@ class ModelSpec:
         Returns:
             FLOPs for one token of one sequence of ``seq_len`` tokens.
         """
-        attention = 4.0 * self.num_layers * self.seq_len * self.hidden_size
-        forward = 2.0 * self.num_matmul_params + attention
+        forward = forward_flops_per_token(self.num_layers, self.params_per_layer,
+                                          self.hidden_size, self.seq_len, self.vocab_size)
         if not training:
             return forward
-        if not recompute:
-            return 3.0 * forward
-        output_projection = 2.0 * self.vocab_size * self.hidden_size
-        return 3.0 * forward + (forward - output_projection)
+        return training_flops_per_token(forward, self.hidden_size, self.vocab_size,
+                                        recompute=recompute)
 
     # ------------------------------------------------------------------ (de)serialisation
     def to_dict(self) -> dict[str, Any]:
@@ -251,6 +247,40 @@ class ModelSpec:
             norm_eps=real(("rms_norm_eps", "layer_norm_epsilon"), 1e-5),
             extra={"hf_config": str(path)},
         )
+
+
+# ---------------------------------------------------------------------- formulas
+# Written once for a number or a numpy array of them (a ConfigBatch column): ModelSpec and
+# paratune.batch.ConfigBatch both compute through these.
+def block_params(hidden_size: Any, kv_dim: Any, ffn_hidden_size: Any, mlp_matrices: Any) -> Any:
+    """Weights of one transformer block: q and o (``h*h`` each), k and v (``h*kv_dim`` each),
+    ``mlp_matrices`` MLP matrices of ``h*ffn`` and two norms of ``h``."""
+    h = hidden_size
+    return h * h * 2 + h * kv_dim * 2 + mlp_matrices * h * ffn_hidden_size + 2 * h
+
+
+def total_params(num_layers: Any, params_per_layer: Any, vocab_size: Any, hidden_size: Any,
+                 tie_embeddings: Any) -> Any:
+    """All trainable parameters: the embedding, the output matrix unless tied, the blocks and
+    the final norm."""
+    embedding = vocab_size * hidden_size
+    return embedding * (2 - tie_embeddings) + num_layers * params_per_layer + hidden_size
+
+
+def forward_flops_per_token(num_layers: Any, params_per_layer: Any, hidden_size: Any,
+                            seq_len: Any, vocab_size: Any, *, lm_head: Any = 1) -> Any:
+    """Forward FLOPs per token of ``num_layers`` blocks and (``lm_head`` times) the output
+    projection: ``2 * matmul params + 4 * layers * seq_len * hidden`` (see
+    :meth:`ModelSpec.flops_per_token`)."""
+    matmul_params = num_layers * params_per_layer + lm_head * vocab_size * hidden_size
+    return 2.0 * matmul_params + 4.0 * num_layers * seq_len * hidden_size
+
+
+def training_flops_per_token(forward: Any, hidden_size: Any, vocab_size: Any, *,
+                             recompute: Any = False) -> Any:
+    """Training FLOPs per token from the forward's: three forwards, plus (where
+    ``recompute``) a second forward of the blocks (the output projection is not recomputed)."""
+    return 3.0 * forward + recompute * (forward - 2.0 * vocab_size * hidden_size)
 
 
 def _hf_int(key: str, value: Any, path: Path) -> int:

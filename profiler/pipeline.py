@@ -17,8 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from paratune.errors import ConfigError
-from paratune.parallel import ParallelConfig, Schedule
-from paratune.stages import stage_layer_counts
+from paratune.parallel import ParallelConfig, Schedule, stage_layer_counts
 
 if TYPE_CHECKING:
     from torch import nn

@@ -7,9 +7,8 @@ from __future__ import annotations
 import shlex
 
 from paratune.hardware import HardwareSpec
-from paratune.parallel import ParallelConfig, Recompute, Schedule, Sharding
+from paratune.parallel import ParallelConfig, Recompute, Schedule, Sharding, stage_layer_counts
 from paratune.spec import ModelSpec
-from paratune.stages import stage_layer_counts
 from paratune.tuner._export_torchrun import shell_line, torchrun_prefix
 
 __all__ = ["MEGATRON_ENTRY", "MEGATRON_SELECTIVE_MODULES", "megatron_args", "megatron_command",

@@ -11,9 +11,8 @@ module names and the notes are shared with the v0.2.x TOML export
 from __future__ import annotations
 
 from paratune.hardware import HardwareSpec
-from paratune.parallel import ParallelConfig, Recompute, Schedule, Sharding
+from paratune.parallel import ParallelConfig, Recompute, Schedule, Sharding, stage_layer_counts
 from paratune.spec import MODEL_PRESETS, ModelSpec
-from paratune.stages import stage_layer_counts
 from paratune.tuner._export_torchrun import shell_line, torchrun_prefix
 
 __all__ = ["TITAN_SCHEDULES", "TORCHTITAN_CONFIG_MODULE", "stage_fqns", "titan_data_parallel",

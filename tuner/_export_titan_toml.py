@@ -7,9 +7,8 @@ import json
 import textwrap
 
 from paratune.hardware import HardwareSpec
-from paratune.parallel import ParallelConfig, Recompute, Schedule
+from paratune.parallel import ParallelConfig, Recompute, Schedule, stage_layer_counts
 from paratune.spec import ModelSpec
-from paratune.stages import stage_layer_counts
 from paratune.tuner._export_titan import (
     TITAN_SCHEDULES,
     stage_fqns,
