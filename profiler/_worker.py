@@ -56,6 +56,7 @@ from paratune.profiler._journal import (
     read_plan,
     resolve_unfinished,
 )
+from paratune.profiler.processes import die_with_parent, init_process_group
 
 __all__ = ["main"]
 
@@ -219,20 +220,6 @@ class _StopHandler(threading.Thread):
         os._exit(128 + int(sig))
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    """Ask Linux to kill this process when the launching parent dies (even by kill -9)."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        pr_set_pdeathsig = 1
-        libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
-    except (OSError, AttributeError):
-        pass  # elsewhere the watchdog's parent check does it
-    if os.getppid() != parent_pid:
-        os._exit(1)
-
-
 def _describe(exc: BaseException, rank: int) -> str:
     """``rank R: Type: message (at file:line)``, plus the innermost cause when chained."""
 
@@ -279,27 +266,22 @@ def run_worker(plan_path: str | Path, *, attempt: str | None = None) -> int:
     supervised = os.environ.get(PARENT_ENV)
     parent_pid = int(supervised) if supervised else None
     if parent_pid is not None:
-        _die_with_parent(parent_pid)
+        die_with_parent(parent_pid, signal.SIGKILL)
     elif os.environ.get(DIE_WITH_LAUNCHER_ENV):
         launcher = os.getppid()  # torchrun's agent
         if launcher == 1:  # it is gone already
             os._exit(1)
-        _die_with_parent(launcher)
+        die_with_parent(launcher, signal.SIGKILL)
     attempt = attempt or os.environ.get(ATTEMPT_ENV)
     timeout_s = float(plan["timeout_s"])
 
     if plan["device"] == "cuda":
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
-        backend = "nccl"
     else:
         device = torch.device("cpu")
-        backend = "gloo"
     pg_timeout = datetime.timedelta(seconds=timeout_s + 120)
-    kwargs: dict[str, Any] = {"backend": backend, "timeout": pg_timeout}
-    if backend == "nccl":
-        kwargs["device_id"] = device
-    dist.init_process_group(**kwargs)
+    init_process_group(device, timeout_s=timeout_s + 120)
     control = dist.new_group(backend="gloo", timeout=pg_timeout)
     if not attempt:  # under torchrun: one identifier for this launch, chosen by rank 0
         box: list[Any] = [f"torchrun-{os.environ.get('TORCHELASTIC_RUN_ID', 'none')}-"

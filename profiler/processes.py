@@ -1,9 +1,22 @@
-"""Starting and tying worker processes: local process groups, die-with-parent, group init."""
+"""The one place where paratune starts, ties and joins worker processes.
+
+* :func:`die_with_parent` (in a started process) and :func:`dies_with_this_process` (a
+  ``preexec_fn`` for :class:`subprocess.Popen`) have Linux signal a worker when the process
+  that started it dies, even by ``kill -9``; an orphan (its parent gone before the request)
+  exits at once.
+* :func:`init_process_group` joins a ``torch.distributed`` group, gloo on the CPU, NCCL on
+  CUDA with the device bound from the start, from a given store or torchrun's environment.
+* :func:`spawn` and :func:`init_worker` run a function in a local group of fresh processes
+  whose rendezvous store this process hosts; the campaign's groups (``launcher.py``) and
+  torchrun start ``paratune.profiler._worker``, which ties itself and joins the same way.
+"""
 
 from __future__ import annotations
 
-import contextlib
+import datetime
 import logging
+import os
+import signal
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -70,41 +83,90 @@ def init_worker(rank: int, world_size: int, port: int, device: str = "auto") -> 
     Called in a process started by :func:`spawn`, which has already tied the process's life
     to its parent's (see :func:`die_with_parent`).
     """
-    import datetime
-    import os
-
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     dev = device_for(device, rank, world_size)
-    backend = "nccl" if dev.type == "cuda" else "gloo"
-    timeout = datetime.timedelta(seconds=_GROUP_TIMEOUT_S)
     # the rendezvous store is the one :func:`spawn` hosts on ``port``: every rank a client
-    store = dist.TCPStore(_LOCALHOST, port, is_master=False, timeout=timeout)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                            timeout=timeout, device_id=dev if dev.type == "cuda" else None)
+    store = dist.TCPStore(_LOCALHOST, port, is_master=False,
+                          timeout=datetime.timedelta(seconds=_GROUP_TIMEOUT_S))
+    init_process_group(dev, timeout_s=_GROUP_TIMEOUT_S, store=store, rank=rank,
+                       world_size=world_size)
     return dev
 
 
-def die_with_parent(parent_pid: int) -> None:
-    """End this worker when ``parent_pid``, the process that started it, dies, so a killed
-    run leaves no workers writing its trajectory and checkpoint.
+_PR_SET_PDEATHSIG = 1
+"""``prctl`` option: the signal this process gets when its parent dies (Linux)."""
 
-    The kernel is asked to send SIGTERM on the parent's death (Linux); a parent that died
+
+def _prctl() -> Callable[..., int] | None:
+    """libc's ``prctl`` (``None`` where there is none: not Linux)."""
+    try:
+        import ctypes
+
+        return ctypes.CDLL("libc.so.6", use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+def die_with_parent(parent_pid: int, sig: int = signal.SIGTERM) -> None:
+    """End this process when ``parent_pid``, the process that started it, dies, so a killed
+    run leaves no workers writing its files.
+
+    The kernel is asked to send ``sig`` on the parent's death (Linux); a parent that died
     before that request (while this process was starting up) is caught by comparing the
     current parent with ``parent_pid``: an orphan has been re-parented and exits at once.
     """
-    import ctypes
-    import os
-    import signal
-    import sys
-
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError, AttributeError):  # no libc prctl: nothing to set
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PDEATHSIG
+    prctl = _prctl()
+    if prctl is not None:
+        prctl(_PR_SET_PDEATHSIG, int(sig))
     if os.getppid() != parent_pid:
         os._exit(1)
+
+
+def dies_with_this_process(sig: int = signal.SIGTERM) -> Callable[[], None] | None:
+    """A ``preexec_fn`` for :class:`subprocess.Popen` that ties the child to this process as
+    :func:`die_with_parent` does (``sig`` on this process's death). ``None`` where ``prctl``
+    does not exist.
+
+    libc is loaded here, in the parent: between ``fork`` and ``exec`` the child only calls it.
+    """
+    prctl = _prctl()
+    if prctl is None:
+        return None
+    parent = os.getpid()
+
+    def preexec() -> None:
+        prctl(_PR_SET_PDEATHSIG, int(sig))
+        if os.getppid() != parent:
+            os._exit(1)
+
+    return preexec
+
+
+def init_process_group(device: Any, *, timeout_s: float, store: Any = None,
+                       rank: int | None = None, world_size: int | None = None) -> None:
+    """Join this process's ``torch.distributed`` group: NCCL on a CUDA ``device`` (given to
+    NCCL as ``device_id``, so the communicator is bound to it from the start), else gloo.
+
+    Args:
+        device: This rank's ``torch.device`` (on CUDA already the current device).
+        timeout_s: Rendezvous and collective timeout.
+        store: A rendezvous store (with ``rank`` and ``world_size``); ``None`` reads
+            torchrun's environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ...).
+        rank: This process's rank, with ``store``.
+        world_size: Ranks in the group, with ``store``.
+    """
+    import torch.distributed as dist
+
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    kwargs: dict[str, Any] = {"timeout": datetime.timedelta(seconds=timeout_s)}
+    if backend == "nccl":
+        kwargs["device_id"] = device
+    if store is not None:
+        kwargs.update(store=store, rank=rank, world_size=world_size)
+    dist.init_process_group(backend, **kwargs)
 
 
 def _spawned(rank: int, fn: Callable[..., Any], parent_pid: int, world_size: int, port: int,

@@ -36,7 +36,8 @@ def _run_world_size_torchrun(paths: CampaignPaths, world_size: int, progress: _P
     import subprocess
 
     from paratune.profiler._worker import DIE_WITH_LAUNCHER_ENV
-    from paratune.profiler.launcher import dies_with_this_process, torchrun_command
+    from paratune.profiler.launcher import torchrun_command
+    from paratune.profiler.processes import dies_with_this_process
 
     plan = read_plan(paths.plan(world_size))
     journal = paths.journal(world_size)
