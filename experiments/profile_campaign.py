@@ -80,7 +80,7 @@ def _overhead_breakdown(out: Path) -> dict:
     """Per-config overhead between two ``ok`` configs measured one after the other by the
     same worker group (the steady state), and the time a failed config costs (its group is
     torn down and a new one started), from the journal timestamps."""
-    from paratune.profiler._journal import read_journal
+    from paratune.datasets.journal import read_journal
     from paratune.profiler.campaign import in_step_seconds
 
     steady, failed = [], []

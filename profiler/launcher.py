@@ -159,9 +159,9 @@ def torchrun_command(plan_path: str | Path, *, nproc_per_node: int | str,
     carry on from the journal, recording the config that failed, hung or crashed.
     """
     if max_restarts is None:
-        from paratune.profiler._journal import read_plan
+        from paratune.datasets.journal import load_plan
 
-        max_restarts = restart_budget(len(read_plan(plan_path)["configs"]))
+        max_restarts = restart_budget(len(load_plan(plan_path).configs))
     parts = ["torchrun", f"--nnodes={nnodes}", f"--nproc-per-node={nproc_per_node}",
              "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}", f"--rdzv-id={rdzv_id}",
              f"--max-restarts={max_restarts}", "-m", WORKER_MODULE, "--plan",

@@ -84,7 +84,8 @@ def train(model_name: str, config_json: str, *, steps: int, seq_len: int | None 
 
     from paratune.errors import ConfigError
     from paratune.parallel import ParallelConfig
-    from paratune.profiler.trainer import Trainer, _synchronize, synthetic_batch
+    from paratune.profiler.measure import _synchronize
+    from paratune.profiler.trainer import Trainer, synthetic_batch
 
     if data not in ("text", "synthetic"):
         raise ConfigError("data", data, "must be text or synthetic")
@@ -184,8 +185,9 @@ def train_plan(model_name: str, launch: dict, *, checkpoint_dir: str,
     import torch
     import torch.distributed as dist
 
+    from paratune.profiler.measure import _synchronize
     from paratune.profiler.reconfigure import RunState, reconfigure
-    from paratune.profiler.trainer import Trainer, _synchronize, synthetic_batch
+    from paratune.profiler.trainer import Trainer, synthetic_batch
 
     spec = resolve_model(model_name, seq_len)
     phases = _plan_phases(launch)

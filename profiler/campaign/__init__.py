@@ -20,14 +20,9 @@ dataset, result), :mod:`.run` (the whole campaign).
 
 from __future__ import annotations
 
+from paratune.datasets.materialise import CampaignProgress, campaign_progress, materialise
 from paratune.profiler.campaign.plan import prepare_campaign
-from paratune.profiler.campaign.results import (
-    CampaignProgress,
-    CampaignResult,
-    campaign_progress,
-    in_step_seconds,
-    materialise,
-)
+from paratune.profiler.campaign.results import CampaignResult, in_step_seconds
 from paratune.profiler.campaign.run import run_campaign, torchrun_commands
 from paratune.profiler.campaign.spec import (
     EXPERIMENT,

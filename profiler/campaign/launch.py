@@ -12,14 +12,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from paratune.datasets.materialise import plan_keys
 from paratune.errors import ConfigError
 from paratune.profiler._journal import (
     CampaignPaths,
     EventTail,
+    JournalEntry,
     journal_keys,
-    read_plan,
+    load_plan,
 )
-from paratune.profiler.campaign.plan import _plan_keys
 from paratune.profiler.campaign.spec import CampaignError
 from paratune.profiler.campaign.supervise import _Progress
 
@@ -39,13 +40,13 @@ def _run_world_size_torchrun(paths: CampaignPaths, world_size: int, progress: _P
     from paratune.profiler.launcher import torchrun_command
     from paratune.profiler.processes import dies_with_this_process
 
-    plan = read_plan(paths.plan(world_size))
+    plan = load_plan(paths.plan(world_size))
     journal = paths.journal(world_size)
     tail = EventTail(journal)
     tail._offset = journal.stat().st_size if journal.exists() else 0
     command = torchrun_command(paths.plan(world_size).resolve(), nproc_per_node=world_size,
                                nnodes=1, rdzv_endpoint="localhost:0",
-                               rdzv_id=f"{plan['campaign_id']}-ws{world_size}")
+                               rdzv_id=f"{plan.campaign_id}-ws{world_size}")
     import sys
 
     # torchrun of this interpreter (a ``torchrun`` first on PATH may be another
@@ -54,7 +55,7 @@ def _run_world_size_torchrun(paths: CampaignPaths, world_size: int, progress: _P
             *[a for a in shlex.split(command)[1:] if not a.startswith("--rdzv")]]
     env = dict(os.environ, **(extra_env or {}))
     env[DIE_WITH_LAUNCHER_ENV] = "1"
-    if plan["device"] == "cpu" and "OMP_NUM_THREADS" not in env:
+    if plan.device == "cpu" and "OMP_NUM_THREADS" not in env:
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // world_size))
     paths.logs.mkdir(parents=True, exist_ok=True)
     log_path = paths.logs / f"torchrun-ws{world_size}-{time.strftime('%H%M%S')}.log"
@@ -68,16 +69,16 @@ def _run_world_size_torchrun(paths: CampaignPaths, world_size: int, progress: _P
         try:
             while proc.poll() is None:
                 time.sleep(0.2)
-                for entry in tail.read():
-                    progress.record(entry)
-                    on_entry_hook(entry["key"])
+                for line in tail.read():
+                    progress.record(JournalEntry.from_dict(line))
+                    on_entry_hook(line["key"])
         except BaseException:  # interrupted or terminated: torchrun must not run on alone
             _stop_torchrun(proc)
             raise
-    for entry in tail.read():
-        progress.record(entry)
-        on_entry_hook(entry["key"])
-    left = _plan_keys(paths, world_size) - journal_keys(journal)
+    for line in tail.read():
+        progress.record(JournalEntry.from_dict(line))
+        on_entry_hook(line["key"])
+    left = plan_keys(paths, world_size) - journal_keys(journal)
     if proc.returncode != 0 or left:
         raise CampaignError(f"torchrun for world size {world_size} exited with code "
                             f"{proc.returncode}, {len(left)} configs unfinished; see {log_path} "

@@ -14,11 +14,9 @@ from typing import Any
 
 from paratune._io import atomic_write_text
 from paratune.errors import ConfigError
-from paratune.parallel import ParallelConfig
 from paratune.profiler._journal import (
     CampaignPaths,
-    journal_keys,
-    read_plan,
+    WorldSizePlan,
     write_plan,
 )
 from paratune.profiler.campaign.spec import (
@@ -121,6 +119,19 @@ def prepare_campaign(spec: CampaignSpec, out: str | Path, *, resume: bool = Fals
     paths.root.mkdir(parents=True, exist_ok=True)
     atomic_write_text(paths.campaign, json.dumps(meta, indent=1, default=str) + "\n")
 
+    _write_plans(paths, spec, meta, enumerations, measure_here=measure_here)
+    meta.setdefault("num_valid", {}).update(
+        {str(ws): len(e.valid) for ws, e in enumerations.items()})
+    meta.setdefault("num_skipped", {}).update(
+        {str(ws): len(e.skipped) for ws, e in enumerations.items()})
+    atomic_write_text(paths.campaign, json.dumps(meta, indent=1, default=str) + "\n")
+    return paths, meta
+
+
+def _write_plans(paths: CampaignPaths, spec: CampaignSpec, meta: dict[str, Any],
+                 enumerations: dict[int, SpaceEnumeration], *, measure_here: bool) -> None:
+    """One :class:`~paratune.datasets.journal.WorldSizePlan` per enumerated world size, and
+    ``skipped.csv`` (keeping the rows of world sizes not re-planned now)."""
     buffer = io.StringIO()
     writer = csv.writer(buffer)
     writer.writerow(["world_size", "config", "reason"])
@@ -130,41 +141,15 @@ def prepare_campaign(spec: CampaignSpec, out: str | Path, *, resume: bool = Fals
                 if int(row["world_size"]) not in enumerations:
                     writer.writerow([row["world_size"], row["config"], row["reason"]])
     for world_size, enumeration in enumerations.items():
-        write_plan(paths, world_size, {
-            "campaign_id": meta["campaign_id"], "world_size": world_size,
-            "model": spec.model.to_dict(), "hardware": spec.hardware, "device": spec.device,
-            "devices_per_node": spec.devices_per_node or world_size,
-            "warmup_steps": spec.warmup_steps, "measured_steps": spec.measured_steps,
-            "seed": spec.seed, "timeout_s": spec.timeout_s, "data": spec.data,
-            **({"fingerprint": {**meta["fingerprint"], "device_count": world_size}}
-               if measure_here else {}),
-            "configs": [c.to_dict() for c in enumeration.valid]})
+        write_plan(paths, WorldSizePlan(
+            campaign_id=meta["campaign_id"], world_size=world_size, model=spec.model,
+            hardware=spec.hardware, device=spec.device,
+            devices_per_node=spec.devices_per_node or world_size,
+            warmup_steps=spec.warmup_steps, measured_steps=spec.measured_steps,
+            seed=spec.seed, timeout_s=spec.timeout_s, data=spec.data,
+            configs=tuple(enumeration.valid),
+            fingerprint=({**meta["fingerprint"], "device_count": world_size}
+                         if measure_here else None)))
         for config, reason in enumeration.skipped:
             writer.writerow([world_size, config.key(), reason])
     atomic_write_text(paths.skipped, buffer.getvalue())
-    meta.setdefault("num_valid", {}).update(
-        {str(ws): len(e.valid) for ws, e in enumerations.items()})
-    meta.setdefault("num_skipped", {}).update(
-        {str(ws): len(e.skipped) for ws, e in enumerations.items()})
-    atomic_write_text(paths.campaign, json.dumps(meta, indent=1, default=str) + "\n")
-    return paths, meta
-
-
-def _plan_keys(paths: CampaignPaths, world_size: int) -> set[str]:
-    plan = read_plan(paths.plan(world_size))
-    return {ParallelConfig.from_dict(c).key() for c in plan["configs"]}
-
-
-def _unfinished(paths: CampaignPaths, world_sizes: tuple[int, ...]
-                ) -> dict[int, set[str] | None]:
-    """The world sizes with configs still to measure: per world size, the keys of its plan
-    that its journal does not hold (``None`` for a world size without a plan yet)."""
-    left: dict[int, set[str] | None] = {}
-    for world_size in world_sizes:
-        if not paths.plan(world_size).exists():
-            left[world_size] = None
-            continue
-        keys = _plan_keys(paths, world_size) - journal_keys(paths.journal(world_size))
-        if keys:
-            left[world_size] = keys
-    return left

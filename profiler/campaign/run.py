@@ -12,16 +12,17 @@ from pathlib import Path
 from typing import Any
 
 from paratune._io import atomic_write_text, exclusive_lock
+from paratune.datasets.materialise import materialise, plan_keys, unfinished_configs
 from paratune.errors import ConfigError
 from paratune.measurement import Status
 from paratune.profiler._journal import (
     CampaignPaths,
     journal_keys,
-    read_journal,
+    read_journal_entries,
 )
 from paratune.profiler.campaign.launch import _await_earlier_launches, _run_world_size_torchrun
-from paratune.profiler.campaign.plan import _plan_keys, _unfinished, prepare_campaign
-from paratune.profiler.campaign.results import CampaignResult, _counts, in_step_seconds, materialise
+from paratune.profiler.campaign.plan import prepare_campaign
+from paratune.profiler.campaign.results import CampaignResult, _counts, in_step_seconds
 from paratune.profiler.campaign.spec import (
     _NO_CUDA,
     EXPERIMENT,
@@ -112,7 +113,7 @@ def run_campaign(spec: CampaignSpec, out: str | Path, *, resume: bool = False,
         raise ConfigError("launcher", launcher, "must be local or torchrun")
     # resuming a campaign whose every config is journaled (e.g. one run on a cluster with
     # the printed commands) only writes its dataset: it needs none of the devices
-    finished = resume and CampaignPaths(Path(out)).campaign.exists() and not _unfinished(
+    finished = resume and CampaignPaths(Path(out)).campaign.exists() and not unfinished_configs(
         CampaignPaths(Path(out)), spec.world_sizes)
     if spec.device == "cuda" and not finished:
         import torch
@@ -176,17 +177,18 @@ def _run_campaign(spec: CampaignSpec, paths: CampaignPaths, meta: dict[str, Any]
     """:func:`run_campaign` once the campaign is prepared and locked."""
     import resource
 
-    left = _unfinished(paths, spec.world_sizes)
+    left = unfinished_configs(paths, spec.world_sizes)
     if left and settings.resume:  # under the lock: no later run can start a launch meanwhile
         _await_earlier_launches(paths)
         # what the earlier launch journaled while this run waited is not this run's
-        left = _unfinished(paths, spec.world_sizes)
+        left = unfinished_configs(paths, spec.world_sizes)
     before = {ws: journal_keys(paths.journal(ws)) for ws in spec.world_sizes}
     with _tracked(settings.track, meta, spec, paths, settings.resume) as run:
         _launch_world_sizes(spec, paths, meta, left, before, settings)
         dataset = materialise(paths.root)
-        new_entries = [e for ws in spec.world_sizes for e in read_journal(paths.journal(ws))
-                       if e["key"] not in before[ws]]
+        new_entries = [e for ws in spec.world_sizes
+                       for e in read_journal_entries(paths.journal(ws))
+                       if e.key not in before[ws]]
         result = CampaignResult(
             out=paths.root, campaign_id=meta["campaign_id"], dataset=dataset,
             counts=_counts(paths, meta, spec.world_sizes),
@@ -207,7 +209,7 @@ def _launch_world_sizes(spec: CampaignSpec, paths: CampaignPaths, meta: dict[str
                         settings: _RunSettings) -> None:
     """Launch each world size with configs ``left`` to measure, under a progress bar, and
     materialise the dataset after each."""
-    total = sum(int(meta["num_valid"][str(ws)]) - len(before[ws] & _plan_keys(paths, ws))
+    total = sum(int(meta["num_valid"][str(ws)]) - len(before[ws] & plan_keys(paths, ws))
                 for ws in spec.world_sizes)
     bar = None
     if settings.progress:

@@ -13,16 +13,17 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from paratune.measurement import Status
-from paratune.parallel import ParallelConfig
 from paratune.profiler._journal import (
     EXIT_RELAUNCH,
     EXIT_TIMEOUT,
     CampaignPaths,
     EventTail,
+    JournalEntry,
+    WorldSizePlan,
     append_record,
     failure_record,
     journal_keys,
-    read_plan,
+    load_plan,
 )
 from paratune.profiler.campaign.spec import CampaignError
 
@@ -40,8 +41,8 @@ class _Progress:
     ok: int = 0
     failed: int = 0
 
-    def record(self, entry: dict[str, Any]) -> None:
-        if entry["row"]["status"] == Status.OK.value:
+    def record(self, entry: JournalEntry) -> None:
+        if entry.ok:
             self.ok += 1
         else:
             self.failed += 1
@@ -71,8 +72,8 @@ class _Launch:
         return min(seen) if seen else None
 
 
-def _watch(launch: _Launch, paths: CampaignPaths, world_size: int, plan: dict[str, Any],
-           on_entry: Callable[[dict[str, Any]], None], *, fail_grace_s: float,
+def _watch(launch: _Launch, paths: CampaignPaths, world_size: int, plan: WorldSizePlan,
+           on_entry: Callable[[JournalEntry], None], *, fail_grace_s: float,
            startup_timeout_s: float, poll_s: float = 0.1) -> None:
     """Follow a launch until it ends or must be killed; records why in ``stop_reason``."""
     group = launch.group
@@ -83,7 +84,7 @@ def _watch(launch: _Launch, paths: CampaignPaths, world_size: int, plan: dict[st
     journal_tail._offset = (paths.journal(world_size).stat().st_size
                             if paths.journal(world_size).exists() else 0)
     done = journal_keys(paths.journal(world_size))
-    timeout_s = float(plan["timeout_s"])
+    timeout_s = plan.timeout_s
     first_exit: float | None = None
 
     def drain() -> None:
@@ -98,8 +99,9 @@ def _watch(launch: _Launch, paths: CampaignPaths, world_size: int, plan: dict[st
                     launch.started_keys.append(key)
                 elif kind in ("fail", "timeout"):
                     launch.causes.setdefault(key, []).append({**event, "_seen": now})
-        for entry in journal_tail.read():
-            done.add(entry["key"])
+        for line in journal_tail.read():
+            entry = JournalEntry.from_dict(line)
+            done.add(entry.key)
             on_entry(entry)
 
     while True:
@@ -178,8 +180,8 @@ def _root_cause(launch: _Launch, key: str, world_size: int, timeout_s: float
                           f"({launch.stop_reason}; exit codes {launch.exit_codes})")
 
 
-def _settle(launch: _Launch, paths: CampaignPaths, world_size: int, plan: dict[str, Any],
-            on_entry: Callable[[dict[str, Any]], None]) -> bool:
+def _settle(launch: _Launch, paths: CampaignPaths, world_size: int, plan: WorldSizePlan,
+            on_entry: Callable[[JournalEntry], None]) -> bool:
     """Journal the outcome of the config a dead launch left unfinished.
 
     Returns:
@@ -190,13 +192,13 @@ def _settle(launch: _Launch, paths: CampaignPaths, world_size: int, plan: dict[s
     if not pending:
         return False
     key = pending[0]
-    by_key = {ParallelConfig.from_dict(c).key(): ParallelConfig.from_dict(c)
-              for c in plan["configs"]}
-    status, error = _root_cause(launch, key, world_size, float(plan["timeout_s"]))
+    by_key = {config.key(): config for config in plan.configs}
+    status, error = _root_cause(launch, key, world_size, plan.timeout_s)
     record = failure_record(plan, by_key[key], status, error)
     append_record(paths.journal(world_size), record, attempt=launch.group.attempt,
                   resolved_by="parent")
-    on_entry({"key": key, "row": record.to_row()})
+    on_entry(JournalEntry(key=key, world_size=world_size, row=record.to_row(),
+                          attempt=launch.group.attempt, resolved_by="parent"))
     return True
 
 
@@ -207,14 +209,14 @@ def _run_world_size(paths: CampaignPaths, world_size: int, progress: _Progress, 
     from paratune.profiler.launcher import launch_local
 
     plan_path = paths.plan(world_size)
-    plan = read_plan(plan_path)
-    keys = [ParallelConfig.from_dict(c).key() for c in plan["configs"]]
+    plan = load_plan(plan_path)
+    keys = plan.keys()
     no_progress = 0
-    startup_timeout = startup_timeout_s or max(120.0, float(plan["timeout_s"]))
+    startup_timeout = startup_timeout_s or max(120.0, plan.timeout_s)
 
-    def on_entry(entry: dict[str, Any]) -> None:
+    def on_entry(entry: JournalEntry) -> None:
         progress.record(entry)
-        on_entry_hook(entry["key"])
+        on_entry_hook(entry.key)
 
     while True:
         done = journal_keys(paths.journal(world_size))
@@ -223,7 +225,7 @@ def _run_world_size(paths: CampaignPaths, world_size: int, progress: _Progress, 
             return
         attempt = f"local-ws{world_size}-{time.strftime('%H%M%S')}-{uuid.uuid4().hex[:4]}"
         group = launch_local(plan_path, world_size, attempt=attempt, log_dir=paths.logs,
-                             device=plan["device"], extra_env=extra_env)
+                             device=plan.device, extra_env=extra_env)
         launch = _Launch(group=group)
         _watch(launch, paths, world_size, plan, on_entry, fail_grace_s=fail_grace_s,
                startup_timeout_s=startup_timeout)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -12,8 +12,19 @@ from paratune.profiler.gns.norms import adam_preconditioners, micro_batch_gradie
 from paratune.profiler.processes import init_worker, spawn
 
 
-def _layouts_worker(rank: int, world_size: int, port: int, model: Any, runs: list[dict[str, Any]],
-                    steps: int, seed: int, dtype_name: str, out_dir: str) -> None:
+@dataclass(frozen=True)
+class _LayoutRuns:
+    """What each worker of :func:`measure_layouts` trains."""
+
+    model: Any
+    runs: list[dict[str, Any]]
+    steps: int
+    seed: int
+    dtype_name: str
+    out_dir: str
+
+
+def _layouts_worker(rank: int, world_size: int, port: int, job: _LayoutRuns) -> None:
     import json
 
     import torch
@@ -23,11 +34,12 @@ def _layouts_worker(rank: int, world_size: int, port: int, model: Any, runs: lis
     from paratune.profiler.mesh import closing_process_group
     from paratune.profiler.trainer import Trainer
 
-    torch.set_default_dtype(getattr(torch, dtype_name))
+    model, seed = job.model, job.seed
+    torch.set_default_dtype(getattr(torch, job.dtype_name))
     device = init_worker(rank, world_size, port, "cpu")
     with closing_process_group():
         corpus = TextCorpus.from_stdlib(max_bytes=1 << 19)
-        for index, run in enumerate(runs):
+        for index, run in enumerate(job.runs):
             config = run["config"]
             meter = NoiseScaleMeter(config, mode=run.get("mode", "auto"),
                                     num_small_batches=run.get("num_small_batches", 2),
@@ -35,13 +47,13 @@ def _layouts_worker(rank: int, world_size: int, port: int, model: Any, runs: lis
                                     measure_every=run.get("measure_every", 1))
             trainer = Trainer(model, meter.trainer_config, device=device, seed=seed, lr=1e-3)
             records = []
-            for step in range(steps):
+            for step in range(job.steps):
                 tokens = corpus.batch(step, config.global_batch_size, model.seq_len, seed=seed)
                 result = meter.step(trainer, tokens)
                 records.append({**asdict(result), "mode": meter.mode})
             trainer.close()
             if rank == 0:
-                Path(out_dir, f"{index}.json").write_text(json.dumps(records))
+                Path(job.out_dir, f"{index}.json").write_text(json.dumps(records))
             dist.barrier()
 
 
@@ -71,7 +83,7 @@ def measure_layouts(model: Any, runs: list[dict[str, Any]], *, world_size: int, 
     for run in runs:
         run["config"].validate(model, world_size)
     with tempfile.TemporaryDirectory() as out_dir:
-        spawn(_layouts_worker, world_size, model, runs, steps, seed, dtype, out_dir)
+        spawn(_layouts_worker, world_size, _LayoutRuns(model, runs, steps, seed, dtype, out_dir))
         return [json.loads(Path(out_dir, f"{i}.json").read_text()) for i in range(len(runs))]
 
 
