@@ -45,8 +45,8 @@ def _show_one(path: Path) -> str:
     """The summary of one dataset; of a campaign directory whose profiling has not finished,
     how far it got and how to finish it (its dataset, if any, is that of an earlier point)."""
     from paratune.datasets._store import CARD_FILE, read_dataset, summarise_dataset
+    from paratune.datasets.materialise import campaign_progress
     from paratune.errors import DatasetError
-    from paratune.profiler.campaign import campaign_progress
 
     directory = path if path.is_dir() else path.parent if path.name == CARD_FILE else None
     progress = campaign_progress(directory) if directory is not None else None

@@ -34,8 +34,11 @@ __all__ = [
     "required_columns",
 ]
 
-SCHEMA_VERSION = 1
-"""Version of the dataset layout written by this code; readers refuse newer ones."""
+SCHEMA_VERSION = 2
+"""Version of the dataset layout written by this code; readers refuse newer ones.
+
+2: the ``timing_*`` columns of :class:`~paratune.measurement.StepTiming` (a version-1 file
+reads with them NaN)."""
 
 CARD_FILE = "card.json"
 """Name of the card inside a dataset directory."""

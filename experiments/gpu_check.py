@@ -178,12 +178,23 @@ def stage_packages(root: Path, target: Path) -> Path:
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
     # parents before children, so that a child lands inside its copied parent
     for package in sorted(config["packages"], key=lambda p: p.count(".")):
-        source = root / package_dir.get(package, package.replace(".", "/"))
+        source = _package_source(root, package, package_dir)
         dest = target.joinpath(*package.split("."))
         shutil.copytree(source, dest, ignore=ignore, dirs_exist_ok=True)
     shutil.copytree(root / "tests", target / "tests", ignore=ignore)
     shutil.copy2(root / "pyproject.toml", target / "pyproject.toml")
     return target
+
+
+def _package_source(root: Path, package: str, package_dir: dict[str, str]) -> Path:
+    """Where ``package`` lives in the checkout: as setuptools resolves it, under the longest
+    prefix ``package-dir`` maps (``paratune.profiler.gns`` is ``profiler/gns``)."""
+    parts = package.split(".")
+    for n in range(len(parts), 0, -1):
+        prefix = ".".join(parts[:n])
+        if prefix in package_dir:
+            return root / package_dir[prefix] / Path(*parts[n:])
+    return root.joinpath(*parts)
 
 
 def pytest_path(root: Path, work: Path, log: Any) -> str | None:

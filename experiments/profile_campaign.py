@@ -80,8 +80,8 @@ def _overhead_breakdown(out: Path) -> dict:
     """Per-config overhead between two ``ok`` configs measured one after the other by the
     same worker group (the steady state), and the time a failed config costs (its group is
     torn down and a new one started), from the journal timestamps."""
-    from paratune.profiler._journal import read_journal
-    from paratune.profiler.campaign import _in_step_seconds
+    from paratune.datasets.journal import read_journal
+    from paratune.profiler.campaign import in_step_seconds
 
     steady, failed = [], []
     for journal in sorted(out.glob("journal-ws*.jsonl")):
@@ -94,7 +94,7 @@ def _overhead_breakdown(out: Path) -> dict:
                     failed.append(gap)
                 elif (previous["row"]["status"] == "ok"
                       and entry.get("attempt") == previous.get("attempt")):
-                    steady.append(gap - _in_step_seconds(entry))
+                    steady.append(gap - in_step_seconds(entry))
             previous = entry
     out_figures = {"steady_overhead_configs": len(steady), "failed_configs": len(failed)}
     if steady:

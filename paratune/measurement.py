@@ -14,7 +14,7 @@ from paratune.parallel import ParallelConfig
 from paratune.scalars import plain
 from paratune.spec import ModelSpec
 
-__all__ = ["FINGERPRINT_FIELDS", "Measurement", "Status"]
+__all__ = ["FINGERPRINT_FIELDS", "TIMING_PREFIX", "Measurement", "Status", "StepTiming"]
 
 
 class Status(StrEnum):
@@ -24,6 +24,59 @@ class Status(StrEnum):
     OOM = "oom"
     ERROR = "error"
     TIMEOUT = "timeout"
+
+
+TIMING_PREFIX = "timing_"
+"""Prefix of the dataset columns of a :class:`StepTiming` (``timing_build_s``, ...)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepTiming:
+    """Where a profiled config's wall time went outside its measured steps: seconds, the
+    slowest rank's; NaN where not recorded (imported rows, failed configs)."""
+
+    build_s: float = math.nan
+    """Building the mesh, model and optimizer (``mesh_s`` included)."""
+    mesh_s: float = math.nan
+    """Getting the mesh: creating process groups the first time a shape is seen, about
+    nothing once cached."""
+    teardown_s: float = math.nan
+    """Freeing what was built."""
+    overhead_s: float = math.nan
+    """All wall time outside the warm-up and measured steps: build, barriers, teardown,
+    fingerprint."""
+    call_s: float = math.nan
+    """The whole measurement call, as the worker that made it timed it."""
+
+    def to_dict(self) -> dict[str, float]:
+        """The recorded (finite) fields by name."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if math.isfinite(getattr(self, f.name))}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> StepTiming:
+        """From a mapping holding some of the fields by name (others are ignored)."""
+        return cls(**{f.name: _seconds(data[f.name]) for f in dataclasses.fields(cls)
+                      if data.get(f.name) is not None})
+
+    def to_columns(self) -> dict[str, float]:
+        """The dataset columns: every field, prefixed with :data:`TIMING_PREFIX`."""
+        return {TIMING_PREFIX + f.name: float(getattr(self, f.name))
+                for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_columns(cls, row: Any) -> StepTiming:
+        """Inverse of :meth:`to_columns` (columns a row lacks stay NaN)."""
+        return cls(**{f.name: _seconds(row[TIMING_PREFIX + f.name])
+                      for f in dataclasses.fields(cls)
+                      if row.get(TIMING_PREFIX + f.name) is not None})
+
+
+def _seconds(value: Any) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return math.nan
 
 
 FINGERPRINT_FIELDS = ("device_name", "device_count", "cpu", "torch_version", "cuda_version",
@@ -78,6 +131,9 @@ class Measurement:
     """Where the record comes from (``"paratune"`` or a public source's name)."""
     campaign_id: str = ""
     timestamp: float = field(default_factory=time.time)
+    timing: StepTiming = field(default_factory=StepTiming)
+    """Where the profiling call's time went besides the measured steps (columns
+    ``timing_*``)."""
 
     def __post_init__(self) -> None:
         try:
@@ -139,6 +195,7 @@ class Measurement:
             if metric:
                 row[f.name] = getattr(self, f.name)
         row["tokens_per_s_per_device"] = self.tokens_per_s_per_device
+        row.update(self.timing.to_columns())
         for key in FINGERPRINT_FIELDS:
             row[key] = self.fingerprint.get(key, "")
         return row
@@ -156,12 +213,13 @@ class Measurement:
             raise ConfigError(str(exc.args[0]), None, "missing from the record") from None
         metrics = {}
         for f in dataclasses.fields(cls):
-            if f.name in row and f.name not in ("model", "config", "fingerprint", "step_times_s"):
+            if f.name in row and f.name not in ("model", "config", "fingerprint", "step_times_s",
+                                                "timing"):
                 metrics[f.name] = plain(row[f.name])
         times = row.get("step_times_s")
         times = [] if times is None else [float(t) for t in times]
         fingerprint = {k: plain(row[k]) for k in FINGERPRINT_FIELDS if k in row}
         return cls(model=model, config=config, fingerprint=fingerprint, step_times_s=times,
-                   **metrics)
+                   timing=StepTiming.from_columns(row), **metrics)
 
 

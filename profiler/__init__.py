@@ -21,7 +21,7 @@ _EXPORTS: dict[str, str] = {
     "split_model": "pipeline",
     "build_schedule": "pipeline",
     "Trainer": "trainer",
-    "measure_config": "trainer",
+    "measure_config": "measure",
     "synthetic_batch": "trainer",
     "check_supported": "trainer",
     "fingerprint": "fingerprint",

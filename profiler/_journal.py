@@ -1,40 +1,43 @@
-"""Files of a campaign directory, the journal of finished configs, and per-rank events.
+"""The profiler's side of a campaign directory: per-rank events, failure records, and the
+settling of configs a dead launch left unfinished.
 
-Layout of a campaign directory ``OUT``::
-
-    campaign.json            what is profiled (model, grid, steps, world sizes, ...)
-    plan-ws<N>.json          the valid configs of world size N, in profiling order
-    skipped.csv              configs not profiled and the rule each breaks
-    journal-ws<N>.jsonl      one fsync'd line per finished config (the source of truth)
-    events/ws<N>/rank<R>.jsonl   what each rank started, and how it failed
-    logs/                    worker output, one file per rank and launch
-    card.json, measurements-*.parquet   the dataset materialised from the journals
-
-The journal is written by one process at a time (rank 0 of the live worker group, or the
-campaign parent once it has killed a group), so appends never interleave. Events let whoever
-picks up after a dead group tell a config that crashed or hung from one never started.
+The directory's layout, plans and journal are records of the store layer
+(:mod:`paratune.datasets.journal`); their names are re-exported here for the profiler's
+modules. The journal is written by one process at a time (rank 0 of the live worker group,
+or the campaign parent once it has killed a group), so appends never interleave. Events let
+whoever picks up after a dead group tell a config that crashed or hung from one never
+started.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from paratune._io import append_jsonl, atomic_write_text, read_jsonl
-from paratune.errors import ConfigError
+from paratune._io import append_jsonl, read_jsonl
+from paratune.datasets.journal import (
+    CampaignPaths,
+    JournalEntry,
+    WorldSizePlan,
+    append_record,
+    journal_keys,
+    load_plan,
+    read_journal,
+    read_journal_entries,
+    read_plan,
+    write_plan,
+)
 from paratune.measurement import Measurement, Status
 from paratune.parallel import ParallelConfig
-from paratune.spec import ModelSpec
 
-__all__ = ["CampaignPaths", "EventLog", "Outcome", "failure_record", "journal_keys",
-           "plan_devices_per_node", "read_journal", "resolve_unfinished"]
+__all__ = ["CampaignPaths", "EventLog", "JournalEntry", "Outcome", "WorldSizePlan",
+           "append_record", "failure_record", "journal_keys", "load_plan", "read_journal",
+           "read_journal_entries", "read_plan", "resolve_unfinished", "write_plan"]
 
 EXIT_RELAUNCH = 75
 """Worker exit code: ranks disagreed about a config's outcome; start a fresh group."""
@@ -42,138 +45,9 @@ EXIT_TIMEOUT = 124
 """Worker exit code: the watchdog found a config running past its timeout."""
 
 
-@dataclass(frozen=True)
-class CampaignPaths:
-    """Paths inside one campaign directory."""
-
-    root: Path
-
-    @property
-    def campaign(self) -> Path:
-        return self.root / "campaign.json"
-
-    @property
-    def skipped(self) -> Path:
-        return self.root / "skipped.csv"
-
-    @property
-    def logs(self) -> Path:
-        return self.root / "logs"
-
-    def plan(self, world_size: int) -> Path:
-        return self.root / f"plan-ws{world_size}.json"
-
-    def journal(self, world_size: int) -> Path:
-        return self.root / f"journal-ws{world_size}.jsonl"
-
-    def events(self, world_size: int, rank: int) -> Path:
-        return self.root / "events" / f"ws{world_size}" / f"rank{rank}.jsonl"
-
-    def journals(self) -> list[Path]:
-        return sorted(self.root.glob("journal-ws*.jsonl"),
-                      key=lambda p: int(p.stem.removeprefix("journal-ws")))
-
-
-# ---------------------------------------------------------------------- plans
-def write_plan(paths: CampaignPaths, world_size: int, plan: dict[str, Any]) -> None:
-    atomic_write_text(paths.plan(world_size), json.dumps(plan, indent=1) + "\n")
-
-
-def read_plan(path: str | Path) -> dict[str, Any]:
-    """A world size's plan (model, configs, steps, device, timeout)."""
-    try:
-        return json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise ConfigError("plan", str(path), "no such file (run 'paratune profile "
-                          "--print-command' to write the plans first)") from None
-
-
-def plan_configs(plan: dict[str, Any]) -> list[ParallelConfig]:
-    return [ParallelConfig.from_dict(c) for c in plan["configs"]]
-
-
-def plan_model(plan: dict[str, Any]) -> ModelSpec:
-    return ModelSpec.from_dict(plan["model"])
-
-
-# ---------------------------------------------------------------------- journal
-_CONFIG_FIELDS = tuple(f.name for f in dataclasses.fields(ParallelConfig))
-_STATUSES = frozenset(s.value for s in Status)
-_REJECTED: set[tuple[str, tuple[int, ...]]] = set()  # (file, entries) already warned about
-
-
-def _entry_problem(entry: dict[str, Any]) -> str | None:
-    """Why a journal entry cannot be trusted (``None``: it can): no ``row`` object, a row
-    without a valid config or status, or a ``key`` that is not its row's config."""
-    row = entry.get("row")
-    if not isinstance(row, dict):
-        return "no row"
-    try:
-        key = ParallelConfig(**{name: row[name] for name in _CONFIG_FIELDS}).key()
-    except (KeyError, TypeError, ValueError) as exc:
-        return f"its row has no valid config ({exc})"
-    if entry.get("key") != key:
-        return f"its key {entry.get('key')!r} is not its row's config {key}"
-    if row.get("status") not in _STATUSES:
-        return f"its row's status {row.get('status')!r} is not one of {sorted(_STATUSES)}"
-    return None
-
-
-def _valid_entries(path: str | Path) -> Iterator[dict[str, Any]]:
-    """The journal's entries that can be trusted, in order. One that cannot (see
-    :func:`_entry_problem`: a line edited or written by something else) is left out as a
-    torn line is, with a warning, so that its config counts as unfinished and is measured
-    again; never is a row kept under another config's key."""
-    rejected: list[tuple[int, str]] = []
-    for number, entry in enumerate(read_jsonl(path), start=1):
-        problem = _entry_problem(entry)
-        if problem is None:
-            yield entry
-        else:
-            rejected.append((number, problem))
-    key = (str(Path(path).resolve()), tuple(n for n, _ in rejected))
-    if rejected and key not in _REJECTED:  # once per file and set of entries: readers poll
-        _REJECTED.add(key)
-        logging.getLogger(__name__).warning(
-            "%s: rejected %d journal entr%s (entry %d: %s%s); %s measured again", path,
-            len(rejected), "y" if len(rejected) == 1 else "ies", rejected[0][0],
-            rejected[0][1], "; ..." if len(rejected) > 1 else "",
-            "its config is" if len(rejected) == 1 else "their configs are")
-
-
-def read_journal(path: str | Path) -> list[dict[str, Any]]:
-    """Journal entries (``key``, ``world_size``, ``row`` and timing), first one per key;
-    entries whose key is not their row's config, or without a row, are left out (see
-    :func:`_valid_entries`)."""
-    seen: set[str] = set()
-    entries = []
-    for entry in _valid_entries(path):
-        if entry["key"] in seen:
-            continue
-        seen.add(entry["key"])
-        entries.append(entry)
-    return entries
-
-
-def journal_keys(path: str | Path) -> set[str]:
-    """The configs the journal holds a trusted record of."""
-    return {entry["key"] for entry in _valid_entries(path)}
-
-
-def append_record(path: str | Path, measurement: Measurement, **timing: Any) -> None:
-    """Append one finished config durably (fsync'd before this returns)."""
-    append_jsonl(path, {"key": measurement.config.key(), "world_size": measurement.world_size,
-                        "row": measurement.to_row(), **timing})
-
-
-def plan_devices_per_node(plan: dict[str, Any]) -> int:
-    """Devices per node recorded with every row of a world size's plan, ok or failed (the
-    campaign's ``devices_per_node``, else the world size: one node)."""
-    return int(plan.get("devices_per_node") or plan.get("world_size") or 1)
-
-
-def failure_record(plan: dict[str, Any], config: ParallelConfig, status: Status, error: str, *,
-                   fingerprint: dict[str, Any] | None = None) -> Measurement:
+def failure_record(plan: WorldSizePlan | Mapping[str, Any], config: ParallelConfig,
+                   status: Status, error: str, *, fingerprint: dict[str, Any] | None = None
+                   ) -> Measurement:
     """The record of a config that produced no measurement.
 
     ``fingerprint`` is that of the machine that ran (or tried to run) the config; without
@@ -181,11 +55,14 @@ def failure_record(plan: dict[str, Any], config: ParallelConfig, status: Status,
     has (see :func:`~paratune.profiler.campaign.prepare_campaign`), else the record's
     fingerprint stays unknown.
     """
-    return Measurement(model=plan_model(plan), config=config, hardware=plan["hardware"],
-                       devices_per_node=plan_devices_per_node(plan),
-                       status=status, error=error[:4000], warmup_steps=int(plan["warmup_steps"]),
-                       fingerprint=dict(fingerprint or plan.get("fingerprint") or {}),
-                       campaign_id=plan.get("campaign_id", ""))
+    plan = WorldSizePlan.of(plan)
+    return Measurement(model=plan.model, config=config, hardware=plan.hardware,
+                       devices_per_node=plan.devices_per_node, status=status,
+                       error=error[:4000], warmup_steps=plan.warmup_steps,
+                       fingerprint=dict(fingerprint or plan.fingerprint or {}),
+                       campaign_id=plan.campaign_id)
+
+
 
 
 # ---------------------------------------------------------------------- events
@@ -289,7 +166,8 @@ def unfinished(events: list[dict[str, Any]], finished: set[str]) -> dict[str, Ou
     return outcomes
 
 
-def resolve_unfinished(paths: CampaignPaths, plan: dict[str, Any], *, max_attempts: int = 2,
+def resolve_unfinished(paths: CampaignPaths, plan: WorldSizePlan | Mapping[str, Any], *,
+                       max_attempts: int = 2,
                        fingerprint: dict[str, Any] | None = None) -> list[Measurement]:
     """Journal the configs that previous launches left without a record, where the evidence
     is definite: a rank reported a failure or a timeout, or the config was started in
@@ -306,10 +184,11 @@ def resolve_unfinished(paths: CampaignPaths, plan: dict[str, Any], *, max_attemp
     Returns:
         The failure records appended to the journal.
     """
-    world_size = int(plan["world_size"])
+    plan = WorldSizePlan.of(plan)
+    world_size = plan.world_size
     journal = paths.journal(world_size)
     finished = journal_keys(journal)
-    by_key = {c.key(): c for c in plan_configs(plan)}
+    by_key = {c.key(): c for c in plan.configs}
     records = []
     for key, outcome in unfinished(read_events(paths, world_size), finished).items():
         if key not in by_key:

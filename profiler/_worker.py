@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import datetime
 import gc
 import os
@@ -39,33 +40,34 @@ import sys
 import threading
 import time
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from paratune.measurement import Measurement, Status, StepTiming
+from paratune.parallel import ParallelConfig
+from paratune.profiler._faults import FAULT_ENV, inject, is_oom, parse_faults
 from paratune.profiler._journal import (
     EXIT_RELAUNCH,
     EXIT_TIMEOUT,
     CampaignPaths,
     EventLog,
+    WorldSizePlan,
     append_record,
     failure_record,
     journal_keys,
-    plan_configs,
-    plan_devices_per_node,
-    plan_model,
-    read_plan,
+    load_plan,
     resolve_unfinished,
 )
+from paratune.profiler.processes import die_with_parent, init_process_group
 
-__all__ = ["main"]
+__all__ = ["FAULT_ENV", "is_oom", "main", "parse_faults"]
 
-FAULT_ENV = "PARATUNE_FAULT"
 PARENT_ENV = "PARATUNE_PARENT_PID"
 ATTEMPT_ENV = "PARATUNE_ATTEMPT"
 DIE_WITH_LAUNCHER_ENV = "PARATUNE_DIE_WITH_LAUNCHER"
 """Set (to ``1``) by a campaign that starts torchrun itself: each rank then dies with the
 torchrun that started it, as the local launcher's ranks die with their parent."""
-_FAULT_KINDS = ("hang", "raise", "oom", "exit")
 FAIL_GRACE_S = 10.0
 """Longest wait, under torchrun, for the other ranks' outcomes after a config failed on this
 rank (see :func:`fail_grace_s`)."""
@@ -75,71 +77,6 @@ def fail_grace_s(timeout_s: float) -> float:
     """Seconds a rank whose config failed waits for the other ranks' outcomes under torchrun:
     :data:`FAIL_GRACE_S`, and at most half the per-config timeout."""
     return min(FAIL_GRACE_S, timeout_s / 2)
-
-
-def parse_faults(text: str) -> list[tuple[str, str, int | None]]:
-    """``kind:key[:rank]`` entries of :data:`FAULT_ENV`.
-
-    Raises:
-        ValueError: an entry names an unknown kind or a non-integer rank.
-    """
-    faults = []
-    for entry in filter(None, (e.strip() for e in text.split(","))):
-        parts = entry.split(":")
-        if len(parts) not in (2, 3) or parts[0] not in _FAULT_KINDS:
-            raise ValueError(f"{FAULT_ENV}={entry!r}: must be kind:config-key[:rank] with kind "
-                             f"one of {', '.join(_FAULT_KINDS)}")
-        rank = int(parts[2]) if len(parts) == 3 else None
-        faults.append((parts[0], parts[1], rank))
-    return faults
-
-
-def _inject(faults: list[tuple[str, str, int | None]], key: str, rank: int) -> None:
-    import torch
-
-    for kind, fault_key, fault_rank in faults:
-        if fault_key != key or (fault_rank is not None and fault_rank != rank):
-            continue
-        if kind == "hang":
-            while True:
-                time.sleep(3600)
-        if kind == "raise":
-            raise RuntimeError(f"injected fault on rank {rank}")
-        if kind == "oom":
-            raise torch.OutOfMemoryError(f"injected: CUDA out of memory on rank {rank}")
-        if kind == "exit":
-            os.kill(os.getpid(), signal.SIGKILL)
-
-
-_OOM_TEXTS = ("out of memory", "can't allocate memory", "cannot allocate memory")
-"""Lower-case fragments of the messages of allocation failures: CUDA's (``CUDA out of
-memory``) and the CPU allocator's (``DefaultCPUAllocator: can't allocate memory: you tried to
-allocate N bytes. Error code 12 (Cannot allocate memory)``)."""
-
-
-def is_oom(exc: BaseException) -> bool:
-    """Whether an exception is an out-of-memory failure, on a GPU or on the CPU: a
-    ``torch.OutOfMemoryError``, a ``MemoryError``, an ``OSError`` with ``ENOMEM``, or an
-    error whose message is an allocator's (the CPU allocator raises a plain
-    ``RuntimeError``); also when such a failure is the cause of the exception raised."""
-    import errno
-
-    import torch
-
-    seen: set[int] = set()
-    current: BaseException | None = exc
-    while current is not None and id(current) not in seen and len(seen) < 10:
-        seen.add(id(current))
-        if isinstance(current, (torch.OutOfMemoryError, MemoryError)):
-            return True
-        if isinstance(current, OSError) and current.errno == errno.ENOMEM:
-            return True
-        text = str(current).lower()
-        if any(fragment in text for fragment in _OOM_TEXTS):
-            return True
-        current = current.__cause__ or (None if current.__suppress_context__
-                                         else current.__context__)
-    return False
 
 
 class _Watchdog(threading.Thread):
@@ -219,20 +156,6 @@ class _StopHandler(threading.Thread):
         os._exit(128 + int(sig))
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    """Ask Linux to kill this process when the launching parent dies (even by kill -9)."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        pr_set_pdeathsig = 1
-        libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
-    except (OSError, AttributeError):
-        pass  # elsewhere the watchdog's parent check does it
-    if os.getppid() != parent_pid:
-        os._exit(1)
-
-
 def _describe(exc: BaseException, rank: int) -> str:
     """``rank R: Type: message (at file:line)``, plus the innermost cause when chained."""
 
@@ -253,6 +176,164 @@ def _describe(exc: BaseException, rank: int) -> str:
     return text[:2000]
 
 
+@dataclass
+class _Rank:
+    """This rank of a worker group: its plan, place, device, and what watches it."""
+
+    plan: WorldSizePlan
+    paths: CampaignPaths
+    rank: int
+    device: Any
+    control: Any
+    """A gloo group for exchanging outcomes (never matched with a training collective)."""
+    events: EventLog
+    watchdog: _Watchdog
+    stop: _StopHandler | None
+    parent_pid: int | None
+    """The supervising parent (local launcher), ``None`` under torchrun."""
+    fingerprint: dict[str, Any]
+    """This machine's, recorded with the failures this rank journals."""
+
+
+def _tie_to_launcher() -> int | None:
+    """Die with whoever launched this rank (the local launcher's parent, or the torchrun agent
+    of a campaign that started torchrun itself); returns the supervising parent's pid."""
+    supervised = os.environ.get(PARENT_ENV)
+    parent_pid = int(supervised) if supervised else None
+    if parent_pid is not None:
+        die_with_parent(parent_pid, signal.SIGKILL)
+    elif os.environ.get(DIE_WITH_LAUNCHER_ENV):
+        launcher = os.getppid()  # torchrun's agent
+        if launcher == 1:  # it is gone already
+            os._exit(1)
+        die_with_parent(launcher, signal.SIGKILL)
+    return parent_pid
+
+
+def _join(plan: WorldSizePlan, paths: CampaignPaths, rank: int, attempt: str | None,
+          parent_pid: int | None) -> _Rank:
+    """Join the group, agree on the launch's identifier, start the watchdog (and, under
+    torchrun, the stop handler)."""
+    import torch
+    import torch.distributed as dist
+
+    from paratune.profiler.fingerprint import fingerprint
+
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if plan.device == "cuda":
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    init_process_group(device, timeout_s=plan.timeout_s + 120)
+    control = dist.new_group(backend="gloo",
+                             timeout=datetime.timedelta(seconds=plan.timeout_s + 120))
+    if not attempt:  # under torchrun: one identifier for this launch, chosen by rank 0
+        box: list[Any] = [f"torchrun-{os.environ.get('TORCHELASTIC_RUN_ID', 'none')}-"
+                          f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}-"
+                          f"{time.strftime('%Y%m%dT%H%M%S')}"]
+        dist.broadcast_object_list(box, src=0, group=control)
+        attempt = str(box[0])
+    events = EventLog(paths.events(plan.world_size, rank), rank=rank, attempt=attempt)
+    watchdog = _Watchdog(events, plan.timeout_s, parent_pid)
+    watchdog.start()
+    stop: _StopHandler | None = None
+    if parent_pid is None:  # the local launcher's parent stops its groups with SIGKILL
+        stop = _StopHandler(events)
+        stop.start()
+    return _Rank(plan=plan, paths=paths, rank=rank, device=device, control=control,
+                 events=events, watchdog=watchdog, stop=stop, parent_pid=parent_pid,
+                 fingerprint=fingerprint(device, world_size=plan.world_size))
+
+
+def _todo(me: _Rank) -> list[ParallelConfig]:
+    """The plan's configs the journal does not hold yet, as rank 0 reads it (under torchrun
+    after settling what a dead earlier launch left)."""
+    import torch.distributed as dist
+
+    box: list[Any] = [None]
+    if me.rank == 0:
+        if me.parent_pid is None:  # under torchrun: settle what a dead earlier launch left
+            resolve_unfinished(me.paths, me.plan, fingerprint=me.fingerprint)
+        done = journal_keys(me.paths.journal(me.plan.world_size))
+        box[0] = [c.to_dict() for c in me.plan.configs if c.key() not in done]
+    dist.broadcast_object_list(box, src=0, group=me.control)
+    return [ParallelConfig.from_dict(c) for c in box[0]]
+
+
+def _measure(me: _Rank, config: ParallelConfig, faults: list[tuple[str, str, int | None]]
+             ) -> tuple[Measurement | None, Status, str, dict[str, Any]]:
+    """Measure one config on this rank: ``(measurement or None, status, error, details)``;
+    every failure becomes the status, with a ``fail`` event."""
+    import torch
+
+    from paratune.profiler.measure import measure_config
+
+    key, plan = config.key(), me.plan
+    details: dict[str, Any] = {}
+    try:
+        inject(faults, key, me.rank)
+        measurement = measure_config(
+            plan.model, config, hardware=plan.hardware, device=me.device,
+            warmup_steps=plan.warmup_steps, measured_steps=plan.measured_steps,
+            seed=plan.seed, details=details, data=plan.data,
+            devices_per_node=plan.devices_per_node)
+        return measurement, Status.OK, "", details
+    except Exception as exc:  # every failure becomes this config's status
+        status = Status.OOM if is_oom(exc) else Status.ERROR
+        error = _describe(exc, me.rank)
+        traceback.print_exc()
+        me.events.write("fail", key, status=status.value, error=error)
+        gc.collect()
+        if me.device.type == "cuda":
+            torch.cuda.empty_cache()
+        if me.parent_pid is None:
+            # Under torchrun nobody else ends a group whose other ranks are stuck in a
+            # collective this rank left; the fail event is written, the next launch
+            # records it (resolve_unfinished).
+            me.watchdog.give_up_at(time.monotonic() + fail_grace_s(plan.timeout_s))
+        return None, status, error, details
+
+
+def _record(me: _Rank, config: ParallelConfig, measurement: Measurement | None,
+            outcomes: list[tuple[Status, str]], call_s: float) -> Measurement:
+    """The journal record of a config every rank has reported on: the measurement when all
+    succeeded, else a failure naming the ranks' errors (``oom`` if any ran out of memory)."""
+    if all(status is Status.OK for status, _ in outcomes):
+        assert measurement is not None
+        measurement.campaign_id = me.plan.campaign_id
+        measurement.timing = dataclasses.replace(measurement.timing, call_s=call_s)
+        return measurement
+    failed = [(s, e) for s, e in outcomes if s is not Status.OK]
+    kind = Status.OOM if any(s is Status.OOM for s, _ in failed) else Status.ERROR
+    texts = list(dict.fromkeys(e for _, e in failed))
+    record = failure_record(me.plan, config, kind, " | ".join(texts[:4]),
+                            fingerprint=me.fingerprint)
+    record.timing = StepTiming(call_s=call_s)
+    return record
+
+
+def _finish(me: _Rank, exit_code: int) -> None:
+    """End the group cleanly when every config is done (under torchrun rank 0 then leaves
+    the dataset ready in the campaign directory)."""
+    import torch.distributed as dist
+
+    from paratune.profiler.mesh import clear_mesh_cache
+
+    if exit_code == 0:
+        me.events.write("finished")
+    me.watchdog.current = None
+    clear_mesh_cache()
+    if exit_code == 0:
+        dist.barrier(group=me.control)
+        dist.destroy_process_group()
+        if me.rank == 0 and me.parent_pid is None:
+            # Under torchrun nobody else is watching: leave the dataset ready in OUT.
+            from paratune.datasets.materialise import materialise
+
+            materialise(me.paths.root)
+
+
 def run_worker(plan_path: str | Path, *, attempt: str | None = None) -> int:
     """Profile the configs of one plan that the journal does not hold yet (collective).
 
@@ -260,153 +341,51 @@ def run_worker(plan_path: str | Path, *, attempt: str | None = None) -> int:
         The process exit code (0 when every config is done).
     """
     faults = parse_faults(os.environ.get(FAULT_ENV, ""))  # fail fast, before heavy imports
-    import torch
     import torch.distributed as dist
 
-    from paratune.measurement import Status
-    from paratune.profiler.fingerprint import fingerprint
-    from paratune.profiler.trainer import measure_config
-
-    plan = read_plan(plan_path)
-    paths = CampaignPaths(Path(plan_path).resolve().parent)
+    plan = load_plan(plan_path)
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if world != int(plan["world_size"]):
-        print(f"WORLD_SIZE={world} must equal the plan's world_size={plan['world_size']}",
+    if world != plan.world_size:
+        print(f"WORLD_SIZE={world} must equal the plan's world_size={plan.world_size}",
               file=sys.stderr)
         return 2
-    supervised = os.environ.get(PARENT_ENV)
-    parent_pid = int(supervised) if supervised else None
-    if parent_pid is not None:
-        _die_with_parent(parent_pid)
-    elif os.environ.get(DIE_WITH_LAUNCHER_ENV):
-        launcher = os.getppid()  # torchrun's agent
-        if launcher == 1:  # it is gone already
-            os._exit(1)
-        _die_with_parent(launcher)
-    attempt = attempt or os.environ.get(ATTEMPT_ENV)
-    timeout_s = float(plan["timeout_s"])
-
-    if plan["device"] == "cuda":
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-        backend = "nccl"
-    else:
-        device = torch.device("cpu")
-        backend = "gloo"
-    pg_timeout = datetime.timedelta(seconds=timeout_s + 120)
-    kwargs: dict[str, Any] = {"backend": backend, "timeout": pg_timeout}
-    if backend == "nccl":
-        kwargs["device_id"] = device
-    dist.init_process_group(**kwargs)
-    control = dist.new_group(backend="gloo", timeout=pg_timeout)
-    if not attempt:  # under torchrun: one identifier for this launch, chosen by rank 0
-        box: list[Any] = [f"torchrun-{os.environ.get('TORCHELASTIC_RUN_ID', 'none')}-"
-                          f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}-"
-                          f"{time.strftime('%Y%m%dT%H%M%S')}"]
-        dist.broadcast_object_list(box, src=0, group=control)
-        attempt = str(box[0])
-    events = EventLog(paths.events(world, rank), rank=rank, attempt=attempt)
-    watchdog = _Watchdog(events, timeout_s, parent_pid)
-    watchdog.start()
-    stop: _StopHandler | None = None
-    if parent_pid is None:  # the local launcher's parent stops its groups with SIGKILL
-        stop = _StopHandler(events)
-        stop.start()
-
-    journal = paths.journal(world)
-    # this machine's: recorded with the failures it journals, resolved ones included
-    fp = fingerprint(device, world_size=world)
-    box = [None]
-    if rank == 0:
-        if parent_pid is None:  # under torchrun: settle what a dead earlier launch left
-            resolve_unfinished(paths, plan, fingerprint=fp)
-        done = journal_keys(journal)
-        box[0] = [c.to_dict() for c in plan_configs(plan) if c.key() not in done]
-    dist.broadcast_object_list(box, src=0, group=control)
-    from paratune.parallel import ParallelConfig
-
-    todo = [ParallelConfig.from_dict(c) for c in box[0]]
-    model = plan_model(plan)
-    print(f"rank {rank}/{world} ({attempt}): {len(todo)} configs to measure", flush=True)
-
+    parent_pid = _tie_to_launcher()
+    me = _join(plan, CampaignPaths(Path(plan_path).resolve().parent), rank,
+               attempt or os.environ.get(ATTEMPT_ENV), parent_pid)
+    todo = _todo(me)
+    print(f"rank {rank}/{world} ({me.events.attempt}): {len(todo)} configs to measure",
+          flush=True)
     exit_code = 0
     for config in todo:
         key = config.key()
-        if stop is not None:
-            stop.key = key
-        events.write("start", key)
-        watchdog.current = (key, time.monotonic())
-        measurement = None
-        details: dict[str, Any] = {}
-        status, error = Status.OK.value, ""
+        if me.stop is not None:
+            me.stop.key = key
+        me.events.write("start", key)
+        me.watchdog.current = (key, time.monotonic())
         began = time.perf_counter()
-        try:
-            _inject(faults, key, rank)
-            measurement = measure_config(
-                model, config, hardware=plan["hardware"], device=device,
-                warmup_steps=int(plan["warmup_steps"]),
-                measured_steps=int(plan["measured_steps"]), seed=int(plan.get("seed", 0)),
-                details=details, data=plan.get("data", "synthetic"),
-                devices_per_node=plan_devices_per_node(plan))
-        except Exception as exc:  # every failure becomes this config's status
-            status = Status.OOM.value if is_oom(exc) else Status.ERROR.value
-            error = _describe(exc, rank)
-            traceback.print_exc()
-            events.write("fail", key, status=status, error=error)
-            measurement = None
-            gc.collect()
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-            if parent_pid is None:
-                # Under torchrun nobody else ends a group whose other ranks are stuck in a
-                # collective this rank left; the fail event is written, the next launch
-                # records it (resolve_unfinished).
-                watchdog.give_up_at(time.monotonic() + fail_grace_s(timeout_s))
+        measurement, status, error, details = _measure(me, config, faults)
         call_s = time.perf_counter() - began
         outcomes: list[Any] = [None] * world
-        dist.all_gather_object(outcomes, (status, error), group=control)
-        watchdog.give_up_at(None)
-        watchdog.current = None
-        statuses = {s for s, _ in outcomes}
+        dist.all_gather_object(outcomes, (status, error), group=me.control)
+        me.watchdog.give_up_at(None)
+        me.watchdog.current = None
+        outcomes = [(Status(s), e) for s, e in outcomes]
         if rank == 0:
-            if statuses == {Status.OK.value}:
-                assert measurement is not None
-                measurement.campaign_id = plan.get("campaign_id", "")
-                record = measurement
-            else:
-                failed = [(s, e) for s, e in outcomes if s != Status.OK.value]
-                kind = Status.OOM if any(s == Status.OOM.value for s, _ in failed) else \
-                    Status.ERROR
-                texts = list(dict.fromkeys(e for _, e in failed))
-                record = failure_record(plan, config, kind, " | ".join(texts[:4]),
-                                        fingerprint=fp)
-            append_record(journal, record, call_s=call_s, attempt=attempt,
-                          load_average=os.getloadavg()[0], **details)
-        events.write("end", key, status=status)
-        if stop is not None:
-            stop.key = None
-        print(f"{key}: {status} in {call_s:.2f} s", flush=True)
-        if statuses != {Status.OK.value}:
+            record = _record(me, config, measurement, outcomes, call_s)
+            append_record(me.paths.journal(world), record, call_s=call_s,
+                          attempt=me.events.attempt, load_average=os.getloadavg()[0],
+                          **details)
+        me.events.write("end", key, status=status.value)
+        if me.stop is not None:
+            me.stop.key = None
+        print(f"{key}: {status.value} in {call_s:.2f} s", flush=True)
+        if any(s is not Status.OK for s, _ in outcomes):
             # After a failure the ranks may have left collectives unmatched (a rank that
             # raised early skipped some): the next config starts in fresh processes.
             exit_code = EXIT_RELAUNCH
             break
-    if exit_code == 0:
-        events.write("finished")
-    watchdog.current = None
-    from paratune.profiler.mesh import clear_mesh_cache
-
-    clear_mesh_cache()
-    if exit_code == 0:
-        dist.barrier(group=control)
-        dist.destroy_process_group()
-        if rank == 0 and parent_pid is None:
-            # Under torchrun nobody else is watching: leave the dataset ready in OUT.
-            from paratune.profiler.campaign import materialise
-
-            materialise(paths.root)
+    _finish(me, exit_code)
     return exit_code
 
 

@@ -157,8 +157,8 @@ def _worker(rank: int, world_size: int, port: int, jobs: list[tuple[ModelSpec, P
             seed: int, steps: int, dtype: torch.dtype, out_dir: str) -> None:
     import torch.distributed as dist
 
-    from paratune.profiler.gns import init_worker
     from paratune.profiler.mesh import closing_process_group
+    from paratune.profiler.processes import init_worker
     from paratune.profiler.trainer import Trainer, synthetic_batch
 
     init_worker(rank, world_size, port, "cpu")
@@ -211,7 +211,7 @@ def run_layouts(spec: ModelSpec, configs: list[Layout], *, world_size: int, seed
         WorkerError: a process of the group died (a layout that raises is reported in its
             result instead).
     """
-    from paratune.profiler.gns import spawn
+    from paratune.profiler.processes import spawn
     from paratune.profiler.trainer import synthetic_batch
 
     if steps < 1:

@@ -15,12 +15,12 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
 from paratune.profiler._worker import ATTEMPT_ENV, PARENT_ENV
+from paratune.profiler.processes import dies_with_this_process
 
 __all__ = ["LocalGroup", "dies_with_this_process", "free_port", "launch_local",
            "restart_budget", "slurm_command", "torchrun_command"]
@@ -38,30 +38,6 @@ def restart_budget(num_configs: int) -> int:
     three for launches that fail before measuring anything, cover the whole plan.
     """
     return 2 * max(0, int(num_configs)) + 3
-
-
-def dies_with_this_process(sig: int = signal.SIGTERM) -> Callable[[], None] | None:
-    """A ``preexec_fn`` for :class:`subprocess.Popen` that has Linux send ``sig`` to the child
-    when this process dies, even by ``kill -9`` (``prctl(PR_SET_PDEATHSIG)``); the child ends
-    at once if this process died before it could ask. ``None`` where ``prctl`` does not exist.
-
-    libc is loaded here, in the parent: between ``fork`` and ``exec`` the child only calls it.
-    """
-    try:
-        import ctypes
-
-        prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    parent = os.getpid()
-    pr_set_pdeathsig = 1
-
-    def preexec() -> None:
-        prctl(pr_set_pdeathsig, int(sig))
-        if os.getppid() != parent:
-            os._exit(1)
-
-    return preexec
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -183,9 +159,9 @@ def torchrun_command(plan_path: str | Path, *, nproc_per_node: int | str,
     carry on from the journal, recording the config that failed, hung or crashed.
     """
     if max_restarts is None:
-        from paratune.profiler._journal import read_plan
+        from paratune.datasets.journal import load_plan
 
-        max_restarts = restart_budget(len(read_plan(plan_path)["configs"]))
+        max_restarts = restart_budget(len(load_plan(plan_path).configs))
     parts = ["torchrun", f"--nnodes={nnodes}", f"--nproc-per-node={nproc_per_node}",
              "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}", f"--rdzv-id={rdzv_id}",
              f"--max-restarts={max_restarts}", "-m", WORKER_MODULE, "--plan",

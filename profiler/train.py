@@ -20,7 +20,6 @@ throughput every ``--log-every`` steps on rank 0.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import sys
@@ -85,7 +84,8 @@ def train(model_name: str, config_json: str, *, steps: int, seq_len: int | None 
 
     from paratune.errors import ConfigError
     from paratune.parallel import ParallelConfig
-    from paratune.profiler.trainer import Trainer, _synchronize, synthetic_batch
+    from paratune.profiler.measure import _synchronize
+    from paratune.profiler.trainer import Trainer, synthetic_batch
 
     if data not in ("text", "synthetic"):
         raise ConfigError("data", data, "must be text or synthetic")
@@ -185,8 +185,9 @@ def train_plan(model_name: str, launch: dict, *, checkpoint_dir: str,
     import torch
     import torch.distributed as dist
 
+    from paratune.profiler.measure import _synchronize
     from paratune.profiler.reconfigure import RunState, reconfigure
-    from paratune.profiler.trainer import Trainer, _synchronize, synthetic_batch
+    from paratune.profiler.trainer import Trainer, synthetic_batch
 
     spec = resolve_model(model_name, seq_len)
     phases = _plan_phases(launch)
@@ -264,24 +265,21 @@ def _init_process_group() -> None:
     """Join the job's process group. On CUDA this rank's device is set first and given to
     NCCL (``device_id``), so the communicator is bound to it from the start (no guessing
     the device, eager initialisation); on CPU gloo needs neither."""
-    import torch
     import torch.distributed as dist
 
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    timeout = datetime.timedelta(minutes=10)
+    from paratune.profiler.processes import init_process_group
+
     single = "WORLD_SIZE" not in os.environ
     if single:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    kwargs: dict[str, object] = {"timeout": timeout}
-    if backend == "nccl":
-        kwargs["device_id"] = _device()  # sets the current device before NCCL starts
+    device = _device()  # on CUDA it sets the current device before NCCL starts
     if single:
         # A plain single process: an in-memory store, with no TCP server thread to race the
         # interpreter's exit.
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
-                                **kwargs)
+        init_process_group(device, timeout_s=600.0, store=dist.HashStore(),
+                           rank=0, world_size=1)
         return
-    dist.init_process_group(backend, **kwargs)
+    init_process_group(device, timeout_s=600.0)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

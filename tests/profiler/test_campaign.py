@@ -790,10 +790,10 @@ def test_a_resume_does_not_launch_beside_ranks_of_an_earlier_launch(tmp_path, mo
     """Ranks of an earlier launch still running on this machine (their parent killed, they
     not yet ended) would measure the configs a second time beside the new group: a resume
     waits for them to end, and refuses to launch when they do not."""
-    from paratune.profiler import campaign
+    from paratune.profiler.campaign import launch
 
     paths, _ = prepare_campaign(_spec(), tmp_path / "c")
-    monkeypatch.setattr(campaign, "_EARLIER_LAUNCH_WAIT_S", 1.0, raising=False)
+    monkeypatch.setattr(launch, "_EARLIER_LAUNCH_WAIT_S", 1.0)
     rank = _pretend_rank(paths.plan(2))
     try:
         with pytest.raises(ConfigError, match=r"out=.*earlier launch of this campaign are "

@@ -121,7 +121,7 @@ def test_resume_of_a_trajectory_written_before_seq_len_was_a_column(tmp_path):
 
 
 def test_legacy_rows_count_and_are_upgraded_when_truncated(tmp_path):
-    from paratune.profiler.gns import (
+    from paratune.profiler.gns.trajectory import (
         _LEGACY_TRAJECTORY_COLUMNS,
         TRAJECTORY_COLUMNS,
         _measured_rows,
@@ -211,7 +211,7 @@ def test_a_resume_on_another_device_is_refused(tmp_path, monkeypatch):
 
     import torch
 
-    from paratune.profiler.gns import _check_fingerprint, _job_fingerprint
+    from paratune.profiler.gns.job import _check_fingerprint, _job_fingerprint
 
     cpu = _job_fingerprint(_job(tmp_path, device="cpu"))
     assert (cpu["device"], cpu["precision"]) == ("cpu", "float32")
@@ -275,7 +275,7 @@ def test_resuming_with_fewer_steps_than_the_checkpoint_is_refused(tmp_path, caps
 
 _HOLD_LOCK = """
 import sys, time
-from paratune.profiler.gns import _locked_trajectory
+from paratune.profiler.gns.trajectory import _locked_trajectory
 with _locked_trajectory(sys.argv[1]):
     print("locked", flush=True)
     time.sleep(60)
@@ -289,7 +289,8 @@ def test_a_run_on_an_output_another_process_is_writing_is_refused(tmp_path):
     import subprocess
     import sys
 
-    from paratune.profiler.gns import TRAJECTORY_COLUMNS, _locked_trajectory, run_gns
+    from paratune.profiler.gns import TRAJECTORY_COLUMNS, run_gns
+    from paratune.profiler.gns.trajectory import _locked_trajectory
 
     out, ckpt = tmp_path / "traj.csv", tmp_path / "ckpt"
     rows = ",".join(TRAJECTORY_COLUMNS) + "\n"

@@ -71,7 +71,7 @@ def test_staged_packages_import_from_the_copy_without_the_heavy_ones(tmp_path):
     files, heavy = proc.stdout.splitlines()
     core, campaign = files.split()
     assert core == str(stage / "paratune" / "__init__.py")
-    assert campaign == str(stage / "paratune" / "profiler" / "campaign.py")
+    assert campaign == str(stage / "paratune" / "profiler" / "campaign" / "__init__.py")
     assert heavy == "[]"
     assert (stage / "tests" / "profiler" / "test_trainer.py").exists()
 
