@@ -226,6 +226,16 @@ class _Ranges:
         floor = np.where(c.accelerator, F.step_time_at_mfu(c), 0.0)
         lo = np.minimum(np.maximum(lo * factor * np.exp(-lo_margin),
                                    np.fmin(floor, lo * factor)), step)
+        # beyond the fitted cluster sizes the data-parallel reduction's cost extrapolates
+        # least surely (frameworks hide much of it behind the backward pass, nanotron at 32
+        # nodes most of it): the fast end of the interval allows all of it hidden
+        wider = per_axis["world_size"] > 0
+        if wider.any():
+            with np.errstate(divide="ignore", invalid="ignore"):
+                share = np.clip(np.nan_to_num(analytical["dp_s"] / analytical["step_time_s"]),
+                                0.0, 1.0)
+            hidden = np.maximum(step * (1.0 - share), floor)
+            lo = np.where(wider, np.minimum(lo, hidden), lo)
         # the texts once per distinct value (100,000 rows hold a few dozen)
         warning = np.full(len(step), "", dtype=object)
         beyond = dist > 0

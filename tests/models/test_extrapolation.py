@@ -184,3 +184,22 @@ def test_margins_cover_every_nested_fold():
     from paratune.models._extrapolation import _all_margins
 
     assert inside(hard, _all_margins([*easy, hard], ["f"], 0.9)) < 0.9
+
+
+def test_beyond_the_fitted_clusters_the_fast_end_lets_the_reduction_hide(small_cluster_model,
+                                                                          synthetic):
+    """On a cluster larger than any fitted on, the interval's fast end is no slower than the
+    step without its data-parallel reduction (hidden behind the backward pass)."""
+    from paratune.models import features as F
+
+    far = synthetic[(synthetic["world_size"] >= 128) & (synthetic["status"] == "ok")]
+    pred = small_cluster_model.predict(far)
+    times = F.analytical_step_time(far)
+    share = times["dp_s"] / times["step_time_s"]
+    assert (share > 0.05).any()
+    tokens = (far["global_batch_size"] * far["seq_len"]).to_numpy(dtype=float)
+    world = far["world_size"].to_numpy(dtype=float)
+    fast_end = tokens / (pred["pred_tokens_per_sec_per_gpu_q90"].to_numpy() * world)
+    hidden = pred["pred_step_time_s"].to_numpy() * (1.0 - share)
+    floor = F.step_time_at_mfu(far)
+    assert (fast_end <= np.maximum(hidden, floor) * (1 + 1e-6)).all()
