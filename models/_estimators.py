@@ -133,8 +133,11 @@ class PerformanceModel(_Persistence, _StallRegime, _Ranges, _Base):
       family's fitted ranges, shrinks the learned prediction toward the calibrated
       analytical core (:mod:`paratune.models._calibration`, constants per family) at a rate
       per family, and widens the interval by margins per doubling; rate and margins are
-      chosen on nested extrapolation splits of the training rows. A family without
-      measurements is flagged (``pred_warning``) and its interval widened;
+      chosen on nested extrapolation splits of the training rows (the margins so that
+      each nested split covers the target share). Beyond the fitted cluster sizes the
+      interval's fast end allows the data-parallel reduction hidden behind the backward
+      pass. A family without measurements is flagged (``pred_warning``) and its interval
+      widened;
       :meth:`calibrate` refits a family's efficiency factor from a few of its runs;
     * feasibility: an XGBoost classifier on the features and the predicted memory fraction,
       trained on successful and failed runs (a configuration that ran at least once is
