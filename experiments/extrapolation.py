@@ -13,12 +13,18 @@ Then few-shot calibration: for each family fit without it, ``calibrate`` with th
 n of its runs on its smallest cluster (one node's campaign, n = 0, 1, 2, 5, 10, 20; drawn
 with --shot-seeds seeds), scored on every other run of the family.
 
+With --anatomy, where each fold's errors come from: its runs by regime (measured stalled or
+not, against the predicted regime), by layout and by nodes (``error_anatomy.csv``), and each
+(model, cluster) group's top-1 choice by the expected and by the risk-aware throughput (the
+ranking ``paratune tune`` switches to where it sees the model extrapolate): its regret,
+layout and whether its run stalled (``top1_choices.csv``).
+
 Writes ``extrapolation.csv``, ``few_shot.csv`` and ``extrapolation.txt`` under --out and logs
 them to MLflow (experiment ``paratune-experiments``, run ``extrapolation``; each figure a metric
 ``<split>.<estimator>.<fold>.<figure>``).
 
     python experiments/extrapolation.py [--data DIR] [--out out/extrapolation] [--baselines]
-        [--splits larger-model,family]
+        [--splits larger-model,family] [--anatomy]
 """
 
 from __future__ import annotations
@@ -48,6 +54,9 @@ def main() -> None:
     parser.add_argument("--n-estimators", type=int, default=None)
     parser.add_argument("--shot-seeds", type=int, default=5,
                         help="draws of the few-shot rows per n (0: no few-shot table)")
+    parser.add_argument("--anatomy", action="store_true",
+                        help="also break each fold's errors down by regime, layout and nodes, "
+                        "and list each group's top-1 choices")
     add_no_track_argument(parser)
     args = parser.parse_args()
     splits = [s.strip() for s in args.splits.split(",") if s.strip()]
@@ -68,10 +77,16 @@ def main() -> None:
     chosen = {"performance_model": factories["performance_model"]}
     if args.baselines:
         chosen["analytical"] = factories["analytical"]
-    rows = []
+    rows, anatomy, choices = [], [], []
     for split in splits:
         result = cross_validate(frame, split=split, estimators=chosen)
         rows.extend({"split": split, **row} for row in result.by_fold)
+        if args.anatomy:
+            from paratune.models._evaluate import error_anatomy
+
+            predictions = result.predictions["performance_model"]
+            anatomy.extend({"split": split, **row} for row in error_anatomy(predictions))
+            choices.extend({"split": split, **row} for row in top1_choices(predictions))
     table = extrapolation_table(rows, title="Extrapolation splits: tokens/s per device vs "
                                 "measured (figures in %, Spearman and pred/meas as ratios)")
     print(table)
@@ -89,6 +104,27 @@ def main() -> None:
         table += "\n\n" + shot_table
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.anatomy:
+        from paratune._table import format_table
+
+        anatomy_table = format_table(
+            [{**r, "share": 100 * r["share"], "mdape": 100 * r["mdape"]} for r in anatomy],
+            ["split", "fold", "by", "group", "n", "share", "mdape", "log_bias"],
+            headers={"share": "share%", "mdape": "MdAPE%",
+                     "log_bias": "log(pred/meas tok/s)"}, floatfmt=".3g",
+            title="Where the errors come from (regime: measured, then as predicted)")
+        choice_table = format_table(
+            [{**r, "regret": 100 * r["regret"]} for r in choices],
+            ["split", "fold", "group", "rule", "regret", "layout", "stalled", "pred_over_meas"],
+            headers={"regret": "regret%", "pred_over_meas": "pred/meas tok/s"},
+            floatfmt=".3g", title="Top-1 choice per (model, cluster) group")
+        print()
+        print(anatomy_table)
+        print()
+        print(choice_table)
+        table += "\n\n" + anatomy_table + "\n\n" + choice_table
+        pd.DataFrame(anatomy).to_csv(out / "error_anatomy.csv", index=False)
+        pd.DataFrame(choices).to_csv(out / "top1_choices.csv", index=False)
     pd.DataFrame(rows).to_csv(out / "extrapolation.csv", index=False)
     pd.DataFrame(shots).to_csv(out / "few_shot.csv", index=False)
     (out / "extrapolation.txt").write_text(table + "\n")
@@ -107,6 +143,48 @@ def main() -> None:
                 run.log_metrics({f"{prefix}.{k}": float(v) for k, v in row.items()
                                  if isinstance(v, (int, float))})
             run.log_artifact(out)
+
+
+def top1_choices(predictions) -> list[dict]:
+    """Per fold and (model, cluster) group, the configuration chosen by the expected
+    throughput and by the risk-aware one: its regret against the group's measured best, its
+    layout, whether its run stalled and its predicted / measured throughput."""
+    import numpy as np
+
+    from paratune.models import features as F
+    from paratune.models._data import measured_step_time
+    from paratune.models._evaluate import risk_aware_throughput
+
+    step = measured_step_time(predictions)
+    ok = np.isfinite(step) & np.isfinite(predictions["pred_step_time_s"].to_numpy(float))
+    part = predictions[ok]
+    step = step[ok]
+    tokens = part["global_batch_size"].to_numpy(float) * part["seq_len"].to_numpy(float)
+    measured = tokens / (step * part["world_size"].to_numpy(float))
+    predicted = tokens / (part["pred_step_time_s"].to_numpy(float)
+                          * part["world_size"].to_numpy(float))
+    stalled = F.stalled_pipeline(part, step)
+    expected = part["pred_tokens_per_sec_per_gpu_expected"].to_numpy(float)
+    rules = {"expected": expected,
+             "risk-aware": risk_aware_throughput(
+                 expected, part["pred_tokens_per_sec_per_gpu_q10"].to_numpy(float))}
+    keys = part[["fold", "model_name", "world_size"]].astype(str).agg("|".join, axis=1)
+    out = []
+    for key in dict.fromkeys(keys):
+        sel = np.flatnonzero((keys == key).to_numpy())
+        if len(sel) < 2:
+            continue
+        fold, model, world = key.split("|")
+        for rule, score in rules.items():
+            pick = sel[int(np.argmax(np.nan_to_num(score[sel], nan=-np.inf)))]
+            row = part.iloc[pick]
+            out.append({"fold": fold, "group": f"{model} on {world}", "rule": rule,
+                        "regret": measured[sel].max() / measured[pick] - 1.0,
+                        "layout": (f"tp{row['tp']:.0f} pp{row['pp']:.0f} dp{row['dp']:.0f} "
+                                   f"mb{row['micro_batch_size']:.0f} {row['sharding']}"),
+                        "stalled": bool(stalled[pick]),
+                        "pred_over_meas": predicted[pick] / measured[pick]})
+    return out
 
 
 def few_shot(frame, factory, *, seeds: int, counts=(0, 1, 2, 5, 10, 20)) -> list[dict]:

@@ -44,8 +44,9 @@ from paratune.predictor import PRED_TOKENS_EXPECTED
 if TYPE_CHECKING:
     import pandas as pd
 
-__all__ = ["EXTRAPOLATION_COLUMNS", "SPLITS", "EvaluationResult", "cross_validate",
-           "extrapolation_table", "metrics", "plot_predictions"]
+__all__ = ["ANATOMY_GROUPS", "EXTRAPOLATION_COLUMNS", "SPLITS", "EvaluationResult",
+           "cross_validate", "error_anatomy", "extrapolation_table", "metrics",
+           "plot_predictions", "risk_aware_throughput"]
 
 SPLITS = ("random", "cluster", "model", *EXTRAPOLATION_SPLITS)
 _GROUP = ("model_name", "world_size", "hardware")
@@ -117,6 +118,19 @@ def _spearman(a: np.ndarray, b: np.ndarray) -> float:
     return float(spearmanr(a, b).statistic)
 
 
+def risk_aware_throughput(expected: np.ndarray, lower: np.ndarray) -> np.ndarray:
+    """The risk-aware expectation of each config's throughput: ``expected`` times
+    ``sqrt(clip(lower / expected, 0, 1))``, the geometric mean of the expected throughput and
+    its lower quantile (``expected`` where the quantile is missing). It is what
+    :func:`paratune.tuner.risk_aware_ranking` ranks by under the throughput objective: a
+    config the model is unsure of (a wide interval) ranks below one predicted as fast with
+    confidence."""
+    expected = np.asarray(expected, dtype=float)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        share = np.clip(np.asarray(lower, dtype=float) / expected, 0.0, 1.0)
+    return expected * np.sqrt(np.where(np.isfinite(share), share, 1.0))
+
+
 def metrics(frame: pd.DataFrame, predictions: pd.DataFrame) -> dict[str, float]:
     """Accuracy figures of predictions against the measurements of the same rows.
 
@@ -135,8 +149,12 @@ def metrics(frame: pd.DataFrame, predictions: pd.DataFrame) -> dict[str, float]:
         (the share of those groups whose choice is within 5% of their best),
         ``regret_q10_mean`` (the same for the choice by the 10th-percentile throughput,
         where predicted), ``regret_top5_mean`` (the best measured among the five predicted
-        best of each group against the group's best), ``coverage`` (the share of runs whose
-        measured throughput lies between the predicted lower and upper quantile),
+        best of each group against the group's best), ``regret_risk_mean`` and
+        ``regret_risk_top5_mean`` (top-1 and top-5 regret of the choice by
+        :func:`risk_aware_throughput`, the ranking ``paratune tune`` switches to where it
+        sees the model extrapolate; NaN without a lower quantile), ``coverage`` (the share
+        of runs whose measured throughput lies between the predicted lower and upper
+        quantile),
         ``ratio_median`` (median predicted / measured throughput), ``mdape_mem`` (median
         absolute percentage error of the predicted peak memory, over the runs that report
         one), ``feasibility_accuracy``, ``n_configs``, and where the predictor
@@ -177,7 +195,8 @@ def metrics(frame: pd.DataFrame, predictions: pd.DataFrame) -> dict[str, float]:
     lower = sorted(c for c in predictions.columns
                    if re.fullmatch(r"pred_tokens_per_sec_per_gpu_q\d\d", str(c)))
     cautious = (np.asarray(predictions[lower[0]], dtype=float)[ok] if lower else None)
-    cautious_regrets, top5_regrets = [], []
+    risky = risk_aware_throughput(p_ok, cautious) if cautious is not None else None
+    cautious_regrets, top5_regrets, risk_regrets, risk_top5 = [], [], [], []
     for key in np.unique(keys):
         sel = keys == key
         if sel.sum() < 2:
@@ -190,6 +209,9 @@ def metrics(frame: pd.DataFrame, predictions: pd.DataFrame) -> dict[str, float]:
         if cautious is not None:
             chosen = m_ok[sel][int(np.argmax(np.nan_to_num(cautious[sel], nan=-np.inf)))]
             cautious_regrets.append(m_ok[sel].max() / chosen - 1.0)
+            order = np.argsort(-np.nan_to_num(risky[sel], nan=-np.inf), kind="stable")
+            risk_regrets.append(m_ok[sel].max() / m_ok[sel][order[0]] - 1.0)
+            risk_top5.append(m_ok[sel].max() / m_ok[sel][order[:5]].max() - 1.0)
     out["regret_mean"] = float(np.mean(regrets)) if regrets else np.nan
     out["regret_max"] = float(np.max(regrets)) if regrets else np.nan
     # a few choices that stalled 10x decide the mean; the median and the share of groups
@@ -200,6 +222,9 @@ def metrics(frame: pd.DataFrame, predictions: pd.DataFrame) -> dict[str, float]:
     # the risk-averse choice (highest 10th-percentile throughput), as the tuner can make it
     out["regret_q10_mean"] = float(np.mean(cautious_regrets)) if cautious_regrets else np.nan
     out["regret_top5_mean"] = float(np.mean(top5_regrets)) if top5_regrets else np.nan
+    # the ranking ``tune`` switches to where it sees the model extrapolate
+    out["regret_risk_mean"] = float(np.mean(risk_regrets)) if risk_regrets else np.nan
+    out["regret_risk_top5_mean"] = float(np.mean(risk_top5)) if risk_top5 else np.nan
     out["ratio_median"] = (float(np.median(predicted_tps[ok] / measured_tps[ok])) if ok.any()
                            else np.nan)
     upper = sorted(c for c in predictions.columns
@@ -282,11 +307,12 @@ class EvaluationResult:
 EXTRAPOLATION_COLUMNS = {
     "n": "n", "mdape": "MdAPE%", "mape": "MAPE%", "spearman_group": "Spearman(group)",
     "regret_mean": "top-1 regret%", "regret_top5_mean": "top-5 regret%",
+    "regret_risk_mean": "top-1 risk-aware%", "regret_risk_top5_mean": "top-5 risk-aware%",
     "coverage": "q10-q90 cover%", "ratio_median": "pred/meas", "feasibility_accuracy":
     "feasible acc%"}
 """The figures of an extrapolation fold, in the order (and with the headers) they print."""
-_FRACTIONS = ("mdape", "mape", "regret_mean", "regret_top5_mean", "coverage",
-              "feasibility_accuracy")
+_FRACTIONS = ("mdape", "mape", "regret_mean", "regret_top5_mean", "regret_risk_mean",
+              "regret_risk_top5_mean", "coverage", "feasibility_accuracy")
 
 
 def extrapolation_table(rows: list[dict[str, Any]], *, title: str) -> str:
@@ -379,6 +405,64 @@ def _validate_estimator(frame: pd.DataFrame, split: str, name: str,
         rows = oof[(oof_family == fam).to_numpy()]
         figures = metrics(rows, rows)
         result.summary.append({"estimator": name, "source": fam, "held_out": "", **figures})
+
+
+ANATOMY_GROUPS = ("regime", "layout", "nodes")
+"""What :func:`error_anatomy` breaks a fold's errors down by."""
+
+
+def error_anatomy(predictions: pd.DataFrame) -> list[dict[str, Any]]:
+    """Where a fold's errors come from: its timed runs grouped by regime (measured stalled or
+    normal, see :func:`~paratune.models.features.stalled_pipeline`, against the predicted
+    regime, ``pred_stall_prob`` over 0.5), by layout (no pipeline, pipeline without and
+    with tensor parallelism across nodes) and by nodes.
+
+    Args:
+        predictions: Measurement rows with a ``fold`` column and the prediction columns
+            (:attr:`EvaluationResult.predictions`).
+
+    Returns:
+        One row per (fold, grouping of :data:`ANATOMY_GROUPS`, group): ``n``, ``share`` of
+        the fold's timed runs, ``mdape`` of tokens/s per device and ``log_bias`` (median log
+        of predicted / measured throughput; positive: predicted too fast).
+    """
+    step = measured_step_time(predictions)
+    pred = np.asarray(predictions["pred_step_time_s"], dtype=float)
+    ok = np.isfinite(step) & np.isfinite(pred)
+    part = predictions[ok]
+    step, pred = step[ok], pred[ok]
+    stalled = F.stalled_pipeline(part, step)
+    prob = (np.asarray(part["pred_stall_prob"], dtype=float)
+            if "pred_stall_prob" in part.columns else np.zeros(len(part)))
+    called = prob > 0.5
+    regime = np.where(stalled, "stalled", "normal").astype(object) + np.where(
+        called, ", called stalled", ", called normal").astype(object)
+    pp = np.asarray(part["pp"], dtype=float)
+    crosses = F.tp_crosses_nodes(part) > 0
+    layout = np.where(pp <= 1, "no pipeline", np.where(crosses, "pipeline, tp across nodes",
+                                                       "pipeline, tp in a node"))
+    c = F.Columns(part)
+    nodes = np.ceil(c.world / c.per_node)
+    groups = {"regime": regime, "layout": layout,
+              "nodes": np.asarray([f"{n:g} nodes" for n in nodes], dtype=object)}
+    log_ratio = np.log(step / pred)  # predicted / measured throughput
+    ape = np.abs(step / pred - 1.0)
+    folds = np.asarray(part["fold"], dtype=object) if "fold" in part.columns else np.full(
+        len(part), "", dtype=object)
+    out = []
+    for fold in dict.fromkeys(folds):
+        in_fold = folds == fold
+        for by in ANATOMY_GROUPS:
+            values = groups[by]
+            labels = {str(v) for v in values[in_fold]}
+            for group in sorted(labels, key=lambda g: (float(g.split()[0]), g)
+                                if by == "nodes" else (0.0, g)):
+                sel = in_fold & (values == group)
+                out.append({"fold": fold, "by": by, "group": group, "n": int(sel.sum()),
+                            "share": float(sel.sum() / in_fold.sum()),
+                            "mdape": float(np.median(ape[sel])),
+                            "log_bias": float(np.median(log_ratio[sel]))})
+    return out
 
 
 def plot_predictions(result: EvaluationResult, path: str | Path, *,

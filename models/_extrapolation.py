@@ -10,7 +10,8 @@ are as narrow far outside it as inside. :func:`calibrate_widening` measures how 
 they must be by *nested* extrapolation splits of the training data itself (never of the rows
 being predicted): fit on part of the training rows, predict the rest of them that lie outside
 the part's ranges, and find the log margin per doubling of distance (and for an unmeasured
-family) that brings the share of measured runs inside the interval to the target.
+family) that brings the share of measured runs inside the interval to the target, in each
+nested fold (see :func:`covering_margins`).
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ import numpy as np
 if TYPE_CHECKING:
     import pandas as pd
 
-__all__ = ["AXES", "axis_values", "calibrate_widening", "distance", "fit_ranges",
-           "nested_folds"]
+__all__ = ["AXES", "COVERAGE_STEPS", "MAX_COVERAGE_LEVEL", "axis_values", "calibrate_widening",
+           "covering_margins", "distance", "fit_ranges", "nested_folds"]
 
 AXES = ("model_params", "world_size", "tokens_per_step")
 """The scale axes a distance is measured along."""
@@ -151,7 +152,9 @@ def calibrate_widening(frame: pd.DataFrame, fit_predict: Callable[[Any, Any], An
         ``hi_family``, ``lo_family`` (log margin where the family has no measurement) and
         ``nested_rows``. A margin the nested rows do not say (no nested fold of that kind)
         is the pooled one, else the prior :data:`PRIOR_MARGIN_PER_DOUBLING` or
-        :data:`PRIOR_FAMILY_MARGIN`.
+        :data:`PRIOR_FAMILY_MARGIN`. The pooled entry also holds ``coverage_level``, the
+        share of the pooled nested rows the margins leave inside (see
+        :func:`covering_margins`).
     """
     values = axis_values(frame)
     parts = []
@@ -183,22 +186,86 @@ def calibrate_widening(frame: pd.DataFrame, fit_predict: Callable[[Any, Any], An
                               part["blendable"], rate=rate, family_weight=weight)
         part["over"] = np.log(part["measured"] / (part["hi"] * factor))
         part["under"] = np.log(part["lo"] * factor / part["measured"])
+    out, level = covering_margins(parts, sorted({str(f) for f in families[timed]}), coverage)
+    out[""]["coverage_level"] = level
+    for family, entry in shrink.items():
+        out[family].update(entry)
+    return out
+
+
+COVERAGE_STEPS = (0.0, 0.04, 0.08, 0.12, 0.16)
+"""How far above the target the share the margins leave inside on the nested rows may be
+raised (see :func:`covering_margins`), at most to :data:`MAX_COVERAGE_LEVEL`."""
+MAX_COVERAGE_LEVEL = 0.98
+
+
+def covering_margins(parts: list[dict[str, np.ndarray]], names: list[str], coverage: float
+                     ) -> tuple[dict[str, dict[str, float]], float]:
+    """Margins under which every nested fold covers at least ``coverage`` of its runs.
+
+    The margins are set to leave ``level`` of the pooled nested rows inside the interval,
+    ``level`` the lowest of ``coverage`` plus :data:`COVERAGE_STEPS` at which each nested
+    fold (``parts``) on its own has at least ``coverage`` inside: the target holds in every
+    extrapolation split, not on their average, and a fold that extrapolates worse than the
+    others (a cluster where the regimes shift) widens the interval for all.
+
+    Args:
+        parts: Per nested fold, its test rows' ``family``, ``unknown``, ``d_<axis>`` and the
+            log misses ``over`` and ``under`` of the unwidened interval.
+        names: The training rows' families.
+        coverage: The target share inside (0.8 for q10-q90).
+
+    Returns:
+        ``(margins, level)``: the margins per family as :func:`calibrate_widening` returns
+        them (without the shrink entries), and the level they were set at.
+    """
+    margins, level = {}, coverage
+    for step in COVERAGE_STEPS:
+        level = min(coverage + step, MAX_COVERAGE_LEVEL)
+        margins = _all_margins(parts, names, level)
+        if not parts or min(_part_coverage(part, margins) for part in parts) >= coverage:
+            break
+    return margins, level
+
+
+def _all_margins(parts: list[dict[str, np.ndarray]], names: list[str], coverage: float
+                 ) -> dict[str, dict[str, float]]:
+    """The margins of every family in ``names`` and the pooled ones (``""``) that leave
+    ``coverage`` of the nested rows inside."""
     prior = {**{f"{side}_{a}": PRIOR_MARGIN_PER_DOUBLING for side in ("hi", "lo")
                 for a in AXES},
              "hi_family": PRIOR_FAMILY_MARGIN, "lo_family": PRIOR_FAMILY_MARGIN}
     pooled = _margins(parts, None, coverage)
     out = {"": {k: pooled.get(k, v) for k, v in prior.items()}}
     out[""]["nested_rows"] = pooled["nested_rows"]
-    for family in sorted({str(f) for f in families[timed]}):
+    for family in names:
         own = _margins(parts, family, coverage)
         # a family's own margins where its nested rows say them, else the pooled ones
         # (at least the prior where none of its own says it: another family's nested rows
         # say how that family extrapolates, not how this one does)
         out[family] = {k: own[k] if k in own else max(out[""][k], prior[k]) for k in prior}
         out[family]["nested_rows"] = own["nested_rows"]
-    for family, entry in shrink.items():
-        out[family].update(entry)
     return out
+
+
+def _part_coverage(part: dict[str, np.ndarray], margins: dict[str, dict[str, float]]
+                   ) -> float:
+    """The share of a nested fold's runs inside the interval widened by ``margins``."""
+    good = np.isfinite(part["over"]) & np.isfinite(part["under"])
+    if not good.any():
+        return 1.0
+    hi = np.zeros(len(good))
+    lo = np.zeros(len(good))
+    for family in _distinct(part["family"]):
+        rows = part["family"] == family
+        entry = margins.get(str(family), margins[""])
+        for a in AXES:
+            hi[rows] += entry[f"hi_{a}"] * part[f"d_{a}"][rows]
+            lo[rows] += entry[f"lo_{a}"] * part[f"d_{a}"][rows]
+        hi[rows] += entry["hi_family"] * part["unknown"][rows]
+        lo[rows] += entry["lo_family"] * part["unknown"][rows]
+    inside = (part["over"] <= hi + 1e-12) & (part["under"] <= lo + 1e-12)
+    return float(np.mean(inside[good]))
 
 
 SHRINK_GRID = (0.0, 0.125, 0.25, 0.5, 1.0, 2.0, 8.0)

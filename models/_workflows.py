@@ -12,13 +12,9 @@ import numpy as np
 
 from paratune.errors import ConfigError
 from paratune.models._data import check_distinct, load_measurements, measured_step_time
-from paratune.models._estimators import (
-    _LOCK_FILE,
-    _MANIFEST,
-    PerformanceModel,
-    estimator_factories,
-)
+from paratune.models._estimators import PerformanceModel, estimator_factories
 from paratune.models._evaluate import EvaluationResult, cross_validate, plot_predictions
+from paratune.models._persistence import _LOCK_FILE, _MANIFEST
 
 __all__ = ["evaluate_model", "fit_model", "plot_path"]
 

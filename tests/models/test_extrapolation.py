@@ -154,3 +154,52 @@ def test_predict_cli_counts_the_rows_that_extrapolate(small_cluster_model, synth
                      r"doublings: interval widened", out), out
     written = pd.read_csv(tmp_path / "out.csv", keep_default_na=False)
     assert (written[PRED_WARNING] != "").sum() == 2
+
+
+def test_margins_cover_every_nested_fold():
+    """One nested fold that extrapolates worse than the others raises the level the margins
+    are set at until it, too, holds the target share inside."""
+    from paratune.models._extrapolation import AXES, covering_margins
+
+    rng = np.random.default_rng(0)
+
+    def part(n, scale):
+        d = np.full(n, 1.0)
+        return {**{f"d_{a}": (d if a == "world_size" else np.zeros(n)) for a in AXES},
+                "unknown": np.zeros(n, dtype=bool), "family": np.full(n, "f", dtype=object),
+                "over": np.abs(rng.normal(0, scale, n)), "under": np.full(n, -1.0)}
+
+    def inside(p, margins):
+        return float(np.mean(p["over"] <= margins["f"]["hi_world_size"] * p["d_world_size"]))
+
+    easy = [part(400, 0.05), part(400, 0.05)]
+    margins, level = covering_margins(easy, ["f"], 0.9)
+    assert level == pytest.approx(0.9)
+    hard = part(150, 0.3)
+    margins, level = covering_margins([*easy, hard], ["f"], 0.9)
+    assert level > 0.9
+    assert inside(hard, margins) >= 0.9
+    assert all(inside(p, margins) >= 0.9 for p in easy)
+    # at the target level alone the hard fold falls short
+    from paratune.models._extrapolation import _all_margins
+
+    assert inside(hard, _all_margins([*easy, hard], ["f"], 0.9)) < 0.9
+
+
+def test_beyond_the_fitted_clusters_the_fast_end_lets_the_reduction_hide(small_cluster_model,
+                                                                          synthetic):
+    """On a cluster larger than any fitted on, the interval's fast end is no slower than the
+    step without its data-parallel reduction (hidden behind the backward pass)."""
+    from paratune.models import features as F
+
+    far = synthetic[(synthetic["world_size"] >= 128) & (synthetic["status"] == "ok")]
+    pred = small_cluster_model.predict(far)
+    times = F.analytical_step_time(far)
+    share = times["dp_s"] / times["step_time_s"]
+    assert (share > 0.05).any()
+    tokens = (far["global_batch_size"] * far["seq_len"]).to_numpy(dtype=float)
+    world = far["world_size"].to_numpy(dtype=float)
+    fast_end = tokens / (pred["pred_tokens_per_sec_per_gpu_q90"].to_numpy() * world)
+    hidden = pred["pred_step_time_s"].to_numpy() * (1.0 - share)
+    floor = F.step_time_at_mfu(far)
+    assert (fast_end <= np.maximum(hidden, floor) * (1 + 1e-6)).all()

@@ -49,10 +49,10 @@ def test_a_component_outside_the_directory_or_not_a_file_is_refused(model_dir, t
 
 
 def test_an_oversized_component_is_refused_before_it_is_read(model_dir, tmp_path, monkeypatch):
-    from paratune.models import _estimators, load_model
+    from paratune.models import _persistence, load_model
 
     model = _copy(model_dir, tmp_path)
-    monkeypatch.setattr(_estimators, "_MAX_COMPONENT_BYTES", 1000)
+    monkeypatch.setattr(_persistence, "_MAX_COMPONENT_BYTES", 1000)
     with pytest.raises(ModelFormatError, match="over the limit of 1000"):
         load_model(model)
 

@@ -7,7 +7,7 @@ import pytest
 from paratune import ConfigError, DatasetError
 from paratune.models import cross_validate, load_measurements
 from paratune.models._estimators import AnalyticalBaseline
-from paratune.models._evaluate import metrics
+from paratune.models._evaluate import extrapolation_table, metrics
 from paratune.models._splits import EXTRAPOLATION_SPLITS, extrapolation_split, model_params
 
 
@@ -95,6 +95,50 @@ def test_top5_regret_and_coverage(synthetic):
     assert metrics(synthetic, pred)["regret_top5_mean"] > 0
 
 
+def test_risk_aware_regret_is_the_tuners_choice(synthetic):
+    """The risk-aware regret chooses as ``tune``'s risk-aware ranking does: where the fast
+    prediction is unsure (a low q10) it picks the surer config, and regret follows."""
+    from paratune.models._evaluate import risk_aware_throughput
+    from paratune.tuner import risk_aware_ranking
+
+    expected = np.array([100.0, 90.0, 80.0, 50.0])
+    low = np.array([20.0, 85.0, np.nan, 60.0])
+    risk = risk_aware_throughput(expected, low)
+    # the tuner's ranking of the same configs, each on one device
+    ranked = pd.DataFrame({"objective": expected, "ranked_tokens_per_s": expected,
+                           "world_size": 1, "feasible": True,
+                           "pred_tokens_per_sec_per_gpu_q10": low, "tp": 1, "pp": 1})
+    reranked = risk_aware_ranking(ranked)
+    np.testing.assert_allclose(np.sort(reranked["objective"].to_numpy())[::-1],
+                               np.sort(risk)[::-1])
+    assert list(np.argsort(-risk, kind="stable")) == [1, 2, 3, 0]
+
+    ok = (synthetic.status == "ok").to_numpy()
+    step = synthetic["step_time_s"].to_numpy(dtype=float)
+    tps = (synthetic["global_batch_size"] * synthetic["seq_len"]
+           / (step * synthetic["world_size"])).to_numpy()
+    pred = pd.DataFrame({"pred_step_time_s": step, "pred_feasible_prob": np.where(ok, 0.9, 0.1),
+                         "pred_tokens_per_sec_per_gpu_q10": tps * 0.9,
+                         "pred_tokens_per_sec_per_gpu_q90": tps * 1.1})
+    figures = metrics(synthetic, pred)
+    assert figures["regret_risk_mean"] == pytest.approx(0.0)
+    assert figures["regret_risk_top5_mean"] == pytest.approx(0.0)
+    # the measured best of each group predicted 2x too fast, but with a q10 far below:
+    # the expected choice keeps it (regret 0); the risk-aware one passes it over
+    frame = synthetic[ok].reset_index(drop=True)
+    pred = pred[ok].reset_index(drop=True)
+    tps = tps[ok]
+    best = frame.assign(t=tps).groupby(["model_name", "world_size"])["t"].transform("max")
+    top = (tps == best.to_numpy())
+    pred.loc[top, "pred_step_time_s"] /= 2.0
+    pred.loc[top, "pred_tokens_per_sec_per_gpu_q10"] = tps[top] * 0.01
+    figures = metrics(frame, pred)
+    assert figures["regret_mean"] == pytest.approx(0.0)
+    assert figures["regret_risk_mean"] > 0
+    assert "top-1 risk-aware%" in extrapolation_table([{"estimator": "m", "held_out": "f",
+                                                         **figures}], title="t")
+
+
 def test_public_splits_are_the_documented_ones(public_dir):
     frame = load_measurements(sorted(public_dir.glob("*.csv")))
     labels = {name: [f.label for f in extrapolation_split(frame, name).folds]
@@ -104,3 +148,31 @@ def test_public_splits_are_the_documented_ones(public_dir):
     assert "vtrain: <=2 -> 8 GPUs" in labels["larger-cluster"]
     assert labels["family"] == ["without ultrascale -> ultrascale", "without vtrain -> vtrain"]
     assert "vtrain: 2-4 -> 8 GPUs (one node)" in labels["multi-node"]
+
+
+def test_error_anatomy_tells_the_stalled_runs_apart(make_synthetic):
+    """Stalled runs predicted as normal ones carry the fold's error; the others do not."""
+    from paratune.models._evaluate import error_anatomy
+
+    frame = make_synthetic(stalls=True)
+    ok = (frame.status == "ok").to_numpy()
+    frame = frame[ok].reset_index(drop=True)
+    step = frame["step_time_s"].to_numpy(dtype=float)
+    from paratune.models import features as F
+
+    stalled = F.stalled_pipeline(frame, step)
+    assert stalled.any() and (~stalled).any()
+    # a predictor exact on normal runs that calls every run normal (the analytical time)
+    pred = np.where(stalled, F.analytical_step_time(frame)["step_time_s"] * 1.5, step)
+    predictions = frame.assign(pred_step_time_s=pred, pred_stall_prob=0.1, fold="f")
+    rows = {(r["by"], r["group"]): r for r in error_anatomy(predictions)}
+    normal = rows[("regime", "normal, called normal")]
+    missed = rows[("regime", "stalled, called normal")]
+    assert normal["mdape"] == pytest.approx(0.0, abs=0.03)
+    assert missed["mdape"] > 1.0 and missed["log_bias"] > 0.5  # predicted far too fast
+    assert normal["n"] + missed["n"] == len(frame)
+    assert missed["share"] == pytest.approx(stalled.mean())
+    # layouts: the runs without a pipeline never stall here
+    assert rows[("layout", "no pipeline")]["mdape"] == pytest.approx(0.0, abs=0.03)
+    nodes = [r["group"] for r in error_anatomy(predictions) if r["by"] == "nodes"]
+    assert nodes == sorted(nodes, key=lambda g: float(g.split()[0]))

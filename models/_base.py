@@ -1,0 +1,195 @@
+"""What every predictor of :mod:`paratune.models` shares: the prediction frame's columns, the
+assembly of a predictor's arrays into that frame, measurement families and training ranges.
+
+All predictors follow scikit-learn conventions: ``__init__`` stores keyword arguments,
+``fit(frame)`` returns ``self``, learned state ends in ``_``. ``predict(frame)`` returns one
+row per input row with :data:`paratune.predictor.PREDICTION_COLUMNS`, the throughput
+quantiles and ``pred_error`` (empty where the row was predicted).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from sklearn.base import BaseEstimator
+
+from paratune.errors import ModelFormatError
+from paratune.models import features as F
+from paratune.models._data import measured_step_time
+from paratune.predictor import (
+    PRED_FEASIBLE_PROB,
+    PRED_PEAK_MEM_GB,
+    PRED_STEP_TIME_S,
+    PRED_TOKENS_EXPECTED,
+    PRED_TOKENS_PER_SEC_PER_GPU,
+    PREDICTION_COLUMNS,
+)
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+__all__ = ["OUTPUT_COLUMNS", "PRED_ERROR", "PRED_EXTRAPOLATION", "PRED_STALL_PROB",
+           "PRED_TOKENS_Q10", "PRED_TOKENS_Q90", "PRED_WARNING", "source_family",
+           "training_ranges"]
+
+PRED_TOKENS_Q10 = f"{PRED_TOKENS_PER_SEC_PER_GPU}_q10"
+PRED_TOKENS_Q90 = f"{PRED_TOKENS_PER_SEC_PER_GPU}_q90"
+PRED_STALL_PROB = "pred_stall_prob"
+PRED_ERROR = "pred_error"
+PRED_EXTRAPOLATION = "pred_extrapolation_doublings"
+"""How many doublings of model size, cluster size and tokens per step (summed) a row lies
+outside the ranges the model was fitted on (0 inside; NaN from predictors that do not say)."""
+PRED_WARNING = "pred_warning"
+"""Why a prediction is less sure than the model's in-range ones (empty where it is not)."""
+OUTPUT_COLUMNS = (*PREDICTION_COLUMNS, PRED_TOKENS_Q10, PRED_TOKENS_Q90, PRED_TOKENS_EXPECTED,
+                  PRED_STALL_PROB, "analytical_step_time_s", PRED_EXTRAPOLATION, PRED_WARNING,
+                  PRED_ERROR)
+
+
+def _catalogue_names(names: Any) -> np.ndarray:
+    """Hardware names in their catalogue spelling (``h100`` -> ``H100-80GB``); names the
+    catalogue does not know are kept as they are."""
+    from paratune.errors import ConfigError
+    from paratune.hardware import get_hardware
+
+    def canonical(name: Any) -> str:
+        try:
+            return get_hardware(str(name)).name
+        except ConfigError:
+            return str(name)
+
+    return F._lookup(names, canonical, dtype=object)
+
+
+def training_ranges(frame: pd.DataFrame) -> dict[str, dict[str, list[int]]]:
+    """Per device kind (catalogue name), the smallest and largest ``world_size``,
+    ``global_batch_size`` and tokens per step (global batch x sequence length) among the
+    runs that measured a step time: where a model's predictions interpolate."""
+    step = measured_step_time(frame)
+    timed = frame[np.isfinite(step)]
+    if timed.empty:
+        return {}
+    hardware = _catalogue_names(timed["hardware"].to_numpy())
+    world = (timed["world_size"] if "world_size" in timed.columns
+             else timed["dp"] * timed["tp"] * timed["pp"])
+    values = {"world_size": world.to_numpy(dtype=float),
+              "global_batch_size": timed["global_batch_size"].to_numpy(dtype=float),
+              "tokens_per_step": (timed["global_batch_size"].to_numpy(dtype=float)
+                                  * timed["seq_len"].to_numpy(dtype=float))}
+    out: dict[str, dict[str, list[int]]] = {}
+    for name in sorted(set(hardware)):
+        rows = hardware == name
+        out[str(name)] = {key: [int(np.nanmin(v[rows])), int(np.nanmax(v[rows]))]
+                          for key, v in values.items()}
+    return out
+
+
+def source_family(frame: pd.DataFrame, *, missing: str = "paratune") -> np.ndarray:
+    """The measurement family of each row: the first ``_``-separated word of its source,
+    lower case, any run of characters other than letters, digits, ``.`` and ``-`` made one
+    ``-`` (``vtrain_ground_truth_single_node`` and ``vtrain_ground_truth_multi_node`` are one
+    family, ``vtrain``; a family names files of a saved model); ``missing`` where no source
+    is recorded (paratune's own measurements name theirs)."""
+    import pandas as pd
+
+    if "source" not in frame.columns:
+        return np.full(len(frame), missing, dtype=object)
+    # once per distinct source: a frame of 100,000 rows holds a handful
+    source = frame["source"]
+    codes, sources = pd.factorize(source.astype(object).where(source.notna(), "").astype(str))
+    text = pd.Series(sources, dtype=object).str.strip().str.lower()
+    family = (text.str.split("_").str[0].str.replace(r"[^a-z0-9.\-]+", "-", regex=True)
+              .str.strip("-").replace("", missing))
+    return np.asarray(family, dtype=object)[codes]
+
+
+def _memory_rule(mem_gb: np.ndarray, capacity_gb: np.ndarray) -> np.ndarray:
+    """Probability of fitting in memory from a memory estimate alone (a soft threshold).
+
+    Hardware without a catalogued capacity (the CPU: 0 GB) sets no limit: probability 1.
+    """
+    mem_gb = np.asarray(mem_gb, dtype=float)
+    capacity_gb = np.broadcast_to(np.asarray(capacity_gb, dtype=float), mem_gb.shape)
+    known = capacity_gb > 0
+    fraction = np.divide(mem_gb, capacity_gb, out=np.zeros_like(mem_gb), where=known)
+    with np.errstate(over="ignore", invalid="ignore"):
+        prob = 1.0 / (1.0 + np.exp((fraction - 0.95) / 0.03))
+    return np.where(known, prob, 1.0)
+
+
+class _Base(BaseEstimator):
+    """Shared prediction assembly: subclasses return arrays, this builds the frame."""
+
+    def _check_fitted(self) -> None:
+        if not hasattr(self, "num_train_rows_"):
+            raise ModelFormatError(f"{type(self).__name__} is not fitted: call fit() or load()")
+
+    def _predict_arrays(self, frame: pd.DataFrame, c: F.Columns, X: np.ndarray,
+                        analytical: dict[str, Any]) -> dict[str, np.ndarray]:
+        raise NotImplementedError
+
+    def _quantile_columns(self) -> tuple[str, str]:
+        """Names of the lower and upper throughput quantile columns."""
+        return PRED_TOKENS_Q10, PRED_TOKENS_Q90
+
+    def predict(self, frame: pd.DataFrame) -> pd.DataFrame:
+        """Predict every row of a config frame.
+
+        Args:
+            frame: Config frame (:data:`paratune.predictor.CONFIG_COLUMNS`).
+
+        Returns:
+            A frame with the input's index and :data:`OUTPUT_COLUMNS`; rows that cannot be
+            predicted (unknown hardware, impossible values) have NaN predictions and a
+            ``pred_error`` message. ``pred_step_time_s`` is the most likely step time;
+            ``pred_tokens_per_sec_per_gpu_expected`` the throughput of the expected step
+            time over the regimes a run may fall into, and ``pred_stall_prob`` the
+            probability of the stalled-pipeline regime (NaN from predictors that do not
+            model it, whose expected throughput is their point prediction).
+        """
+        import pandas as pd
+
+        self._check_fitted()
+        # the columns once: building them (hardware lookups over every row) is a good part
+        # of predicting 100,000 configurations
+        c = F.Columns(frame)
+        X, analytical = F.compute_features(c)
+        out = self._predict_arrays(frame, c, X, analytical)
+        step = out["step"]
+        tokens = c.global_batch * c.seq
+        with np.errstate(divide="ignore", invalid="ignore"):
+            per_gpu = tokens / (step * c.world)
+            q10 = tokens / (out.get("step_hi", step) * c.world)
+            q90 = tokens / (out.get("step_lo", step) * c.world)
+            expected = tokens / (out.get("step_expected", step) * c.world)
+        errors = np.asarray(analytical["error"], dtype=object).copy()
+        bad_values = ~(np.isfinite(analytical["step_time_s"]) & (analytical["step_time_s"] > 0))
+        errors = np.where((errors == "") & bad_values,
+                          "configuration values give no finite analytical estimate "
+                          "(check degrees, batch sizes and model shape)", errors)
+        failed = errors != ""
+        result = pd.DataFrame({
+            PRED_STEP_TIME_S: step,
+            PRED_TOKENS_PER_SEC_PER_GPU: per_gpu,
+            PRED_FEASIBLE_PROB: out["feasible"],
+            PRED_PEAK_MEM_GB: out["memory"],
+            self._quantile_columns()[0]: q10,
+            self._quantile_columns()[1]: q90,
+            PRED_TOKENS_EXPECTED: expected,
+            PRED_STALL_PROB: out.get("stall_prob", np.full(len(frame), np.nan)),
+            "analytical_step_time_s": analytical["step_time_s"],
+            PRED_EXTRAPOLATION: out.get("distance", np.full(len(frame), np.nan)),
+            PRED_WARNING: np.where(failed, "", out.get("warning", "")).astype(object),
+            PRED_ERROR: errors,
+        }, index=frame.index)
+        numeric = [c for c in result.columns if c not in (PRED_ERROR, PRED_WARNING)]
+        result.loc[failed, numeric] = np.nan
+        return result
+
+
+def _xgb_regressor(params: dict[str, Any], **extra: Any) -> Any:
+    import xgboost as xgb
+
+    return xgb.XGBRegressor(tree_method="hist", **params, **extra)
+

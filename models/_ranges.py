@@ -1,0 +1,256 @@
+"""Beyond the training data, for :class:`~paratune.models.PerformanceModel`: the calibrated
+analytical core per family, each row's distance from the fitted ranges, the shrinkage toward
+the core and the widened interval (see :mod:`paratune.models._extrapolation`), and few-shot
+calibration of a family."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from paratune.errors import DatasetError
+from paratune.models import features as F
+from paratune.models._base import PRED_STALL_PROB, _catalogue_names, source_family
+from paratune.models._data import measured_step_time
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+    from paratune.models._estimators import PerformanceModel
+
+__all__: list[str] = []
+
+
+class _Ranges:
+    """The calibrated core, distances, shrinkage, widening and few-shot calibration (a mix-in
+    of :class:`~paratune.models.PerformanceModel`)."""
+
+    def _fit_core(self, c: F.Columns, analytical: dict[str, Any], families: np.ndarray,
+                  rows: np.ndarray, step: np.ndarray) -> None:
+        """The calibrated analytical core's constants per family with enough ``rows`` (see
+        :mod:`paratune.models._calibration`)."""
+        from paratune.models._calibration import MIN_ROWS, core_parts, fit_constants
+
+        parts = core_parts(c, analytical)
+        usable = rows & np.all(np.isfinite(parts), axis=1)
+        self.core_constants_ = {}
+        for family in np.unique(families[usable]):
+            sel = usable & (families == family)
+            if sel.sum() >= MIN_ROWS:
+                self.core_constants_[str(family)] = [
+                    float(v) for v in fit_constants(parts[sel], step[sel])]
+
+    def _core_step(self, frame: pd.DataFrame, c: F.Columns, analytical: dict[str, Any],
+                   families: np.ndarray | None = None) -> np.ndarray:
+        """The calibrated core's step time per row: its family's constants, the defaults of
+        a well-tuned framework for a family without them."""
+        from paratune.models._calibration import (
+            CONSTANT_NAMES,
+            DEFAULT_CONSTANTS,
+            core_parts,
+            predict_core,
+        )
+
+        families = self._families(frame) if families is None else families
+        constants = np.tile([DEFAULT_CONSTANTS[k] for k in CONSTANT_NAMES], (c.n, 1))
+        for family, values in self.core_constants_.items():
+            constants[families == family] = values
+        return predict_core(core_parts(c, analytical), constants)
+
+    def _fit_widening(self, frame: pd.DataFrame, families: np.ndarray, timed: np.ndarray,
+                      step: np.ndarray) -> None:
+        """The training ranges per family and the interval's widening with distance from
+        them, calibrated on nested extrapolation splits of ``frame`` (the training rows)."""
+        from paratune.models._extrapolation import (
+            AXES,
+            axis_values,
+            calibrate_widening,
+            fit_ranges,
+        )
+
+        self.extrapolation_ranges_ = fit_ranges(axis_values(frame), families, timed)
+        self.interval_widening_ = {"": {
+            **{f"{side}_{axis}": 0.0 for side in ("hi", "lo") for axis in AXES},
+            "hi_family": 0.0, "lo_family": 0.0, "nested_rows": 0.0}}
+        if not self.nested_intervals:
+            return
+        lower, upper = self._quantile_columns()
+
+        def fit_predict(train: pd.DataFrame, test: pd.DataFrame) -> dict[str, np.ndarray]:
+            inner = type(self)(**{**self.get_params(), "nested_intervals": False})
+            inner.fit(train)
+            pred = inner.predict(test)
+            _, per_axis, unknown = inner._distance(test)
+            c_test = F.Columns(test)
+            _, analytical_test = F.compute_features(c_test)
+            core = inner._core_step(test, c_test, analytical_test)
+            prob = pred[PRED_STALL_PROB].to_numpy(float)
+            tokens = (test["global_batch_size"].to_numpy(float)
+                      * test["seq_len"].to_numpy(float))
+            world = np.asarray(F.Columns(test).world)
+            with np.errstate(divide="ignore", invalid="ignore"):
+                return {"step_hi": tokens / (pred[lower].to_numpy(float) * world),
+                        "step_lo": tokens / (pred[upper].to_numpy(float) * world),
+                        "unknown_family": unknown,
+                        "step": pred["pred_step_time_s"].to_numpy(float), "core": core,
+                        "blendable": ~(prob > 0.5),
+                        **{f"distance_{axis}": per_axis[axis] for axis in AXES}}
+
+        self.interval_widening_ = calibrate_widening(
+            frame, fit_predict, families=families, timed=timed, step=step,
+            coverage=self.quantiles[1] - self.quantiles[0])
+
+    def calibrate(self, frame: pd.DataFrame) -> PerformanceModel:
+        """Few-shot calibration: a family's own measurements (a handful: one node's campaign)
+        move its predictions without a refit.
+
+        Per measurement family of ``frame`` (see :func:`source_family`), the median log ratio
+        of its measured to predicted step times becomes the family's efficiency factor,
+        shrunk toward 1 by ``n / (n + 1)`` for ``n`` rows; the family's interval margin
+        becomes the spread of those rows around it (the 90th percentile of the absolute log
+        residual), in place of the margin of a family without measurements. Calibrating
+        again with more rows of a family replaces its factor.
+
+        Args:
+            frame: Measurement rows; those without a measured step time are not used.
+
+        Returns:
+            ``self``.
+
+        Raises:
+            DatasetError: no row of ``frame`` has a measured step time and a prediction.
+        """
+        self._check_fitted()
+        step = measured_step_time(frame)
+        families = self._families(frame)  # as predict tells them apart
+        saved, self.family_offsets_ = self.family_offsets_, {
+            f: v for f, v in self.family_offsets_.items() if f not in set(families)}
+        try:
+            pred = self.predict(frame)["pred_step_time_s"].to_numpy(float)
+        except BaseException:
+            self.family_offsets_ = saved
+            raise
+        with np.errstate(divide="ignore", invalid="ignore"):
+            log_ratio = np.log(step / pred)
+        usable = np.isfinite(log_ratio)
+        if not usable.any():
+            self.family_offsets_ = saved
+            raise DatasetError("calibrate: no row with a measured step time and a prediction")
+        for family in np.unique(families[usable]):
+            r = log_ratio[usable & (families == family)]
+            n = len(r)
+            offset = float(np.median(r)) * n / (n + 1.0)
+            spread = float(np.quantile(np.abs(r - offset), 0.9)) if n > 1 else abs(offset)
+            self.family_offsets_[str(family)] = {"log_factor": offset, "margin": spread,
+                                                 "rows": n}
+        return self
+
+    def _distance(self, frame: pd.DataFrame, c: F.Columns | None = None
+                  ) -> tuple[np.ndarray, dict[str, np.ndarray], np.ndarray]:
+        """Each row's family, doublings outside the training ranges per axis and whether its
+        family is unmeasured (see :func:`paratune.models._extrapolation.distance`)."""
+        from paratune.models._extrapolation import axis_values, distance
+
+        families = self._families(frame)
+        per_axis, unknown = distance(axis_values(frame, c), families,
+                                     self.extrapolation_ranges_)
+        return families, per_axis, unknown
+
+    def _families(self, frame: pd.DataFrame) -> np.ndarray:
+        """Each row's family as the step-time models route it: by its source, else the one
+        family its hardware was measured in, else ``""`` (no family: the overall ranges and
+        the default core constants)."""
+        import pandas as pd
+
+        families = (source_family(frame, missing="") if "source" in frame.columns
+                    else np.full(len(frame), "", dtype=object))
+        if "hardware" in frame.columns and (families == "").any():
+            by_hardware = pd.Series(_catalogue_names(frame["hardware"]), dtype=object).map(
+                self.hardware_family_).fillna("").to_numpy(dtype=object)
+            families = np.where(families == "", by_hardware, families)
+        return families
+
+    def _extrapolate(self, frame: pd.DataFrame, c: F.Columns, analytical: dict[str, Any],
+                     step: np.ndarray, lo: np.ndarray, hi: np.ndarray, expected: np.ndarray,
+                     prob: np.ndarray, where: tuple[np.ndarray, dict[str, np.ndarray],
+                                                    np.ndarray]
+                     ) -> tuple[np.ndarray, ...]:
+        """Each row's distance from the training ranges; the learned prediction shrunk
+        toward the calibrated core with it, its family's few-shot factor, and the interval
+        widened by the calibrated margins (see :meth:`_fit_widening`)."""
+        from paratune.models._extrapolation import _distinct, blend_factor
+
+        families, per_axis, unknown = where
+        dist = sum(per_axis.values())
+        entries = [self.interval_widening_.get(str(f), self.interval_widening_[""])
+                   for f in _distinct(families)]
+        if any(e.get("shrink_per_doubling", 0.0) or e.get("core_weight_family", 0.0)
+               for e in entries):
+            rate, weight = np.zeros(len(step)), np.zeros(len(step))
+            for family in _distinct(families):
+                entry = self.interval_widening_.get(str(family), self.interval_widening_[""])
+                rate[families == family] = entry.get("shrink_per_doubling", 0.0)
+                weight[families == family] = entry.get("core_weight_family", 0.0)
+            # the point in the stalled regime is the stall's time, not the core's business
+            core = self._core_step(frame, c, analytical, families)
+            shrink = blend_factor(step, core, dist, unknown,
+                                  ~(prob > 0.5), rate=rate, family_weight=weight)
+            step, lo, hi, expected = step * shrink, lo * shrink, hi * shrink, expected * shrink
+        keys = [f"{side}_{axis}" for side in ("hi", "lo") for axis in per_axis]
+        margins = {key: np.zeros(len(step)) for key in (*keys, "hi_family", "lo_family")}
+        for family in _distinct(families):
+            rows = families == family
+            entry = self.interval_widening_.get(str(family), self.interval_widening_[""])
+            for key, values in margins.items():
+                values[rows] = entry[key]
+        # the margin per doubling of each axis, times the doublings beyond its range
+        beyond = {side: sum(margins[f"{side}_{axis}"] * d for axis, d in per_axis.items())
+                  for side in ("hi", "lo")}
+        hi_margin = beyond["hi"] + margins["hi_family"] * unknown
+        lo_margin = beyond["lo"] + margins["lo_family"] * unknown
+        factor = np.ones(len(step))
+        calibrated = np.zeros(len(step), dtype=bool)
+        for family, entry in self.family_offsets_.items():
+            rows = families == family
+            if not rows.any():
+                continue
+            calibrated |= rows
+            factor[rows] = np.exp(entry["log_factor"])
+            # its own rows' spread, in place of an unmeasured family's margin
+            hi_margin[rows] = beyond["hi"][rows] + entry["margin"]
+            lo_margin[rows] = beyond["lo"][rows] + entry["margin"]
+        step, expected = step * factor, expected * factor
+        hi = hi * factor * np.exp(hi_margin)
+        # no faster than the model FLOPs at the device's peak, as the learned bound
+        floor = np.where(c.accelerator, F.step_time_at_mfu(c), 0.0)
+        lo = np.minimum(np.maximum(lo * factor * np.exp(-lo_margin),
+                                   np.fmin(floor, lo * factor)), step)
+        # beyond the fitted cluster sizes the data-parallel reduction's cost extrapolates
+        # least surely (frameworks hide much of it behind the backward pass, nanotron at 32
+        # nodes most of it): the fast end of the interval allows all of it hidden
+        wider = per_axis["world_size"] > 0
+        if wider.any():
+            with np.errstate(divide="ignore", invalid="ignore"):
+                share = np.clip(np.nan_to_num(analytical["dp_s"] / analytical["step_time_s"]),
+                                0.0, 1.0)
+            hidden = np.maximum(step * (1.0 - share), floor)
+            lo = np.where(wider, np.minimum(lo, hidden), lo)
+        # the texts once per distinct value (100,000 rows hold a few dozen)
+        warning = np.full(len(step), "", dtype=object)
+        beyond = dist > 0
+        if beyond.any():
+            warning[beyond] = F._lookup(
+                np.round(dist[beyond], 1),
+                lambda d: "" if d is None else (
+                    f"beyond the fitted model, cluster and batch sizes by {d:.1f} "
+                    "doublings: interval widened"), dtype=object)
+        fresh = unknown & ~calibrated
+        if fresh.any():
+            warning[fresh] = F._lookup(
+                families[fresh],
+                lambda f: "" if f is None else (
+                    f"no measurement of family {f}: predicted from other families' runs, "
+                    "interval widened"), dtype=object)
+        return step, lo, hi, expected, dist, warning
+
