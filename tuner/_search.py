@@ -66,6 +66,10 @@ class SearchResult:
     risk_aware: bool = False
     """Whether ``ranked`` is by the risk-aware expectation (see
     :func:`paratune.tuner.risk_aware_ranking`), as where the model extrapolates."""
+    storage_lost: str | None = None
+    """Why the study's storage stopped recording mid-search (``None`` where it did not): the
+    ranking then covers the configs this search evaluated, and the study holds only the
+    trials told before."""
 
     @property
     def best(self) -> ParallelConfig:
@@ -173,6 +177,9 @@ class SearchResult:
             notes.append("ok NO: predicted not to run (probability of running below the "
                          "threshold, or memory over the limit); ranked after every feasible "
                          "config, no vs_best")
+        if self.storage_lost is not None:
+            notes.append(f"the study was not fully recorded ({self.storage_lost}): ranked "
+                         f"here are the {len(self.ranked)} configs this search evaluated")
         return "\n".join([format_table(rows, title=title, floatfmt=".4g"), *notes])
 
 
@@ -622,54 +629,128 @@ def optuna_search(predictor: Predictor, space: SearchSpace, objective: Objective
     study = open_study(space, objective, sampler=sampler, seed=seed, storage=storage,
                        study_name=study_name, storage_dir=storage_dir,
                        predictor_fingerprint=predictor_identity(predictor))
+    where = storage_text(storage, storage_dir)
     cache: dict[ParallelConfig, tuple[float, tuple[float, float]]] = {}
     params_of: dict[ParallelConfig, dict[str, Any]] = {}
-    for trial in _finished(study):
-        if trial.state is TrialState.COMPLETE and _CONFIG_ATTR in trial.user_attrs:
-            cfg = ParallelConfig.from_dict(trial.user_attrs[_CONFIG_ATTR])
-            cache[cfg] = (float(trial.value), (trial.constraints.get("feasible_prob", 0.0),
-                                               trial.constraints.get("memory", 0.0)))
-            params_of[cfg] = dict(trial.params)
     worker = f"{socket.gethostname()}:{os.getpid()}"
     try:  # what killed workers left running is failed first, whatever is left to do
+        _absorb(_finished(study), cache, params_of)
         _fail_stale(study, study.get_trials(deepcopy=False), worker)
+        done = len(_finished(study))
     except Exception as exc:
-        _storage_error(exc, storage_text(storage, storage_dir), 0)
+        _storage_error(exc, where, 0)
         raise
     refine_from = round(n_trials * (1.0 - refine_fraction))
-    done = len(_finished(study))
     bar = _trial_bar(n_trials, done, study.study_name) if progress else None
     inflight: dict[int, Any] = {}  # asked, not yet told: failed if this process stops
+    scored = _Scored()
+    tally = {"done": done}
     heartbeat = _Heartbeat(study, inflight)
+    lost: tuple[str, BaseException] | None = None
     try:
         heartbeat.start()
-        done = _search_loop(study, predictor, space, objective, cache=cache,
-                            params_of=params_of, worker=worker, refine_from=refine_from,
-                            refine_beam=refine_beam, n_trials=n_trials, batch_size=batch_size,
-                            timeout_s=timeout_s, start=start, done=done, bar=bar,
-                            inflight=inflight)
+        _search_loop(study, predictor, space, objective, cache=cache, scored=scored,
+                     params_of=params_of, worker=worker, refine_from=refine_from,
+                     refine_beam=refine_beam, n_trials=n_trials, batch_size=batch_size,
+                     timeout_s=timeout_s, start=start, tally=tally, bar=bar,
+                     inflight=inflight)
         finished = _finished(study)
     except Exception as exc:
-        _storage_error(exc, storage_text(storage, storage_dir), done)
-        raise
+        reason = _storage_failure(exc)
+        if reason is None:
+            raise
+        if not cache:  # nothing evaluated: nothing to rank
+            _storage_error(exc, where, tally["done"])
+            raise
+        lost, finished = (reason, exc), []
     finally:
         heartbeat.stop()
         _fail_inflight(study, inflight)
         if bar is not None:
             bar.close()
-    configs = list(dict.fromkeys(ParallelConfig.from_dict(t.user_attrs[_CONFIG_ATTR])
-                                 for t in finished if t.state is TrialState.COMPLETE))
-    import pandas as pd
-
-    scored = evaluate(predictor, space, configs, objective) if configs else pd.DataFrame()
-    store_text = storage_text(storage, storage_dir)
+    if lost is None:
+        configs = list(dict.fromkeys(ParallelConfig.from_dict(t.user_attrs[_CONFIG_ATTR])
+                                     for t in finished if t.state is TrialState.COMPLETE))
+    else:  # every config evaluated: this worker's (told or not) and those read from others
+        configs = list(cache)
     result = SearchResult(
-        ranked=rank(scored), space=space, objective=objective, mode=sampler,
-        num_trials=len(finished),
+        ranked=rank(scored.frame(predictor, space, objective, configs)), space=space,
+        objective=objective, mode=sampler,
+        num_trials=len(finished) if lost is None else tally["done"],
         num_pruned=sum(t.state is TrialState.PRUNED for t in finished),
         wall_time_s=time.perf_counter() - start, study_name=study.study_name,
-        storage=store_text)
+        storage=where, storage_lost=None if lost is None else _masked(lost[0], where or ""))
+    if lost is not None:
+        raise StudyNotRecorded(where, done=tally["done"], reason=result.storage_lost,
+                               result=result) from lost[1]
     return result, study
+
+
+class StudyNotRecorded(ConfigError):
+    """The study's storage stopped recording mid-search (a database server stopped, a journal
+    or SQLite file that can no longer be written), after the search had evaluated configs.
+
+    Args:
+        where: The storage, as it may be printed (see :func:`storage_text`).
+        done: Finished trials of the study when it stopped answering.
+        reason: Why, in one line.
+        result: What the search still produced: a :class:`SearchResult` ranking every config
+            it evaluated (from :func:`optuna_search`), or the
+            :class:`~paratune.tuner.TuneResult` whose files were written (from
+            :func:`~paratune.tuner.tune`).
+        kept: What was made of the evaluated configs, in words.
+    """
+
+    def __init__(self, where: str | None, *, done: int, reason: str | None, result: Any,
+                 kept: str = "the configs this search evaluated are still ranked") -> None:
+        self.where, self.done, self.reason, self.result = where, done, reason, result
+        super().__init__("storage", where, (
+            f"stopped answering after {done} finished trials ({reason}): the study holds only "
+            f"the trials told before and was not fully recorded; {kept}; "
+            f"{_resume_hint(where)} and rerun the same command to resume"))
+
+
+def _resume_hint(where: str | None) -> str:
+    """What to do before rerunning where the storage ``where`` stopped recording."""
+    text = str(where or "")
+    if text.lower().startswith("sqlite"):
+        return "make the database file writable again (or give another storage)"
+    if "://" in text:
+        return "start the database again"
+    return "make the journal file writable again (or give another storage)"
+
+
+class _Scored:
+    """The scored rows of the configs a search predicted, so that each is predicted once:
+    in the search, and at the end only those other workers evaluated."""
+
+    def __init__(self) -> None:
+        self.frames: list[pd.DataFrame] = []
+        self.where: dict[ParallelConfig, tuple[int, int]] = {}
+
+    def __contains__(self, cfg: ParallelConfig) -> bool:
+        return cfg in self.where
+
+    def add(self, configs: Sequence[ParallelConfig], frame: pd.DataFrame) -> None:
+        """``frame``: :func:`evaluate` of ``configs`` (one row each, in order)."""
+        index = len(self.frames)
+        self.frames.append(frame)
+        for row, cfg in enumerate(configs):
+            self.where.setdefault(cfg, (index, row))
+
+    def frame(self, predictor: Predictor, space: SearchSpace, objective: Objective,
+              configs: Sequence[ParallelConfig]) -> pd.DataFrame:
+        """The scored rows of ``configs`` in order, predicting those not seen yet."""
+        import pandas as pd
+
+        missing = list(dict.fromkeys(c for c in configs if c not in self))
+        if missing:
+            self.add(missing, evaluate(predictor, space, missing, objective))
+        if not configs:
+            return pd.DataFrame()
+        offsets = list(itertools.accumulate((len(f) for f in self.frames), initial=0))
+        rows = [offsets[k] + i for k, i in (self.where[c] for c in configs)]
+        return pd.concat(self.frames, ignore_index=True).iloc[rows].reset_index(drop=True)
 
 
 def _trial_bar(n_trials: int, done: int, study_name: str) -> Any:
@@ -684,12 +765,13 @@ def _trial_bar(n_trials: int, done: int, study_name: str) -> Any:
 def _search_loop(study: optuna.Study, predictor: Predictor, space: SearchSpace,
                  objective: Objective, *,
                  cache: dict[ParallelConfig, tuple[float, tuple[float, float]]],
-                 params_of: dict[ParallelConfig, dict[str, Any]], worker: str,
-                 refine_from: int, refine_beam: int, n_trials: int, batch_size: int,
-                 timeout_s: float | None, start: float, done: int, bar: Any,
-                 inflight: dict[int, Any]) -> int:
+                 scored: _Scored, params_of: dict[ParallelConfig, dict[str, Any]],
+                 worker: str, refine_from: int, refine_beam: int, n_trials: int,
+                 batch_size: int, timeout_s: float | None, start: float,
+                 tally: dict[str, int], bar: Any, inflight: dict[int, Any]) -> None:
     """Ask, predict and tell batches of trials until the study holds ``n_trials`` finished
-    ones (or ``timeout_s`` passes); returns the finished count.
+    ones (or ``timeout_s`` passes); ``tally["done"]`` follows the finished count (what a
+    storage that stops answering leaves is known).
 
     ``n_trials`` holds for the whole study under concurrency: a batch asks only for what is
     left once the trials other workers are running are counted, and a trial that still
@@ -709,6 +791,7 @@ def _search_loop(study: optuna.Study, predictor: Predictor, space: SearchSpace,
         trials = study.get_trials(deepcopy=False)
         _absorb(trials, cache, params_of)
         done = sum(t.state in (TrialState.COMPLETE, TrialState.PRUNED) for t in trials)
+        tally["done"] = done
         if done >= n_trials:
             break
         if timeout_s is not None and time.perf_counter() - start > timeout_s:
@@ -753,15 +836,19 @@ def _search_loop(study: optuna.Study, predictor: Predictor, space: SearchSpace,
         fresh = list(dict.fromkeys(cfg for cfg, _ in drawn
                                    if cfg is not None and cfg not in cache))
         if fresh:
-            scored = evaluate(predictor, space, fresh, objective)
-            for cfg, (_, row) in zip(fresh, scored.iterrows()):
-                cache[cfg] = (float(row["objective"]),
-                              (float(row["violation_feasible"]), float(row["violation_memory"])))
+            rows = evaluate(predictor, space, fresh, objective)
+            scored.add(fresh, rows)
+            for cfg, value, feasible, memory in zip(
+                    fresh, rows["objective"].to_numpy(dtype=float),
+                    rows["violation_feasible"].to_numpy(dtype=float),
+                    rows["violation_memory"].to_numpy(dtype=float)):
+                cache[cfg] = (float(value), (float(feasible), float(memory)))
         for trial, (cfg, reason) in zip(asked, drawn):
             if cfg is None:
                 trial.set_user_attr(_REASON_ATTR, reason)
                 study.tell(trial, state=TrialState.PRUNED)
                 inflight.pop(trial.number, None)
+                tally["done"] += 1
                 continue
             value, violations = cache[cfg]
             params_of.setdefault(cfg, dict(trial.params))
@@ -776,6 +863,7 @@ def _search_loop(study: optuna.Study, predictor: Predictor, space: SearchSpace,
             trial.set_constraint("memory", violations[1])
             study.tell(trial, value)
             inflight.pop(trial.number, None)
+            tally["done"] += 1
         now = len(_finished(study))
         if bar is not None:
             top = max((value for value, viol in cache.values() if max(viol) <= 0),
@@ -783,8 +871,7 @@ def _search_loop(study: optuna.Study, predictor: Predictor, space: SearchSpace,
             bar.set_postfix_str("best feasible " + (f"{top:.4g}" if top is not None
                                                     else "none yet"), refresh=False)
             bar.update(max(0, min(now, n_trials) - bar.n))
-        done = now
-    return done
+        tally["done"] = now
 
 
 _WAIT_FOR_OTHERS_S = 0.5
@@ -937,21 +1024,47 @@ class _Heartbeat:
             self.thread.join(timeout=5)
 
 
-def _storage_error(exc: BaseException, where: str | None, done: int) -> None:
-    """Raise a one-line :class:`ConfigError` where ``exc`` says the study's database stopped
-    answering (else return, and the caller re-raises ``exc``)."""
+def _storage_failure(exc: BaseException) -> str | None:
+    """Why ``exc``, raised inside Optuna's storage code, says the study's storage stopped
+    recording, in one line: a database that cannot be reached, an error of the database
+    (Optuna's ``StorageInternalError``: a read-only or vanished SQLite file too), or a file
+    error (a journal file that can no longer be written); ``None`` for any other error."""
     import optuna
 
     from paratune.tracking import unreachable
 
+    if not _raised_in_storage(exc):  # the predictor's own errors are its own
+        return None
     reason = unreachable(exc)
-    if reason is None and not isinstance(exc, optuna.exceptions.StorageInternalError):
-        return
-    if reason is None:
+    if reason is not None:
+        return reason
+    if isinstance(exc, optuna.exceptions.StorageInternalError):
         cause = exc.__cause__ or exc.__context__ or exc
-        reason = next((line.strip() for line in str(cause).splitlines() if line.strip()),
-                      type(cause).__name__)[:200]
+        return next((line.strip() for line in str(cause).splitlines() if line.strip()),
+                    type(cause).__name__)[:200]
+    if isinstance(exc, OSError):
+        said = exc.strerror or type(exc).__name__
+        return f"{said}: {exc.filename}" if exc.filename else said
+    return None
+
+
+def _raised_in_storage(exc: BaseException) -> bool:
+    """Whether ``exc`` was raised inside Optuna's storage code."""
+    tb = exc.__traceback__
+    while tb is not None:
+        if str(tb.tb_frame.f_globals.get("__name__", "")).startswith("optuna.storages"):
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def _storage_error(exc: BaseException, where: str | None, done: int) -> None:
+    """Raise a one-line :class:`ConfigError` where ``exc`` says the study's storage stopped
+    answering (else return, and the caller re-raises ``exc``)."""
+    reason = _storage_failure(exc)
+    if reason is None:
+        return
     raise ConfigError("storage", where, f"stopped answering after {done} finished trials "
                       f"({_masked(reason, where or '')}): the trials told are kept in the "
-                      "study; start the database again and rerun the same command to resume"
+                      f"study; {_resume_hint(where)} and rerun the same command to resume"
                       ) from exc

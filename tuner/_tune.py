@@ -22,7 +22,13 @@ from paratune.space import ConfigSpace
 from paratune.spec import ModelSpec, get_model
 from paratune.tuner._export import recommendation, write_recommendation
 from paratune.tuner._objective import Objective, ObjectiveKind
-from paratune.tuner._search import SearchResult, exhaustive, optuna_search, predictor_identity
+from paratune.tuner._search import (
+    SearchResult,
+    StudyNotRecorded,
+    exhaustive,
+    optuna_search,
+    predictor_identity,
+)
 from paratune.tuner._space import SearchSpace, check_gpus
 
 if TYPE_CHECKING:
@@ -292,6 +298,10 @@ def tune(model: ModelSpec | str, gpus: int, gpu: HardwareSpec | str,
         A :class:`TuneResult`.
 
     Raises:
+        StudyNotRecorded: the study's storage stopped recording mid-search; the configs
+            evaluated were ranked and the recommendation written first (``on_ranked`` was
+            called, the MLflow run ends ``FAILED``, no verification ran), and the exception's
+            ``result`` is the :class:`TuneResult`.
         ConfigError: a bad argument (the message names it and the rule), e.g. ``gpus``
             that is not a positive integer.
     """
@@ -355,6 +365,8 @@ def tune(model: ModelSpec | str, gpus: int, gpu: HardwareSpec | str,
                      verify_where=where, risk_aware=risk_aware, risk_quantile=risk_quantile,
                      export_infeasible=export_infeasible, on_ranked=on_ranked,
                      progress=progress)
+    except StudyNotRecorded:  # its files are written: nothing to remove
+        raise
     except ConfigError:
         _remove_unused(journal, output if new_output else None)
         raise
@@ -403,14 +415,17 @@ def _tune(spec: ModelSpec, hw: HardwareSpec, gpus: int, predictor: Predictor | s
                             predictor_fingerprint=predictor_identity(pred),
                             gns=gns, storage=storage, study_name=study_name,
                             storage_dir=output, tracking_uri=tracking_uri, **options)
-        study = None
+        study, lost = None, None
         if search == "exhaustive":
             result = exhaustive(pred, search_space, obj)
         else:
-            result, study = optuna_search(pred, search_space, obj, n_trials=n_trials,
-                                          sampler=sampler, seed=seed, storage=storage,
-                                          study_name=study_name, storage_dir=output,
-                                          batch_size=batch_size, progress=progress)
+            try:
+                result, study = optuna_search(pred, search_space, obj, n_trials=n_trials,
+                                              sampler=sampler, seed=seed, storage=storage,
+                                              study_name=study_name, storage_dir=output,
+                                              batch_size=batch_size, progress=progress)
+            except StudyNotRecorded as exc:  # finish the work with what was evaluated
+                result, lost = exc.result, exc
         if result.ranked.empty:
             raise ConfigError("space", search_space.model.name,
                               "the search evaluated no valid config (every sample broke a rule)")
@@ -450,6 +465,12 @@ def _tune(spec: ModelSpec, hw: HardwareSpec, gpus: int, predictor: Predictor | s
             out.run_id = run.run_id if run.lost is None else None
         if on_ranked is not None:
             on_ranked(out)
+        if lost is not None:  # the files are written; the run ends FAILED, verification waits
+            files = ", ".join(str(p) for p in outputs.values())
+            kept = (f"the {len(result.ranked)} configs this search evaluated are ranked"
+                    + (f" and its recommendation written ({files})" if files else ""))
+            raise StudyNotRecorded(lost.where, done=lost.done, reason=lost.reason, result=out,
+                                   kept=kept) from lost
         if verify and verify_where == "here":
             from paratune.tuner._verify import verify_top_k
 
