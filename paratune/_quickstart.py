@@ -77,7 +77,7 @@ def quickstart(out: str | Path = "paratune-quickstart", *,
     from paratune.models._workflows import fit_model
     from paratune.profiler.campaign import CampaignSpec, run_campaign
     from paratune.spec import get_model
-    from paratune.tuner import tune
+    from paratune.tuner import OutputOptions, SearchOptions, TuneJob, tune
 
     # every argument is checked before the first stage: a bad one must not cost minutes
     if isinstance(verify, bool) or not isinstance(verify, int) or verify < 0:
@@ -125,12 +125,14 @@ def quickstart(out: str | Path = "paratune-quickstart", *,
     # The profiled grid is the space searched: the model interpolates between measurements.
     # The verification is the tune run's own (as with ``paratune tune --verify K``): its
     # params say verify=K and it holds verification.csv.
-    tuning = tune(model, gpus, "cpu", model_dir, search="exhaustive", space=spec.space,
-                  global_batch_sizes=list(spec.space.global_batch_sizes),
-                  output_dir=out / "recommendation", track=track, verify=verify,
-                  verify_options={"dataset": [campaign_dir], "warmup_steps": warmup_steps,
-                                  "measured_steps": measured_steps},
-                  on_ranked=ranked)
+    tuning = tune(
+        TuneJob(model=model, gpus=gpus, hardware="cpu", space=spec.space,
+                global_batch_sizes=list(spec.space.global_batch_sizes)),
+        search=SearchOptions(search="exhaustive", verify=verify, verify_options={
+            "dataset": [campaign_dir], "warmup_steps": warmup_steps,
+            "measured_steps": measured_steps}),
+        output=OutputOptions(output_dir=out / "recommendation", track=track, on_ranked=ranked),
+        predictor=model_dir)
     if verify:
         from paratune._table import format_table
 
@@ -158,7 +160,15 @@ def _goodput_stage(result: QuickstartResult, spec: Any, *, gpus: int, gns_steps:
     from paratune.parallel import ParallelConfig
     from paratune.profiler.campaign import run_campaign
     from paratune.profiler.gns import GNSJob, run_gns
-    from paratune.tuner import SearchSpace, load_trajectory, plan_phases, tune
+    from paratune.tuner import (
+        OutputOptions,
+        SearchOptions,
+        SearchSpace,
+        TuneJob,
+        load_trajectory,
+        plan_phases,
+        tune,
+    )
     from paratune.tuner._tune import load_predictor
 
     out, model, timings = result.out, spec.model, result.timings_s
@@ -195,10 +205,12 @@ def _goodput_stage(result: QuickstartResult, spec: Any, *, gpus: int, gns_steps:
         "measured B_noise")
     started = time.monotonic()
     options = options.replace(global_batch_sizes=GOODPUT_BATCHES)
-    result.goodput = tune(model, gpus, "cpu", model_dir, objective="goodput", gns=gns_path,
-                          search="exhaustive", space=options,
-                          global_batch_sizes=list(GOODPUT_BATCHES),
-                          output_dir=out / "recommendation-goodput", track=track)
+    result.goodput = tune(
+        TuneJob(model=model, gpus=gpus, hardware="cpu", space=options,
+                global_batch_sizes=list(GOODPUT_BATCHES)),
+        search=SearchOptions(objective="goodput", gns=gns_path, search="exhaustive"),
+        output=OutputOptions(output_dir=out / "recommendation-goodput", track=track),
+        predictor=model_dir)
     log(result.goodput.table(5))
     log("[goodput 3/3] training phases along the measured B_noise")
     trajectory = load_trajectory(gns_path)

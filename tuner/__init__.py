@@ -1,7 +1,9 @@
 """paratune.tuner: search global batch size and parallelism jointly against a learned model.
 
-``tune`` answers "this model on N devices: how should I run it?"; ``plan_phases`` turns a
-gradient-noise-scale trajectory into a schedule of training phases.
+``tune`` answers "this model on N devices: how should I run it?"; ``plan`` (over
+``plan_phases``) turns a gradient-noise-scale trajectory into a schedule of training phases.
+Both take a ``TuneJob`` and options requests (``SearchOptions``, ``PlanOptions``,
+``OutputOptions``).
 """
 
 from __future__ import annotations
@@ -16,10 +18,16 @@ __all__ = [
     "ClusterVerification",
     "Objective",
     "ObjectiveKind",
+    "OutputOptions",
     "Plan",
+    "PlanOptions",
+    "PlanOutcome",
+    "SearchOptions",
     "SearchResult",
     "SearchSpace",
+    "StudyNotRecorded",
     "Trajectory",
+    "TuneJob",
     "TuneResult",
     "default_batch_range",
     "effective_b_noise",
@@ -29,11 +37,13 @@ __all__ = [
     "law_trajectory",
     "load_trajectory",
     "lr_scale",
+    "make_sampler",
     "megatron_args",
     "megatron_command",
     "megatron_env",
     "optuna_search",
     "parse_batch_sizes",
+    "plan",
     "plan_launch",
     "plan_phases",
     "pollux_efficiency",
@@ -63,10 +73,13 @@ _WHERE = {
     "NOISE_LAWS": "gns_trajectory", "law_trajectory": "gns_trajectory",
     "LR_RULES": "_efficiency", "lr_scale": "_efficiency",
     "SAMPLERS": "_search", "SearchResult": "_search", "evaluate": "_search",
-    "exhaustive": "_search", "optuna_search": "_search",
+    "exhaustive": "_search", "optuna_search": "_search", "StudyNotRecorded": "_search",
     "SearchSpace": "_space", "parse_batch_sizes": "_space",
     "Trajectory": "gns_trajectory", "load_trajectory": "gns_trajectory",
     "TuneResult": "_tune", "tune": "_tune",
+    "TuneJob": "_requests", "SearchOptions": "_requests", "OutputOptions": "_requests",
+    "PlanOptions": "_plan_job", "PlanOutcome": "_plan_job", "plan": "_plan_job",
+    "make_sampler": "_samplers",
     "examples_to_target": "_efficiency", "pollux_efficiency": "_efficiency",
     "steps_to_target": "_efficiency", "time_to_target": "_efficiency",
     "megatron_args": "_export", "recommendation": "_export", "torchrun_command": "_export",

@@ -256,3 +256,44 @@ def test_a_database_stopped_mid_search_is_one_line_and_keeps_the_trials(postgres
     assert waited < 60, waited  # a bounded wait, not minutes
     postgres_cluster.start()  # what was told before is still there
     assert _states(storage).get("COMPLETE", 0) >= 4
+
+
+@pytest.mark.slow
+def test_a_tune_whose_database_stops_mid_search_finishes_its_own_work(saved_model, tmp_path,
+                                                                      postgres_cluster):
+    """``paratune tune --storage PG`` whose server stops mid-search: one error line naming
+    the storage, what failed and what to do, exit 2; before it the command ranks the configs
+    it evaluated, prints the table (saying the study was not fully recorded) and writes the
+    recommendation and launch files; its MLflow run ends FAILED."""
+    import mlflow
+
+    storage = postgres_cluster.url
+    tracking = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    env = dict(os.environ, OMP_NUM_THREADS="1", MLFLOW_TRACKING_URI=tracking)
+    command = [sys.executable, "-m", "paratune",
+               *_tune(saved_model, "--storage", storage, "--study-name", "shared",
+                      "--trials", "100000", "--batch-size", "2")]
+    tuning = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        assert _wait(lambda: _states(storage).get("COMPLETE", 0) >= 6, 120), _states(storage)
+        postgres_cluster.stop()
+        out, err = tuning.communicate(timeout=120)
+    finally:
+        if tuning.poll() is None:
+            tuning.kill()
+    assert tuning.returncode == 2, err
+    assert "Traceback" not in err, err
+    errors = [line for line in err.splitlines() if line.startswith("paratune tune: error:")]
+    assert len(errors) == 1, err
+    assert "--storage=" in errors[0] and "stopped answering" in errors[0]
+    assert "not fully recorded" in errors[0] and "start the database again" in errors[0]
+    assert "recommendation.json" in errors[0]
+    assert "winner:" in out and "vs_best" in out and "not fully recorded" in out
+    written = json.loads((tmp_path / "out" / "recommendation.json").read_text())
+    assert written["config"] and (tmp_path / "out" / "recommendation.yaml").is_file()
+    client = mlflow.MlflowClient(tracking_uri=tracking)
+    runs = client.search_runs([client.get_experiment_by_name("paratune-tune").experiment_id])
+    assert [run.info.status for run in runs] == ["FAILED"]
+    postgres_cluster.start()  # what was told before is still there
+    assert _states(storage).get("COMPLETE", 0) >= 6
