@@ -124,7 +124,8 @@ def tune(job: TuneJob | ModelSpec | str, *args: Any, search: SearchOptions | Non
     for real and the model refitted: here (:func:`paratune.tuner.verify_top_k`) or on the
     cluster (:func:`paratune.tuner.verify_on_cluster`); ``search.risk_aware`` ``None`` ranks
     by the risk-aware expectation where the search asks the model beyond its training data
-    (:func:`extrapolation_warnings`) and no ``risk_quantile`` is given.
+    (:func:`extrapolation_warnings`, or a ranked config the model predicts beyond its fitted
+    ranges: a larger model too) and no ``risk_quantile`` is given.
 
     Returns:
         A :class:`TuneResult`.
@@ -323,10 +324,18 @@ def _search(problem: _Problem, predictor: Predictor, study: optuna.Study | None
     return result, study, None
 
 
+def _extrapolates(ranked: pd.DataFrame) -> bool:
+    """Whether the model predicts any ranked config beyond the ranges it was fitted on
+    (a larger model, more devices, more tokens per step: ``pred_extrapolation_doublings``)."""
+    column = "pred_extrapolation_doublings"
+    return column in ranked.columns and bool((ranked[column].fillna(0.0) > 0).any())
+
+
 def _rerank(problem: _Problem, result: SearchResult, *, risk_aware: bool | None,
             beyond: bool) -> None:
     if risk_aware is None:
-        risk_aware = beyond and problem.search.risk_quantile is None
+        risk_aware = ((beyond or _extrapolates(result.ranked))
+                      and problem.search.risk_quantile is None)
     if risk_aware:
         from paratune.tuner._verify import risk_aware_ranking
 

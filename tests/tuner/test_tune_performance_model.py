@@ -71,3 +71,22 @@ def test_tune_run_names_the_predictor_and_its_training_data(saved_model, tmp_pat
     params = client.get_run(from_object.run_id).data.params
     assert params["predictor"] == "PerformanceModel"
     assert params["predictor_fingerprint"] == loaded.fingerprint_
+
+
+def test_a_model_larger_than_any_fitted_is_ranked_risk_aware(saved_model, tmp_path):
+    # fitted on llama3 1B-8B: the 8B job interpolates and ranks by the expected throughput;
+    # a 70B job on the same devices is beyond the fitted model sizes, and tune ranks it by
+    # the risk-aware expectation (without being told), as the extrapolation splits score it
+    options = ConfigSpace(micro_batch_sizes=(1, 2), recomputes=("none", "full"))
+    runs = {}
+    for name in ("llama3-8b", "llama3-70b"):
+        spec = get_model(name, seq_len=4096)
+        runs[name] = tune(spec, 16, "H100", saved_model, objective="throughput",
+                          global_batch_sizes=[64], space=options, search="exhaustive",
+                          output_dir=tmp_path / name, top_k=3, track=False)
+    inside = runs["llama3-8b"].search
+    beyond = runs["llama3-70b"].search
+    assert (inside.ranked["pred_extrapolation_doublings"].fillna(0) == 0).all()
+    assert not inside.risk_aware
+    assert (beyond.ranked["pred_extrapolation_doublings"] > 0).any()
+    assert beyond.risk_aware
