@@ -160,7 +160,7 @@ class SearchResult:
                          "threshold, or memory over the limit); ranked after every feasible "
                          "config, no vs_best")
         if self.storage_lost is not None:
-            notes.append(f"the study was not fully recorded ({self.storage_lost}): ranked "
+            notes.append(f"the study was not fully recorded: {self.storage_lost}; ranked "
                          f"here are the {len(self.ranked)} configs this search evaluated")
         return "\n".join([format_table(rows, title=title, floatfmt=".4g"), *notes])
 

@@ -321,7 +321,7 @@ class StudyNotRecorded(ConfigError):
                  kept: str = "the configs this search evaluated are still ranked") -> None:
         self.where, self.done, self.reason, self.result = where, done, reason, result
         super().__init__("storage", where, (
-            f"stopped answering after {done} finished trials ({reason}): the study holds only "
+            f"stopped answering after {done} finished trials: {reason}; the study holds only "
             f"the trials told before and was not fully recorded; {kept}; "
             f"{_resume_hint(where)} and rerun the same command to resume"))
 
