@@ -13,6 +13,7 @@ from paratune.errors import DatasetError
 from paratune.models import features as F
 from paratune.models._base import PRED_STALL_PROB, _catalogue_names, source_family
 from paratune.models._data import measured_step_time
+from paratune.models._feature_columns import _lookup
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -240,14 +241,14 @@ class _Ranges:
         warning = np.full(len(step), "", dtype=object)
         beyond = dist > 0
         if beyond.any():
-            warning[beyond] = F._lookup(
+            warning[beyond] = _lookup(
                 np.round(dist[beyond], 1),
                 lambda d: "" if d is None else (
                     f"beyond the fitted model, cluster and batch sizes by {d:.1f} "
                     "doublings: interval widened"), dtype=object)
         fresh = unknown & ~calibrated
         if fresh.any():
-            warning[fresh] = F._lookup(
+            warning[fresh] = _lookup(
                 families[fresh],
                 lambda f: "" if f is None else (
                     f"no measurement of family {f}: predicted from other families' runs, "
