@@ -48,7 +48,7 @@ from paratune.models._data import (
     training_fingerprint,
 )
 from paratune.models._persistence import SCHEMA_VERSION, _Persistence
-from paratune.models._ranges import _Ranges
+from paratune.models._ranges import _Ranges, _StepTimes
 from paratune.models._stall_regime import _StallRegime
 from paratune.predictor import PRED_TOKENS_EXPECTED, PRED_TOKENS_PER_SEC_PER_GPU
 
@@ -398,10 +398,11 @@ class PerformanceModel(_Persistence, _StallRegime, _Ranges, _Base):
         if self.stall_ is not None:
             prob, step, lo, hi, expected = self._blend_stall(
                 c, X, seen, self._stall_free(len(X), *origin), step, lo, hi, where)
-        step, lo, hi, expected, distance, warning = self._extrapolate(
-            frame, c, analytical, step, lo, hi, expected, prob, where)
+        times, distance, warning = self._extrapolate(
+            frame, c, analytical, _StepTimes(step, lo, hi, expected), prob, where)
         memory = self._memory_gb(X, analytical)
-        return {"step": step, "step_lo": lo, "step_hi": hi, "step_expected": expected,
+        return {"step": times.step, "step_lo": times.lo, "step_hi": times.hi,
+                "step_expected": times.expected,
                 "stall_prob": prob, "memory": memory,
                 "feasible": self._feasible(X, memory, c.memory_gb),
                 "distance": distance, "warning": warning}
