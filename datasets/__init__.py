@@ -10,6 +10,7 @@ from typing import Any
 
 # name -> module that defines it
 _LAZY = {
+    "CARD_METADATA_KEY": "paratune.datasets._store",
     "Dataset": "paratune.datasets._store",
     "DatasetCard": "paratune.datasets.schema",
     "SCHEMA_VERSION": "paratune.datasets.schema",

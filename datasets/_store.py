@@ -53,10 +53,11 @@ if TYPE_CHECKING:
     import pandas as pd
     import pyarrow as pa
 
-__all__ = ["Dataset", "DatasetExistsError", "holds_data", "read_dataset",
+__all__ = ["CARD_METADATA_KEY", "Dataset", "DatasetExistsError", "holds_data", "read_dataset",
            "read_datasets", "records_to_frame", "summarise_dataset", "write_dataset"]
 
-_CARD_META_KEY = b"paratune.card"
+CARD_METADATA_KEY = b"paratune.card"
+"""Key of the parquet schema metadata that holds a dataset file's embedded card (JSON)."""
 _DATA_PREFIX = "measurements-"
 LOCK_FILE = ".dataset.lock"
 """Lock file inside a dataset directory, held while a write replaces the data and card."""
@@ -148,7 +149,7 @@ def write_dataset(path: str | Path, records_or_frame: Any, *,
     card.data_sha256 = ""
     embedded = json.dumps(card.to_dict(), default=str, sort_keys=True).encode()
     table = table.replace_schema_metadata({**(table.schema.metadata or {}),
-                                           _CARD_META_KEY: embedded})
+                                           CARD_METADATA_KEY: embedded})
     import pyarrow as pa
 
     sink = pa.BufferOutputStream()
@@ -363,11 +364,11 @@ def _read_lone_parquet(path: Path) -> Dataset:
     except Exception as exc:  # pyarrow raises several types for a bad footer
         raise DatasetError(f"{where}: not a readable parquet file (truncated or corrupt: "
                            f"{exc})") from None
-    if _CARD_META_KEY not in metadata:
+    if CARD_METADATA_KEY not in metadata:
         raise DatasetError(f"{where}: not a paratune dataset (no paratune card in its "
                            f"metadata)")
     try:
-        card_data = json.loads(metadata[_CARD_META_KEY])
+        card_data = json.loads(metadata[CARD_METADATA_KEY])
     except json.JSONDecodeError as exc:
         raise DatasetError(f"{where}: the embedded card is not valid JSON ({exc})") from None
     card = DatasetCard.from_dict(card_data, where=where)

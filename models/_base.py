@@ -17,6 +17,7 @@ from sklearn.base import BaseEstimator
 from paratune.errors import ModelFormatError
 from paratune.models import features as F
 from paratune.models._data import measured_step_time
+from paratune.models._feature_columns import _lookup
 from paratune.predictor import (
     PRED_FEASIBLE_PROB,
     PRED_PEAK_MEM_GB,
@@ -59,7 +60,7 @@ def _catalogue_names(names: Any) -> np.ndarray:
         except ConfigError:
             return str(name)
 
-    return F._lookup(names, canonical, dtype=object)
+    return _lookup(names, canonical, dtype=object)
 
 
 def training_ranges(frame: pd.DataFrame) -> dict[str, dict[str, list[int]]]:

@@ -121,11 +121,11 @@ def _predict(args: argparse.Namespace) -> int:
 
 
 def _evaluate(args: argparse.Namespace) -> int:
-    from paratune.models._workflows import evaluate_model, plot_path
+    from paratune.models._workflows import EvaluationSpec, evaluate_model, plot_path
 
-    result, run_id = evaluate_model(args.data, split=args.split, baselines=args.baselines,
-                                    n_estimators=args.n_estimators, plot=args.plot,
-                                    folds=args.folds,
+    spec = EvaluationSpec(split=args.split, baselines=args.baselines,
+                          n_estimators=args.n_estimators, folds=args.folds)
+    result, run_id = evaluate_model(args.data, spec, plot=args.plot,
                                     experiment=None if args.no_track else args.experiment,
                                     progress=False if args.no_progress else None)
     print(result.table())

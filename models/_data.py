@@ -122,15 +122,14 @@ def _read_parquet_rows(path: Path) -> pd.DataFrame:
     version checked by :func:`paratune.datasets.read_dataset`), else plain measurement rows."""
     import pyarrow.parquet as pq
 
-    from paratune.datasets import read_dataset
-    from paratune.datasets._store import _CARD_META_KEY
+    from paratune.datasets import CARD_METADATA_KEY, read_dataset
 
     try:
         metadata = pq.read_schema(path).metadata or {}
     except Exception as exc:  # pyarrow raises several types for a bad footer
         raise DatasetError(f"{path}: not a readable parquet file (truncated or corrupt: "
                            f"{exc})") from None
-    if _CARD_META_KEY in metadata:
+    if CARD_METADATA_KEY in metadata:
         return read_dataset(path).frame.copy()
     import pandas as pd
 

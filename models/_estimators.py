@@ -48,7 +48,7 @@ from paratune.models._data import (
     training_fingerprint,
 )
 from paratune.models._persistence import SCHEMA_VERSION, _Persistence
-from paratune.models._ranges import _Ranges
+from paratune.models._ranges import _Ranges, _StepTimes
 from paratune.models._stall_regime import _StallRegime
 from paratune.predictor import PRED_TOKENS_EXPECTED, PRED_TOKENS_PER_SEC_PER_GPU
 
@@ -83,8 +83,6 @@ importable from here as before."""
 
 _TRANSFER_COLUMNS = np.asarray([F.FEATURE_NAMES.index(name) for name in F.TRANSFER_FEATURE_NAMES])
 _MEMORY_COLUMNS = np.asarray([F.FEATURE_NAMES.index(name) for name in F.MEMORY_FEATURE_NAMES])
-_STALL_MONOTONE = "({})".format(",".join(str(F.STALL_MONOTONE.get(name, 0))
-                                           for name in F.STALL_FEATURE_NAMES))
 _MEMORY_MONOTONE = "({})".format(",".join(str(F.MEMORY_MONOTONE.get(name, 0))
                                           for name in F.MEMORY_FEATURE_NAMES))
 
@@ -246,8 +244,6 @@ class PerformanceModel(_Persistence, _StallRegime, _Ranges, _Base):
             DatasetError: no successful measurement with a step time to learn from.
             ConfigError: ``quantiles`` is not a pair of probabilities around the median.
         """
-        import xgboost as xgb
-
         self._check_quantiles()
         frame = canonical_order(frame)
         c = F.Columns(frame)
@@ -255,50 +251,36 @@ class PerformanceModel(_Persistence, _StallRegime, _Ranges, _Base):
         usable = np.asarray(analytical["error"] == "") & np.isfinite(
             analytical["step_time_s"]) & (analytical["step_time_s"] > 0)
         step = measured_step_time(frame)
-        has_time = usable & np.isfinite(step)
-        if not has_time.any():
+        timed = usable & np.isfinite(step)
+        if not timed.any():
             raise DatasetError("no successful measurement with a step time on known hardware")
         y = np.log(step / analytical["step_time_s"])
         keys = F.model_keys(c)
-        self.seen_models_ = sorted(str(k) for k in np.unique(keys[has_time]))
-        transfer = _TRANSFER_COLUMNS
-        # Stalled pipeline runs are a regime of their own (a fixed cost per micro-batch); the
-        # step-time models learn the normal regime without them where there are enough to
-        # learn the stalled one apart.
-        stalled = has_time & F.stalled_pipeline(c, step)
-        pipeline = has_time & (c.pp > 1) & c.accelerator
+        self.seen_models_ = sorted(str(k) for k in np.unique(keys[timed]))
         families = source_family(frame)
         hardware = _catalogue_names(frame["hardware"])
-        timed = has_time  # has_time is rebound below, never changed in place
-        self.stall_ = self.stall_transfer_ = None
-        # the classifier needs pipeline runs of both regimes; the step-time models some
-        # runs that did not stall
-        if (stalled.sum() >= self.min_stall_rows and (pipeline & ~stalled).any()
-                and (has_time & ~stalled).any()):
-            per_micro = np.log(step / F.num_microbatches(c))
-            self.stall_ = self._fit_stall(X, pipeline, stalled, per_micro)
-            # for a model not trained on, the regime's physics alone (compute per device
-            # per step and per micro-batch, nodes): nothing that names a model size
-            self.stall_transfer_ = self._fit_stall(
-                F.stall_features(c), pipeline, stalled, per_micro,
-                monotone=_STALL_MONOTONE)
-            has_time = has_time & ~stalled
-        self.num_stall_rows_ = int(stalled.sum()) if self.stall_ is not None else 0
-        # Stalling is a property of how a framework runs its pipelines (of nanotron's in the
-        # public H100 sweep), not of pipelines as such: a family (see :func:`source_family`)
-        # with enough pipeline runs and not one stalled does not show the regime, and its
-        # configurations are not given another family's stall probability where they leave
-        # the layouts it was measured on (more nodes, deeper pipelines).
-        self.pipeline_runs_ = {str(f): [int((pipeline & (families == f)).sum()),
-                                        int((stalled & (families == f)).sum())]
-                               for f in np.unique(families[pipeline])}
-        self.stall_free_families_ = sorted(
-            f for f, (runs, stalls) in self.pipeline_runs_.items()
-            if self.stall_ is not None and runs >= self.min_stall_rows and stalls == 0)
-        # a row without a source: by its hardware, where every run on it is of such a family
-        self.stall_free_hardware_ = sorted(
-            str(name) for name in np.unique(hardware[timed])
-            if np.isin(families[timed & (hardware == name)], self.stall_free_families_).all())
+        # the runs of the normal regime (the timed ones, less the stalled where it is learned)
+        has_time = self._fit_stall_regime(c, X, step, timed, families, hardware)
+        self._fit_step_time(X, y, has_time, keys, families, hardware)
+        has_mem = self._fit_memory(frame, X, analytical, usable)
+        table = self._fit_feasibility(frame, usable)
+        self.num_train_rows_ = len(frame)
+        self.num_time_rows_ = int(has_time.sum()) + self.num_stall_rows_
+        self.num_memory_rows_ = int(has_mem.sum())
+        self.num_feasibility_rows_ = len(table)
+        self.fingerprint_ = training_fingerprint(frame)
+        self.training_ranges_ = training_ranges(frame)
+        sources = frame["source"].astype(str) if "source" in frame.columns else None
+        self.sources_ = sorted(sources.unique().tolist()) if sources is not None else []
+        self.family_offsets_ = {}
+        self._fit_core(c, analytical, families, has_time, step)
+        self._fit_widening(frame, families, timed, step)
+        return self
+
+    def _fit_step_time(self, X: np.ndarray, y: np.ndarray, has_time: np.ndarray,
+                       keys: np.ndarray, families: np.ndarray, hardware: np.ndarray) -> None:
+        """The step-time models: overall, for unseen models, and per measurement family."""
+        transfer = _TRANSFER_COLUMNS
         self.throughput_, self.refine_, self.quantile_ = self._fit_time(X[has_time],
                                                                         y[has_time])
         self.transfer_ = self._fit_time(X[has_time][:, transfer], y[has_time])
@@ -325,6 +307,10 @@ class PerformanceModel(_Persistence, _StallRegime, _Ranges, _Base):
             if len(seen) == 1 and str(seen[0]) in self.families_:
                 self.hardware_family_[str(name)] = str(seen[0])
 
+    def _fit_memory(self, frame: pd.DataFrame, X: np.ndarray, analytical: dict[str, Any],
+                    usable: np.ndarray) -> np.ndarray:
+        """The peak-memory correction (with ten runs or more that report memory); returns
+        the rows it learned from."""
         mem = measured_memory_gb(frame)
         has_mem = usable & np.isfinite(mem)
         self.memory_ = None
@@ -333,6 +319,12 @@ class PerformanceModel(_Persistence, _StallRegime, _Ranges, _Base):
             self.memory_ = _xgb_regressor(
                 self._booster_params(aux=True), objective="reg:absoluteerror",
                 monotone_constraints=_MEMORY_MONOTONE).fit(X[has_mem][:, _MEMORY_COLUMNS], y_mem)
+        return has_mem
+
+    def _fit_feasibility(self, frame: pd.DataFrame, usable: np.ndarray) -> pd.DataFrame:
+        """The feasibility classifier (where configurations both ran and failed); returns the
+        per-configuration table it learned from."""
+        import xgboost as xgb
 
         table = feasibility_table(frame[usable].reset_index(drop=True))
         labels = table["feasible"].to_numpy()
@@ -342,18 +334,8 @@ class PerformanceModel(_Persistence, _StallRegime, _Ranges, _Base):
             self.feasibility_ = xgb.XGBClassifier(
                 tree_method="hist", objective="binary:logistic",
                 **self._classifier_params(labels)).fit(Xf, labels)
-        self.num_train_rows_ = len(frame)
-        self.num_time_rows_ = int(has_time.sum()) + self.num_stall_rows_
-        self.num_memory_rows_ = int(has_mem.sum())
-        self.num_feasibility_rows_ = len(table)
-        self.fingerprint_ = training_fingerprint(frame)
-        self.training_ranges_ = training_ranges(frame)
-        sources = frame["source"].astype(str) if "source" in frame.columns else None
-        self.sources_ = sorted(sources.unique().tolist()) if sources is not None else []
-        self.family_offsets_ = {}
-        self._fit_core(c, analytical, families, has_time, step)
-        self._fit_widening(frame, families, timed, step)
-        return self
+        return table
+
     def _fit_time(self, X: np.ndarray, y: np.ndarray) -> tuple[Any, Any, Any]:
         """Median booster, clipped refinement and quantile booster of the log time ratio."""
         median = _xgb_regressor(self._booster_params(),
@@ -392,16 +374,47 @@ class PerformanceModel(_Persistence, _StallRegime, _Ranges, _Base):
         import pandas as pd
 
         base = analytical["step_time_s"]
-        ratio = np.zeros(len(X))
-        bounds = np.zeros((len(X), 2))
         # a model of one family, with none held free of stalls, goes by neither
         origin = (self._origin(frame) if self.families_ or self.stall_free_families_
                   else (None, None))
-        route = self._route(len(X), *origin)
         # configurations of a model in the training data (of any family, for the stalled
         # regime; of the row's family, for its family's step-time model)
         keys = F.model_keys(c)
         seen = pd.Series(keys).isin(self.seen_models_).to_numpy()
+        ratio, bounds = self._time_ratio(X, keys, seen, self._route(len(X), *origin))
+        step = base * np.exp(ratio)
+        lo = base * np.exp(np.minimum(bounds[:, 0], ratio))
+        # the learned lower bound knows no physics: no step on an accelerator is faster than
+        # its model FLOPs at the device's peak (100% MFU)
+        lo = np.minimum(np.maximum(lo, np.where(c.accelerator, F.step_time_at_mfu(c), 0.0)),
+                        step)
+        hi = base * np.exp(np.maximum(bounds[:, -1], ratio))
+        expected = step
+        # each row's family and doublings beyond the training ranges, once
+        where = self._distance(frame, c)
+        # without a learned stalled regime the model cannot tell its probability: NaN, as
+        # from predictors that do not model it (not 0, which would claim it never stalls)
+        prob = np.full(len(X), np.nan)
+        if self.stall_ is not None:
+            prob, step, lo, hi, expected = self._blend_stall(
+                c, X, seen, self._stall_free(len(X), *origin), step, lo, hi, where)
+        times, distance, warning = self._extrapolate(
+            frame, c, analytical, _StepTimes(step, lo, hi, expected), prob, where)
+        memory = self._memory_gb(X, analytical)
+        return {"step": times.step, "step_lo": times.lo, "step_hi": times.hi,
+                "step_expected": times.expected,
+                "stall_prob": prob, "memory": memory,
+                "feasible": self._feasible(X, memory, c.memory_gb),
+                "distance": distance, "warning": warning}
+
+    def _time_ratio(self, X: np.ndarray, keys: np.ndarray, seen: np.ndarray,
+                    route: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The log ratio of step time to the analytical estimate and its quantile bounds,
+        each row by its family's model (or the overall one), seen or transfer."""
+        import pandas as pd
+
+        ratio = np.zeros(len(X))
+        bounds = np.zeros((len(X), 2))
         for family in np.unique(route):
             in_family = (seen if not family
                          else pd.Series(keys).isin(self.family_seen_[family]).to_numpy())
@@ -420,66 +433,21 @@ class PerformanceModel(_Persistence, _StallRegime, _Ranges, _Base):
                 ratio[rows] = median.predict(Xr) + refine.predict(Xr)
                 q = np.asarray(quantile.predict(Xr)).reshape(int(rows.sum()), -1)
                 bounds[rows] = q[:, [0, -1]]
-        step = base * np.exp(ratio)
-        lo = base * np.exp(np.minimum(bounds[:, 0], ratio))
-        # the learned lower bound knows no physics: no step on an accelerator is faster than
-        # its model FLOPs at the device's peak (100% MFU)
-        lo = np.minimum(np.maximum(lo, np.where(c.accelerator, F.step_time_at_mfu(c), 0.0)),
-                        step)
-        hi = base * np.exp(np.maximum(bounds[:, -1], ratio))
-        expected = step
-        # each row's family and doublings beyond the training ranges, once
-        where = self._distance(frame, c)
-        # without a learned stalled regime the model cannot tell its probability: NaN, as
-        # from predictors that do not model it (not 0, which would claim it never stalls)
-        prob = np.full(len(X), np.nan)
-        if self.stall_ is not None:
-            prob, stall, stall_lo, stall_hi = self._stall(
-                c, X, F.stall_features(c), seen,
-                self._stall_free(len(X), *origin))
-            # the stall is a fixed cost per micro-batch: where the normal regime's step
-            # already takes longer than the learned stalled one, that cost hides behind the
-            # compute and the regime vanishes
-            prob = np.where(stall <= step, 0.0, prob)
-            # a stalled run is by definition slower than the stall thresholds, and no faster
-            # than the same configuration not stalling: for a model larger than any trained
-            # on, the learned cost per micro-batch alone can fall below its normal step
-            floor = np.maximum(F.stall_floor_s(c), step)
-            stall, stall_lo, stall_hi = (np.maximum(t, floor)
-                                         for t in (stall, stall_lo, stall_hi))
-            # the more likely regime is the point prediction; the expected time weighs both
-            expected = np.where(prob > 0, (1.0 - prob) * step + prob * stall, step)
-            lower, upper = self.quantiles[0], self.quantiles[-1]
-            # where stalling is likelier than the upper quantile's tail, that quantile of the
-            # step time lies in the stalled regime (and the lower one where it is likelier
-            # than the lower quantile's complement)
-            # beyond the fitted ranges the classifier's probability is no guide (it has
-            # called deep pipelines of larger models both ways): the slow end of the interval
-            # holds the stalled regime wherever the family stalls at all
-            unsure = (sum(where[1].values()) > 0) & (prob > 0)
-            hi = np.where((prob > 1.0 - upper) | unsure, np.maximum(hi, stall_hi), hi)
-            lo = np.where(prob > 1.0 - lower, np.minimum(lo, stall_lo), lo)
-            step = np.where(prob > 0.5, stall, step)
-            lo, hi = np.minimum(lo, step), np.maximum(hi, step)
-        step, lo, hi, expected, distance, warning = self._extrapolate(
-            frame, c, analytical, step, lo, hi, expected, prob, where)
-        memory = self._memory_gb(X, analytical)
-        capacity = c.memory_gb
+        return ratio, bounds
+
+    def _feasible(self, X: np.ndarray, memory: np.ndarray, capacity: np.ndarray
+                  ) -> np.ndarray:
+        """The probability that each configuration runs (fits in memory)."""
         known = np.isfinite(capacity) & (capacity > 0)
         if self.feasibility_ is not None:
             # the classifier learned from devices with a memory size; where none is
             # catalogued (the CPU) no memory limit is known, as without a classifier
             learned = self.feasibility_.predict_proba(self._augment(X, memory,
                                                                     capacity))[:, 1]
-            feasible = np.where(known, learned, 1.0)
-        else:
-            # no failed runs to learn from: the memory estimate alone; no memory limit is
-            # known for uncatalogued device memory (the CPU)
-            feasible = np.where(known, _memory_rule(memory, capacity), 1.0)
-        return {"step": step, "step_lo": lo, "step_hi": hi, "step_expected": expected,
-                "stall_prob": prob, "memory": memory, "feasible": feasible,
-                "distance": distance, "warning": warning}
-
+            return np.where(known, learned, 1.0)
+        # no failed runs to learn from: the memory estimate alone; no memory limit is
+        # known for uncatalogued device memory (the CPU)
+        return np.where(known, _memory_rule(memory, capacity), 1.0)
 
 def load_model(path: str | Path) -> PerformanceModel:
     """Load a :class:`PerformanceModel` saved with :meth:`PerformanceModel.save`."""

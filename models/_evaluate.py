@@ -25,7 +25,6 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -37,6 +36,13 @@ from paratune.models._data import (
     feasibility_table,
     measured_memory_gb,
     measured_step_time,
+)
+from paratune.models._evaluate_report import (
+    EXTRAPOLATION_COLUMNS,
+    _family,
+    extrapolation_table,
+    plot_predictions,
+    summary_table,
 )
 from paratune.models._splits import EXTRAPOLATION_SPLITS, extrapolation_split
 from paratune.predictor import PRED_TOKENS_EXPECTED
@@ -50,13 +56,6 @@ __all__ = ["ANATOMY_GROUPS", "EXTRAPOLATION_COLUMNS", "SPLITS", "EvaluationResul
 
 SPLITS = ("random", "cluster", "model", *EXTRAPOLATION_SPLITS)
 _GROUP = ("model_name", "world_size", "hardware")
-
-
-def _family(frame: pd.DataFrame) -> pd.Series:
-    """The measurement source of each row (hardware when no source is recorded)."""
-    if "source" in frame.columns:
-        return frame["source"].astype(str)
-    return frame["hardware"].astype(str)
 
 
 def _train_test_folds(frame: pd.DataFrame, split: str, *, n_splits: int, random_state: int
@@ -165,21 +164,48 @@ def metrics(frame: pd.DataFrame, predictions: pd.DataFrame) -> dict[str, float]:
     step = measured_step_time(frame)
     pred_step = np.asarray(predictions["pred_step_time_s"], dtype=float)
     ok = np.isfinite(step) & np.isfinite(pred_step)
-    # tokens/s per device is inversely proportional to step time for a given row
-    ape = np.abs(step[ok] / pred_step[ok] - 1.0)
-    ape_step = np.abs(pred_step[ok] / step[ok] - 1.0)
     out: dict[str, float] = {"n": float(ok.sum())}
-    out["mape"] = float(ape.mean()) if ok.any() else np.nan
-    out["mdape"] = float(np.median(ape)) if ok.any() else np.nan
-    out["mape_step"] = float(ape_step.mean()) if ok.any() else np.nan
-    out["mdape_step"] = float(np.median(ape_step)) if ok.any() else np.nan
+    out.update(_error_figures(step[ok], pred_step[ok]))
     c_world = np.asarray(frame["world_size"], dtype=float)
     tokens = np.asarray(frame["global_batch_size"], dtype=float) * np.asarray(
         frame["seq_len"], dtype=float)
     measured_tps = tokens / (step * c_world)
     predicted_tps = tokens / (pred_step * c_world)
     out["spearman"] = _spearman(measured_tps[ok], predicted_tps[ok])
-    regrets, rhos = [], []
+    choice, rhos = _choice_figures(frame, predictions, ok, measured_tps, predicted_tps)
+    out.update(choice)
+    out["ratio_median"] = (float(np.median(predicted_tps[ok] / measured_tps[ok])) if ok.any()
+                           else np.nan)
+    out["coverage"] = _coverage(predictions, ok, measured_tps[ok])
+    out["spearman_group"] = float(np.nanmean(rhos)) if np.isfinite(rhos).any() else np.nan
+    out["mdape_mem"] = _memory_mdape(frame, predictions)
+    out.update(_feasibility_figures(frame, predictions))
+    out.update(_stall_figures(frame, predictions, ok, step))
+    return out
+
+
+def _error_figures(step: np.ndarray, pred_step: np.ndarray) -> dict[str, float]:
+    """MAPE and MdAPE of throughput and of step time over the timed rows."""
+    # tokens/s per device is inversely proportional to step time for a given row
+    ape = np.abs(step / pred_step - 1.0)
+    ape_step = np.abs(pred_step / step - 1.0)
+    some = len(step) > 0
+    return {"mape": float(ape.mean()) if some else np.nan,
+            "mdape": float(np.median(ape)) if some else np.nan,
+            "mape_step": float(ape_step.mean()) if some else np.nan,
+            "mdape_step": float(np.median(ape_step)) if some else np.nan}
+
+
+def _throughput_quantile_columns(predictions: pd.DataFrame) -> list[str]:
+    """The predicted throughput quantile columns, lowest first (q10, q90 by default)."""
+    return sorted(c for c in predictions.columns
+                  if re.fullmatch(r"pred_tokens_per_sec_per_gpu_q\d\d", str(c)))
+
+
+def _choice_figures(frame: pd.DataFrame, predictions: pd.DataFrame, ok: np.ndarray,
+                    measured_tps: np.ndarray, predicted_tps: np.ndarray
+                    ) -> tuple[dict[str, float], list[float]]:
+    """The regret figures of the top-1 / top-5 choices per group, and each group's Spearman."""
     # Candidates of a top-1 choice: the held-out configurations of one (model, cluster) group
     # in one fold, as a model choosing among configurations it has not seen would.
     group = [*_GROUP, "fold"] if "fold" in frame.columns else list(_GROUP)
@@ -192,10 +218,10 @@ def metrics(frame: pd.DataFrame, predictions: pd.DataFrame) -> dict[str, float]:
         ranked = np.asarray(predictions[PRED_TOKENS_EXPECTED], dtype=float)[ok]
         p_ok = np.where(np.isfinite(ranked), ranked, p_ok)
     # the lower throughput quantile, whatever the model's quantiles (q10 by default)
-    lower = sorted(c for c in predictions.columns
-                   if re.fullmatch(r"pred_tokens_per_sec_per_gpu_q\d\d", str(c)))
+    lower = _throughput_quantile_columns(predictions)
     cautious = (np.asarray(predictions[lower[0]], dtype=float)[ok] if lower else None)
     risky = risk_aware_throughput(p_ok, cautious) if cautious is not None else None
+    regrets, rhos = [], []
     cautious_regrets, top5_regrets, risk_regrets, risk_top5 = [], [], [], []
     for key in np.unique(keys):
         sel = keys == key
@@ -212,6 +238,7 @@ def metrics(frame: pd.DataFrame, predictions: pd.DataFrame) -> dict[str, float]:
             order = np.argsort(-np.nan_to_num(risky[sel], nan=-np.inf), kind="stable")
             risk_regrets.append(m_ok[sel].max() / m_ok[sel][order[0]] - 1.0)
             risk_top5.append(m_ok[sel].max() / m_ok[sel][order[:5]].max() - 1.0)
+    out: dict[str, float] = {}
     out["regret_mean"] = float(np.mean(regrets)) if regrets else np.nan
     out["regret_max"] = float(np.max(regrets)) if regrets else np.nan
     # a few choices that stalled 10x decide the mean; the median and the share of groups
@@ -225,33 +252,47 @@ def metrics(frame: pd.DataFrame, predictions: pd.DataFrame) -> dict[str, float]:
     # the ranking ``tune`` switches to where it sees the model extrapolate
     out["regret_risk_mean"] = float(np.mean(risk_regrets)) if risk_regrets else np.nan
     out["regret_risk_top5_mean"] = float(np.mean(risk_top5)) if risk_top5 else np.nan
-    out["ratio_median"] = (float(np.median(predicted_tps[ok] / measured_tps[ok])) if ok.any()
-                           else np.nan)
-    upper = sorted(c for c in predictions.columns
-                   if re.fullmatch(r"pred_tokens_per_sec_per_gpu_q\d\d", str(c)))
-    out["coverage"] = np.nan
-    if len(upper) >= 2 and ok.any():
-        lo_q = np.asarray(predictions[upper[0]], dtype=float)[ok]
-        hi_q = np.asarray(predictions[upper[-1]], dtype=float)[ok]
-        inside = (m_ok >= lo_q) & (m_ok <= hi_q)
-        out["coverage"] = float(np.mean(inside))
-    out["spearman_group"] = float(np.nanmean(rhos)) if np.isfinite(rhos).any() else np.nan
-    # peak memory, where both the run and the predictor say it
+    return out, rhos
+
+
+def _coverage(predictions: pd.DataFrame, ok: np.ndarray, m_ok: np.ndarray) -> float:
+    """The share of timed runs whose throughput lies between the lowest and highest predicted
+    quantile (NaN without two quantiles)."""
+    quantiles = _throughput_quantile_columns(predictions)
+    if len(quantiles) < 2 or not ok.any():
+        return np.nan
+    lo_q = np.asarray(predictions[quantiles[0]], dtype=float)[ok]
+    hi_q = np.asarray(predictions[quantiles[-1]], dtype=float)[ok]
+    inside = (m_ok >= lo_q) & (m_ok <= hi_q)
+    return float(np.mean(inside))
+
+
+def _memory_mdape(frame: pd.DataFrame, predictions: pd.DataFrame) -> float:
+    """Median absolute percentage error of peak memory, where both the run and the predictor
+    say it."""
     mem = measured_memory_gb(frame)
     pred_mem = (np.asarray(predictions["pred_peak_mem_gb"], dtype=float)
                 if "pred_peak_mem_gb" in predictions.columns else np.full(len(frame), np.nan))
     has_mem = np.isfinite(mem) & np.isfinite(pred_mem) & (mem > 0)
-    out["mdape_mem"] = (float(np.median(np.abs(pred_mem[has_mem] / mem[has_mem] - 1.0)))
-                        if has_mem.any() else np.nan)
+    return (float(np.median(np.abs(pred_mem[has_mem] / mem[has_mem] - 1.0)))
+            if has_mem.any() else np.nan)
+
+
+def _feasibility_figures(frame: pd.DataFrame, predictions: pd.DataFrame) -> dict[str, float]:
+    """Feasibility accuracy over configurations (ran at least once: feasible), at 0.5."""
     prob = np.asarray(predictions["pred_feasible_prob"], dtype=float)
     table = feasibility_table(frame.assign(_prob=prob).reset_index(drop=True))
     known = np.isfinite(table["_prob"].to_numpy())
     correct = (table["_prob"].to_numpy()[known] >= 0.5).astype(int) == table[
         "feasible"].to_numpy()[known]
-    out["feasibility_accuracy"] = float(correct.mean()) if known.any() else np.nan
-    out["n_configs"] = float(known.sum())
-    # how well the stalled-pipeline regime is told apart, where the predictor models it
-    out["stall_share"] = out["stall_accuracy"] = np.nan
+    return {"feasibility_accuracy": float(correct.mean()) if known.any() else np.nan,
+            "n_configs": float(known.sum())}
+
+
+def _stall_figures(frame: pd.DataFrame, predictions: pd.DataFrame, ok: np.ndarray,
+                   step: np.ndarray) -> dict[str, float]:
+    """How well the stalled-pipeline regime is told apart, where the predictor models it."""
+    out = {"stall_share": np.nan, "stall_accuracy": np.nan}
     if "pred_stall_prob" in predictions.columns:
         stall_prob = np.asarray(predictions["pred_stall_prob"], dtype=float)
         pipeline = ok & (np.asarray(frame["pp"], dtype=float) > 1) & np.isfinite(stall_prob)
@@ -276,61 +317,7 @@ class EvaluationResult:
 
     def table(self) -> str:
         """The summary as an aligned text table (percentages)."""
-        from paratune._table import format_table
-
-        if self.split in EXTRAPOLATION_SPLITS:
-            return extrapolation_table(self.by_fold, title=f"split={self.split}: tokens/s per "
-                                       "device vs measured, per fold")
-        rows = []
-        for row in self.summary + self.by_fold:
-            shown = {k: row[k] for k in ("estimator", "source", "held_out") if k in row}
-            for key in ("mape", "mdape", "mape_step", "regret_mean", "regret_median",
-                        "regret_q10_mean", "feasibility_accuracy", "stall_accuracy",
-                        "mdape_mem"):
-                shown[key] = 100.0 * row.get(key, np.nan)
-            shown["spearman"] = row["spearman"]
-            shown["n"] = int(row["n"])
-            rows.append(shown)
-        headers = {"mape": "MAPE%", "mdape": "MdAPE%", "mape_step": "MAPE(step)%",
-                   "regret_mean": "regret%", "regret_median": "regret median%",
-                   "regret_q10_mean": "regret(q10)%",
-                   "feasibility_accuracy": "feasible acc%",
-                   "stall_accuracy": "stall acc%", "mdape_mem": "memory MdAPE%",
-                   "spearman": "Spearman"}
-        columns = ["estimator", "source", "held_out", "n", "mape", "mdape", "mape_step",
-                   "spearman", "regret_mean", "regret_median", "regret_q10_mean",
-                   "feasibility_accuracy", "stall_accuracy", "mdape_mem"]
-        return format_table(rows, columns, headers=headers, floatfmt=".3g",
-                            title=f"split={self.split}: tokens/s per device vs measured")
-
-
-EXTRAPOLATION_COLUMNS = {
-    "n": "n", "mdape": "MdAPE%", "mape": "MAPE%", "spearman_group": "Spearman(group)",
-    "regret_mean": "top-1 regret%", "regret_top5_mean": "top-5 regret%",
-    "regret_risk_mean": "top-1 risk-aware%", "regret_risk_top5_mean": "top-5 risk-aware%",
-    "coverage": "q10-q90 cover%", "ratio_median": "pred/meas", "feasibility_accuracy":
-    "feasible acc%"}
-"""The figures of an extrapolation fold, in the order (and with the headers) they print."""
-_FRACTIONS = ("mdape", "mape", "regret_mean", "regret_top5_mean", "regret_risk_mean",
-              "regret_risk_top5_mean", "coverage", "feasibility_accuracy")
-
-
-def extrapolation_table(rows: list[dict[str, Any]], *, title: str) -> str:
-    """Rows with ``estimator``, ``held_out`` (and optionally ``split``) and the figures of
-    :func:`metrics` as an aligned table of :data:`EXTRAPOLATION_COLUMNS` (percentages)."""
-    from paratune._table import format_table
-
-    shown = []
-    for row in rows:
-        item = {k: row[k] for k in ("split", "estimator", "held_out") if k in row}
-        for key in EXTRAPOLATION_COLUMNS:
-            value = row.get(key, np.nan)
-            item[key] = int(value) if key == "n" else (
-                100.0 * value if key in _FRACTIONS else value)
-        shown.append(item)
-    columns = [k for k in ("split", "estimator", "held_out") if any(k in r for r in rows)]
-    return format_table(shown, [*columns, *EXTRAPOLATION_COLUMNS],
-                        headers=dict(EXTRAPOLATION_COLUMNS), floatfmt=".3g", title=title)
+        return summary_table(self)
 
 
 def cross_validate(frame: pd.DataFrame, *, split: str = "random",
@@ -463,50 +450,3 @@ def error_anatomy(predictions: pd.DataFrame) -> list[dict[str, Any]]:
                             "mdape": float(np.median(ape[sel])),
                             "log_bias": float(np.median(log_ratio[sel]))})
     return out
-
-
-def plot_predictions(result: EvaluationResult, path: str | Path, *,
-                     estimator: str | None = None) -> Path:
-    """Scatter of predicted vs measured tokens/s per device (log-log, one colour per source).
-
-    Args:
-        result: A cross-validation result.
-        path: PNG file to write.
-        estimator: Which estimator's predictions; defaults to the first.
-
-    Returns:
-        The written path.
-    """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    name = estimator or next(iter(result.predictions))
-    oof = result.predictions[name]
-    step = measured_step_time(oof)
-    tokens = oof["global_batch_size"].to_numpy(float) * oof["seq_len"].to_numpy(float)
-    world = oof["world_size"].to_numpy(float)
-    measured = tokens / (step * world)
-    predicted = oof["pred_tokens_per_sec_per_gpu"].to_numpy(float)
-    fig, ax = plt.subplots(figsize=(6, 6))
-    family = _family(oof).to_numpy()
-    for fam in np.unique(family):
-        sel = (family == fam) & np.isfinite(measured) & np.isfinite(predicted)
-        ax.scatter(measured[sel], predicted[sel], s=6, alpha=0.6, label=fam)
-    finite = np.concatenate([measured[np.isfinite(measured)], predicted[np.isfinite(predicted)]])
-    if finite.size:
-        lo, hi = finite[finite > 0].min(), finite.max()
-        ax.plot([lo, hi], [lo, hi], color="black", linewidth=1)
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("measured tokens/s per device")
-    ax.set_ylabel("predicted tokens/s per device")
-    ax.set_title(f"{name}, split={result.split} (out of fold)")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path

@@ -78,6 +78,25 @@ class _Persistence:
         self._check_fitted()
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
+        components = self._components()
+        with _directory_lock(path, "saving"):
+            _remove_stale_temporaries(path)
+            # saving over another model: without its manifest the directory does not load
+            # until this one's manifest is written, never as a mixture of the two models' files
+            (path / _MANIFEST).unlink(missing_ok=True)
+            files, digests = _write_components(path, components)
+            manifest = self._manifest(files, digests)
+            atomic_write_text(path / _MANIFEST, json.dumps(manifest, indent=2, sort_keys=True))
+            # the components of a model saved here before that this one lacks (a family, the
+            # stall regime): the directory holds this model's files alone
+            for file in path.glob("*.json"):
+                if (file.name not in files.values() and file.name != _MANIFEST
+                        and _COMPONENT_FILE.match(file.name)):
+                    file.unlink(missing_ok=True)
+        return path
+
+    def _components(self) -> dict[str, Any]:
+        """Component name -> booster (None where the model has no such part)."""
         components = {"throughput": self.throughput_, "throughput_refine": self.refine_,
                       "throughput_quantiles": self.quantile_,
                       "memory": self.memory_, "feasibility": self.feasibility_}
@@ -93,76 +112,45 @@ class _Persistence:
                 components[f"family-{family}-{name}"] = booster
             for name, booster in zip(_TIME_COMPONENTS, self.family_transfer_[family]):
                 components[f"family-{family}-transfer-{name}"] = booster
+        return components
+
+    def _manifest(self, files: dict[str, str], digests: dict[str, str]) -> dict[str, Any]:
+        """The manifest of this model whose components went to ``files``."""
         params = self.get_params()
         params["quantiles"] = list(params["quantiles"])
-        with _directory_lock(path, "saving"):
-            # temporaries of a save killed part-way (not of one in flight where flock is
-            # missing): the boosters' and the manifest's (paratune._io's atomic writes)
-            for leftover in [*path.glob(".*.tmp.json"), *path.glob(f".{_MANIFEST}.*.tmp")]:
-                with contextlib.suppress(OSError):
-                    if leftover.stat().st_mtime < time.time() - 60:
-                        leftover.unlink()
-            # saving over another model: without its manifest the directory does not load
-            # until this one's manifest is written, never as a mixture of the two models' files
-            (path / _MANIFEST).unlink(missing_ok=True)
-            files, digests = {}, {}
-            for name, booster in components.items():
-                if booster is None:
-                    continue
-                target = path / f"{name}.json"
-                # a name of its own (XGBoost picks the format from the .json suffix)
-                tmp = path / f".{name}.{secrets.token_hex(4)}.tmp.json"
-                try:
-                    booster.save_model(str(tmp))
-                    with open(tmp, "rb") as handle:
-                        digests[name] = hashlib.sha256(handle.read()).hexdigest()
-                        os.fsync(handle.fileno())
-                    tmp.replace(target)
-                except BaseException:
-                    tmp.unlink(missing_ok=True)
-                    raise
-                files[name] = target.name
-            manifest = {
-                "kind": "paratune.PerformanceModel",
-                "schema_version": SCHEMA_VERSION,
-                "paratune_version": __version__,
-                "feature_names": list(F.FEATURE_NAMES),
-                "feasibility_feature_names": [*F.FEATURE_NAMES, "log2_pred_mem_fraction"],
-                "transfer_feature_names": list(F.TRANSFER_FEATURE_NAMES),
-                "stall_transfer_feature_names": list(F.STALL_FEATURE_NAMES),
-                "memory_feature_names": list(F.MEMORY_FEATURE_NAMES),
-                "seen_models": self.seen_models_,
-                "target": "log(measured_step_time_s / analytical_step_time_s)",
-                "stall_target": "log(measured_step_time_s / num_microbatches) of stalled runs",
-                "params": params,
-                "components": files,
-                "component_sha256": digests,
-                "families": sorted(self.families_),
-                "family_seen_models": self.family_seen_,
-                "hardware_family": self.hardware_family_,
-                "stall_free_families": self.stall_free_families_,
-                "stall_free_hardware": self.stall_free_hardware_,
-                "interval_widening": self.interval_widening_,
-                "core_constants": self.core_constants_,
-                "family_offsets": self.family_offsets_,
-                "training": {"fingerprint_sha256": self.fingerprint_,
-                             "num_rows": self.num_train_rows_,
-                             "num_time_rows": self.num_time_rows_,
-                             "num_memory_rows": self.num_memory_rows_,
-                             "num_stall_rows": self.num_stall_rows_,
-                             "pipeline_runs_and_stalls_by_family": self.pipeline_runs_,
-                             "num_feasibility_configs": self.num_feasibility_rows_,
-                             "sources": self.sources_, "ranges": self.training_ranges_,
-                             "extrapolation_ranges": self.extrapolation_ranges_},
-            }
-            atomic_write_text(path / _MANIFEST, json.dumps(manifest, indent=2, sort_keys=True))
-            # the components of a model saved here before that this one lacks (a family, the
-            # stall regime): the directory holds this model's files alone
-            for file in path.glob("*.json"):
-                if (file.name not in files.values() and file.name != _MANIFEST
-                        and _COMPONENT_FILE.match(file.name)):
-                    file.unlink(missing_ok=True)
-        return path
+        return {
+            "kind": "paratune.PerformanceModel",
+            "schema_version": SCHEMA_VERSION,
+            "paratune_version": __version__,
+            "feature_names": list(F.FEATURE_NAMES),
+            "feasibility_feature_names": [*F.FEATURE_NAMES, "log2_pred_mem_fraction"],
+            "transfer_feature_names": list(F.TRANSFER_FEATURE_NAMES),
+            "stall_transfer_feature_names": list(F.STALL_FEATURE_NAMES),
+            "memory_feature_names": list(F.MEMORY_FEATURE_NAMES),
+            "seen_models": self.seen_models_,
+            "target": "log(measured_step_time_s / analytical_step_time_s)",
+            "stall_target": "log(measured_step_time_s / num_microbatches) of stalled runs",
+            "params": params,
+            "components": files,
+            "component_sha256": digests,
+            "families": sorted(self.families_),
+            "family_seen_models": self.family_seen_,
+            "hardware_family": self.hardware_family_,
+            "stall_free_families": self.stall_free_families_,
+            "stall_free_hardware": self.stall_free_hardware_,
+            "interval_widening": self.interval_widening_,
+            "core_constants": self.core_constants_,
+            "family_offsets": self.family_offsets_,
+            "training": {"fingerprint_sha256": self.fingerprint_,
+                         "num_rows": self.num_train_rows_,
+                         "num_time_rows": self.num_time_rows_,
+                         "num_memory_rows": self.num_memory_rows_,
+                         "num_stall_rows": self.num_stall_rows_,
+                         "pipeline_runs_and_stalls_by_family": self.pipeline_runs_,
+                         "num_feasibility_configs": self.num_feasibility_rows_,
+                         "sources": self.sources_, "ranges": self.training_ranges_,
+                         "extrapolation_ranges": self.extrapolation_ranges_},
+        }
 
     @classmethod
     def load(cls, path: str | Path) -> PerformanceModel:
@@ -238,98 +226,153 @@ class _Persistence:
         """The model a checked manifest describes (KeyError/TypeError where it is corrupt)."""
         import xgboost as xgb
 
-        manifest_path = path / _MANIFEST
         params = dict(manifest["params"])
         params["quantiles"] = tuple(params["quantiles"])
         model = cls(**params)
-        files = manifest["components"]
-        # a model saved before the digests were recorded has none to check
-        digests = manifest.get("component_sha256") or {}
-
-        def booster(name: str, kind: type) -> Any:
-            if name not in files:
-                return None
-            file = _component_file(path, name, files[name])
-            try:
-                data = _read_bounded(file, what=f"component {name!r}")
-            except (FileNotFoundError, IsADirectoryError):
-                raise _ChangedError(f"{file}: missing ({_MANIFEST} lists it as component "
-                                    f"{name!r}); refit the model or restore the file"
-                                    ) from None
-            if name in digests and hashlib.sha256(data).hexdigest() != digests[name]:
-                raise _ChangedError(f"{file}: corrupt: its content differs from the one "
-                                    f"{_MANIFEST} records (SHA-256) for component {name!r}: "
-                                    "changed after the save, or left by another save into "
-                                    f"{path}; save or refit the model again")
-            obj = kind()
-            try:
-                obj.load_model(bytearray(data))
-            except (xgb.core.XGBoostError, OSError, ValueError, KeyError, TypeError) as exc:
-                what = "classifier" if kind is xgb.XGBClassifier else "regressor"
-                raise ModelFormatError(f"{file}: corrupt: not an XGBoost {what} "
-                                       f"({_first_line(exc)}); refit the model") from None
-            return obj
-
-        def time_models(prefix: str) -> tuple[Any, Any, Any]:
-            for name in _TIME_COMPONENTS:
-                if prefix + name not in files:
-                    raise ModelFormatError(f"{manifest_path}: component {prefix + name!r} "
-                                           "missing")
-            return tuple(booster(prefix + name, xgb.XGBRegressor) for name in _TIME_COMPONENTS)
-
-        model.throughput_, model.refine_, model.quantile_ = time_models("")
-        model.transfer_ = time_models("transfer-")
+        read = _ComponentReader(path, manifest)
+        model.throughput_, model.refine_, model.quantile_ = read.time_models("")
+        model.transfer_ = read.time_models("transfer-")
         model.seen_models_ = [str(k) for k in manifest.get("seen_models", [])]
         model.stall_ = model.stall_transfer_ = None
-        if _STALL_COMPONENTS[0] in files:
-            kinds = (xgb.XGBClassifier, xgb.XGBRegressor, xgb.XGBRegressor)
-
-            def stall_models(prefix: str) -> tuple[Any, Any, Any]:
-                for name in _STALL_COMPONENTS:
-                    if prefix + name not in files:
-                        raise ModelFormatError(f"{manifest_path}: component "
-                                               f"{prefix + name!r} missing")
-                return tuple(booster(prefix + name, kind)
-                             for name, kind in zip(_STALL_COMPONENTS, kinds))
-
-            model.stall_ = stall_models("")
-            model.stall_transfer_ = stall_models("transfer-")
-        model.memory_ = booster("memory", xgb.XGBRegressor)
-        model.feasibility_ = booster("feasibility", xgb.XGBClassifier)
+        if _STALL_COMPONENTS[0] in read.files:
+            model.stall_ = read.stall_models("")
+            model.stall_transfer_ = read.stall_models("transfer-")
+        model.memory_ = read.booster("memory", xgb.XGBRegressor)
+        model.feasibility_ = read.booster("feasibility", xgb.XGBClassifier)
         model.families_ = {}
         model.family_transfer_ = {}
         for family in manifest.get("families", []):
-            model.families_[family] = time_models(f"family-{family}-")
-            model.family_transfer_[family] = time_models(f"family-{family}-transfer-")
+            model.families_[family] = read.time_models(f"family-{family}-")
+            model.family_transfer_[family] = read.time_models(f"family-{family}-transfer-")
         model.family_seen_ = {str(f): [str(k) for k in keys]
                               for f, keys in manifest["family_seen_models"].items()}
-        model.hardware_family_ = dict(manifest.get("hardware_family", {}))
-        model.stall_free_families_ = [str(f) for f in manifest["stall_free_families"]]
-        model.stall_free_hardware_ = [str(h) for h in manifest["stall_free_hardware"]]
-        training = manifest["training"]
-        model.fingerprint_ = training["fingerprint_sha256"]
-        model.num_train_rows_ = training["num_rows"]
-        model.num_time_rows_ = training["num_time_rows"]
-        model.num_memory_rows_ = training["num_memory_rows"]
-        model.num_stall_rows_ = training["num_stall_rows"]
-        model.pipeline_runs_ = {str(f): [int(n) for n in v] for f, v in
-                                training["pipeline_runs_and_stalls_by_family"].items()}
-        model.num_feasibility_rows_ = training["num_feasibility_configs"]
-        model.sources_ = training["sources"]
-        # a model saved before its training ranges were recorded has none
-        model.training_ranges_ = training.get("ranges", {})
-        model.extrapolation_ranges_ = {
-            str(f): {str(a): [float(v) for v in r] for a, r in axes.items()}
-            for f, axes in training["extrapolation_ranges"].items()}
-        model.interval_widening_ = {
-            str(f): {str(k): float(v) for k, v in margins.items()}
-            for f, margins in manifest["interval_widening"].items()}
-        model.core_constants_ = {str(f): [float(v) for v in values]
-                                 for f, values in manifest["core_constants"].items()}
-        model.family_offsets_ = {str(f): {"log_factor": float(e["log_factor"]),
-                                          "margin": float(e["margin"]), "rows": int(e["rows"])}
-                                 for f, e in manifest["family_offsets"].items()}
+        _restore_state(model, manifest)
         return model
+
+
+class _ComponentReader:
+    """Reads the boosters a checked manifest lists from a model directory."""
+
+    def __init__(self, path: Path, manifest: dict[str, Any]) -> None:
+        self.path = path
+        self.files = manifest["components"]
+        # a model saved before the digests were recorded has none to check
+        self.digests = manifest.get("component_sha256") or {}
+
+    def booster(self, name: str, kind: type) -> Any:
+        """The component ``name`` (None where the manifest lists none), checked against
+        its digest."""
+        import xgboost as xgb
+
+        path, files, digests = self.path, self.files, self.digests
+        if name not in files:
+            return None
+        file = _component_file(path, name, files[name])
+        try:
+            data = _read_bounded(file, what=f"component {name!r}")
+        except (FileNotFoundError, IsADirectoryError):
+            raise _ChangedError(f"{file}: missing ({_MANIFEST} lists it as component "
+                                f"{name!r}); refit the model or restore the file"
+                                ) from None
+        if name in digests and hashlib.sha256(data).hexdigest() != digests[name]:
+            raise _ChangedError(f"{file}: corrupt: its content differs from the one "
+                                f"{_MANIFEST} records (SHA-256) for component {name!r}: "
+                                "changed after the save, or left by another save into "
+                                f"{path}; save or refit the model again")
+        obj = kind()
+        try:
+            obj.load_model(bytearray(data))
+        except (xgb.core.XGBoostError, OSError, ValueError, KeyError, TypeError) as exc:
+            what = "classifier" if kind is xgb.XGBClassifier else "regressor"
+            raise ModelFormatError(f"{file}: corrupt: not an XGBoost {what} "
+                                   f"({_first_line(exc)}); refit the model") from None
+        return obj
+
+    def time_models(self, prefix: str) -> tuple[Any, Any, Any]:
+        """The median, refinement and quantile boosters under ``prefix``."""
+        import xgboost as xgb
+
+        for name in _TIME_COMPONENTS:
+            if prefix + name not in self.files:
+                raise ModelFormatError(f"{self.path / _MANIFEST}: component {prefix + name!r} "
+                                       "missing")
+        return tuple(self.booster(prefix + name, xgb.XGBRegressor) for name in _TIME_COMPONENTS)
+
+    def stall_models(self, prefix: str) -> tuple[Any, Any, Any]:
+        """The stall classifier and stalled-time boosters under ``prefix``."""
+        import xgboost as xgb
+
+        kinds = (xgb.XGBClassifier, xgb.XGBRegressor, xgb.XGBRegressor)
+        for name in _STALL_COMPONENTS:
+            if prefix + name not in self.files:
+                raise ModelFormatError(f"{self.path / _MANIFEST}: component "
+                                       f"{prefix + name!r} missing")
+        return tuple(self.booster(prefix + name, kind)
+                     for name, kind in zip(_STALL_COMPONENTS, kinds))
+
+
+def _restore_state(model: Any, manifest: dict[str, Any]) -> None:
+    """The learned attributes other than boosters, from a checked manifest."""
+    model.hardware_family_ = dict(manifest.get("hardware_family", {}))
+    model.stall_free_families_ = [str(f) for f in manifest["stall_free_families"]]
+    model.stall_free_hardware_ = [str(h) for h in manifest["stall_free_hardware"]]
+    training = manifest["training"]
+    model.fingerprint_ = training["fingerprint_sha256"]
+    model.num_train_rows_ = training["num_rows"]
+    model.num_time_rows_ = training["num_time_rows"]
+    model.num_memory_rows_ = training["num_memory_rows"]
+    model.num_stall_rows_ = training["num_stall_rows"]
+    model.pipeline_runs_ = {str(f): [int(n) for n in v] for f, v in
+                            training["pipeline_runs_and_stalls_by_family"].items()}
+    model.num_feasibility_rows_ = training["num_feasibility_configs"]
+    model.sources_ = training["sources"]
+    # a model saved before its training ranges were recorded has none
+    model.training_ranges_ = training.get("ranges", {})
+    model.extrapolation_ranges_ = {
+        str(f): {str(a): [float(v) for v in r] for a, r in axes.items()}
+        for f, axes in training["extrapolation_ranges"].items()}
+    model.interval_widening_ = {
+        str(f): {str(k): float(v) for k, v in margins.items()}
+        for f, margins in manifest["interval_widening"].items()}
+    model.core_constants_ = {str(f): [float(v) for v in values]
+                             for f, values in manifest["core_constants"].items()}
+    model.family_offsets_ = {str(f): {"log_factor": float(e["log_factor"]),
+                                      "margin": float(e["margin"]), "rows": int(e["rows"])}
+                             for f, e in manifest["family_offsets"].items()}
+
+
+def _write_components(path: Path, components: dict[str, Any]
+                      ) -> tuple[dict[str, str], dict[str, str]]:
+    """Each booster saved to ``<name>.json`` by an atomic replace; returns the file names and
+    SHA-256 digests by component."""
+    files, digests = {}, {}
+    for name, booster in components.items():
+        if booster is None:
+            continue
+        target = path / f"{name}.json"
+        # a name of its own (XGBoost picks the format from the .json suffix)
+        tmp = path / f".{name}.{secrets.token_hex(4)}.tmp.json"
+        try:
+            booster.save_model(str(tmp))
+            with open(tmp, "rb") as handle:
+                digests[name] = hashlib.sha256(handle.read()).hexdigest()
+                os.fsync(handle.fileno())
+            tmp.replace(target)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        files[name] = target.name
+    return files, digests
+
+
+def _remove_stale_temporaries(path: Path) -> None:
+    """Temporaries of a save killed part-way (not of one in flight where flock is missing):
+    the boosters' and the manifest's (paratune._io's atomic writes)."""
+    for leftover in [*path.glob(".*.tmp.json"), *path.glob(f".{_MANIFEST}.*.tmp")]:
+        with contextlib.suppress(OSError):
+            if leftover.stat().st_mtime < time.time() - 60:
+                leftover.unlink()
+
 
 class _ChangedError(ModelFormatError):
     """A component file is missing or not the one the manifest records: another save may be

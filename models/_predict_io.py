@@ -102,30 +102,13 @@ def read_config_csv(path: str | Path) -> tuple[pd.DataFrame, pd.DataFrame, np.nd
     """
     import pandas as pd
 
-    from paratune.batch import ConfigBatch
-    from paratune.datasets.importers import (
-        missing_public_columns,
-        public_header_problem,
-        public_row_layout,
-    )
+    from paratune.datasets.importers import missing_public_columns, public_header_problem
 
     path = Path(path)
     raw, errors = _read_raw(path)
     # the header as read above (is_public_csv would read the file again)
     if not missing_public_columns(list(raw.columns)):
-        parts = []
-        for i, cells in enumerate(raw.to_dict("records")):
-            if not errors[i]:
-                try:
-                    parts.append(public_row_layout({k: str(v).strip() for k, v in cells.items()}))
-                    continue
-                except ValueError as exc:
-                    errors[i] = str(exc)
-            parts.append(_placeholder_parts())
-        batch = ConfigBatch.from_configs([p[0] for p in parts], [p[1] for p in parts],
-                                         [p[2] for p in parts])
-        configs = batch.to_frame()
-        configs["source"] = raw["source"].to_numpy() if "source" in raw.columns else ""
+        configs = _public_configs(raw, errors)
         return raw, _fill_placeholders(configs, errors), errors
     missing = [c for c in _OWN_REQUIRED if c not in raw.columns]
     # a header with every config column is that format, whatever other columns it has (one
@@ -142,6 +125,47 @@ def read_config_csv(path: str | Path) -> tuple[pd.DataFrame, pd.DataFrame, np.nd
             configs[column] = raw[column].astype(str).str.strip()
         else:
             configs[column] = _DEFAULTS.get(column, np.nan)
+    _parse_integers(configs, raw, errors)
+    _parse_flags_and_numbers(configs, raw, errors)
+    for column in (*OPTIONS, "mlp"):
+        default = _DEFAULTS[column]
+        configs[column] = configs[column].replace("", default).fillna(default)
+    configs["virtual_stages"] = configs["virtual_stages"].fillna(1)
+    _derive_counts(configs, raw, errors)
+    _check_options(configs, errors)
+    _check_layouts(configs, errors)
+    # the source (when given) picks the step-time model of its measurement family
+    configs["source"] = raw["source"].astype(str) if "source" in raw.columns else ""
+    return raw, _fill_placeholders(configs[[*CONFIG_COLUMNS, "source"]], errors), errors
+
+
+def _public_configs(raw: pd.DataFrame, errors: np.ndarray) -> pd.DataFrame:
+    """The config frame of rows in the public measurement format (placeholders where a row
+    could not be read; its message goes into ``errors``)."""
+    from paratune.batch import ConfigBatch
+    from paratune.datasets.importers import public_row_layout
+
+    parts = []
+    for i, cells in enumerate(raw.to_dict("records")):
+        if not errors[i]:
+            try:
+                parts.append(public_row_layout({k: str(v).strip() for k, v in cells.items()}))
+                continue
+            except ValueError as exc:
+                errors[i] = str(exc)
+        parts.append(_placeholder_parts())
+    batch = ConfigBatch.from_configs([p[0] for p in parts], [p[1] for p in parts],
+                                     [p[2] for p in parts])
+    configs = batch.to_frame()
+    configs["source"] = raw["source"].to_numpy() if "source" in raw.columns else ""
+    return configs
+
+
+def _parse_integers(configs: pd.DataFrame, raw: pd.DataFrame, errors: np.ndarray) -> None:
+    """The integer columns as numbers; a message per row whose value is not a positive
+    integer or beyond the plausible range."""
+    import pandas as pd
+
     for column in _INTEGER:
         if column not in configs.columns:
             continue
@@ -158,6 +182,14 @@ def read_config_csv(path: str | Path) -> tuple[pd.DataFrame, pd.DataFrame, np.nd
                 errors[i] = (f"{column}={raw[column].iloc[i]!r} is beyond the plausible range "
                              f"(at most {limit})")
         configs[column] = values
+
+
+def _parse_flags_and_numbers(configs: pd.DataFrame, raw: pd.DataFrame, errors: np.ndarray
+                             ) -> None:
+    """``tie_embeddings`` as a flag and the positive real columns as numbers, with a message
+    per row that holds neither."""
+    import pandas as pd
+
     if "tie_embeddings" in raw.columns:
         flag = raw["tie_embeddings"].astype(str).str.strip().str.lower()
         wrong = ~flag.isin(_TRUE + _FALSE)
@@ -174,10 +206,13 @@ def read_config_csv(path: str | Path) -> tuple[pd.DataFrame, pd.DataFrame, np.nd
         for i in np.flatnonzero(bad.to_numpy() & (errors == "")):
             errors[i] = f"{column}={raw[column].iloc[i]!r} must be a positive number"
         configs[column] = values.fillna(_DEFAULTS[column])
-    for column in (*OPTIONS, "mlp"):
-        default = _DEFAULTS[column]
-        configs[column] = configs[column].replace("", default).fillna(default)
-    configs["virtual_stages"] = configs["virtual_stages"].fillna(1)
+
+
+def _derive_counts(configs: pd.DataFrame, raw: pd.DataFrame, errors: np.ndarray) -> None:
+    """``world_size`` and ``num_microbatches`` from the layout, checked against the stated
+    ones."""
+    import pandas as pd
+
     configs["world_size"] = configs["dp"] * configs["tp"] * configs["pp"]
     if "world_size" in raw.columns:
         stated = pd.to_numeric(raw["world_size"], errors="coerce")
@@ -198,16 +233,15 @@ def read_config_csv(path: str | Path) -> tuple[pd.DataFrame, pd.DataFrame, np.nd
             errors[i] = (f"num_microbatches={raw['num_microbatches'].iloc[i]} contradicts "
                          "global_batch_size/(dp*micro_batch_size) = "
                          f"{int(configs['num_microbatches'].iloc[i])}")
+
+
+def _check_options(configs: pd.DataFrame, errors: np.ndarray) -> None:
+    """A message per row whose schedule, sharding, recompute or MLP kind is unknown."""
     for column, rule in (*((name, tuple(option_codes(name))) for name in OPTIONS),
                          ("mlp", MLP_KINDS)):
         wrong = ~configs[column].astype(str).str.lower().isin(rule)
         for i in np.flatnonzero(wrong.to_numpy() & (errors == "")):
             errors[i] = f"{column}={configs[column].iloc[i]!r} must be one of {', '.join(rule)}"
-    _check_layouts(configs, errors)
-    # the source (when given) picks the step-time model of its measurement family
-    configs["source"] = raw["source"].astype(str) if "source" in raw.columns else ""
-    return raw, _fill_placeholders(configs[[*CONFIG_COLUMNS, "source"]], errors), errors
-
 
 def _check_layouts(configs: pd.DataFrame, errors: np.ndarray) -> None:
     """Write into ``errors`` why a row's layout cannot run its model (tp must divide the heads,

@@ -5,6 +5,7 @@ calibration of a family."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -13,6 +14,7 @@ from paratune.errors import DatasetError
 from paratune.models import features as F
 from paratune.models._base import PRED_STALL_PROB, _catalogue_names, source_family
 from paratune.models._data import measured_step_time
+from paratune.models._feature_columns import _lookup
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -20,6 +22,17 @@ if TYPE_CHECKING:
     from paratune.models._estimators import PerformanceModel
 
 __all__: list[str] = []
+
+
+@dataclass
+class _StepTimes:
+    """A prediction's step times per row: the point, the interval around it and the
+    expectation over the regimes a run may fall into."""
+
+    step: np.ndarray
+    lo: np.ndarray
+    hi: np.ndarray
+    expected: np.ndarray
 
 
 class _Ranges:
@@ -172,15 +185,19 @@ class _Ranges:
         return families
 
     def _extrapolate(self, frame: pd.DataFrame, c: F.Columns, analytical: dict[str, Any],
-                     step: np.ndarray, lo: np.ndarray, hi: np.ndarray, expected: np.ndarray,
-                     prob: np.ndarray, where: tuple[np.ndarray, dict[str, np.ndarray],
-                                                    np.ndarray]
-                     ) -> tuple[np.ndarray, ...]:
+                     times: _StepTimes, prob: np.ndarray,
+                     where: tuple[np.ndarray, dict[str, np.ndarray], np.ndarray]
+                     ) -> tuple[_StepTimes, np.ndarray, np.ndarray]:
         """Each row's distance from the training ranges; the learned prediction shrunk
         toward the calibrated core with it, its family's few-shot factor, and the interval
-        widened by the calibrated margins (see :meth:`_fit_widening`)."""
+        widened by the calibrated margins (see :meth:`_fit_widening`).
+
+        Returns:
+            The step times, the doublings beyond the training ranges and a warning per row.
+        """
         from paratune.models._extrapolation import _distinct, blend_factor
 
+        step, lo, hi, expected = times.step, times.lo, times.hi, times.expected
         families, per_axis, unknown = where
         dist = sum(per_axis.values())
         entries = [self.interval_widening_.get(str(f), self.interval_widening_[""])
@@ -236,21 +253,27 @@ class _Ranges:
                                 0.0, 1.0)
             hidden = np.maximum(step * (1.0 - share), floor)
             lo = np.where(wider, np.minimum(lo, hidden), lo)
-        # the texts once per distinct value (100,000 rows hold a few dozen)
-        warning = np.full(len(step), "", dtype=object)
-        beyond = dist > 0
-        if beyond.any():
-            warning[beyond] = F._lookup(
-                np.round(dist[beyond], 1),
-                lambda d: "" if d is None else (
-                    f"beyond the fitted model, cluster and batch sizes by {d:.1f} "
-                    "doublings: interval widened"), dtype=object)
-        fresh = unknown & ~calibrated
-        if fresh.any():
-            warning[fresh] = F._lookup(
-                families[fresh],
-                lambda f: "" if f is None else (
-                    f"no measurement of family {f}: predicted from other families' runs, "
-                    "interval widened"), dtype=object)
-        return step, lo, hi, expected, dist, warning
+        warning = _extrapolation_warnings(dist, unknown & ~calibrated, families)
+        return _StepTimes(step, lo, hi, expected), dist, warning
 
+
+def _extrapolation_warnings(dist: np.ndarray, fresh: np.ndarray, families: np.ndarray
+                            ) -> np.ndarray:
+    """Why each row's prediction is less sure: the doublings beyond the fitted sizes, or a
+    family with no measurement (``fresh``) and no few-shot calibration."""
+    # the texts once per distinct value (100,000 rows hold a few dozen)
+    warning = np.full(len(dist), "", dtype=object)
+    beyond = dist > 0
+    if beyond.any():
+        warning[beyond] = _lookup(
+            np.round(dist[beyond], 1),
+            lambda d: "" if d is None else (
+                f"beyond the fitted model, cluster and batch sizes by {d:.1f} "
+                "doublings: interval widened"), dtype=object)
+    if fresh.any():
+        warning[fresh] = _lookup(
+            families[fresh],
+            lambda f: "" if f is None else (
+                f"no measurement of family {f}: predicted from other families' runs, "
+                "interval widened"), dtype=object)
+    return warning

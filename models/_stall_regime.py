@@ -15,6 +15,9 @@ if TYPE_CHECKING:
 
 __all__: list[str] = []
 
+_STALL_MONOTONE = "({})".format(",".join(str(F.STALL_MONOTONE.get(name, 0))
+                                           for name in F.STALL_FEATURE_NAMES))
+
 
 class _StallRegime:
     """Fitting and predicting the stalled regime, and routing rows to family models (a
@@ -106,3 +109,81 @@ class _StallRegime:
         times = F.num_microbatches(c)[:, None] * np.exp(per_micro)
         return prob, times[:, 0], times[:, 1], times[:, 2]
 
+    def _fit_stall_regime(self, c: F.Columns, X: np.ndarray, step: np.ndarray,
+                          timed: np.ndarray, families: np.ndarray, hardware: np.ndarray
+                          ) -> np.ndarray:
+        """Learn the stalled pipeline regime and which families and hardware are free of it.
+
+        Returns:
+            The rows the step-time models learn from: the timed runs, less the stalled ones
+            where the regime is learned apart.
+        """
+        has_time = timed
+        # Stalled pipeline runs are a regime of their own (a fixed cost per micro-batch); the
+        # step-time models learn the normal regime without them where there are enough to
+        # learn the stalled one apart.
+        stalled = timed & F.stalled_pipeline(c, step)
+        pipeline = timed & (c.pp > 1) & c.accelerator
+        self.stall_ = self.stall_transfer_ = None
+        # the classifier needs pipeline runs of both regimes; the step-time models some
+        # runs that did not stall
+        if (stalled.sum() >= self.min_stall_rows and (pipeline & ~stalled).any()
+                and (timed & ~stalled).any()):
+            per_micro = np.log(step / F.num_microbatches(c))
+            self.stall_ = self._fit_stall(X, pipeline, stalled, per_micro)
+            # for a model not trained on, the regime's physics alone (compute per device
+            # per step and per micro-batch, nodes): nothing that names a model size
+            self.stall_transfer_ = self._fit_stall(
+                F.stall_features(c), pipeline, stalled, per_micro,
+                monotone=_STALL_MONOTONE)
+            has_time = timed & ~stalled
+        self.num_stall_rows_ = int(stalled.sum()) if self.stall_ is not None else 0
+        # Stalling is a property of how a framework runs its pipelines (of nanotron's in the
+        # public H100 sweep), not of pipelines as such: a family (see :func:`source_family`)
+        # with enough pipeline runs and not one stalled does not show the regime, and its
+        # configurations are not given another family's stall probability where they leave
+        # the layouts it was measured on (more nodes, deeper pipelines).
+        self.pipeline_runs_ = {str(f): [int((pipeline & (families == f)).sum()),
+                                        int((stalled & (families == f)).sum())]
+                               for f in np.unique(families[pipeline])}
+        self.stall_free_families_ = sorted(
+            f for f, (runs, stalls) in self.pipeline_runs_.items()
+            if self.stall_ is not None and runs >= self.min_stall_rows and stalls == 0)
+        # a row without a source: by its hardware, where every run on it is of such a family
+        self.stall_free_hardware_ = sorted(
+            str(name) for name in np.unique(hardware[timed])
+            if np.isin(families[timed & (hardware == name)], self.stall_free_families_).all())
+        return has_time
+
+    def _blend_stall(self, c: F.Columns, X: np.ndarray, seen: np.ndarray,
+                     stall_free: np.ndarray, step: np.ndarray, lo: np.ndarray,
+                     hi: np.ndarray, where: Any) -> tuple[np.ndarray, ...]:
+        """The stalled regime's probability, and the step time, its interval and expectation
+        with both regimes weighed in."""
+        prob, stall, stall_lo, stall_hi = self._stall(c, X, F.stall_features(c), seen,
+                                                      stall_free)
+        # the stall is a fixed cost per micro-batch: where the normal regime's step
+        # already takes longer than the learned stalled one, that cost hides behind the
+        # compute and the regime vanishes
+        prob = np.where(stall <= step, 0.0, prob)
+        # a stalled run is by definition slower than the stall thresholds, and no faster
+        # than the same configuration not stalling: for a model larger than any trained
+        # on, the learned cost per micro-batch alone can fall below its normal step
+        floor = np.maximum(F.stall_floor_s(c), step)
+        stall, stall_lo, stall_hi = (np.maximum(t, floor)
+                                     for t in (stall, stall_lo, stall_hi))
+        # the more likely regime is the point prediction; the expected time weighs both
+        expected = np.where(prob > 0, (1.0 - prob) * step + prob * stall, step)
+        lower, upper = self.quantiles[0], self.quantiles[-1]
+        # where stalling is likelier than the upper quantile's tail, that quantile of the
+        # step time lies in the stalled regime (and the lower one where it is likelier
+        # than the lower quantile's complement)
+        # beyond the fitted ranges the classifier's probability is no guide (it has
+        # called deep pipelines of larger models both ways): the slow end of the interval
+        # holds the stalled regime wherever the family stalls at all
+        unsure = (sum(where[1].values()) > 0) & (prob > 0)
+        hi = np.where((prob > 1.0 - upper) | unsure, np.maximum(hi, stall_hi), hi)
+        lo = np.where(prob > 1.0 - lower, np.minimum(lo, stall_lo), lo)
+        step = np.where(prob > 0.5, stall, step)
+        lo, hi = np.minimum(lo, step), np.maximum(hi, step)
+        return prob, step, lo, hi, expected

@@ -6,6 +6,7 @@ import contextlib
 import json
 import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +17,7 @@ from paratune.models._estimators import PerformanceModel, estimator_factories
 from paratune.models._evaluate import EvaluationResult, cross_validate, plot_predictions
 from paratune.models._persistence import _LOCK_FILE, _MANIFEST
 
-__all__ = ["evaluate_model", "fit_model", "plot_path"]
+__all__ = ["EvaluationSpec", "evaluate_model", "fit_model", "plot_path"]
 
 
 def fit_model(data: Sequence[str | Path], out: str | Path, *, n_estimators: int | None = None,
@@ -151,22 +152,33 @@ def _paths(data: Sequence[str | Path]) -> list[str]:
     return [str(Path(d).resolve()) for d in data]
 
 
-def evaluate_model(data: Sequence[str | Path], *, split: str = "random", baselines: bool = False,
-                   n_estimators: int | None = None, plot: str | Path | None = None,
-                   folds: int = 5, seed: int = 0, experiment: str | None = "paratune-evaluate",
+@dataclass(frozen=True)
+class EvaluationSpec:
+    """What ``paratune evaluate`` cross-validates, and how."""
+
+    split: str = "random"
+    """``random``, ``cluster``, ``model`` or an extrapolation split
+    (:data:`paratune.models._splits.EXTRAPOLATION_SPLITS`)."""
+    baselines: bool = False
+    """Include the analytical, raw-config XGBoost and HistGradientBoosting baselines."""
+    n_estimators: int | None = None
+    """Trees per booster for every learned estimator (``None``: each one's default)."""
+    folds: int = 5
+    """Folds of the random split."""
+    seed: int = 0
+    """Seed of the random split."""
+
+
+def evaluate_model(data: Sequence[str | Path], spec: EvaluationSpec | None = None, *,
+                   plot: str | Path | None = None, experiment: str | None = "paratune-evaluate",
                    progress: bool | None = None) -> tuple[EvaluationResult, str | None]:
     """Cross-validate the performance model (and optionally the baselines) on measurements.
 
     Args:
         data: Dataset directories or public CSVs.
-        split: ``random``, ``cluster``, ``model`` or an extrapolation split
-            (:data:`paratune.models._splits.EXTRAPOLATION_SPLITS`).
-        baselines: Include the analytical, raw-config XGBoost and HistGradientBoosting
-            baselines.
-        n_estimators: Trees per booster for every learned estimator.
+        spec: The split, the estimators and their size (``None``: the defaults of
+            :class:`EvaluationSpec`).
         plot: PNG of predicted vs measured to write (``None``: none; see :func:`plot_path`).
-        folds: Folds of the random split.
-        seed: Seed of the random split.
         experiment: MLflow experiment; ``None`` skips tracking.
         progress: Show a progress bar of the fits on stderr (``None``: where stderr is a
             terminal).
@@ -180,10 +192,12 @@ def evaluate_model(data: Sequence[str | Path], *, split: str = "random", baselin
         DatasetError: a ``data`` path is given twice (before the MLflow run opens).
         ConfigError: ``plot`` is not an image file name (see :func:`plot_path`).
     """
+    spec = spec or EvaluationSpec()
+    split, folds, seed = spec.split, spec.folds, spec.seed
     _check_readable(data)
     plot = plot_path(plot) if plot else None
-    factories = estimator_factories(n_estimators=n_estimators)
-    if not baselines:
+    factories = estimator_factories(n_estimators=spec.n_estimators)
+    if not spec.baselines:
         factories = {"performance_model": factories["performance_model"]}
     with contextlib.ExitStack() as stack:
         run = None

@@ -1,0 +1,135 @@
+"""Rendering of cross-validation results: the aligned text tables and the predicted-vs-measured
+scatter plot (:mod:`paratune.models._evaluate` computes them)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from paratune.models._data import measured_step_time
+from paratune.models._splits import EXTRAPOLATION_SPLITS
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+    from paratune.models._evaluate import EvaluationResult
+
+__all__ = ["EXTRAPOLATION_COLUMNS", "extrapolation_table", "plot_predictions", "summary_table"]
+
+
+def _family(frame: pd.DataFrame) -> pd.Series:
+    """The measurement source of each row (hardware when no source is recorded)."""
+    if "source" in frame.columns:
+        return frame["source"].astype(str)
+    return frame["hardware"].astype(str)
+
+
+EXTRAPOLATION_COLUMNS = {
+    "n": "n", "mdape": "MdAPE%", "mape": "MAPE%", "spearman_group": "Spearman(group)",
+    "regret_mean": "top-1 regret%", "regret_top5_mean": "top-5 regret%",
+    "regret_risk_mean": "top-1 risk-aware%", "regret_risk_top5_mean": "top-5 risk-aware%",
+    "coverage": "q10-q90 cover%", "ratio_median": "pred/meas", "feasibility_accuracy":
+    "feasible acc%"}
+"""The figures of an extrapolation fold, in the order (and with the headers) they print."""
+_FRACTIONS = ("mdape", "mape", "regret_mean", "regret_top5_mean", "regret_risk_mean",
+              "regret_risk_top5_mean", "coverage", "feasibility_accuracy")
+
+
+def extrapolation_table(rows: list[dict[str, Any]], *, title: str) -> str:
+    """Rows with ``estimator``, ``held_out`` (and optionally ``split``) and the figures of
+    :func:`~paratune.models._evaluate.metrics` as an aligned table of
+    :data:`EXTRAPOLATION_COLUMNS` (percentages)."""
+    from paratune._table import format_table
+
+    shown = []
+    for row in rows:
+        item = {k: row[k] for k in ("split", "estimator", "held_out") if k in row}
+        for key in EXTRAPOLATION_COLUMNS:
+            value = row.get(key, np.nan)
+            item[key] = int(value) if key == "n" else (
+                100.0 * value if key in _FRACTIONS else value)
+        shown.append(item)
+    columns = [k for k in ("split", "estimator", "held_out") if any(k in r for r in rows)]
+    return format_table(shown, [*columns, *EXTRAPOLATION_COLUMNS],
+                        headers=dict(EXTRAPOLATION_COLUMNS), floatfmt=".3g", title=title)
+
+
+def summary_table(result: EvaluationResult) -> str:
+    """A cross-validation summary as an aligned text table (percentages): the
+    extrapolation table for the extrapolation splits, else the figures per source and
+    held-out group."""
+    from paratune._table import format_table
+
+    if result.split in EXTRAPOLATION_SPLITS:
+        return extrapolation_table(result.by_fold, title=f"split={result.split}: tokens/s per "
+                                   "device vs measured, per fold")
+    rows = []
+    for row in result.summary + result.by_fold:
+        shown = {k: row[k] for k in ("estimator", "source", "held_out") if k in row}
+        for key in ("mape", "mdape", "mape_step", "regret_mean", "regret_median",
+                    "regret_q10_mean", "feasibility_accuracy", "stall_accuracy",
+                    "mdape_mem"):
+            shown[key] = 100.0 * row.get(key, np.nan)
+        shown["spearman"] = row["spearman"]
+        shown["n"] = int(row["n"])
+        rows.append(shown)
+    headers = {"mape": "MAPE%", "mdape": "MdAPE%", "mape_step": "MAPE(step)%",
+               "regret_mean": "regret%", "regret_median": "regret median%",
+               "regret_q10_mean": "regret(q10)%",
+               "feasibility_accuracy": "feasible acc%",
+               "stall_accuracy": "stall acc%", "mdape_mem": "memory MdAPE%",
+               "spearman": "Spearman"}
+    columns = ["estimator", "source", "held_out", "n", "mape", "mdape", "mape_step",
+               "spearman", "regret_mean", "regret_median", "regret_q10_mean",
+               "feasibility_accuracy", "stall_accuracy", "mdape_mem"]
+    return format_table(rows, columns, headers=headers, floatfmt=".3g",
+                        title=f"split={result.split}: tokens/s per device vs measured")
+
+
+def plot_predictions(result: EvaluationResult, path: str | Path, *,
+                     estimator: str | None = None) -> Path:
+    """Scatter of predicted vs measured tokens/s per device (log-log, one colour per source).
+
+    Args:
+        result: A cross-validation result.
+        path: PNG file to write.
+        estimator: Which estimator's predictions; defaults to the first.
+
+    Returns:
+        The written path.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    name = estimator or next(iter(result.predictions))
+    oof = result.predictions[name]
+    step = measured_step_time(oof)
+    tokens = oof["global_batch_size"].to_numpy(float) * oof["seq_len"].to_numpy(float)
+    world = oof["world_size"].to_numpy(float)
+    measured = tokens / (step * world)
+    predicted = oof["pred_tokens_per_sec_per_gpu"].to_numpy(float)
+    fig, ax = plt.subplots(figsize=(6, 6))
+    family = _family(oof).to_numpy()
+    for fam in np.unique(family):
+        sel = (family == fam) & np.isfinite(measured) & np.isfinite(predicted)
+        ax.scatter(measured[sel], predicted[sel], s=6, alpha=0.6, label=fam)
+    finite = np.concatenate([measured[np.isfinite(measured)], predicted[np.isfinite(predicted)]])
+    if finite.size:
+        lo, hi = finite[finite > 0].min(), finite.max()
+        ax.plot([lo, hi], [lo, hi], color="black", linewidth=1)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("measured tokens/s per device")
+    ax.set_ylabel("predicted tokens/s per device")
+    ax.set_title(f"{name}, split={result.split} (out of fold)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
