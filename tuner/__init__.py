@@ -21,6 +21,7 @@ __all__ = [
     "SearchSpace",
     "Trajectory",
     "TuneResult",
+    "VerifyOptions",
     "default_batch_range",
     "effective_b_noise",
     "evaluate",
@@ -75,7 +76,7 @@ _WHERE = {
     "megatron_env": "_export", "write_recommendation": "_export",
     "verification_order": "_verify", "verify_list": "_verify", "verify_top_k": "_verify",
     "ClusterVerification": "_verify", "risk_aware_ranking": "_verify",
-    "verify_on_cluster": "_verify",
+    "verify_on_cluster": "_verify", "VerifyOptions": "_verify",
 }
 
 
