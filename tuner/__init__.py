@@ -17,6 +17,7 @@ __all__ = [
     "Objective",
     "ObjectiveKind",
     "Plan",
+    "PlanOptions",
     "SearchResult",
     "SearchSpace",
     "Trajectory",
@@ -58,7 +59,8 @@ __all__ = [
 
 _WHERE = {
     "Objective": "_objective", "ObjectiveKind": "_objective",
-    "Plan": "_plan", "effective_b_noise": "_plan", "plan_phases": "_plan",
+    "Plan": "_plan", "PlanOptions": "_plan", "effective_b_noise": "_plan",
+    "plan_phases": "_plan",
     "default_batch_range": "_plan", "smallest_busy_batch": "_plan",
     "plan_launch": "_plan_export",
     "NOISE_LAWS": "gns_trajectory", "law_trajectory": "gns_trajectory",
