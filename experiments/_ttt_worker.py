@@ -435,9 +435,10 @@ def profile(job: Job, device: torch.device) -> dict[str, Any]:
     Each measurement is journaled (:data:`PROFILE_JOURNAL`) by rank 0 as soon as it is made;
     those already there (from a killed earlier profiling) are reused, not measured again.
     """
+    from paratune.profiler import MeasureOptions, measure_config
     from paratune.profiler.mesh import build_mesh
     from paratune.profiler.reconfigure import RunState, reconfigure
-    from paratune.profiler.trainer import Trainer, measure_config, synthetic_batch
+    from paratune.profiler.trainer import Trainer, synthetic_batch
 
     rank, world_size = dist.get_rank(), dist.get_world_size()
     journal = Path(job.out_dir) / PROFILE_JOURNAL
@@ -456,7 +457,8 @@ def profile(job: Job, device: torch.device) -> dict[str, Any]:
             continue
         if not measure:
             m = measure_config(job.model, config, hardware="cpu", device=device,
-                               warmup_steps=2, measured_steps=job.profile_steps, seed=0)
+                               options=MeasureOptions(warmup_steps=2,
+                                                      measured_steps=job.profile_steps, seed=0))
             record(measurement_id, {"layout": layout, "batch": batch, "measure": False,
                                     "mode": "", "key": config.key(),
                                     "config": config.to_dict(),

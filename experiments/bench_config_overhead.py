@@ -51,21 +51,21 @@ def layouts(world: int) -> list[ParallelConfig]:
 
 def _worker(rank: int, world: int, port: int, out_dir: str, warmup: int, measured: int,
             repeats: int) -> None:
+    from paratune.profiler import MeasureOptions, measure_config
     from paratune.profiler.gns import init_worker
     from paratune.profiler.mesh import closing_process_group
-    from paratune.profiler.trainer import measure_config
 
     init_worker(rank, world, port, "cpu")
     torch.set_num_threads(1)
     spec = get_model("tiny")
     rows = []
+    options = MeasureOptions(warmup_steps=warmup, measured_steps=measured)
     with closing_process_group():
         for repeat in range(repeats):
             for cfg in layouts(world):
                 details: dict = {}
                 start = time.perf_counter()
-                m = measure_config(spec, cfg, hardware="cpu", device="cpu",
-                                   warmup_steps=warmup, measured_steps=measured,
+                m = measure_config(spec, cfg, hardware="cpu", device="cpu", options=options,
                                    details=details)
                 rows.append({"repeat": repeat, "layout": cfg.key(),
                              "wall_s": time.perf_counter() - start,

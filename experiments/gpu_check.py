@@ -343,7 +343,7 @@ def run_part(part: Part, model: Any, *, args: argparse.Namespace, hardware: str,
         Its directory (``None`` when no config finished), and whether the campaign failed
         (its worker group could not run: the parts after it are not tried).
     """
-    from paratune.profiler.campaign import CampaignSpec, materialise, run_campaign
+    from paratune.profiler.campaign import CampaignSpec, LaunchOptions, materialise, run_campaign
     from paratune.space import ConfigSpace
 
     if not part.configs():
@@ -364,7 +364,7 @@ def run_part(part: Part, model: Any, *, args: argparse.Namespace, hardware: str,
     failed = False
     try:
         run_campaign(spec, directory, track=False, progress=False, on_record=on_record,
-                     startup_timeout_s=args.config_timeout_s)
+                     launch=LaunchOptions(startup_timeout_s=args.config_timeout_s))
         return directory, False
     except OutOfTime:
         log(f"  {part.name}: the deadline is near: stopped, keeping the configs measured")

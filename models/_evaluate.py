@@ -352,11 +352,11 @@ def cross_validate(frame: pd.DataFrame, *, split: str = "random",
     frame = frame.reset_index(drop=True)
     folds = _train_test_folds(frame, split, n_splits=n_splits, random_state=random_state)
     result = EvaluationResult(split=split)
-    from paratune._progress import progress_bar
+    from paratune._progress import ProgressOutput, progress_bar
 
     # in a log, a line per fit (each names its estimator and fold)
     bar = progress_bar(total=len(estimators) * len(folds), unit="fit", desc="cross-validating",
-                       enabled=progress, interval_s=0.0)
+                       enabled=progress, output=ProgressOutput(interval_s=0.0))
     with bar:
         for name, factory in estimators.items():
             _validate_estimator(frame, split, name, factory, folds, result, bar)

@@ -13,14 +13,31 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import IO, Any
 
-__all__ = ["LineProgress", "progress_bar"]
+__all__ = ["LineProgress", "ProgressOutput", "progress_bar"]
+
+
+@dataclass(frozen=True)
+class ProgressOutput:
+    """Where a :func:`progress_bar` writes, and how often when that is not a terminal."""
+
+    stream: IO[str] | None = None
+    """Where to write; ``None``: ``sys.stderr`` at the time of the call."""
+    interval_s: float = 30.0
+    """Least seconds between two lines when ``stream`` is not a terminal (``0``: a line at
+    every update)."""
+    clock: Callable[[], float] | None = None
+    """Seconds of a monotonic clock (``None``: :func:`time.monotonic`)."""
+
+    def __post_init__(self) -> None:
+        if not self.interval_s >= 0:
+            raise ValueError(f"interval_s={self.interval_s!r}: must be a number >= 0")
 
 
 def progress_bar(*, total: int | None, desc: str, unit: str, initial: int = 0, postfix: str = "",
-                 enabled: bool | None = None, stream: IO[str] | None = None,
-                 interval_s: float = 30.0, clock: Callable[[], float] | None = None) -> Any:
+                 enabled: bool | None = None, output: ProgressOutput | None = None) -> Any:
     """A progress bar of ``total`` units of work, suited to where it is written.
 
     Args:
@@ -32,10 +49,8 @@ def progress_bar(*, total: int | None, desc: str, unit: str, initial: int = 0, p
             changes it).
         enabled: ``True``: show progress (the bar on a terminal, lines elsewhere);
             ``False``: show nothing; ``None``: the bar on a terminal, nothing elsewhere.
-        stream: Where to write; defaults to ``sys.stderr`` at the time of the call.
-        interval_s: Least seconds between two lines when ``stream`` is not a terminal
-            (``0``: a line at every update).
-        clock: Seconds of a monotonic clock (defaults to :func:`time.monotonic`).
+        output: Where to write and how often (defaults: ``sys.stderr``, a line at most
+            every 30 s off a terminal).
 
     Returns:
         A ``tqdm`` bar when ``stream`` is a terminal (or in a Jupyter kernel, where
@@ -44,11 +59,9 @@ def progress_bar(*, total: int | None, desc: str, unit: str, initial: int = 0, p
         ``set_postfix_str``, ``refresh``, ``write``, ``close``, ``n``, ``total`` and use as a
         context manager.
 
-    Raises:
-        ValueError: ``interval_s`` is negative or not a number.
     """
-    if not interval_s >= 0:
-        raise ValueError(f"interval_s={interval_s!r}: must be a number >= 0")
+    output = output if output is not None else ProgressOutput()
+    stream = output.stream
     if enabled is False:
         return LineProgress(total=total, desc=desc, unit=unit, initial=initial, stream=None,
                             postfix=postfix)
@@ -61,7 +74,8 @@ def progress_bar(*, total: int | None, desc: str, unit: str, initial: int = 0, p
         return tqdm(total=total, initial=initial, unit=unit, desc=desc, dynamic_ncols=True,
                     postfix=postfix or None, file=stream, disable=False)
     return LineProgress(total=total, desc=desc, unit=unit, initial=initial, postfix=postfix,
-                        stream=out if enabled else None, interval_s=interval_s, clock=clock)
+                        stream=out if enabled else None, interval_s=output.interval_s,
+                        clock=output.clock)
 
 
 def _is_terminal(stream: Any) -> bool:

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from paratune.profiler.campaign import CampaignResult
     from paratune.tuner import Plan, TuneResult
 
-__all__ = ["QuickstartResult", "quickstart", "register"]
+__all__ = ["QuickstartOptions", "QuickstartResult", "quickstart", "register"]
 
 
 @dataclass
@@ -47,46 +47,67 @@ def _say(line: str) -> None:
     print(line, flush=True)
 
 
-def quickstart(out: str | Path = "paratune-quickstart", *,
-               world_sizes: tuple[int, ...] = (1, 2, 4), gpus: int = 4,
-               warmup_steps: int = 2, measured_steps: int = 5, verify: int = 1,
-               track: bool = True, progress: bool = True, goodput: bool = True,
-               gns_steps: int = 24, log: Any = _say) -> QuickstartResult:
+@dataclass(frozen=True)
+class QuickstartOptions:
+    """What the quickstart profiles, tunes and verifies; checked when built, so that a bad
+    value costs no minutes of profiling."""
+
+    world_sizes: tuple[int, ...] = (1, 2, 4)
+    """Process counts to profile (gloo on this machine)."""
+    gpus: int = 4
+    """Processes the tuned job runs on (one of ``world_sizes`` so it can be verified)."""
+    warmup_steps: int = 2
+    """Warm-up steps per profiled config."""
+    measured_steps: int = 5
+    """Timed steps per profiled config."""
+    verify: int = 1
+    """Top configs to profile again after tuning (0 to skip)."""
+    goodput: bool = True
+    """Run the goodput stage (profile two larger batches on ``gpus`` processes, measure
+    ``B_noise`` for ``gns_steps`` steps, recommend by goodput, plan phases)."""
+    gns_steps: int = 24
+    """Steps of the noise-scale measurement."""
+
+    def __post_init__(self) -> None:
+        from paratune.errors import ConfigError
+
+        object.__setattr__(self, "world_sizes", tuple(self.world_sizes))
+        verify, gpus = self.verify, self.gpus
+        if isinstance(verify, bool) or not isinstance(verify, int) or verify < 0:
+            raise ConfigError("verify", verify, "must be a number of configs >= 0")
+        if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
+            raise ConfigError("gpus", gpus, "must be a positive number of processes")
+        if gpus not in self.world_sizes and verify:
+            raise ConfigError("gpus", gpus, f"must be one of the profiled world sizes "
+                              f"{list(self.world_sizes)} to verify the recommendation here")
+
+
+def quickstart(out: str | Path = "paratune-quickstart",
+               options: QuickstartOptions | None = None, *, track: bool = True,
+               progress: bool = True, log: Any = _say) -> QuickstartResult:
     """Profile ``tiny`` on this CPU, fit, tune for ``gpus`` processes, verify the winner.
 
     Re-running with the same ``out`` resumes the campaign (nothing measured is redone).
 
     Args:
         out: Directory for the campaign, the model and the recommendation.
-        world_sizes: Process counts to profile (gloo on this machine).
-        gpus: Processes the tuned job runs on (one of ``world_sizes`` so it can be verified).
-        warmup_steps: Warm-up steps per profiled config.
-        measured_steps: Timed steps per profiled config.
-        verify: Top configs to profile again after tuning (0 to skip).
+        options: World sizes, the tuned job's processes, steps, verification and the
+            goodput stage (see :class:`QuickstartOptions`; default: its defaults).
         track: Log every stage to MLflow.
         progress: Show progress bars.
-        goodput: Run the goodput stage (profile two larger batches on ``gpus`` processes,
-            measure ``B_noise`` for ``gns_steps`` steps, recommend by goodput, plan phases).
-        gns_steps: Steps of the noise-scale measurement.
         log: Where progress lines go.
 
     Returns:
         A :class:`QuickstartResult`.
     """
-    from paratune.errors import ConfigError
     from paratune.models._workflows import fit_model
     from paratune.profiler.campaign import CampaignSpec, run_campaign
     from paratune.spec import get_model
     from paratune.tuner import OutputOptions, SearchOptions, TuneJob, tune
 
-    # every argument is checked before the first stage: a bad one must not cost minutes
-    if isinstance(verify, bool) or not isinstance(verify, int) or verify < 0:
-        raise ConfigError("verify", verify, "must be a number of configs >= 0")
-    if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
-        raise ConfigError("gpus", gpus, "must be a positive number of processes")
-    if gpus not in world_sizes and verify:
-        raise ConfigError("gpus", gpus, f"must be one of the profiled world sizes "
-                          f"{list(world_sizes)} to verify the recommendation here")
+    options = options if options is not None else QuickstartOptions()
+    world_sizes, gpus, verify = options.world_sizes, options.gpus, options.verify
+    warmup_steps, measured_steps = options.warmup_steps, options.measured_steps
     out = Path(out)
     model = get_model("tiny")
     timings: dict[str, float] = {}
@@ -140,8 +161,8 @@ def quickstart(out: str | Path = "paratune-quickstart", *,
         log(format_table(tuning.verification.to_dict("records"), floatfmt=".4g"))
     result = QuickstartResult(out=out, campaign=campaign, model_dir=model_dir, tuning=tuning,
                               verification=tuning.verification, timings_s=timings)
-    if goodput:
-        _goodput_stage(result, spec, gpus=gpus, gns_steps=gns_steps, track=track,
+    if options.goodput:
+        _goodput_stage(result, spec, gpus=gpus, gns_steps=options.gns_steps, track=track,
                        progress=progress, log=log)
     return result
 
@@ -162,6 +183,7 @@ def _goodput_stage(result: QuickstartResult, spec: Any, *, gpus: int, gns_steps:
     from paratune.profiler.gns import GNSJob, run_gns
     from paratune.tuner import (
         OutputOptions,
+        ScheduleOptions,
         SearchOptions,
         SearchSpace,
         TuneJob,
@@ -217,7 +239,7 @@ def _goodput_stage(result: QuickstartResult, spec: Any, *, gpus: int, gns_steps:
     search_space = SearchSpace.build(model, gpus, "cpu", space=options,
                                      global_batch_sizes=list(GOODPUT_BATCHES))
     result.plan = plan_phases(load_predictor(model_dir), search_space, trajectory,
-                              reconfig_cost_s=1.0, threshold=0.0, max_segments=8)
+                              ScheduleOptions(reconfig_cost_s=1.0, threshold=0.0, max_segments=8))
     log(result.plan.table())
     timings["goodput"] = time.monotonic() - started
 
@@ -225,10 +247,10 @@ def _goodput_stage(result: QuickstartResult, spec: Any, *, gpus: int, gns_steps:
 def _run(args: argparse.Namespace) -> int:
     from paratune.tracking import ui_command
 
-    result = quickstart(args.out, world_sizes=args.world_sizes, gpus=args.gpus,
-                        warmup_steps=args.warmup, measured_steps=args.steps,
-                        verify=args.verify, track=not args.no_track,
-                        goodput=not args.no_goodput)
+    options = QuickstartOptions(world_sizes=args.world_sizes, gpus=args.gpus,
+                                warmup_steps=args.warmup, measured_steps=args.steps,
+                                verify=args.verify, goodput=not args.no_goodput)
+    result = quickstart(args.out, options, track=not args.no_track)
     rec = result.tuning.recommendation
     print()
     print(f"Recommendation for {rec.get('model', {}).get('name', 'tiny')} on {args.gpus} "

@@ -267,7 +267,7 @@ class ConfigBatch:
 
     def keys(self) -> list[str]:
         """Each row's layout identity, :meth:`ParallelConfig.key`."""
-        return [layout_key(*row) for row in zip(*self._layout_lists())]
+        return [layout_key(row) for row in zip(*self._layout_lists())]
 
     def _layout_lists(self) -> list[list[Any]]:
         """The layout columns as Python lists, in ``ParallelConfig`` field order (options as

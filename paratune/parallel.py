@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any
@@ -268,18 +269,21 @@ class ParallelConfig:
 
     def key(self) -> str:
         """A short, stable, readable identity: ``dp2-tp2-pp1-mb1-gb8-1f1b-v1-none-none``."""
-        return layout_key(self.dp, self.tp, self.pp, self.micro_batch_size,
-                          self.global_batch_size, self.schedule.value, self.virtual_stages,
-                          self.sharding.value, self.recompute.value)
+        return layout_key((self.dp, self.tp, self.pp, self.micro_batch_size,
+                           self.global_batch_size, self.schedule.value, self.virtual_stages,
+                           self.sharding.value, self.recompute.value))
 
     def __str__(self) -> str:
         return self.key()
 
 
-def layout_key(dp: Any, tp: Any, pp: Any, micro_batch_size: Any, global_batch_size: Any,
-               schedule: str, virtual_stages: Any, sharding: str, recompute: str) -> str:
-    """The identity of a layout (:meth:`ParallelConfig.key`), from its fields in
-    declaration order: ``dp2-tp2-pp1-mb1-gb8-1f1b-v1-none-none``."""
+def layout_key(fields: Sequence[Any]) -> str:
+    """The identity of a layout (:meth:`ParallelConfig.key`), from its nine fields in
+    declaration order (dp, tp, pp, micro batch, global batch, schedule, virtual stages,
+    sharding, recompute; the enums as their values): ``dp2-tp2-pp1-mb1-gb8-1f1b-v1-none-none``.
+    """
+    dp, tp, pp, micro_batch_size, global_batch_size, schedule, virtual_stages, sharding, \
+        recompute = fields
     return (f"dp{dp}-tp{tp}-pp{pp}-mb{micro_batch_size}-gb{global_batch_size}-{schedule}"
             f"-v{virtual_stages}-{sharding}-{recompute}")
 

@@ -310,22 +310,29 @@ def _hf_float(key: str, value: Any, path: Path) -> float:
 _MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 
 
-def _llama(name: str, layers: int, hidden: int, heads: int, kv: int, ffn: int, vocab: int,
-           seq: int, *, tie: bool = False, theta: float = 500000.0) -> ModelSpec:
-    return ModelSpec(name=name, num_layers=layers, hidden_size=hidden, num_heads=heads,
-                     num_kv_heads=kv, ffn_hidden_size=ffn, vocab_size=vocab, seq_len=seq,
-                     tie_embeddings=tie, rope_theta=theta)
-
-
 MODEL_PRESETS: dict[str, ModelSpec] = {
     # Byte-level vocabulary so the same model trains on raw text with no tokenizer download.
-    "tiny": _llama("tiny", 4, 128, 8, 4, 352, 256, 128, theta=10000.0),
-    "small": _llama("small", 8, 256, 8, 4, 688, 256, 256, theta=10000.0),
-    "llama3.2-1b": _llama("llama3.2-1b", 16, 2048, 32, 8, 8192, 128256, 8192, tie=True),
-    "llama3.2-3b": _llama("llama3.2-3b", 28, 3072, 24, 8, 8192, 128256, 8192, tie=True),
-    "llama3-8b": _llama("llama3-8b", 32, 4096, 32, 8, 14336, 128256, 8192),
-    "llama3-70b": _llama("llama3-70b", 80, 8192, 64, 8, 28672, 128256, 8192),
-    "llama3-405b": _llama("llama3-405b", 126, 16384, 128, 8, 53248, 128256, 8192),
+    "tiny": ModelSpec(name="tiny", num_layers=4, hidden_size=128, num_heads=8,
+                       num_kv_heads=4, ffn_hidden_size=352, vocab_size=256, seq_len=128,
+                       tie_embeddings=False, rope_theta=10000.0),
+    "small": ModelSpec(name="small", num_layers=8, hidden_size=256, num_heads=8,
+                       num_kv_heads=4, ffn_hidden_size=688, vocab_size=256, seq_len=256,
+                       tie_embeddings=False, rope_theta=10000.0),
+    "llama3.2-1b": ModelSpec(name="llama3.2-1b", num_layers=16, hidden_size=2048, num_heads=32,
+                       num_kv_heads=8, ffn_hidden_size=8192, vocab_size=128256, seq_len=8192,
+                       tie_embeddings=True, rope_theta=500000.0),
+    "llama3.2-3b": ModelSpec(name="llama3.2-3b", num_layers=28, hidden_size=3072, num_heads=24,
+                       num_kv_heads=8, ffn_hidden_size=8192, vocab_size=128256, seq_len=8192,
+                       tie_embeddings=True, rope_theta=500000.0),
+    "llama3-8b": ModelSpec(name="llama3-8b", num_layers=32, hidden_size=4096, num_heads=32,
+                       num_kv_heads=8, ffn_hidden_size=14336, vocab_size=128256, seq_len=8192,
+                       tie_embeddings=False, rope_theta=500000.0),
+    "llama3-70b": ModelSpec(name="llama3-70b", num_layers=80, hidden_size=8192, num_heads=64,
+                       num_kv_heads=8, ffn_hidden_size=28672, vocab_size=128256, seq_len=8192,
+                       tie_embeddings=False, rope_theta=500000.0),
+    "llama3-405b": ModelSpec(name="llama3-405b", num_layers=126, hidden_size=16384, num_heads=128,
+                       num_kv_heads=8, ffn_hidden_size=53248, vocab_size=128256, seq_len=8192,
+                       tie_embeddings=False, rope_theta=500000.0),
 }
 
 

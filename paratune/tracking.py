@@ -1,5 +1,9 @@
 """MLflow tracking: the only module that imports mlflow.
 
+The run's handle and the recognition of a store gone away are in ``_tracking_run.py``; the
+ending of runs left open by a store gone away in ``_tracking_unended.py`` (both are passed
+the ``mlflow`` module this one imports).
+
 Every campaign, fit, tuning run and experiment is one MLflow run. The store is
 ``MLFLOW_TRACKING_URI`` when set, else a local SQLite file ``mlflow.db`` in the working
 directory; ``mlflow ui --backend-store-uri sqlite:///mlflow.db`` shows it. With a local
@@ -16,28 +20,22 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import logging
-import math
 import os
 import re
 import shutil
 import subprocess
-import sys
-import tempfile
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    import pandas as pd
+from paratune._tracking_run import TrackedRun, _shown, end_status, unreachable
+from paratune._tracking_unended import _end_run, _end_unended_runs, unended_runs_file
 
 __all__ = ["EXPERIMENTS", "TRACKING_WAIT_S", "TrackedRun", "add_no_track_argument",
            "add_track_flag", "artifact_root", "default_tracking_uri", "end_status", "run_note",
            "source_tags", "start_run", "start_script_run", "ui_command", "unended_runs_file",
            "unreachable"]
-
-_MAX_PARAM_LEN = 6000
 
 EXPERIMENTS = "paratune-experiments"
 """The MLflow experiment of every ``experiments/*.py`` script (run name: the script's name)."""
@@ -150,176 +148,6 @@ def run_note(run: TrackedRun) -> str:
         return (f"MLflow run {run.run_id} is incomplete: the store {uri} went away "
                 f"({run.lost}); the next command tracked there ends it FAILED")
     return f"MLflow run {run.run_id}: {ui_command(run._uri)}"
-
-
-class TrackedRun:
-    """A thin handle on an active MLflow run.
-
-    A store that stops answering (a tracking server stopped, a database gone) does not stop
-    the command: the first call that cannot reach it (after the bounded wait of
-    :data:`TRACKING_WAIT_S`) logs one warning, and the calls after it do nothing
-    (:attr:`lost` says why). The run is ended ``FAILED`` (or ``KILLED``) when :func:`start_run`
-    closes it, or, where the store is still away then, by the next command that reaches it.
-    """
-
-    def __init__(self, mlflow_module: Any, run: Any, *, uri: str = "") -> None:
-        self._mlflow = mlflow_module
-        self._run = run
-        self._uri = uri
-        self.lost: str | None = None
-        """Why the store stopped answering (``None`` while it answers)."""
-
-    @property
-    def run_id(self) -> str | None:
-        """The run's id (``None`` where the store could not be reached to open it)."""
-        return None if self._run is None else self._run.info.run_id
-
-    @property
-    def experiment_id(self) -> str | None:
-        return None if self._run is None else self._run.info.experiment_id
-
-    def _call(self, what: str, fn: Any, *args: Any, **kwargs: Any) -> None:
-        """``fn(*args, **kwargs)`` unless the store was lost; a store that cannot be reached
-        is lost from then on (one warning), any other error is raised."""
-        if self.lost is not None:
-            return
-        try:
-            fn(*args, **kwargs)
-        except Exception as exc:
-            reason = unreachable(exc)
-            if reason is None:
-                raise
-            self.lost = reason
-            logging.getLogger(__name__).warning(
-                "MLflow tracking store %s stopped answering while logging %s (%s): the command "
-                "goes on untracked (its results and files are written as usual)%s",
-                _shown(self._uri), what, reason,
-                f"; run {self.run_id} is ended FAILED once the store answers again"
-                if self.run_id else "")
-
-    def log_params(self, params: Mapping[str, Any]) -> None:
-        """Log parameters (nested values as JSON, long values truncated, passwords in URLs
-        masked)."""
-        from paratune._redact import redact
-
-        flat = {}
-        for key, value in params.items():
-            if isinstance(value, (dict, list, tuple)):
-                value = json.dumps(value, default=str, sort_keys=True)
-            text = redact(value)
-            flat[key] = text if len(text) <= _MAX_PARAM_LEN else text[: _MAX_PARAM_LEN - 3] + "..."
-        if flat:
-            self._call("params", self._mlflow.log_params, flat)
-
-    def log_metrics(self, metrics: Mapping[str, float], *, step: int | None = None) -> None:
-        """Log numeric metrics; NaN and infinite values are left out."""
-        clean = {}
-        for key, value in metrics.items():
-            try:
-                number = float(value)
-            except (TypeError, ValueError):
-                continue
-            if math.isfinite(number):
-                clean[key] = number
-        if clean:
-            self._call("metrics", self._mlflow.log_metrics, clean, step=step)
-
-    def set_tags(self, tags: Mapping[str, Any]) -> None:
-        from paratune._redact import redact
-
-        self._call("tags", self._mlflow.set_tags, {k: redact(v) for k, v in tags.items()})
-
-    def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
-        """Log a file, or every file in a directory."""
-        path = Path(path)
-        if path.is_dir():
-            self._call(f"artifacts {path}", self._mlflow.log_artifacts, str(path),
-                       artifact_path=artifact_path)
-        else:
-            self._call(f"artifact {path}", self._mlflow.log_artifact, str(path),
-                       artifact_path=artifact_path)
-
-    def log_dict(self, data: Any, name: str) -> None:
-        """Log a JSON (``.json``) or YAML (``.yaml``) artifact."""
-        self._call(f"artifact {name}", self._mlflow.log_dict, data, name)
-
-    def log_text(self, text: str, name: str) -> None:
-        self._call(f"artifact {name}", self._mlflow.log_text, text, name)
-
-    def log_table(self, frame: pd.DataFrame, name: str) -> None:
-        """Log a DataFrame as a CSV artifact ``name`` (e.g. ``"trials.csv"``)."""
-        if self.lost is not None:
-            return
-        with tempfile.TemporaryDirectory() as tmp:
-            target = Path(tmp) / Path(name).name
-            frame.to_csv(target, index=False)
-            parent = str(Path(name).parent)
-            self._call(f"artifact {name}", self._mlflow.log_artifact, str(target),
-                       artifact_path=None if parent == "." else parent)
-
-    def log_figure(self, figure: Any, name: str) -> None:
-        """Log a matplotlib figure as an image artifact."""
-        self._call(f"artifact {name}", self._mlflow.log_figure, figure, name)
-
-
-def _shown(uri: str) -> str:
-    from paratune._redact import redact
-
-    return redact(uri)
-
-
-# what says a store cannot be reached, in the messages of MLflow's REST client and of the
-# database drivers (the exception types differ with the store and MLflow version)
-_UNREACHABLE_WORDS = ("max retries exceeded", "connection refused", "failed to establish",
-                      "timed out", "read timed out", "connection reset", "connection aborted",
-                      "could not connect", "server closed the connection", "name or service",
-                      "temporary failure in name resolution", "no route to host",
-                      "remote end closed", "connection to server", "remotedisconnected",
-                      "terminating connection", "is the server running")
-
-
-def unreachable(exc: BaseException) -> str | None:
-    """Why ``exc`` says the tracking store cannot be reached (a server down, a database
-    stopped, a timeout), in one line; ``None`` for any other error.
-
-    Args:
-        exc: An exception raised by an MLflow call.
-    """
-    seen: set[int] = set()
-    current: BaseException | None = exc
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        kind = type(current).__name__
-        module = type(current).__module__ or ""
-        text = str(current)
-        lowered = text.lower()
-        if (isinstance(current, (ConnectionError, TimeoutError))
-                or (module.startswith(("requests", "urllib3"))
-                    and kind.endswith(("ConnectionError", "Timeout", "MaxRetryError")))
-                or any(word in lowered for word in _UNREACHABLE_WORDS)):
-            first = next((line.strip() for line in text.splitlines() if line.strip()), kind)
-            return _shown(first[:200])
-        current = current.__cause__ or current.__context__
-    return None
-
-
-def end_status(exc: BaseException | None) -> str:
-    """The MLflow status of a run that ``exc`` ended (``None``: it ended normally).
-
-    ``KILLED`` for an interrupt (``KeyboardInterrupt``) or a signal turned into
-    ``SystemExit(128 + signal number)`` (how ``paratune`` ends on SIGTERM), ``FINISHED`` for
-    ``SystemExit(0)``, ``FAILED`` for any other exception.
-    """
-    if exc is None:
-        return "FINISHED"
-    if isinstance(exc, KeyboardInterrupt):
-        return "KILLED"
-    if isinstance(exc, SystemExit):
-        if exc.code is None or exc.code == 0:
-            return "FINISHED"
-        if isinstance(exc.code, int) and exc.code > 128:
-            return "KILLED"
-    return "FAILED"
 
 
 def _git(root: Path, *args: str) -> str | None:
@@ -463,98 +291,6 @@ def _bounded_waits() -> Iterator[None]:
     finally:
         for name in added:
             os.environ.pop(name, None)
-
-
-def _end_run(mlflow_module: Any, tracked: TrackedRun, status: str) -> None:
-    """End the run with ``status`` (``FAILED`` where the store was lost meanwhile and the
-    command itself succeeded); where the store cannot be reached, remember the run so that
-    the next :func:`start_run` on it ends it."""
-    import io
-
-    if tracked.lost is not None and status == "FINISHED":
-        status = "FAILED"  # its record is incomplete
-    captured = io.StringIO()
-    try:
-        if tracked.lost is not None:
-            with contextlib.suppress(Exception):
-                mlflow_module.set_tag("paratune.tracking_lost", tracked.lost)
-        with contextlib.redirect_stdout(captured):  # MLflow prints the run's URL
-            mlflow_module.end_run(status=status)
-    except Exception as exc:
-        reason = unreachable(exc)
-        if reason is None:
-            raise
-        _remember_unended(tracked._uri, tracked.run_id, status)
-        logging.getLogger(__name__).warning(
-            "MLflow tracking store %s cannot be reached to end run %s (%s): the next command "
-            "tracked there ends it %s", _shown(tracked._uri), tracked.run_id, reason, status)
-    from paratune._redact import redact
-
-    if captured.getvalue():
-        sys.stdout.write(redact(captured.getvalue()))
-
-
-def unended_runs_file() -> Path:
-    """Where runs that could not be ended (their store gone) wait for the next command:
-    ``$XDG_STATE_HOME/paratune/unended-runs.jsonl`` (``~/.local/state`` without it). A store
-    is named there by a digest of its URI, never by the URI (which may hold a password)."""
-    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
-    return Path(base) / "paratune" / "unended-runs.jsonl"
-
-
-def _store_key(uri: str) -> str:
-    import hashlib
-
-    return hashlib.sha256(uri.encode()).hexdigest()[:32]
-
-
-def _remember_unended(uri: str, run_id: str | None, status: str) -> None:
-    if run_id is None:
-        return
-    from paratune._io import append_jsonl
-
-    try:
-        # the reason quotes URLs of the store: kept out of the file, as the URI is
-        append_jsonl(unended_runs_file(), {"store": _store_key(uri), "run_id": run_id,
-                                           "status": status,
-                                           "reason": "the tracking store went away during "
-                                                     "the command that ran it"})
-    except OSError as exc:
-        logging.getLogger(__name__).warning("cannot remember run %s to end it later (%s)",
-                                            run_id, exc.strerror or exc)
-
-
-def _end_unended_runs(mlflow_module: Any, uri: str) -> None:
-    """End the runs an earlier command could not end on this store (see
-    :func:`_remember_unended`); those it still cannot reach stay for the next command."""
-    from paratune._io import atomic_write_text, read_jsonl
-
-    path = unended_runs_file()
-    if not path.exists():
-        return
-    entries = list(read_jsonl(path))
-    key = _store_key(uri)
-    mine = [e for e in entries if e.get("store") == key]
-    if not mine:
-        return
-    client = mlflow_module.MlflowClient(tracking_uri=uri)
-    left = [e for e in entries if e.get("store") != key]
-    for entry in mine:
-        try:
-            client.set_tag(entry["run_id"], "paratune.tracking_lost", entry.get("reason", ""))
-            client.set_terminated(entry["run_id"], status=entry.get("status", "FAILED"))
-        except Exception as exc:
-            if unreachable(exc) is None:  # a run the store no longer has: forget it
-                logging.getLogger(__name__).warning("cannot end run %s: %s", entry["run_id"],
-                                                    str(exc).splitlines()[0] if str(exc) else exc)
-                continue
-            left.append(entry)
-            continue
-        logging.getLogger(__name__).info("ended run %s (%s), left open by an earlier command "
-                                         "whose tracking store went away", entry["run_id"],
-                                         entry.get("status", "FAILED"))
-    with contextlib.suppress(OSError):
-        atomic_write_text(path, "".join(json.dumps(e) + "\n" for e in left))
 
 
 _URI_VARIABLE = "MLFLOW_TRACKING_URI"

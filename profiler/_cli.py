@@ -164,7 +164,7 @@ def build_spec(args: argparse.Namespace):  # -> CampaignSpec (heavy import kept 
 
 
 def _profile(args: argparse.Namespace) -> int:
-    from paratune.profiler.campaign import run_campaign, torchrun_commands
+    from paratune.profiler.campaign import LaunchOptions, run_campaign, torchrun_commands
 
     spec = build_spec(args)
     out = Path(args.out or f"runs/profile-{spec.model.name}")
@@ -182,7 +182,8 @@ def _profile(args: argparse.Namespace) -> int:
               f"(paratune datasets show {out})")
         return 0
     result = run_campaign(spec, out, resume=args.resume, track=not args.no_track,
-                          progress=not args.no_progress, launcher=args.launcher)
+                          progress=not args.no_progress,
+                          launch=LaunchOptions(launcher=args.launcher))
     print(result.summary())
     if result.run_id:
         from paratune.tracking import ui_command

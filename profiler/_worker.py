@@ -267,17 +267,17 @@ def _measure(me: _Rank, config: ParallelConfig, faults: list[tuple[str, str, int
     every failure becomes the status, with a ``fail`` event."""
     import torch
 
-    from paratune.profiler.measure import measure_config
+    from paratune.profiler.measure import MeasureOptions, measure_config
 
     key, plan = config.key(), me.plan
     details: dict[str, Any] = {}
     try:
         inject(faults, key, me.rank)
-        measurement = measure_config(
-            plan.model, config, hardware=plan.hardware, device=me.device,
-            warmup_steps=plan.warmup_steps, measured_steps=plan.measured_steps,
-            seed=plan.seed, details=details, data=plan.data,
-            devices_per_node=plan.devices_per_node)
+        options = MeasureOptions(warmup_steps=plan.warmup_steps,
+                                 measured_steps=plan.measured_steps, seed=plan.seed,
+                                 data=plan.data, devices_per_node=plan.devices_per_node)
+        measurement = measure_config(plan.model, config, hardware=plan.hardware,
+                                     device=me.device, options=options, details=details)
         return measurement, Status.OK, "", details
     except Exception as exc:  # every failure becomes this config's status
         status = Status.OOM if is_oom(exc) else Status.ERROR

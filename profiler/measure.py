@@ -12,6 +12,7 @@ import math
 import os
 import resource
 import time
+from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -28,7 +29,7 @@ from paratune.spec import ModelSpec
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["measure_config", "model_flops_utilisation"]
+__all__ = ["MeasureOptions", "measure_config", "model_flops_utilisation"]
 
 _GB = 1e9
 
@@ -116,8 +117,6 @@ def _batch_source(model: ModelSpec, data: str) -> Any:
     """``(global_batch_size, step, seed) -> tokens`` for ``data`` (checked before building)."""
     if data == "synthetic":
         return lambda size, step, seed: synthetic_batch(model, size, step=step, seed=seed)
-    if data != "text":
-        raise ConfigError("data", data, "must be synthetic or text")
     corpus = _stdlib_corpus()
     if model.vocab_size < corpus.vocab_size:
         raise ConfigError("data", data, f"real text is byte-level: it needs vocab_size >= "
@@ -125,11 +124,60 @@ def _batch_source(model: ModelSpec, data: str) -> Any:
     return lambda size, step, seed: corpus.batch(step, size, model.seq_len, seed=seed)
 
 
+DATA_SOURCES = ("synthetic", "text")
+"""What a measured step trains on: uniform random tokens, or the byte-level corpus of
+Python's own sources."""
+
+
+@dataclass(frozen=True)
+class MeasureOptions:
+    """How one config is measured: its steps, seed and data, checked when built."""
+
+    warmup_steps: int = 3
+    """Steps run first and not timed (at least one on CUDA, checked where the device is
+    known)."""
+    measured_steps: int = 10
+    """Steps timed (>= 1)."""
+    seed: int = 0
+    """Initialisation and data seed."""
+    data: str = "synthetic"
+    """``"synthetic"`` (uniform random tokens, the default for timing) or ``"text"`` (the
+    byte-level corpus of Python's own sources, for a byte-level vocabulary)."""
+    devices_per_node: int | None = None
+    """Recorded with the measurement; the campaign passes its plan's value so that ok and
+    failed rows agree. ``None``: ``LOCAL_WORLD_SIZE``, else the visible GPUs, else the world
+    size."""
+
+    def __post_init__(self) -> None:
+        if self.measured_steps < 1:
+            raise ConfigError("measured_steps", self.measured_steps, "must be >= 1")
+        if self.warmup_steps < 0:
+            raise ConfigError("warmup_steps", self.warmup_steps, "must be >= 0")
+        if self.data not in DATA_SOURCES:
+            raise ConfigError("data", self.data, "must be synthetic or text")
+
+    @classmethod
+    def build(cls, options: MeasureOptions | None = None, **overrides: Any) -> MeasureOptions:
+        """``options`` (default: the defaults) with ``overrides`` by field name.
+
+        Raises:
+            ConfigError: an override that is no field (field ``measure_options``).
+        """
+        options = options if options is not None else cls()
+        if not overrides:
+            return options
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(overrides) - names)
+        if unknown:
+            raise ConfigError("measure_options", unknown[0],
+                              f"is not one of {', '.join(sorted(names))}")
+        return replace(options, **overrides)
+
+
 def measure_config(model: ModelSpec, config: ParallelConfig, *, hardware: str,
-                   device: torch.device | str, warmup_steps: int = 3,
-                   measured_steps: int = 10, seed: int = 0, mesh: DeviceMesh | None = None,
-                   details: dict[str, Any] | None = None, data: str = "synthetic",
-                   devices_per_node: int | None = None) -> Measurement:
+                   device: torch.device | str, options: MeasureOptions | None = None,
+                   mesh: DeviceMesh | None = None, details: dict[str, Any] | None = None,
+                   **overrides: Any) -> Measurement:
     """Time training steps of ``model`` under ``config`` (collective over all ranks).
 
     Builds the mesh (unless given; meshes are cached per shape) and a :class:`Trainer`, runs
@@ -143,15 +191,8 @@ def measure_config(model: ModelSpec, config: ParallelConfig, *, hardware: str,
         config: The layout; ``config.world_size`` must equal the process group's size.
         hardware: :class:`~paratune.hardware.HardwareSpec` name (for MFU and the record).
         device: This rank's device.
-        warmup_steps: Steps run first and not timed (at least one on CUDA).
-        measured_steps: Steps timed.
-        seed: Initialisation and data seed.
+        options: Steps, seed, data and devices per node (see :class:`MeasureOptions`).
         mesh: A prebuilt (pp, dp, tp) mesh.
-        data: ``"synthetic"`` (uniform random tokens, the default for timing) or ``"text"``
-            (the byte-level corpus of Python's own sources, for a byte-level vocabulary).
-        devices_per_node: Recorded with the measurement; the campaign passes its plan's
-            value so that ok and failed rows agree. ``None``: ``LOCAL_WORLD_SIZE``, else
-            the visible GPUs, else the world size.
         details: If given, filled with ``build_s`` (including ``mesh_s``, the part spent
             getting the mesh: creating process groups the first time a shape is seen,
             about nothing once cached) and ``teardown_s`` (slowest rank),
@@ -163,6 +204,8 @@ def measure_config(model: ModelSpec, config: ParallelConfig, *, hardware: str,
             ``peak_rss_gb`` is this config's own); on CUDA also
             ``build_peak_mem_allocated_gb`` (allocator peak while building the trainer:
             initialisation may materialise more than the steps hold).
+        **overrides: Fields of :class:`MeasureOptions` by name (``measured_steps=5``), over
+            ``options``.
 
     Returns:
         An ``ok`` :class:`~paratune.Measurement`: step times, peak memory (on CUDA the
@@ -178,9 +221,12 @@ def measure_config(model: ModelSpec, config: ParallelConfig, *, hardware: str,
     """
     from paratune.profiler.fingerprint import fingerprint
 
+    options = MeasureOptions.build(options, **overrides)
+    warmup_steps, measured_steps, seed = (options.warmup_steps, options.measured_steps,
+                                          options.seed)
     device = torch.device(device)
-    _check_steps(warmup_steps, measured_steps, device)
-    batches = _batch_source(model, data)
+    _check_warmup_on(device, warmup_steps)
+    batches = _batch_source(model, options.data)
     hw = get_hardware(hardware)
     world = dist.get_world_size()
     config.validate(model, world)
@@ -228,6 +274,7 @@ def measure_config(model: ModelSpec, config: ParallelConfig, *, hardware: str,
                        peak_rss_reset=1.0 - rss_not_reset)
         if device.type == "cuda":
             details["build_peak_mem_allocated_gb"] = build_peak
+    devices_per_node = options.devices_per_node
     if devices_per_node is None:
         devices_per_node = _devices_per_node(device, world)
     measurement = Measurement(
@@ -247,11 +294,7 @@ def measure_config(model: ModelSpec, config: ParallelConfig, *, hardware: str,
     return measurement
 
 
-def _check_steps(warmup_steps: int, measured_steps: int, device: torch.device) -> None:
-    if measured_steps < 1:
-        raise ConfigError("measured_steps", measured_steps, "must be >= 1")
-    if warmup_steps < 0:
-        raise ConfigError("warmup_steps", warmup_steps, "must be >= 0")
+def _check_warmup_on(device: torch.device, warmup_steps: int) -> None:
     if warmup_steps < 1 and device.type == "cuda":
         raise ConfigError("warmup_steps", warmup_steps, "must be >= 1 on CUDA: the first "
                           "step pays one-off costs (kernel and library initialisation, "

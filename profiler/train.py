@@ -21,13 +21,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["TrainReport", "main", "parse_args", "resolve_model", "train", "train_plan"]
+__all__ = ["TrainOptions", "TrainReport", "main", "parse_args", "resolve_model", "train",
+           "train_plan"]
 
 
 @dataclass
@@ -57,20 +59,44 @@ def resolve_model(model_name: str, seq_len: int | None = None):  # -> ModelSpec 
     return get_model(model_name, seq_len=seq_len)
 
 
-def train(model_name: str, config_json: str, *, steps: int, seq_len: int | None = None,
-          data: str = "text", seed: int = 0, lr: float = 3e-4, log_every: int = 10,
-          out: object = None) -> TrainReport:
+@dataclass(frozen=True)
+class TrainOptions:
+    """How :func:`train` trains, besides the model, the layout and the steps; checked when
+    built."""
+
+    seq_len: int | None = None
+    """Tokens per sequence (``None``: the model's, see :func:`resolve_model`)."""
+    data: str = "text"
+    """``"text"`` (real text) or ``"synthetic"`` (uniform random tokens)."""
+    seed: int = 0
+    """Initialisation and data seed."""
+    lr: float = 3e-4
+    """AdamW learning rate."""
+    log_every: int = 10
+    """Print every this many steps on rank 0 (0: never)."""
+
+    def __post_init__(self) -> None:
+        from paratune.errors import ConfigError
+
+        if self.data not in ("text", "synthetic"):
+            raise ConfigError("data", self.data, "must be text or synthetic")
+        if not (isinstance(self.lr, int | float) and 0 < self.lr < math.inf):
+            raise ConfigError("lr", self.lr, "must be a positive, finite learning rate")
+        if isinstance(self.log_every, bool) or not isinstance(self.log_every, int) \
+                or self.log_every < 0:
+            raise ConfigError("log_every", self.log_every, "must be an integer >= 0")
+
+
+def train(model_name: str, config_json: str, *, steps: int,
+          options: TrainOptions | None = None, out: object = None) -> TrainReport:
     """Train inside an initialised process group of ``config.world_size`` ranks.
 
     Args:
         model_name: A preset name or a Hugging Face ``config.json`` path.
         config_json: The :class:`~paratune.ParallelConfig` as JSON.
         steps: Optimizer steps to run.
-        seq_len: Tokens per sequence (default: the model's, see :func:`resolve_model`).
-        data: ``"text"`` (real text) or ``"synthetic"`` (uniform random tokens).
-        seed: Initialisation and data seed.
-        lr: AdamW learning rate.
-        log_every: Print every this many steps on rank 0 (0: never).
+        options: Sequence length, data, seed, learning rate and logging (see
+            :class:`TrainOptions`; default: its defaults).
         out: Where rank 0 prints (default: stdout).
 
     Returns:
@@ -87,8 +113,9 @@ def train(model_name: str, config_json: str, *, steps: int, seq_len: int | None 
     from paratune.profiler.measure import _synchronize
     from paratune.profiler.trainer import Trainer, synthetic_batch
 
-    if data not in ("text", "synthetic"):
-        raise ConfigError("data", data, "must be text or synthetic")
+    options = options if options is not None else TrainOptions()
+    seq_len, data, seed, log_every = (options.seq_len, options.data, options.seed,
+                                      options.log_every)
     if steps < 1:
         raise ConfigError("steps", steps, "must be a positive integer")
     spec = resolve_model(model_name, seq_len)
@@ -97,7 +124,7 @@ def train(model_name: str, config_json: str, *, steps: int, seq_len: int | None 
     except json.JSONDecodeError as exc:
         raise ConfigError("config", config_json, f"is not valid JSON ({exc})") from None
     device = _device()
-    trainer = Trainer(spec, config, device=device, seed=seed, lr=lr)
+    trainer = Trainer(spec, config, device=device, seed=seed, lr=options.lr)
     corpus = None
     if data == "text":
         from paratune.profiler.corpus import TextCorpus
@@ -331,9 +358,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                                     seq_len=args.seq_len, data=args.data, seed=args.seed,
                                     log_every=args.log_every)
             else:
-                report = train(args.model, args.config, steps=args.steps,
-                               seq_len=args.seq_len, data=args.data, seed=args.seed,
-                               lr=args.lr, log_every=args.log_every)
+                options = TrainOptions(seq_len=args.seq_len, data=args.data, seed=args.seed,
+                                       lr=args.lr, log_every=args.log_every)
+                report = train(args.model, args.config, steps=args.steps, options=options)
     except ConfigError as exc:
         print(f"paratune.profiler.train: error: {exc}", file=sys.stderr)
         return 2

@@ -22,6 +22,7 @@ __all__ = [
     "Plan",
     "PlanOptions",
     "PlanOutcome",
+    "ScheduleOptions",
     "SearchOptions",
     "SearchResult",
     "SearchSpace",
@@ -29,6 +30,7 @@ __all__ = [
     "Trajectory",
     "TuneJob",
     "TuneResult",
+    "VerifyOptions",
     "default_batch_range",
     "effective_b_noise",
     "evaluate",
@@ -67,7 +69,8 @@ __all__ = [
 
 _WHERE = {
     "Objective": "_objective", "ObjectiveKind": "_objective",
-    "Plan": "_plan", "effective_b_noise": "_plan", "plan_phases": "_plan",
+    "Plan": "_plan", "ScheduleOptions": "_plan", "effective_b_noise": "_plan",
+    "plan_phases": "_plan",
     "default_batch_range": "_plan", "smallest_busy_batch": "_plan",
     "plan_launch": "_plan_export",
     "NOISE_LAWS": "gns_trajectory", "law_trajectory": "gns_trajectory",
@@ -88,7 +91,7 @@ _WHERE = {
     "megatron_env": "_export", "write_recommendation": "_export",
     "verification_order": "_verify", "verify_list": "_verify", "verify_top_k": "_verify",
     "ClusterVerification": "_verify", "risk_aware_ranking": "_verify",
-    "verify_on_cluster": "_verify",
+    "verify_on_cluster": "_verify", "VerifyOptions": "_verify",
 }
 
 

@@ -19,6 +19,7 @@ batch, progress and ``B_noise`` are first taken in tokens (with the measuring ru
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -29,7 +30,7 @@ from paratune._table import format_table
 from paratune.errors import ConfigError
 from paratune.parallel import ParallelConfig
 from paratune.predictor import PRED_TOKENS_PER_SEC_PER_GPU, Predictor
-from paratune.tuner._efficiency import _positive, check_lr_rule, lr_scale
+from paratune.tuner._efficiency import lr_scale
 from paratune.tuner._objective import Objective
 from paratune.tuner._plan_progress import (
     Segment,
@@ -39,6 +40,8 @@ from paratune.tuner._plan_progress import (
     smallest_busy_batch,
 )
 from paratune.tuner._plan_schedule import (
+    DEFAULT_BASE_LR,
+    ScheduleOptions,
     check_plan_options,
     follow_critical,
     layout_key,
@@ -52,12 +55,12 @@ if TYPE_CHECKING:
 
     from paratune.tuner._space import SearchSpace
 
-DEFAULT_BASE_LR = 3e-4
-"""Learning rate at the base batch where none is given (Llama 3 8B's peak learning rate)."""
 
 __all__ = [
+    "DEFAULT_BASE_LR",
     "ConfigTimes",
     "Plan",
+    "ScheduleOptions",
     "Segment",
     "check_plan_options",
     "config_times",
@@ -250,12 +253,9 @@ def config_times(ranked: pd.DataFrame, segments: list[Segment], *, seq_len: int
                        quantile_times=quantile_times)
 
 
-def plan_phases(predictor: Predictor, space: SearchSpace, trajectory: Trajectory, *,
-                reconfig_cost_s: float = 600.0, batch_change_cost_s: float = 0.0,
-                threshold: float = 0.05, max_segments: int = 32,
-                objective: Objective | None = None, lr_rule: str = "sqrt",
-                base_lr: float = DEFAULT_BASE_LR, base_batch: float | None = None,
-                spacing: str = "auto", ranked: pd.DataFrame | None = None) -> Plan:
+def plan_phases(predictor: Predictor, space: SearchSpace, trajectory: Trajectory,
+                options: ScheduleOptions | None = None, *, objective: Objective | None = None,
+                ranked: pd.DataFrame | None = None, **overrides: Any) -> Plan:
     """Schedule (batch, parallelism) over training from a ``B_noise`` trajectory.
 
     Every feasible config of ``space`` (all its global batch sizes) is predicted once; the
@@ -275,21 +275,14 @@ def plan_phases(predictor: Predictor, space: SearchSpace, trajectory: Trajectory
         predictor: Fitted predictor.
         space: Space with several global batch sizes.
         trajectory: ``B_noise`` along a reference run, with the run's ``seq_len`` known.
-        reconfig_cost_s: Seconds lost to a change of parallelism (checkpoint, reshard,
-            restart).
-        batch_change_cost_s: Seconds lost to a change of the batch size alone.
-        threshold: Smallest relative goodput gain, on the stretch where it happens, that
-            allows a switch (``0``: any gain).
-        max_segments: Resolution of the plan along training (>= 1).
+        options: Switch costs, threshold, resolution and learning-rate rule (see
+            :class:`ScheduleOptions`; default: its defaults).
         objective: Feasibility settings (memory limit, probability) and the
             ``risk_quantile`` to time configs by; its kind is ignored.
-        lr_rule: How the learning rate follows the batch (one of
-            :data:`~paratune.tuner.LR_RULES`; ``adascale`` takes each phase's ``B_noise``).
-        base_lr: Learning rate at ``base_batch``.
-        base_batch: Batch at which ``base_lr`` holds (default: the first phase's).
-        spacing: How training is cut into stretches (see :func:`progress_segments`).
         ranked: The configs of :func:`predict_configs` for ``space`` (predicted here where
             not given).
+        **overrides: Fields of :class:`ScheduleOptions` by name (``reconfig_cost_s=60``), over
+            ``options``.
 
     Returns:
         A :class:`Plan`: per phase its tokens (of the reference run and of the planned
@@ -299,12 +292,14 @@ def plan_phases(predictor: Predictor, space: SearchSpace, trajectory: Trajectory
     Raises:
         ConfigError: a cost is negative or not finite, ``threshold < 0``,
             ``max_segments < 1``, no config is predicted feasible, or the trajectory is
-            too short or lacks its ``seq_len``.
+            too short or lacks its ``seq_len``; an override is no field of
+            :class:`ScheduleOptions` (field ``plan_options``).
     """
-    reconfig_cost_s, batch_change_cost_s, threshold, max_segments = check_plan_options(
-        reconfig_cost_s=reconfig_cost_s, batch_change_cost_s=batch_change_cost_s,
-        threshold=threshold, max_segments=max_segments)
-    _check_learning_rate(lr_rule, base_lr)
+    options = _plan_options(options, overrides)
+    reconfig_cost_s, batch_change_cost_s = options.reconfig_cost_s, options.batch_change_cost_s
+    threshold, max_segments = options.threshold, options.max_segments
+    lr_rule, base_lr, base_batch, spacing = (options.lr_rule, options.base_lr,
+                                             options.base_batch, options.spacing)
     # unit problems of the trajectory surface before the (slow) prediction
     segments = progress_segments(trajectory, seq_len=space.model.seq_len,
                                  max_segments=max_segments, spacing=spacing)
@@ -338,9 +333,16 @@ def plan_phases(predictor: Predictor, space: SearchSpace, trajectory: Trajectory
                 base_batch=lr.base_batch, time_interval_s=interval, source=trajectory.source)
 
 
-def _check_learning_rate(lr_rule: Any, base_lr: Any) -> None:
-    check_lr_rule(lr_rule)
-    _positive("base_lr", base_lr, "must be a positive, finite learning rate")
+def _plan_options(options: ScheduleOptions | None, overrides: dict[str, Any]) -> ScheduleOptions:
+    """``options`` (default: the defaults) with ``overrides`` by field name."""
+    base = options if options is not None else ScheduleOptions()
+    if not overrides:
+        return base
+    names = {f.name for f in dataclasses.fields(ScheduleOptions)}
+    unknown = sorted(set(overrides) - names)
+    if unknown:
+        raise ConfigError("plan_options", unknown[0], f"is not one of {', '.join(sorted(names))}")
+    return dataclasses.replace(base, **overrides)
 
 
 @dataclass(frozen=True)

@@ -5,17 +5,18 @@ against."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from itertools import pairwise
 from typing import Any
 
 import numpy as np
 
 from paratune.parallel import ParallelConfig
-from paratune.tuner._efficiency import _positive
+from paratune.tuner._efficiency import _positive, check_lr_rule
 from paratune.tuner._plan_progress import Segment, check_max_segments
 
-__all__ = ["check_plan_options", "follow_critical", "layout_key", "layout_of",
-           "optimal_schedule"]
+__all__ = ["DEFAULT_BASE_LR", "ScheduleOptions", "check_plan_options", "follow_critical",
+           "layout_key", "layout_of", "optimal_schedule"]
 
 
 def layout_of(config: dict[str, Any]) -> dict[str, Any]:
@@ -153,6 +154,45 @@ def check_plan_options(*, reconfig_cost_s: float, batch_change_cost_s: float,
     threshold = _positive("threshold", threshold, "must be a finite number >= 0", zero=True)
     return reconfig_cost_s, batch_change_cost_s, threshold, check_max_segments(max_segments)
 
+
+
+DEFAULT_BASE_LR = 3e-4
+"""Learning rate at the base batch where none is given (Llama 3 8B's peak learning rate)."""
+
+
+@dataclass(frozen=True)
+class ScheduleOptions:
+    """The costs, switch threshold, resolution and learning-rate rule of a phase plan
+    (:func:`~paratune.tuner.plan_phases`), checked when built: a bad one names its field."""
+
+    reconfig_cost_s: float = 600.0
+    """Seconds lost to a change of parallelism (checkpoint, reshard, restart)."""
+    batch_change_cost_s: float = 0.0
+    """Seconds lost to a change of the batch size alone."""
+    threshold: float = 0.05
+    """Smallest relative goodput gain, on the stretch where it happens, that allows a switch
+    (``0``: any gain)."""
+    max_segments: int = 32
+    """Resolution of the plan along training (>= 1)."""
+    lr_rule: str = "sqrt"
+    """How the learning rate follows the batch (one of :data:`~paratune.tuner.LR_RULES`;
+    ``adascale`` takes each phase's ``B_noise``)."""
+    base_lr: float = DEFAULT_BASE_LR
+    """Learning rate at ``base_batch``."""
+    base_batch: float | None = None
+    """Batch at which ``base_lr`` holds (``None``: the first phase's)."""
+    spacing: str = "auto"
+    """How training is cut into stretches (see :func:`progress_segments`)."""
+
+    def __post_init__(self) -> None:
+        reconfig, batch_change, threshold, max_segments = check_plan_options(
+            reconfig_cost_s=self.reconfig_cost_s, batch_change_cost_s=self.batch_change_cost_s,
+            threshold=self.threshold, max_segments=self.max_segments)
+        check_lr_rule(self.lr_rule)
+        _positive("base_lr", self.base_lr, "must be a positive, finite learning rate")
+        for name, value in (("reconfig_cost_s", reconfig), ("batch_change_cost_s", batch_change),
+                            ("threshold", threshold), ("max_segments", max_segments)):
+            object.__setattr__(self, name, value)
 
 
 def follow_critical(times: np.ndarray, configs: list[ParallelConfig], layouts: list[tuple],

@@ -14,7 +14,6 @@ refitting (:mod:`~paratune.tuner._verify_refit`), the cluster's launch files
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -32,7 +31,12 @@ from paratune.tuner._verify_list import (
     verify_list,
     verify_positions,
 )
-from paratune.tuner._verify_refit import VerifyRuns, pinned_space, refit_and_compare
+from paratune.tuner._verify_refit import (
+    VerifyOptions,
+    VerifyRuns,
+    pinned_space,
+    refit_and_compare,
+)
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -48,6 +52,8 @@ __all__ = [
     "RISK_QUANTILE",
     "VERIFY_ON",
     "ClusterVerification",
+    "VerifyOptions",
+    "VerifyRuns",
     "check_verify_here",
     "pinned_space",
     "risk_aware_ranking",
@@ -135,11 +141,8 @@ def _check_cpu_fits(model: ModelSpec, world_size: int, k: int) -> None:
                        "are slower than on a core each", k, world_size, cores)
 
 
-def verify_top_k(result: TuneResult, k: int, *,
-                 dataset: str | Path | Sequence[str | Path] | None = None,
-                 out_dir: str | Path | None = None, refit_dir: str | Path | None = None,
-                 warmup_steps: int = 2, measured_steps: int = 5, timeout_s: float = 300.0,
-                 model_factory: Any = None) -> pd.DataFrame:
+def verify_top_k(result: TuneResult, k: int, options: VerifyOptions | None = None,
+                 **overrides: Any) -> pd.DataFrame:
     """Profile the top ``k`` configs of ``result`` here, refit, and compare.
 
     Args:
@@ -147,17 +150,11 @@ def verify_top_k(result: TuneResult, k: int, *,
         k: Configs to profile: the first ``k`` of :func:`verification_order` (the ranking,
             a layout's second config after another layout nearly as good) that paratune's
             trainer can run (see :meth:`paratune.ParallelConfig.check_trainer`).
-        dataset: Measurements the predictor was fitted on (dataset directories, public CSVs
-            or parquet files); the new measurements are added to them for the refit. Without
-            it the refit uses the new measurements alone.
-        out_dir: Where the verification campaigns go (default: ``verify/`` beside the
+        options: The dataset refitted on, the directories and how each config is measured
+            (see :class:`VerifyOptions`; without ``out_dir``: ``verify/`` beside the
             recommendation, or a temporary directory).
-        refit_dir: Where the refitted model is saved (default: ``out_dir/refit``).
-        warmup_steps: Warm-up steps per config.
-        measured_steps: Timed steps per config.
-        timeout_s: Per-config timeout.
-        model_factory: Callable returning an unfitted model with ``fit``/``save``
-            (default: :class:`paratune.models.PerformanceModel`).
+        **overrides: Fields of :class:`VerifyOptions` (or of :class:`VerifyRuns`) by name,
+            over ``options`` (what ``tune(verify_options={...})`` passes).
 
     Returns:
         One row per verified config: ``config``, ``status``, ``pred_tokens_per_s`` (before),
@@ -165,11 +162,14 @@ def verify_top_k(result: TuneResult, k: int, *,
         ``refit_tokens_per_s`` and ``refit_error_pct``.
 
     Raises:
-        ConfigError: ``k`` is not positive, the job's hardware is not on this machine, or
-            it cannot run the job's processes (see :func:`check_verify_here`).
+        ConfigError: ``k`` is not positive, the job's hardware is not on this machine, it
+            cannot run the job's processes (see :func:`check_verify_here`), or an override
+            is no field of the options.
     """
     from paratune.profiler.campaign import run_campaign
 
+    options = VerifyOptions.build(options, **overrides)
+    out_dir = options.out_dir
     space = result.search.space
     device = check_verify_here(space, k)
     base = Path(out_dir) if out_dir is not None else (
@@ -182,8 +182,7 @@ def verify_top_k(result: TuneResult, k: int, *,
     picked = verify_positions(result.search.ranked, ranked_configs, space.model, k)
     configs = [ranked_configs[i] for i in picked]
     ranked = result.search.ranked.iloc[picked]  # each verified config's own prediction
-    runs = VerifyRuns(warmup_steps=warmup_steps, measured_steps=measured_steps,
-                      timeout_s=timeout_s)
+    runs = options.runs
     frames = []
     for cfg in configs:
         target = base / cfg.key()
@@ -192,9 +191,9 @@ def verify_top_k(result: TuneResult, k: int, *,
                                 resume=resume, track=False, progress=False)
         frames.append(campaign.dataset.frame)
     predicted = [float(ranked["tokens_per_s"].iloc[i]) for i in range(len(configs))]
-    refit_path = Path(refit_dir) if refit_dir is not None else base / "refit"
-    return refit_and_compare(result, configs, frames, predicted, dataset=dataset,
-                             refit_path=refit_path, model_factory=model_factory)
+    refit_path = Path(options.refit_dir) if options.refit_dir is not None else base / "refit"
+    return refit_and_compare(result, configs, frames, predicted, dataset=options.dataset,
+                             refit_path=refit_path, model_factory=options.model_factory)
 
 
 VERIFY_ON = ("auto", "here", "cluster")

@@ -15,7 +15,7 @@ from paratune._io import atomic_write_text
 from paratune.errors import ConfigError
 from paratune.parallel import ParallelConfig
 from paratune.tuner._verify_list import check_num_configs, verify_positions
-from paratune.tuner._verify_refit import VerifyRuns, refit_and_compare
+from paratune.tuner._verify_refit import VerifyOptions, VerifyRuns, refit_and_compare
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -77,11 +77,8 @@ def _sbatch_script(command: str, *, nodes: int, per_node: int, name: str, gpus: 
     return "\n".join([*lines, "set -e", command, ""])
 
 
-def verify_on_cluster(result: TuneResult, k: int, *,
-                      dataset: str | Path | Sequence[str | Path] | None = None,
-                      out_dir: str | Path | None = None, refit_dir: str | Path | None = None,
-                      warmup_steps: int = 2, measured_steps: int = 5, timeout_s: float = 300.0,
-                      model_factory: Any = None) -> ClusterVerification:
+def verify_on_cluster(result: TuneResult, k: int, options: VerifyOptions | None = None,
+                      **overrides: Any) -> ClusterVerification:
     """Prepare the verification of ``result`` on its target cluster, or read it back.
 
     The ``k`` configs are the first of :func:`verification_order` that paratune's trainer
@@ -95,17 +92,16 @@ def verify_on_cluster(result: TuneResult, k: int, *,
     Args:
         result: A tuning result (its hardware need not be this machine's).
         k: Configs to verify.
-        dataset: Measurements the predictor was fitted on, refitted with the verified runs.
-        out_dir: Where the campaigns go (default: ``verify/`` beside the recommendation);
-            on a filesystem the cluster's nodes see.
-        refit_dir: Where the refitted model is saved (default: ``out_dir/refit``).
-        warmup_steps, measured_steps, timeout_s, model_factory: As for
-            :func:`~paratune.tuner.verify_top_k`.
+        options: As for :func:`~paratune.tuner.verify_top_k`; ``out_dir`` (default:
+            ``verify/`` beside the recommendation) on a filesystem the cluster's nodes see.
+        **overrides: Fields of :class:`VerifyOptions` (or of :class:`VerifyRuns`) by name.
 
     Raises:
         ConfigError: ``k`` is not positive, no ranked config can run in paratune's trainer,
             or ``out_dir`` is unset and the result wrote no files.
     """
+    options = VerifyOptions.build(options, **overrides)
+    out_dir, refit_dir = options.out_dir, options.refit_dir
     check_num_configs(k)
     space = result.search.space
     if out_dir is None and not result.outputs:
@@ -114,8 +110,7 @@ def verify_on_cluster(result: TuneResult, k: int, *,
     base = Path(out_dir) if out_dir is not None else result.outputs["json"].parent / "verify"
     base.mkdir(parents=True, exist_ok=True)
     configs = _chosen_configs(result, k, base / "verify.json")
-    runs = VerifyRuns(warmup_steps=warmup_steps, measured_steps=measured_steps,
-                      timeout_s=timeout_s)
+    runs = options.runs
     plan = ClusterVerification(configs=configs, directories=[], torchrun=[], sbatch=[],
                                finished=[])
     for cfg in configs:
@@ -124,9 +119,9 @@ def verify_on_cluster(result: TuneResult, k: int, *,
         logger.info("%d of %d verification runs not measured yet", len(plan.pending),
                     len(configs))
         return plan
-    _read_back(plan, result, dataset=dataset,
+    _read_back(plan, result, dataset=options.dataset,
                refit_dir=Path(refit_dir) if refit_dir is not None else base / "refit",
-               model_factory=model_factory)
+               model_factory=options.model_factory)
     return plan
 
 

@@ -7,10 +7,11 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from paratune.errors import ConfigError
 from paratune.parallel import ParallelConfig, Schedule
 from paratune.space import ConfigSpace
 
@@ -21,7 +22,7 @@ if TYPE_CHECKING:
     from paratune.tuner._space import SearchSpace
     from paratune.tuner._tune import TuneResult
 
-__all__ = ["VerifyRuns", "pinned_space", "refit_and_compare"]
+__all__ = ["VerifyOptions", "VerifyRuns", "pinned_space", "refit_and_compare"]
 
 # the verification's modules log under one name, the one users and their filters know
 logger = logging.getLogger("paratune.tuner._verify")
@@ -60,6 +61,54 @@ class VerifyRuns:
                             measured_steps=self.measured_steps, timeout_s=self.timeout_s,
                             device=device, hardware=space.hardware.name,
                             devices_per_node=space.devices_per_node)
+
+
+_RUN_FIELDS = ("warmup_steps", "measured_steps", "timeout_s")
+
+
+@dataclass(frozen=True)
+class VerifyOptions:
+    """How a verification measures, refits and where it writes (here and on the cluster)."""
+
+    dataset: str | Path | Sequence[str | Path] | None = None
+    """Measurements the predictor was fitted on (dataset directories, public CSVs or parquet
+    files), refitted with the verified runs; ``None``: the refit uses those runs alone."""
+    out_dir: str | Path | None = None
+    """Where the verification campaigns go (``None``: ``verify/`` beside the recommendation)."""
+    refit_dir: str | Path | None = None
+    """Where the refitted model is saved (``None``: ``out_dir/refit``)."""
+    runs: VerifyRuns = field(default_factory=VerifyRuns)
+    """Warm-up and timed steps and the timeout of each verified config."""
+    model_factory: Any = None
+    """Callable returning an unfitted model with ``fit``/``save`` (``None``:
+    :class:`paratune.models.PerformanceModel`)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.runs, VerifyRuns):
+            raise ConfigError("runs", self.runs, "must be a VerifyRuns")
+        if self.model_factory is not None and not callable(self.model_factory):
+            raise ConfigError("model_factory", self.model_factory, "must be callable")
+
+    @classmethod
+    def build(cls, options: VerifyOptions | None = None, **overrides: Any) -> VerifyOptions:
+        """``options`` (default: the defaults) with ``overrides`` by field name; the fields of
+        :class:`VerifyRuns` (``warmup_steps``, ``measured_steps``, ``timeout_s``) are taken
+        by their own names too, as ``tune(verify_options={...})`` passes them.
+
+        Raises:
+            ConfigError: an override that is no field of either (field ``verify_options``).
+        """
+        options = options if options is not None else cls()
+        own = {f.name for f in fields(cls)} - {"runs"}
+        unknown = sorted(set(overrides) - own - set(_RUN_FIELDS) - {"runs"})
+        if unknown:
+            raise ConfigError("verify_options", unknown[0], "is not one of "
+                              f"{', '.join(sorted(own | set(_RUN_FIELDS)))}")
+        runs = overrides.pop("runs", options.runs)
+        run_fields = {name: overrides.pop(name) for name in _RUN_FIELDS if name in overrides}
+        if run_fields:
+            runs = replace(runs, **run_fields)
+        return replace(options, runs=runs, **overrides)
 
 
 def refit_and_compare(result: TuneResult, configs: list[ParallelConfig],

@@ -23,7 +23,7 @@ from __future__ import annotations
 from paratune.datasets.materialise import CampaignProgress, campaign_progress, materialise
 from paratune.profiler.campaign.plan import prepare_campaign
 from paratune.profiler.campaign.results import CampaignResult, in_step_seconds
-from paratune.profiler.campaign.run import run_campaign, torchrun_commands
+from paratune.profiler.campaign.run import LAUNCHERS, LaunchOptions, run_campaign, torchrun_commands
 from paratune.profiler.campaign.spec import (
     EXPERIMENT,
     CampaignError,
@@ -34,7 +34,8 @@ from paratune.profiler.campaign.spec import (
     enumerate_campaign,
 )
 
-__all__ = ["EXPERIMENT", "CampaignError", "CampaignProgress", "CampaignResult", "CampaignSpec",
+__all__ = ["EXPERIMENT", "LAUNCHERS", "CampaignError", "CampaignProgress", "CampaignResult",
+           "CampaignSpec", "LaunchOptions",
            "campaign_progress", "default_space", "detect_device", "detect_hardware",
            "enumerate_campaign", "in_step_seconds", "materialise", "prepare_campaign",
            "run_campaign", "torchrun_commands"]

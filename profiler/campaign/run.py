@@ -5,8 +5,9 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -67,11 +68,43 @@ def _tracked(track: bool, meta: dict[str, Any], spec: CampaignSpec, paths: Campa
         yield run
 
 
+LAUNCHERS = ("local", "torchrun")
+"""How a campaign starts its worker groups (see :class:`LaunchOptions`)."""
+
+
+@dataclass(frozen=True)
+class LaunchOptions:
+    """How a campaign starts and supervises its worker groups, checked when built."""
+
+    launcher: str = "local"
+    """``"local"`` (worker groups supervised by this process) or ``"torchrun"``
+    (``torchrun --standalone`` per world size: the cluster code path, on this machine; hangs
+    and crashes are then handled by the workers' watchdog and torchrun's restarts)."""
+    fail_grace_s: float = 3.0
+    """After a rank reports a failure, seconds to wait for the others before the group is
+    torn down."""
+    startup_timeout_s: float | None = None
+    """Seconds a new group may take to start its first config (``None``: the larger of
+    120 s and the config timeout)."""
+    extra_env: Mapping[str, str] | None = None
+    """Extra environment variables for the workers."""
+
+    def __post_init__(self) -> None:
+        if self.launcher not in LAUNCHERS:
+            raise ConfigError("launcher", self.launcher, "must be local or torchrun")
+        if not (isinstance(self.fail_grace_s, int | float) and 0 <= self.fail_grace_s < math.inf):
+            raise ConfigError("fail_grace_s", self.fail_grace_s,
+                              "must be a finite number of seconds >= 0")
+        if self.startup_timeout_s is not None and not (
+                isinstance(self.startup_timeout_s, int | float)
+                and 0 < self.startup_timeout_s < math.inf):
+            raise ConfigError("startup_timeout_s", self.startup_timeout_s,
+                              "must be a finite number of seconds > 0 (or None)")
+
+
 def run_campaign(spec: CampaignSpec, out: str | Path, *, resume: bool = False,
-                 track: bool = True, progress: bool = True, launcher: str = "local",
-                 fail_grace_s: float = 3.0,
-                 startup_timeout_s: float | None = None,
-                 extra_env: dict[str, str] | None = None,
+                 track: bool = True, progress: bool = True,
+                 launch: LaunchOptions | None = None,
                  on_record: Callable[[str], None] | None = None) -> CampaignResult:
     """Profile every valid config of ``spec`` for each world size, with local worker groups.
 
@@ -81,15 +114,8 @@ def run_campaign(spec: CampaignSpec, out: str | Path, *, resume: bool = False,
         resume: Continue the campaign already in ``out``, skipping finished configs.
         track: Log the campaign as an MLflow run (``MLFLOW_TRACKING_URI`` or ./mlflow.db).
         progress: Show a progress bar (configs done, failed, ETA) on stderr.
-        launcher: ``"local"`` (worker groups supervised by this process) or ``"torchrun"``
-            (``torchrun --standalone`` per world size: the cluster code path, on this
-            machine; hangs and crashes are then handled by the workers' watchdog and
-            torchrun's restarts).
-        fail_grace_s: After a rank reports a failure, seconds to wait for the others
-            before the group is torn down.
-        startup_timeout_s: Seconds a new group may take to start its first config
-            (default: the larger of 120 s and the config timeout).
-        extra_env: Extra environment variables for the workers.
+        launch: The launcher, failure grace, start-up timeout and extra environment of the
+            worker groups (see :class:`LaunchOptions`; default: local groups).
         on_record: Called with each config key as it is journaled.
 
     Returns:
@@ -109,8 +135,7 @@ def run_campaign(spec: CampaignSpec, out: str | Path, *, resume: bool = False,
 
     started = time.monotonic()
     children_before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    if launcher not in ("local", "torchrun"):
-        raise ConfigError("launcher", launcher, "must be local or torchrun")
+    launch = launch if launch is not None else LaunchOptions()
     # resuming a campaign whose every config is journaled (e.g. one run on a cluster with
     # the printed commands) only writes its dataset: it needs none of the devices
     finished = resume and CampaignPaths(Path(out)).campaign.exists() and not unfinished_configs(
@@ -131,10 +156,8 @@ def run_campaign(spec: CampaignSpec, out: str | Path, *, resume: bool = False,
     with _locked(spec, out, resume=resume) as prepared:
         paths, meta = prepare_campaign(spec, out, measure_here=not finished, **prepared)
         return _run_campaign(spec, paths, meta, _RunSettings(
-            resume=resume, launcher=launcher, track=track, progress=progress,
-            on_record=on_record, fail_grace_s=fail_grace_s,
-            startup_timeout_s=startup_timeout_s, extra_env=extra_env, started=started,
-            children_before=children_before))
+            resume=resume, launch=launch, track=track, progress=progress,
+            on_record=on_record, started=started, children_before=children_before))
 
 
 @contextlib.contextmanager
@@ -159,17 +182,18 @@ class _RunSettings:
     """How :func:`run_campaign` was asked to run (its keyword arguments) and when it began."""
 
     resume: bool
-    launcher: str
+    launch: LaunchOptions
     track: bool
     progress: bool
     on_record: Callable[[str], None] | None
-    fail_grace_s: float
-    startup_timeout_s: float | None
-    extra_env: dict[str, str] | None
     started: float
     """``time.monotonic()`` when the run began."""
     children_before: Any
     """``getrusage(RUSAGE_CHILDREN)`` when the run began."""
+
+
+def _env(launch: LaunchOptions) -> dict[str, str] | None:
+    return None if launch.extra_env is None else dict(launch.extra_env)
 
 
 def _run_campaign(spec: CampaignSpec, paths: CampaignPaths, meta: dict[str, Any],
@@ -225,13 +249,13 @@ def _launch_world_sizes(spec: CampaignSpec, paths: CampaignPaths, meta: dict[str
             if bar is not None:
                 bar.set_description(f"profiling ws={world_size}")
             hook = settings.on_record or (lambda key: None)
-            if settings.launcher == "torchrun":
+            if settings.launch.launcher == "torchrun":
                 _run_world_size_torchrun(paths, world_size, state,
-                                         extra_env=settings.extra_env, on_entry_hook=hook)
+                                         extra_env=_env(settings.launch), on_entry_hook=hook)
             else:
-                _run_world_size(paths, world_size, state, fail_grace_s=settings.fail_grace_s,
-                                startup_timeout_s=settings.startup_timeout_s,
-                                extra_env=settings.extra_env, on_entry_hook=hook)
+                _run_world_size(paths, world_size, state, fail_grace_s=settings.launch.fail_grace_s,
+                                startup_timeout_s=settings.launch.startup_timeout_s,
+                                extra_env=_env(settings.launch), on_entry_hook=hook)
             if int(meta["num_valid"][str(world_size)]):  # else there may be no row yet
                 materialise(paths.root)
     finally:

@@ -8,7 +8,7 @@ import pandas as pd
 import pytest
 from tqdm.std import tqdm
 
-from paratune._progress import LineProgress, progress_bar
+from paratune._progress import LineProgress, ProgressOutput, progress_bar
 
 
 class _Terminal(io.StringIO):
@@ -32,8 +32,8 @@ def _plain_lines(text: str) -> list[str]:
 
 def test_a_log_gets_a_line_at_the_start_every_interval_and_at_the_end():
     out, clock = io.StringIO(), _Clock()
-    bar = progress_bar(total=40, desc="profiling", unit="config", enabled=True, stream=out,
-                       clock=clock)
+    bar = progress_bar(total=40, desc="profiling", unit="config", enabled=True,
+                       output=ProgressOutput(stream=out, clock=clock))
     assert isinstance(bar, LineProgress)
     bar.set_description("profiling ws=8")  # nothing done yet: no line of its own
     clock.now += 10
@@ -59,7 +59,7 @@ def test_a_log_gets_a_line_at_the_start_every_interval_and_at_the_end():
 def test_a_zero_interval_writes_every_update_and_no_repeated_last_line():
     out, clock = io.StringIO(), _Clock()
     with progress_bar(total=4, initial=1, desc="tuning", unit="trial", enabled=True,
-                      stream=out, interval_s=0.0, clock=clock) as bar:
+                      output=ProgressOutput(stream=out, interval_s=0.0, clock=clock)) as bar:
         clock.now += 0.5
         bar.set_postfix_str("resumed", refresh=False)
         bar.update(1)
@@ -76,7 +76,7 @@ def test_a_zero_interval_writes_every_update_and_no_repeated_last_line():
 def test_a_new_description_after_some_work_is_a_line_at_once():
     out, clock = io.StringIO(), _Clock()
     bar = progress_bar(total=10, desc="profiling ws=1", unit="config", enabled=True,
-                       stream=out, clock=clock)
+                       output=ProgressOutput(stream=out, clock=clock))
     clock.now += 4
     bar.update(4)
     bar.set_description("profiling ws=2")
@@ -89,7 +89,7 @@ def test_a_terminal_gets_the_live_bar():
     for enabled in (True, None):
         term = _Terminal()
         bar = progress_bar(total=3, desc="profiling", unit="config", enabled=enabled,
-                           stream=term)
+                           output=ProgressOutput(stream=term))
         assert isinstance(bar, tqdm)
         bar.set_postfix(OrderedDict(ok=1, failed=0), refresh=False)
         bar.update()
@@ -101,8 +101,8 @@ def test_a_terminal_gets_the_live_bar():
 def test_disabled_or_by_default_off_a_terminal_nothing_is_written():
     for enabled, stream in ((False, _Terminal()), (False, io.StringIO()),
                             (None, io.StringIO())):
-        with progress_bar(total=3, desc="x", unit="fit", enabled=enabled, stream=stream,
-                          interval_s=0) as bar:
+        with progress_bar(total=3, desc="x", unit="fit", enabled=enabled,
+                          output=ProgressOutput(stream=stream, interval_s=0)) as bar:
             bar.set_postfix_str("a")
             bar.update(3)
         assert stream.getvalue() == ""
@@ -112,7 +112,8 @@ def test_disabled_or_by_default_off_a_terminal_nothing_is_written():
 def test_the_interval_must_be_a_number_at_least_zero():
     for bad in (-1.0, float("nan")):
         with pytest.raises(ValueError, match=r"interval_s=.*must be a number >= 0"):
-            progress_bar(total=1, desc="x", unit="fit", stream=io.StringIO(), interval_s=bad)
+            progress_bar(total=1, desc="x", unit="fit",
+                         output=ProgressOutput(stream=io.StringIO(), interval_s=bad))
 
 
 class _Throughput:

@@ -5,7 +5,7 @@ import logging
 
 import pytest
 
-from paratune._quickstart import quickstart
+from paratune._quickstart import QuickstartOptions, quickstart
 from paratune.errors import ConfigError
 
 
@@ -27,8 +27,9 @@ def test_quickstart_runs_the_whole_loop_and_resumes(tmp_path, monkeypatch):
     verify_log.addHandler(handler)
     verify_log.setLevel(logging.INFO)
     try:
-        result = quickstart(out, world_sizes=(1, 2), gpus=2, warmup_steps=1,
-                            measured_steps=2, verify=1, progress=False, log=lines.append)
+        result = quickstart(out, QuickstartOptions(world_sizes=(1, 2), gpus=2, warmup_steps=1,
+                                                   measured_steps=2, verify=1),
+                            progress=False, log=lines.append)
     finally:
         verify_log.removeHandler(handler)
         verify_log.setLevel(level)
@@ -68,9 +69,9 @@ def test_quickstart_runs_the_whole_loop_and_resumes(tmp_path, monkeypatch):
     assert (result.out / "gns.csv").exists()
 
     # A second run resumes: nothing is measured again.
-    again = quickstart(out, world_sizes=(1, 2), gpus=2, warmup_steps=1, measured_steps=2,
-                       verify=0, track=False, progress=False, goodput=False,
-                       log=lines.append)
+    again = quickstart(out, QuickstartOptions(world_sizes=(1, 2), gpus=2, warmup_steps=1,
+                                              measured_steps=2, verify=0, goodput=False),
+                       track=False, progress=False, log=lines.append)
     assert again.campaign.num_measured == 0
     assert again.campaign.footer().startswith(
         f"nothing new to measure: {len(measured)} configs already measured")
@@ -81,4 +82,5 @@ def test_quickstart_runs_the_whole_loop_and_resumes(tmp_path, monkeypatch):
 
 def test_quickstart_rejects_unverifiable_job(tmp_path):
     with pytest.raises(ConfigError, match="gpus=8"):
-        quickstart(tmp_path, world_sizes=(1, 2), gpus=8, verify=1, track=False)
+        quickstart(tmp_path, QuickstartOptions(world_sizes=(1, 2), gpus=8, verify=1),
+                   track=False)

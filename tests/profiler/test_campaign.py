@@ -31,6 +31,7 @@ from paratune.profiler.campaign import (
     CampaignError,
     CampaignResult,
     CampaignSpec,
+    LaunchOptions,
     enumerate_campaign,
     materialise,
     prepare_campaign,
@@ -230,7 +231,8 @@ def test_cuda_campaigns_need_a_warmup_and_a_gpu_per_rank(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     for launcher in ("local", "torchrun"):
         with pytest.raises(ConfigError) as info:
-            run_campaign(spec, out, track=False, progress=False, launcher=launcher)
+            run_campaign(spec, out, track=False, progress=False,
+                         launch=LaunchOptions(launcher=launcher))
         assert (info.value.field, info.value.value) == ("world_sizes", 2)
         assert "up to 1 here" in str(info.value) and "--print-command" in str(info.value)
         assert "use --launcher torchrun" not in str(info.value)
@@ -403,8 +405,8 @@ def test_faults_are_isolated_and_recorded(tmp_path):
     faults = ",".join([f"hang:{KEYS_WS2[1]}:1", f"raise:{KEYS_WS2[2]}:1",
                        f"exit:{KEYS_WS2[3]}:0", f"oom:{KEYS_WS2[4]}"])
     result = run_campaign(_spec(timeout_s=20.0), tmp_path / "c", track=False,
-                          progress=False, fail_grace_s=1.0,
-                          extra_env={"PARATUNE_FAULT": faults})
+                          progress=False, launch=LaunchOptions(
+                              fail_grace_s=1.0, extra_env={"PARATUNE_FAULT": faults}))
     rows = {r["key"]: r["row"] for r in read_journal(tmp_path / "c" / "journal-ws2.jsonl")}
     assert list(rows) == KEYS_WS2  # each exactly once, in plan order
     assert rows[KEYS_WS2[0]]["status"] == "ok"
@@ -476,7 +478,7 @@ def test_a_group_that_never_starts_stops_the_campaign_with_its_output(tmp_path):
     with pytest.raises(CampaignError, match=r"(?s)finished no config in 3 launches.*"
                                             r"PARATUNE_FAULT='explode:x'"):
         run_campaign(_spec(world_sizes=(1,)), tmp_path / "c", track=False, progress=False,
-                     extra_env={"PARATUNE_FAULT": "explode:x"})
+                     launch=LaunchOptions(extra_env={"PARATUNE_FAULT": "explode:x"}))
 
 
 def _workers_of(plan_dir: Path) -> list[int]:
@@ -681,8 +683,9 @@ def test_ok_and_failed_rows_record_the_campaigns_devices_per_node(tmp_path):
                         tp_within_node=False)
     failing = "dp2-tp1-pp1-mb2-gb4-1f1b-v1-none-full"
     result = run_campaign(_spec(space=space, devices_per_node=1, timeout_s=120.0),
-                          tmp_path / "c", track=False, progress=False, fail_grace_s=1.0,
-                          extra_env={"PARATUNE_FAULT": f"raise:{failing}:1"})
+                          tmp_path / "c", track=False, progress=False,
+                          launch=LaunchOptions(fail_grace_s=1.0, extra_env={
+                              "PARATUNE_FAULT": f"raise:{failing}:1"}))
     frame = result.dataset.frame
     assert sorted(frame["status"]) == ["error", "ok"]
     assert list(frame["devices_per_node"]) == [1, 1]
@@ -774,7 +777,7 @@ def test_resume_of_a_cuda_campaign_measured_elsewhere_writes_its_dataset_without
     dataset = read_dataset(out)
     assert sorted(dataset.frame["status"]) == ["oom"] * (len(configs) - 1) + ["timeout"]
     result = run_campaign(spec, out, resume=True, track=False, progress=False,
-                          launcher="torchrun")
+                          launch=LaunchOptions(launcher="torchrun"))
     assert result.num_measured == 0 and len(result.dataset) == len(configs)
     assert paths.journal(2).read_text() == journal
     assert not list(out.glob("logs/torchrun-*"))  # nothing was launched

@@ -9,7 +9,14 @@ import pytest
 
 from paratune import ConfigError, get_model
 from paratune.space import ConfigSpace
-from paratune.tuner import SearchSpace, Trajectory, effective_b_noise, plan_phases, time_to_target
+from paratune.tuner import (
+    ScheduleOptions,
+    SearchSpace,
+    Trajectory,
+    effective_b_noise,
+    plan_phases,
+    time_to_target,
+)
 from paratune.tuner._objective import Objective
 from paratune.tuner._plan import progress_segments
 from paratune.tuner._plan_schedule import layout_key, optimal_schedule
@@ -331,6 +338,25 @@ def test_each_bad_argument_names_its_own_field(closed_form, kwargs, field):
         plan_phases(closed_form, _space(), _trajectory(), **kwargs)
     assert info.value.field == field
     assert info.value.value is next(iter(kwargs.values()))
+    # the options object refuses them itself, before any prediction
+    with pytest.raises(ConfigError) as built:
+        ScheduleOptions(**kwargs)
+    assert built.value.field == field
+
+
+def test_plan_options_object_and_keywords_plan_alike(closed_form):
+    options = ScheduleOptions(reconfig_cost_s=60, threshold=0.0, max_segments=6, lr_rule="linear")
+    by_object = plan_phases(closed_form, _space(), _trajectory(), options)
+    by_keywords = plan_phases(closed_form, _space(), _trajectory(), reconfig_cost_s=60,
+                              threshold=0.0, max_segments=6, lr_rule="linear")
+    assert by_object.total_time_s == by_keywords.total_time_s
+    assert [p["config"] for p in by_object.phases] == [p["config"] for p in by_keywords.phases]
+    assert by_object.lr_rule == "linear" and by_object.reconfig_cost_s == 60.0
+    # a keyword over the object wins; a name that is no option is refused by name
+    cheaper = plan_phases(closed_form, _space(), _trajectory(), options, reconfig_cost_s=0)
+    assert cheaper.reconfig_cost_s == 0.0 and cheaper.total_time_s <= by_object.total_time_s
+    with pytest.raises(ConfigError, match=r"plan_options='reconfig_cost'.*is not one of"):
+        plan_phases(closed_form, _space(), _trajectory(), reconfig_cost=60)
 
 
 def test_progress_segments_needs_at_least_one_segment():
