@@ -6,7 +6,7 @@ import argparse
 import shlex
 from pathlib import Path
 
-from paratune._table import format_table
+from paratune.table import format_table
 
 __all__ = ["register"]
 

@@ -34,7 +34,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from paratune._io import atomic_write_bytes, atomic_write_text, exclusive_lock
 from paratune.datasets._rows import _check_rows as _check_rows  # re-exported
 from paratune.datasets._rows import _fill_optional, _normalise, records_to_frame
 from paratune.datasets._summary import summarise_dataset
@@ -47,6 +46,7 @@ from paratune.datasets.schema import (
     required_columns,
 )
 from paratune.errors import DatasetError, SchemaVersionError
+from paratune.fileio import atomic_write_bytes, atomic_write_text, exclusive_lock
 from paratune.measurement import Measurement
 
 if TYPE_CHECKING:
@@ -178,7 +178,7 @@ def write_dataset(path: str | Path, records_or_frame: Any, *,
 @contextlib.contextmanager
 def _write_lock(directory: Path, timeout_s: float | None = None) -> Iterator[None]:
     """Hold the dataset's write lock (:data:`LOCK_FILE`, see
-    :func:`paratune._io.exclusive_lock`), waiting up to ``timeout_s`` for another writer."""
+    :func:`paratune.fileio.exclusive_lock`), waiting up to ``timeout_s`` for another writer."""
     from paratune.errors import ConfigError
 
     timeout_s = _LOCK_TIMEOUT_S if timeout_s is None else timeout_s

@@ -51,7 +51,7 @@ def summary_rows(frame: pd.DataFrame) -> list[dict[str, Any]]:
 
 def summarise_dataset(dataset: Dataset) -> str:
     """A few lines about the card and a table of counts and best configs per world size."""
-    from paratune._table import format_table
+    from paratune.table import format_table
 
     card = dataset.card
     fp = card.fingerprint or {}

@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from paratune._io import append_jsonl, atomic_write_text, read_jsonl
 from paratune.errors import ConfigError
+from paratune.fileio import append_jsonl, atomic_write_text, read_jsonl
 from paratune.measurement import Measurement, Status, StepTiming
 from paratune.parallel import ParallelConfig
 from paratune.spec import ModelSpec

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from paratune._io import append_jsonl, atomic_write_text, read_jsonl
+from paratune.fileio import append_jsonl, atomic_write_text, read_jsonl
 from paratune.parallel import ParallelConfig
 from paratune.spec import ModelSpec
 

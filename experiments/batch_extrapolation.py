@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import numpy as np
 import pandas as pd
 
-from paratune._table import format_table
+from paratune.table import format_table
 from paratune.tracking import add_no_track_argument
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from _public import public_data_dir
 
-from paratune._table import format_table
+from paratune.table import format_table
 from paratune.tracking import add_no_track_argument
 
 

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from paratune import ParallelConfig, get_model
-from paratune._table import format_table
+from paratune.table import format_table
 from paratune.tracking import add_no_track_argument
 
 SETTINGS = (("plain", None, 1), ("dp", "dp", 1), ("dp", "dp", 4),

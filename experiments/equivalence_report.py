@@ -31,8 +31,8 @@ from pathlib import Path
 import torch
 
 from paratune import ParallelConfig, get_model
-from paratune._table import format_table
 from paratune.profiler.equivalence import run_layouts
+from paratune.table import format_table
 from paratune.tracking import add_no_track_argument
 
 GLOBAL_BATCH = 8

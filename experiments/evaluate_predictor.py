@@ -70,10 +70,14 @@ def main() -> None:
     import numpy as np
     import pandas as pd
 
-    from paratune._table import format_table
-    from paratune.models import cross_validate, load_measurements
-    from paratune.models._estimators import estimator_factories
-    from paratune.models._evaluate import metrics, plot_predictions
+    from paratune.models import (
+        cross_validate,
+        estimator_factories,
+        load_measurements,
+        metrics,
+        plot_predictions,
+    )
+    from paratune.table import format_table
 
     data = public_data_dir(args.data)
     files = sorted(data.glob("*.csv"))

@@ -41,7 +41,7 @@ from paratune.tracking import add_no_track_argument
 
 
 def main() -> None:
-    from paratune.models._splits import EXTRAPOLATION_SPLITS
+    from paratune.models import EXTRAPOLATION_SPLITS
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", default=None, help="folder of the public CSVs")
@@ -66,9 +66,12 @@ def main() -> None:
 
     import pandas as pd
 
-    from paratune.models import cross_validate, load_measurements
-    from paratune.models._estimators import estimator_factories
-    from paratune.models._evaluate import extrapolation_table
+    from paratune.models import (
+        cross_validate,
+        estimator_factories,
+        extrapolation_table,
+        load_measurements,
+    )
 
     data = public_data_dir(args.data)
     files = sorted(data.glob("*.csv"))
@@ -82,7 +85,7 @@ def main() -> None:
         result = cross_validate(frame, split=split, estimators=chosen)
         rows.extend({"split": split, **row} for row in result.by_fold)
         if args.anatomy:
-            from paratune.models._evaluate import error_anatomy
+            from paratune.models import error_anatomy
 
             predictions = result.predictions["performance_model"]
             anatomy.extend({"split": split, **row} for row in error_anatomy(predictions))
@@ -92,7 +95,7 @@ def main() -> None:
     print(table)
     shots = few_shot(frame, chosen["performance_model"], seeds=args.shot_seeds)
     if shots:
-        from paratune._table import format_table
+        from paratune.table import format_table
 
         shot_table = format_table(shots, ["family", "rows", "mdape", "mape", "ratio_median"],
                                   headers={"rows": "own rows", "mdape": "MdAPE%",
@@ -105,7 +108,7 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.anatomy:
-        from paratune._table import format_table
+        from paratune.table import format_table
 
         anatomy_table = format_table(
             [{**r, "share": 100 * r["share"], "mdape": 100 * r["mdape"]} for r in anatomy],
@@ -152,8 +155,7 @@ def top1_choices(predictions) -> list[dict]:
     import numpy as np
 
     from paratune.models import features as F
-    from paratune.models._data import measured_step_time
-    from paratune.models._evaluate import risk_aware_throughput
+    from paratune.models import measured_step_time, risk_aware_throughput
 
     step = measured_step_time(predictions)
     ok = np.isfinite(step) & np.isfinite(predictions["pred_step_time_s"].to_numpy(float))
@@ -193,8 +195,7 @@ def few_shot(frame, factory, *, seeds: int, counts=(0, 1, 2, 5, 10, 20)) -> list
     family's other runs, averaged over ``seeds`` draws of the n runs."""
     import numpy as np
 
-    from paratune.models._data import measured_step_time
-    from paratune.models._estimators import source_family
+    from paratune.models import measured_step_time, source_family
 
     if seeds < 1:
         return []

@@ -31,13 +31,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from paratune._table import format_table
 from paratune.profiler.gns import (
     GradientNoiseScale,
     adam_preconditioners,
     micro_batch_gradients,
     single_process_reference,
 )
+from paratune.table import format_table
 from paratune.tracking import add_no_track_argument
 
 

@@ -669,7 +669,7 @@ def _run(args: argparse.Namespace, out: Path, work: Path, deadline: float, start
     heavy = [name for name in HEAVY if name in sys.modules]
     log(f"heavy packages imported: {', '.join(heavy) or 'none'}")
     if summary is not None:
-        from paratune._table import format_table
+        from paratune.table import format_table
 
         shown = ["recompute", "micro_batch_size", "global_batch_size", "status", "step_time_s",
                  "analytical_step_time_s", "tokens_per_s", "mfu", "peak_mem_allocated_gb",

@@ -41,7 +41,7 @@ FIGURES = ("mdape", "regret", "regret_point", "feasibility")
 
 def score(estimator, train, test):
     """Fit on ``train`` and score the Ultra-Scale rows of ``test``."""
-    from paratune.models._evaluate import metrics
+    from paratune.models import metrics
     from paratune.predictor import PRED_TOKENS_EXPECTED
 
     estimator.fit(train)
@@ -98,10 +98,13 @@ def main() -> None:
     from sklearn.model_selection import GroupShuffleSplit
     from tqdm.auto import tqdm
 
-    from paratune._table import format_table
-    from paratune.models import load_measurements
-    from paratune.models._data import config_identity
-    from paratune.models._estimators import PerformanceModel, RawConfigBaseline
+    from paratune.models import (
+        PerformanceModel,
+        RawConfigBaseline,
+        config_identity,
+        load_measurements,
+    )
+    from paratune.table import format_table
 
     data = public_data_dir(args.data)
     files = sorted(data.glob("*.csv"))

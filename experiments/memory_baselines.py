@@ -127,7 +127,7 @@ def megatron_theoretical_memory(frame: Any, *, sequence_parallel: bool = False
 
 def _memory_scores(part: Any, estimates: dict[str, np.ndarray]) -> dict[str, dict[str, float]]:
     """Median APE and median ratio of each estimate against the measured peak."""
-    from paratune.models._data import measured_memory_gb
+    from paratune.models import measured_memory_gb
 
     measured = measured_memory_gb(part)
     out = {}
@@ -159,8 +159,8 @@ def _feasibility_scores(table: Any, calls: dict[str, np.ndarray]) -> dict[str, d
 def score(part: Any) -> list[dict[str, Any]]:
     """Rows of the results table for one scenario's predicted rows (measurement columns and
     the performance model's prediction columns)."""
+    from paratune.models import feasibility_table
     from paratune.models import features as F
-    from paratune.models._data import feasibility_table
 
     part = part.reset_index(drop=True)
     megatron_gib = megatron_theoretical_memory(part)["total_bytes"] / GIB
@@ -208,8 +208,8 @@ def main() -> None:
 
     import pandas as pd
 
-    from paratune._table import format_table
     from paratune.models import PerformanceModel, cross_validate
+    from paratune.table import format_table
 
     start = time.perf_counter()
     data = public_data_dir(args.data)

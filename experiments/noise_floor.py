@@ -103,7 +103,7 @@ def error_budget_regret(frame, mdape: float, *, seeds: int = 5, draws: int = 10,
     times independent log-normal errors of median APE ``mdape``."""
     import pandas as pd
 
-    from paratune.models._evaluate import _folds, metrics
+    from paratune.models import cv_folds, metrics
 
     rng = np.random.default_rng(random_state)
     sigma = np.log1p(mdape) / _MEDIAN_ABS_Z
@@ -111,7 +111,7 @@ def error_budget_regret(frame, mdape: float, *, seeds: int = 5, draws: int = 10,
     regrets, within = [], []
     for seed in range(seeds):
         labels = np.empty(len(frame), dtype=object)
-        for label, test in _folds(frame, "random", n_splits=5, random_state=seed):
+        for label, test in cv_folds(frame, "random", n_splits=5, random_state=seed):
             labels[test] = label
         split = frame.assign(fold=labels)
         for _ in range(draws):
@@ -169,10 +169,9 @@ def main() -> None:
 
     import pandas as pd
 
-    from paratune._table import format_table
     from paratune.models import features as F
-    from paratune.models import load_measurements
-    from paratune.models._data import measured_step_time
+    from paratune.models import load_measurements, measured_step_time
+    from paratune.table import format_table
 
     data = public_data_dir(args.data)
     frame = load_measurements([data / "ultrascale_playbook_h100.csv"])

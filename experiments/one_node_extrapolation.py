@@ -48,7 +48,7 @@ FAMILY_ROWS = 50  # under the 8-GPU Ultra-Scale runs' count, so they get their o
 def figures(model, test) -> dict[str, float]:
     """The figures of one cluster size (see the module docstring)."""
     from paratune.models import features as F
-    from paratune.models._data import measured_step_time
+    from paratune.models import measured_step_time
 
     step = measured_step_time(test)
     timed = np.isfinite(step)
@@ -78,7 +78,7 @@ def bias_by_crossing(model, test) -> list[dict]:
     """Median predicted / measured step time of the runs that did not stall, per
     :func:`crossing` category."""
     from paratune.models import features as F
-    from paratune.models._data import measured_step_time
+    from paratune.models import measured_step_time
 
     step = measured_step_time(test)
     calm = np.isfinite(step) & ~F.stalled_pipeline(test, step)
@@ -105,9 +105,8 @@ def main() -> None:
 
     import pandas as pd
 
-    from paratune._table import format_table
-    from paratune.models import PerformanceModel, load_measurements
-    from paratune.models._estimators import source_family
+    from paratune.models import PerformanceModel, load_measurements, source_family
+    from paratune.table import format_table
 
     data = public_data_dir(args.data)
     files = sorted(data.glob("*.csv"))

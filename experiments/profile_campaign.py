@@ -31,11 +31,11 @@ import time
 from pathlib import Path
 
 from paratune import get_model
-from paratune._io import atomic_write_text
-from paratune._table import format_table
 from paratune.datasets import read_dataset
+from paratune.fileio import atomic_write_text
 from paratune.profiler.campaign import CampaignSpec, run_campaign
 from paratune.space import ConfigSpace
+from paratune.table import format_table
 from paratune.tracking import add_no_track_argument
 
 

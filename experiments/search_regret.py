@@ -24,9 +24,9 @@ from pathlib import Path
 
 from _public import public_data_dir, ultrascale_frame
 
-from paratune._table import format_table
 from paratune.space import ConfigSpace
 from paratune.spec import get_model
+from paratune.table import format_table
 from paratune.tracking import add_no_track_argument
 
 MODEL = "llama3-70b"

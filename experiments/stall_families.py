@@ -63,12 +63,15 @@ def main() -> None:
 
     import pandas as pd
 
-    from paratune._table import format_table
-    from paratune.models import PerformanceModel, load_measurements
+    from paratune.models import (
+        PerformanceModel,
+        load_measurements,
+        measured_step_time,
+        source_family,
+    )
     from paratune.models import features as F
-    from paratune.models._data import measured_step_time
-    from paratune.models._estimators import source_family
     from paratune.predictor import CONFIG_COLUMNS
+    from paratune.table import format_table
 
     data = public_data_dir(args.data)
     frame = load_measurements(sorted(data.glob("*.csv")))

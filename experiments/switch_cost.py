@@ -20,9 +20,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from paratune._table import format_table
 from paratune.parallel import ParallelConfig
 from paratune.spec import get_model
+from paratune.table import format_table
 from paratune.tracking import add_no_track_argument
 
 CYCLE = [

@@ -54,9 +54,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import numpy as np
 import pandas as pd
 
-from paratune._io import atomic_write_text, exclusive_lock, read_jsonl
-from paratune._table import format_table
 from paratune.cli import at_least
+from paratune.fileio import atomic_write_text, exclusive_lock, read_jsonl
 from paratune.predictor import (
     PRED_FEASIBLE_PROB,
     PRED_PEAK_MEM_GB,
@@ -64,6 +63,7 @@ from paratune.predictor import (
     PRED_TOKENS_PER_SEC_PER_GPU,
 )
 from paratune.spec import get_model
+from paratune.table import format_table
 from paratune.tracking import add_no_track_argument
 
 ARMS = ("fixed", "batch", "coadapt", "plan")
@@ -141,9 +141,7 @@ def make_plan(profile: dict[str, Any], pilot: dict[str, Any], model: Any, batche
     from _ttt_worker import LAYOUTS
 
     from paratune.space import ConfigSpace
-    from paratune.tuner._objective import Objective
-    from paratune.tuner._plan import plan_phases
-    from paratune.tuner._space import SearchSpace
+    from paratune.tuner import Objective, SearchSpace, plan_phases
     from paratune.tuner.gns_trajectory import load_trajectory
 
     predictor = MeasuredPredictor(profile["table"], model.seq_len)

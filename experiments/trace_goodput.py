@@ -48,7 +48,7 @@ import numpy as np
 import pandas as pd
 
 from paratune import get_model
-from paratune._table import format_table
+from paratune.table import format_table
 from paratune.tracking import add_no_track_argument
 
 COPUS_GAIN = 0.039
@@ -118,10 +118,11 @@ def _follow_choice(ct, plan, index) -> list[int] | None:
 def run_cell(predictor, model_name: str, gpus: int, hardware: str, law: str, *,
              reconfig_cost_s: float, segments: int) -> dict[str, Any]:
     from paratune import ParallelConfig
-    from paratune.tuner import SearchSpace, plan_phases
-    from paratune.tuner._plan import (
+    from paratune.tuner import (
+        SearchSpace,
         config_times,
         default_batch_range,
+        plan_phases,
         predict_configs,
         progress_segments,
     )

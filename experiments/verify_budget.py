@@ -68,9 +68,7 @@ def _ranked(model: Any, space: Any, configs: list[Any], *, by: str) -> Any:
     ``q10`` or ``point``; a ``row`` column keeps each config's position."""
     import numpy as np
 
-    from paratune.tuner import Objective, evaluate
-    from paratune.tuner._search import rank
-    from paratune.tuner._verify import risk_aware_ranking
+    from paratune.tuner import Objective, evaluate, rank, risk_aware_ranking
 
     objective = Objective(risk_quantile="q10") if by == "q10" else Objective()
     scored = evaluate(model, space, configs, objective)
@@ -88,8 +86,8 @@ def candidates(group: Any) -> tuple[list[Any], list[float], Any]:
     (first of each config) to add when a refit takes the verified runs."""
     import math
 
-    from paratune.models._data import config_identity
-    from paratune.tuner._search import config_from_row
+    from paratune.models import config_identity
+    from paratune.tuner import config_from_row
 
     group = group.reset_index(drop=True)
     identity = config_identity(group)
@@ -129,12 +127,15 @@ def main() -> None:
     import numpy as np
     import pandas as pd
 
-    from paratune._table import format_table
     from paratune.measurement import Measurement
-    from paratune.models import PerformanceModel, load_measurements
-    from paratune.models._splits import EXTRAPOLATION_SPLITS, extrapolation_split
-    from paratune.tuner import SearchSpace, verification_order
-    from paratune.tuner._verify import LAYOUT_DISCOUNT
+    from paratune.models import (
+        EXTRAPOLATION_SPLITS,
+        PerformanceModel,
+        extrapolation_split,
+        load_measurements,
+    )
+    from paratune.table import format_table
+    from paratune.tuner import LAYOUT_DISCOUNT, SearchSpace, verification_order
 
     orders_wanted = {name: (by, LAYOUT_DISCOUNT if d is None else d)
                      for name, (by, d) in ORDERS.items()}

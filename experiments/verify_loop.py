@@ -25,7 +25,7 @@ from pathlib import Path
 
 from _public import public_data_dir, ultrascale_frame
 
-from paratune._table import format_table
+from paratune.table import format_table
 from paratune.tracking import add_no_track_argument
 
 
@@ -50,8 +50,7 @@ def main() -> None:
 
     from paratune.measurement import Measurement
     from paratune.models import PerformanceModel
-    from paratune.tuner import Objective, SearchSpace, evaluate
-    from paratune.tuner._search import config_from_row, rank
+    from paratune.tuner import Objective, SearchSpace, config_from_row, evaluate, rank
 
     data = public_data_dir(args.data)
     frame = ultrascale_frame(data).reset_index(drop=True)

@@ -63,11 +63,11 @@ def _train_test_folds(frame: pd.DataFrame, split: str, *, n_splits: int, random_
     """``(label, train mask, test mask)`` per fold."""
     if split in EXTRAPOLATION_SPLITS:
         return [(f.label, f.train, f.test) for f in extrapolation_split(frame, split).folds]
-    return [(label, ~test, test) for label, test in _folds(
+    return [(label, ~test, test) for label, test in cv_folds(
         frame, split, n_splits=n_splits, random_state=random_state)]
 
 
-def _folds(frame: pd.DataFrame, split: str, *, n_splits: int, random_state: int
+def cv_folds(frame: pd.DataFrame, split: str, *, n_splits: int, random_state: int
            ) -> list[tuple[str, np.ndarray]]:
     """``(label, test mask)`` per fold of a cross-validation split (trained on the rest)."""
     from sklearn.model_selection import GroupKFold
@@ -352,7 +352,7 @@ def cross_validate(frame: pd.DataFrame, *, split: str = "random",
     frame = frame.reset_index(drop=True)
     folds = _train_test_folds(frame, split, n_splits=n_splits, random_state=random_state)
     result = EvaluationResult(split=split)
-    from paratune._progress import ProgressOutput, progress_bar
+    from paratune.progress import ProgressOutput, progress_bar
 
     # in a log, a line per fit (each names its estimator and fold)
     bar = progress_bar(total=len(estimators) * len(folds), unit="fit", desc="cross-validating",

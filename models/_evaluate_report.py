@@ -41,7 +41,7 @@ def extrapolation_table(rows: list[dict[str, Any]], *, title: str) -> str:
     """Rows with ``estimator``, ``held_out`` (and optionally ``split``) and the figures of
     :func:`~paratune.models._evaluate.metrics` as an aligned table of
     :data:`EXTRAPOLATION_COLUMNS` (percentages)."""
-    from paratune._table import format_table
+    from paratune.table import format_table
 
     shown = []
     for row in rows:
@@ -60,7 +60,7 @@ def summary_table(result: EvaluationResult) -> str:
     """A cross-validation summary as an aligned text table (percentages): the
     extrapolation table for the extrapolation splits, else the figures per source and
     held-out group."""
-    from paratune._table import format_table
+    from paratune.table import format_table
 
     if result.split in EXTRAPOLATION_SPLITS:
         return extrapolation_table(result.by_fold, title=f"split={result.split}: tokens/s per "

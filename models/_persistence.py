@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from paratune import __version__
-from paratune._io import atomic_write_text, exclusive_lock
 from paratune.errors import ModelFormatError
+from paratune.fileio import atomic_write_text, exclusive_lock
 from paratune.models import features as F
 
 if TYPE_CHECKING:
@@ -367,7 +367,7 @@ def _write_components(path: Path, components: dict[str, Any]
 
 def _remove_stale_temporaries(path: Path) -> None:
     """Temporaries of a save killed part-way (not of one in flight where flock is missing):
-    the boosters' and the manifest's (paratune._io's atomic writes)."""
+    the boosters' and the manifest's (paratune.fileio's atomic writes)."""
     for leftover in [*path.glob(".*.tmp.json"), *path.glob(f".{_MANIFEST}.*.tmp")]:
         with contextlib.suppress(OSError):
             if leftover.stat().st_mtime < time.time() - 60:

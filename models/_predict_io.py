@@ -329,7 +329,7 @@ def predict_csv(model: Predictor, input_path: str | Path, output_path: str | Pat
         have empty predictions and a message. Input columns named like prediction columns
         (a previous output) are replaced by the new predictions.
     """
-    from paratune._io import atomic_write_text
+    from paratune.fileio import atomic_write_text
     from paratune.models._estimators import PRED_ERROR
 
     raw, configs, errors = read_config_csv(input_path)

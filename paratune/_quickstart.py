@@ -100,7 +100,7 @@ def quickstart(out: str | Path = "paratune-quickstart",
     Returns:
         A :class:`QuickstartResult`.
     """
-    from paratune.models._workflows import fit_model
+    from paratune.models import fit_model
     from paratune.profiler.campaign import CampaignSpec, run_campaign
     from paratune.spec import get_model
     from paratune.tuner import OutputOptions, SearchOptions, TuneJob, tune
@@ -155,7 +155,7 @@ def quickstart(out: str | Path = "paratune-quickstart",
         output=OutputOptions(output_dir=out / "recommendation", track=track, on_ranked=ranked),
         predictor=model_dir)
     if verify:
-        from paratune._table import format_table
+        from paratune.table import format_table
 
         timings["verify"] = time.monotonic() - started
         log(format_table(tuning.verification.to_dict("records"), floatfmt=".4g"))
@@ -177,7 +177,7 @@ def _goodput_stage(result: QuickstartResult, spec: Any, *, gpus: int, gns_steps:
     goodput over :data:`GOODPUT_BATCHES` and plan phases (resumable, as the rest)."""
     from dataclasses import replace
 
-    from paratune.models._workflows import fit_model
+    from paratune.models import fit_model
     from paratune.parallel import ParallelConfig
     from paratune.profiler.campaign import run_campaign
     from paratune.profiler.gns import GNSJob, run_gns
@@ -187,11 +187,11 @@ def _goodput_stage(result: QuickstartResult, spec: Any, *, gpus: int, gns_steps:
         SearchOptions,
         SearchSpace,
         TuneJob,
+        load_predictor,
         load_trajectory,
         plan_phases,
         tune,
     )
-    from paratune.tuner._tune import load_predictor
 
     out, model, timings = result.out, spec.model, result.timings_s
     # the options of the two best configs only: profiling every layout again at two more
@@ -274,13 +274,8 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _world_sizes(text: str) -> tuple[int, ...]:
-    from paratune.profiler._cli import _world_sizes as parse
-
-    return parse(text)
-
-
 def register(subparsers: argparse._SubParsersAction) -> None:
+    from paratune.cli import world_sizes
     from paratune.tracking import add_track_flag
 
     parser = subparsers.add_parser(
@@ -288,7 +283,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=__doc__)
     parser.add_argument("--out", default="paratune-quickstart",
                         help="output directory (re-run to resume; default: %(default)s)")
-    parser.add_argument("--world-sizes", type=_world_sizes, default=(1, 2, 4),
+    parser.add_argument("--world-sizes", type=world_sizes, default=(1, 2, 4),
                         metavar="N,N,...", help="process counts to profile (default: 1,2,4)")
     parser.add_argument("--gpus", type=int, default=4,
                         help="processes of the tuned job (default: %(default)s)")

@@ -72,7 +72,7 @@ class TrackedRun:
     def log_params(self, params: Mapping[str, Any]) -> None:
         """Log parameters (nested values as JSON, long values truncated, passwords in URLs
         masked)."""
-        from paratune._redact import redact
+        from paratune.redact import redact
 
         flat = {}
         for key, value in params.items():
@@ -97,7 +97,7 @@ class TrackedRun:
             self._call("metrics", self._mlflow.log_metrics, clean, step=step)
 
     def set_tags(self, tags: Mapping[str, Any]) -> None:
-        from paratune._redact import redact
+        from paratune.redact import redact
 
         self._call("tags", self._mlflow.set_tags, {k: redact(v) for k, v in tags.items()})
 
@@ -135,7 +135,7 @@ class TrackedRun:
 
 
 def _shown(uri: str) -> str:
-    from paratune._redact import redact
+    from paratune.redact import redact
 
     return redact(uri)
 

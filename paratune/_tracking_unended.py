@@ -43,7 +43,7 @@ def _end_run(mlflow_module: Any, tracked: TrackedRun, status: str) -> None:
         logging.getLogger(__name__).warning(
             "MLflow tracking store %s cannot be reached to end run %s (%s): the next command "
             "tracked there ends it %s", _shown(tracked._uri), tracked.run_id, reason, status)
-    from paratune._redact import redact
+    from paratune.redact import redact
 
     if captured.getvalue():
         sys.stdout.write(redact(captured.getvalue()))
@@ -66,7 +66,7 @@ def _store_key(uri: str) -> str:
 def _remember_unended(uri: str, run_id: str | None, status: str) -> None:
     if run_id is None:
         return
-    from paratune._io import append_jsonl
+    from paratune.fileio import append_jsonl
 
     try:
         # the reason quotes URLs of the store: kept out of the file, as the URI is
@@ -82,7 +82,7 @@ def _remember_unended(uri: str, run_id: str | None, status: str) -> None:
 def _end_unended_runs(mlflow_module: Any, uri: str) -> None:
     """End the runs an earlier command could not end on this store (see
     :func:`_remember_unended`); those it still cannot reach stay for the next command."""
-    from paratune._io import atomic_write_text, read_jsonl
+    from paratune.fileio import atomic_write_text, read_jsonl
 
     path = unended_runs_file()
     if not path.exists():

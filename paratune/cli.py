@@ -121,6 +121,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def world_sizes(text: str) -> tuple[int, ...]:
+    """An argparse ``type``: comma-separated positive process counts such as ``1,2,4``."""
+    rule = f"must be comma-separated positive integers such as 1,2,4, not {text!r}"
+    parts = text.split(",")
+    if any(not part.strip() for part in parts):
+        raise argparse.ArgumentTypeError(f"{rule} (it has an empty entry)")
+    try:
+        sizes = tuple(int(part) for part in parts)
+    except ValueError:
+        sizes = ()
+    if not sizes or any(s < 1 for s in sizes):
+        raise argparse.ArgumentTypeError(rule)
+    return sizes
+
+
 def at_least(minimum: float, cast: Callable[[str], float] = int) -> Callable[[str], float]:
     """An argparse ``type``: a number (an integer with ``cast=int``) no smaller than
     ``minimum``, so that ``--top-k 0`` is refused as ``argument --top-k: must be an integer
@@ -236,7 +251,7 @@ class _CliFormatter(logging.Formatter):
         self.verbose = verbose
 
     def format(self, record: logging.LogRecord) -> str:
-        from paratune._redact import redact
+        from paratune.redact import redact
 
         text = redact(super().format(record))  # a store's URL may carry its password
         if self.verbose:
@@ -362,7 +377,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _error(args: argparse.Namespace, message: str) -> None:
     """Print ``paratune COMMAND: error: message`` on stderr, passwords in URLs masked (a
     message may quote a store's URL)."""
-    from paratune._redact import redact
+    from paratune.redact import redact
 
     print(redact(f"paratune {args.command}: error: {message}"), file=sys.stderr)
 

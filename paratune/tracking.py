@@ -93,7 +93,7 @@ def _store_opening(uri: str) -> Iterator[None]:
     if database is None:
         yield
         return
-    from paratune._io import exclusive_lock
+    from paratune.fileio import exclusive_lock
 
     with contextlib.ExitStack() as held:
         try:
@@ -130,7 +130,7 @@ def _ensure_experiment(mlflow_module: Any, name: str, uri: str) -> None:
 
 def ui_command(uri: str | None = None) -> str:
     """The command that opens the MLflow UI on this store."""
-    from paratune._redact import redact
+    from paratune.redact import redact
 
     uri = redact(uri or default_tracking_uri())
     if uri.startswith(("http://", "https://")):
@@ -222,7 +222,7 @@ def start_run(experiment: str, *, run_name: str | None = None,
         logging.getLogger(name).setLevel(logging.WARNING)
     # its retries against a server that is gone: the one warning of TrackedRun says it
     logging.getLogger("urllib3.connectionpool").setLevel(logging.ERROR)
-    from paratune._dburl import missing_driver, with_installed_driver
+    from paratune.dburl import missing_driver, with_installed_driver
 
     # postgresql:// where only psycopg2 is installed (SQLAlchemy's default is psycopg 3)
     uri = with_installed_driver(tracking_uri or default_tracking_uri())

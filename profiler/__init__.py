@@ -10,6 +10,7 @@ from typing import Any
 
 # name -> submodule that defines it; only add lines.
 _EXPORTS: dict[str, str] = {
+    "physical_memory_bytes": "_memory",
     "Transformer": "model",
     "build_model": "model",
     "build_mesh": "mesh",

@@ -7,7 +7,7 @@ import json
 import math
 from pathlib import Path
 
-from paratune.cli import at_least
+from paratune.cli import at_least, world_sizes
 from paratune.tracking import add_track_flag
 
 __all__ = ["register"]
@@ -28,20 +28,6 @@ _FIELD_FLAGS = {
 }
 
 
-def _world_sizes(text: str) -> tuple[int, ...]:
-    rule = f"must be comma-separated positive integers such as 1,2,4, not {text!r}"
-    parts = text.split(",")
-    if any(not part.strip() for part in parts):
-        raise argparse.ArgumentTypeError(f"{rule} (it has an empty entry)")
-    try:
-        sizes = tuple(int(part) for part in parts)
-    except ValueError:
-        sizes = ()
-    if not sizes or any(s < 1 for s in sizes):
-        raise argparse.ArgumentTypeError(rule)
-    return sizes
-
-
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "profile", help="measure training steps of every valid parallel config",
@@ -56,7 +42,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="training sequence length (default: the preset's, or a "
                              "config.json's max_position_embeddings, with a warning; "
                              "resuming: the campaign's)")
-    parser.add_argument("--world-sizes", type=_world_sizes, default=None, metavar="N,N,...",
+    parser.add_argument("--world-sizes", type=world_sizes, default=None, metavar="N,N,...",
                         help="world sizes to profile (default 1,2,4)")
     parser.add_argument("--grid", default=None, metavar="FILE",
                         help="configuration space (YAML/TOML/JSON): global_batch_sizes, "

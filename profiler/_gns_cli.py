@@ -209,7 +209,7 @@ def _report(path: Path, model: object, config: object) -> object:
     """Print a tenth of the trajectory's rows (and its last) and return the whole of it."""
     import pandas as pd
 
-    from paratune._table import format_table
+    from paratune.table import format_table
 
     frame = pd.read_csv(path)
     shown = frame.iloc[:: max(1, len(frame) // 10)]

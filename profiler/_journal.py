@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from paratune._io import append_jsonl, read_jsonl
 from paratune.datasets.journal import (
     CampaignPaths,
     JournalEntry,
@@ -32,6 +31,7 @@ from paratune.datasets.journal import (
     read_plan,
     write_plan,
 )
+from paratune.fileio import append_jsonl, read_jsonl
 from paratune.measurement import Measurement, Status
 from paratune.parallel import ParallelConfig
 

@@ -38,8 +38,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from paratune._io import atomic_write_text, fsync_dir
 from paratune.errors import ConfigError
+from paratune.fileio import atomic_write_text, fsync_dir
 from paratune.parallel import ParallelConfig, Sharding
 
 if TYPE_CHECKING:
@@ -165,7 +165,7 @@ def find_checkpoint(path: str | Path) -> Path | None:
 
     A save running meanwhile in another process removes ``<path>.previous`` once its new
     checkpoint is in place, so what this returns is only safe to read while no save runs:
-    ``paratune gns`` holds its output's lock (:func:`paratune._io.exclusive_lock`) across its
+    ``paratune gns`` holds its output's lock (:func:`paratune.fileio.exclusive_lock`) across its
     saves and loads, so none of its own runs alongside another's.
     """
     path = Path(path)

@@ -99,7 +99,7 @@ def _tune(args: argparse.Namespace) -> int:
               "configs to run (campaigns in a folder every node must see):")
         print(cluster.instructions())
     if result.verification is not None:
-        from paratune._table import format_table
+        from paratune.table import format_table
 
         print()
         print(format_table(result.verification.to_dict("records"),

@@ -32,8 +32,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from paratune._io import atomic_write_text
 from paratune.errors import ConfigError
+from paratune.fileio import atomic_write_text
 from paratune.hardware import HardwareSpec
 from paratune.parallel import ParallelConfig
 from paratune.spec import ModelSpec

@@ -390,7 +390,7 @@ class _Scored:
 
 def _trial_bar(n_trials: int, done: int, study_name: str) -> Any:
     """A progress bar of the study's finished trials (as ``paratune profile`` shows configs)."""
-    from paratune._progress import progress_bar
+    from paratune.progress import progress_bar
 
     return progress_bar(total=n_trials, initial=min(done, n_trials), unit="trial", desc="tuning",
                         enabled=True,

@@ -26,10 +26,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from paratune._table import format_table
 from paratune.errors import ConfigError
 from paratune.parallel import ParallelConfig
 from paratune.predictor import PRED_TOKENS_PER_SEC_PER_GPU, Predictor
+from paratune.table import format_table
 from paratune.tuner._efficiency import lr_scale
 from paratune.tuner._objective import Objective
 from paratune.tuner._plan_progress import (

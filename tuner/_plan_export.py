@@ -40,8 +40,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from paratune._io import atomic_write_text
 from paratune.errors import ConfigError
+from paratune.fileio import atomic_write_text
 from paratune.parallel import ParallelConfig
 from paratune.tuner._export import megatron_args, torchrun_command, torchtitan_toml
 from paratune.tuner._plan_schedule import layout_of

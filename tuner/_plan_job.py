@@ -205,7 +205,7 @@ def _open_run(stack: contextlib.ExitStack, space: SearchSpace, objective: Any,
 def _schedule(predictor: Predictor, space: SearchSpace, trajectory: Trajectory,
               options: PlanOptions, objective: Any, output: OutputOptions) -> PlanOutcome:
     """Plan the phases and write the plan (and its launch files) where the output says."""
-    from paratune._io import atomic_write_text
+    from paratune.fileio import atomic_write_text
     from paratune.tuner._plan import plan_phases
 
     phases = plan_phases(predictor, space, trajectory, reconfig_cost_s=options.reconfig_cost_s,

@@ -9,10 +9,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from paratune._table import format_table
 from paratune.errors import ConfigError
 from paratune.parallel import ParallelConfig
 from paratune.predictor import Predictor, config_frame
+from paratune.table import format_table
 from paratune.tuner._objective import Objective
 
 if TYPE_CHECKING:

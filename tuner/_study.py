@@ -49,7 +49,7 @@ def resolve_storage(storage: str | Path | None, default_dir: str | Path | None
         storage = Path(default_dir) / "study.journal"
     text = str(storage)
     if "://" in text:
-        from paratune._dburl import missing_driver, with_installed_driver
+        from paratune.dburl import missing_driver, with_installed_driver
 
         url = with_installed_driver(text)  # postgresql:// where only psycopg2 is installed
         try:
@@ -135,8 +135,8 @@ def storage_text(storage: str | Path | None, storage_dir: str | Path | None) -> 
 
 def _without_password(url: str) -> str:
     """A database URL as it may be printed and logged: any password masked (in the userinfo
-    and in the query, see :func:`paratune._redact.redact`)."""
-    from paratune._redact import redact
+    and in the query, see :func:`paratune.redact.redact`)."""
+    from paratune.redact import redact
 
     return redact(url)
 
@@ -144,7 +144,7 @@ def _without_password(url: str) -> str:
 def _masked(message: str, url: str) -> str:
     """A driver's ``message`` about ``url`` with the URL's password masked wherever it
     appears (in a URL or on its own)."""
-    from paratune._redact import redact
+    from paratune.redact import redact
 
     if password := _password_of(url):
         message = message.replace(password, "***")

@@ -113,7 +113,7 @@ def _check_cpu_fits(model: ModelSpec, world_size: int, k: int) -> None:
     import os
 
     from paratune.parallel import Sharding
-    from paratune.profiler._memory import cpu_process_memory_gb, physical_memory_bytes
+    from paratune.profiler import cpu_process_memory_gb, physical_memory_bytes
 
     # every rank runs here; fully sharded over all of them, a rank holds the least it can
     # under any layout, so too little memory for this config is too little for every one

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from paratune._io import atomic_write_text
 from paratune.errors import ConfigError
+from paratune.fileio import atomic_write_text
 from paratune.parallel import ParallelConfig
 from paratune.tuner._verify_list import check_num_configs, verify_positions
 from paratune.tuner._verify_refit import VerifyOptions, VerifyRuns, refit_and_compare

@@ -12,8 +12,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from paratune._io import atomic_write_text
 from paratune.errors import ConfigError
+from paratune.fileio import atomic_write_text
 from paratune.profiler._journal import (
     CampaignPaths,
     WorldSizePlan,

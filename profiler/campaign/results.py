@@ -83,7 +83,7 @@ class CampaignResult:
 
     def summary(self) -> str:
         """The summary table: counts per status and the best config per world size."""
-        from paratune._table import format_table
+        from paratune.table import format_table
 
         columns = ["world_size", "valid", "ok", "oom", "error", "timeout", "skipped",
                    "best_tokens_per_s", "best_step_s", "best_config"]

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from paratune._io import atomic_write_text, exclusive_lock
 from paratune.datasets.materialise import materialise, plan_keys, unfinished_configs
 from paratune.errors import ConfigError
+from paratune.fileio import atomic_write_text, exclusive_lock
 from paratune.measurement import Status
 from paratune.profiler._journal import (
     CampaignPaths,
@@ -237,7 +237,7 @@ def _launch_world_sizes(spec: CampaignSpec, paths: CampaignPaths, meta: dict[str
                 for ws in spec.world_sizes)
     bar = None
     if settings.progress:
-        from paratune._progress import progress_bar
+        from paratune.progress import progress_bar
 
         bar = progress_bar(total=total, unit="config", enabled=True,
                            desc=f"profiling ws={spec.world_sizes[0]}")

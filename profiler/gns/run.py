@@ -153,7 +153,7 @@ class _ProgressBar:
         self.bar: Any = None
 
     def __enter__(self) -> _ProgressBar:
-        from paratune._progress import progress_bar
+        from paratune.progress import progress_bar
 
         # a resumed run starts at its checkpoint's step (rows past it are measured again)
         self.bar = progress_bar(total=self.job.steps, initial=_checkpoint_step(self.job),

@@ -50,7 +50,7 @@ def _truncate_rows(path: str, max_step: int, *, seq_len: int) -> None:
     row (:func:`_check_resumable` has checked that its tokens agree), so the rows the resumed
     run appends match the header.
     """
-    from paratune._io import atomic_write_text
+    from paratune.fileio import atomic_write_text
 
     header, rows = _read_trajectory(path)
     if not header:
@@ -76,13 +76,13 @@ def _lock_path(out: str | Path) -> Path:
 
 def _locked_trajectory(out: str | Path) -> contextlib.AbstractContextManager[None]:
     """Hold an exclusive lock on :func:`_lock_path` while the block runs, so that two runs
-    never write one trajectory and its checkpoint (see :func:`paratune._io.exclusive_lock`:
+    never write one trajectory and its checkpoint (see :func:`paratune.fileio.exclusive_lock`:
     the kernel releases it when this process ends, however it ends).
 
     Raises:
         ConfigError: another process holds it (``out``, naming that process).
     """
-    from paratune._io import exclusive_lock
+    from paratune.fileio import exclusive_lock
 
     path = _lock_path(out)
     return exclusive_lock(path, field="out", value=str(out),

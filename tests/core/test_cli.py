@@ -234,8 +234,8 @@ def test_a_full_disk_is_one_line(capsys, command, resume):
     says what to do, not a traceback."""
     import argparse
 
-    from paratune._io import append_jsonl
     from paratune.cli import _run
+    from paratune.fileio import append_jsonl
 
     def journal(_args):
         append_jsonl("/dev/full", {"config": "dp2"})  # every write to it fails with ENOSPC

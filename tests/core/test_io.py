@@ -6,7 +6,7 @@ import stat
 
 import pytest
 
-from paratune._io import append_jsonl, atomic_write_bytes, atomic_write_text, read_jsonl
+from paratune.fileio import append_jsonl, atomic_write_bytes, atomic_write_text, read_jsonl
 
 
 def test_a_torn_last_line_survives_the_next_appends(tmp_path):
@@ -40,7 +40,7 @@ def test_a_filesystem_without_flock_runs_unlocked_with_a_warning(tmp_path, monke
     import errno
     import fcntl
 
-    from paratune._io import exclusive_lock
+    from paratune.fileio import exclusive_lock
 
     def no_locks(fd, operation):  # as some NFS, Lustre and FUSE mounts answer
         raise OSError(errno.ENOLCK, "No locks available")
@@ -93,7 +93,7 @@ def test_atomic_write_onto_a_directory_names_it(tmp_path):
 
 def test_a_lock_file_gets_the_mode_its_umask_allows(tmp_path):
     # a group-writable dataset's lock must be group-writable too, or a colleague's write fails
-    from paratune._io import exclusive_lock
+    from paratune.fileio import exclusive_lock
 
     old = os.umask(0o002)
     try:

@@ -8,7 +8,7 @@ import pandas as pd
 import pytest
 from tqdm.std import tqdm
 
-from paratune._progress import LineProgress, ProgressOutput, progress_bar
+from paratune.progress import LineProgress, ProgressOutput, progress_bar
 
 
 class _Terminal(io.StringIO):

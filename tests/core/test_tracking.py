@@ -377,8 +377,8 @@ def test_opening_a_sqlite_store_waits_for_its_lock_and_always_lets_go(store, tmp
     import mlflow
 
     from paratune import tracking
-    from paratune._io import exclusive_lock
     from paratune.errors import ConfigError
+    from paratune.fileio import exclusive_lock
 
     lock = tmp_path / "mlflow.db.lock"
     monkeypatch.setattr(tracking, "_STORE_LOCK_WAIT_S", 0.2)

@@ -127,7 +127,7 @@ def test_a_resume_on_other_tokens_is_refused(tmp_path, measured, resumed):
 
 
 def test_a_campaign_another_process_is_profiling_is_refused(tmp_path):
-    from paratune._io import exclusive_lock
+    from paratune.fileio import exclusive_lock
 
     spec = _spec()
     paths, _ = prepare_campaign(spec, tmp_path / "c")

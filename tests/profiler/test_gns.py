@@ -604,8 +604,8 @@ def test_a_signal_ends_the_workers_and_leaves_a_resumable_run(tmp_path, capsys, 
 def test_a_gns_run_that_fails_still_leaves_its_mlflow_run(tmp_path, monkeypatch, capsys):
     from mlflow.tracking import MlflowClient
 
-    from paratune._io import exclusive_lock
     from paratune.cli import main
+    from paratune.fileio import exclusive_lock
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     monkeypatch.chdir(tmp_path)

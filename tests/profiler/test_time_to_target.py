@@ -220,7 +220,7 @@ def test_the_script_refuses_bad_values_before_touching_out(tmp_path, monkeypatch
 def test_the_script_refuses_an_out_another_experiment_is_using(tmp_path, monkeypatch, capsys):
     """Two experiments into one --out would measure the same things twice and interleave
     their journals: the second is refused while the first holds the folder."""
-    from paratune._io import exclusive_lock
+    from paratune.fileio import exclusive_lock
 
     out = tmp_path / "out"
     monkeypatch.setattr(ttt, "_spawn", lambda job: pytest.fail("started processes"))
@@ -312,7 +312,7 @@ def test_a_killed_profiling_keeps_its_measurements_and_resumes(tmp_path):
     times but the last (so the one killed here measures one step time, then switches)."""
     from _ttt_worker import LAYOUTS, PROFILE_JOURNAL, Job, profile_items, read_profile_journal
 
-    from paratune._io import append_jsonl, read_jsonl
+    from paratune.fileio import append_jsonl, read_jsonl
 
     out = tmp_path / "out"
     job = Job(model=_model(), out_dir=str(out), target_loss=1.0, lr=1e-3, corpus_bytes=0,

@@ -33,7 +33,7 @@ def _everything_logged(uri: str) -> list[str]:
     """Every param, tag and metric key and value of every run in the store at ``uri``."""
     import mlflow
 
-    from paratune._dburl import with_installed_driver
+    from paratune.dburl import with_installed_driver
 
     client = mlflow.MlflowClient(tracking_uri=with_installed_driver(uri))
     texts = []
@@ -110,7 +110,7 @@ def test_a_plain_postgresql_url_uses_whichever_driver_is_installed():
     the URL is given that driver (and left alone where psycopg is there)."""
     from importlib.util import find_spec
 
-    from paratune._dburl import with_installed_driver
+    from paratune.dburl import with_installed_driver
 
     url = with_installed_driver("postgresql://u@h/db")
     if find_spec("psycopg") is not None:
@@ -170,7 +170,7 @@ def _go(*workers):
 def _trials(storage: str) -> list:
     import optuna
 
-    from paratune._dburl import with_installed_driver
+    from paratune.dburl import with_installed_driver
 
     study = optuna.load_study(study_name="shared", storage=with_installed_driver(storage))
     return study.get_trials(deepcopy=False)
