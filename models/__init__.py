@@ -9,8 +9,8 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = [
-    "AnalyticalBaseline",
     "EXTRAPOLATION_SPLITS",
+    "AnalyticalBaseline",
     "Fold",
     "HistGradientBoostingBaseline",
     "PerformanceModel",

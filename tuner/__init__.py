@@ -12,17 +12,17 @@ import importlib
 from typing import Any
 
 __all__ = [
-    "ClusterVerification",
     "LAYOUT_DISCOUNT",
     "LR_RULES",
     "NOISE_LAWS",
+    "SAMPLERS",
+    "ClusterVerification",
     "Objective",
     "ObjectiveKind",
     "OutputOptions",
     "Plan",
     "PlanOptions",
     "PlanOutcome",
-    "SAMPLERS",
     "ScheduleOptions",
     "SearchOptions",
     "SearchResult",
