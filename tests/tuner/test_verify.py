@@ -138,7 +138,7 @@ def test_verify_on_the_cpu_refuses_more_processes_than_the_machine_runs(
         assert check_verify_here(SearchSpace.build(get_model("tiny"), 4, "cpu"), 1) == "cpu"
     assert "4 processes share this machine's 2 cores" in caplog.text
     # the machine's memory: llama3-8b needs about 128 GB of state whatever the layout
-    monkeypatch.setattr("paratune.profiler._memory.physical_memory_bytes", lambda: 64 << 30)
+    monkeypatch.setattr("paratune.profiler.physical_memory_bytes", lambda: 64 << 30)
     with pytest.raises(ConfigError, match=r"^gpus=4: verifying runs all 4 processes .*more "
                                           r"than its 68\.7 GB of memory$"):
         check_verify_here(SearchSpace.build(get_model("llama3-8b"), 4, "cpu"), 1)
