@@ -547,9 +547,13 @@ def test_a_signal_ends_the_workers_and_leaves_a_resumable_run(tmp_path, capsys, 
 
     out, ckpt = tmp_path / "g.csv", tmp_path / "g-checkpoint"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # SIGINT with its default action, as in a shell's foreground job: a test session that
+    # itself runs in the background (SIGINT ignored, which children inherit) must not make
+    # the command deaf to it
     run = subprocess.Popen([sys.executable, "-m", "paratune.cli", *_gns_command(out, 100_000)],
                            env=env, cwd=tmp_path, stdout=subprocess.DEVNULL,
-                           stderr=subprocess.PIPE, text=True, start_new_session=True)
+                           stderr=subprocess.PIPE, text=True, start_new_session=True,
+                           preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         assert _wait_until(lambda: run.poll() is None and out.exists()
                            and len(out.read_text().splitlines()) > 4
