@@ -535,6 +535,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="the tiny model on a small grid (the CPU smoke run)")
     parser.add_argument("--budget-s", type=float, default=480.0,
                         help="wall-clock budget of the whole run, set-up included")
+    parser.add_argument("--model", default=None,
+                        help="model preset to profile (llama3.2-1b; tiny with --tiny)")
     parser.add_argument("--seq-len", type=int, default=None,
                         help="sequence length (2048; 64 with --tiny)")
     parser.add_argument("--warmup", type=int, default=1, help="warm-up steps per config")
@@ -610,7 +612,7 @@ def _run(args: argparse.Namespace, out: Path, work: Path, deadline: float, start
         tests = run_gpu_tests(stage, extra, out, args.tests_timeout_s, log)
     timings["gpu tests"] = time.monotonic() - started - timings["set-up"]
 
-    name = "tiny" if args.tiny else "llama3.2-1b"
+    name = args.model or ("tiny" if args.tiny else "llama3.2-1b")
     model = get_model(name, seq_len=args.seq_len or (64 if args.tiny else 2048))
     step_s = _step_estimator(model, hardware, args.device)
     steps = args.warmup + args.steps
@@ -686,7 +688,7 @@ def _run(args: argparse.Namespace, out: Path, work: Path, deadline: float, start
 def _plan_only(args: argparse.Namespace, hardware: str, log: Any) -> int:
     from paratune import get_model
 
-    model = get_model("tiny" if args.tiny else "llama3.2-1b",
+    model = get_model(args.model or ("tiny" if args.tiny else "llama3.2-1b"),
                       seq_len=args.seq_len or (64 if args.tiny else 2048))
     step_s = _step_estimator(model, hardware, args.device)
     steps = args.warmup + args.steps
