@@ -19,13 +19,14 @@ from paratune import __version__
 from paratune.errors import ModelFormatError
 from paratune.fileio import atomic_write_text, exclusive_lock
 from paratune.models import features as F
+from paratune.models._calibration import CONSTANT_NAMES
 
 if TYPE_CHECKING:
     from paratune.models._estimators import PerformanceModel
 
 __all__ = ["SCHEMA_VERSION"]
 
-SCHEMA_VERSION = 12
+SCHEMA_VERSION = 13
 """Version of the saved-model directory format; loading another version fails (2: the
 layer-passes feature; 3: the data-parallel ring latency in the analytical estimate; 4: the
 step-time models for models not in the training data; 5: the stalled-pipeline regime; 6:
@@ -139,7 +140,8 @@ class _Persistence:
             "stall_free_families": self.stall_free_families_,
             "stall_free_hardware": self.stall_free_hardware_,
             "interval_widening": self.interval_widening_,
-            "core_constants": self.core_constants_,
+            "core_constants": {family: dict(zip(CONSTANT_NAMES, values, strict=True))
+                               for family, values in self.core_constants_.items()},
             "family_offsets": self.family_offsets_,
             "training": {"fingerprint_sha256": self.fingerprint_,
                          "num_rows": self.num_train_rows_,
@@ -334,7 +336,7 @@ def _restore_state(model: Any, manifest: dict[str, Any]) -> None:
     model.interval_widening_ = {
         str(f): {str(k): float(v) for k, v in margins.items()}
         for f, margins in manifest["interval_widening"].items()}
-    model.core_constants_ = {str(f): [float(v) for v in values]
+    model.core_constants_ = {str(f): [float(values[name]) for name in CONSTANT_NAMES]
                              for f, values in manifest["core_constants"].items()}
     model.family_offsets_ = {str(f): {"log_factor": float(e["log_factor"]),
                                       "margin": float(e["margin"]), "rows": int(e["rows"])}

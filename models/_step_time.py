@@ -19,6 +19,13 @@ DP_BUCKET_BYTES = 25e6
 """Gradient bytes per data-parallel reduction call (PyTorch DDP's default bucket, 25 MB)."""
 DP_HOP_LATENCY_S = 20e-6
 """Latency of one inter-node step of a ring collective (NIC, switch and NCCL proxy)."""
+ELEMENTWISE_SPLIT = 45.0
+ELEMENTWISE_REPLICATED = 30.0
+"""Elements per token and per unit of width that a block's memory-bound work reads and
+writes over a forward and backward pass (see :func:`elementwise_s_per_microbatch`): the
+part split over the tensor-parallel group (the MLP activation on the ``ffn`` inner width,
+rotary and attention's element-wise work on the heads) and the part every member repeats
+without sequence parallelism (norms, residual adds, dropout)."""
 
 
 def step_time_at_mfu(frame: pd.DataFrame | Columns, mfu: float = 1.0) -> np.ndarray:
@@ -110,6 +117,31 @@ def tp_bytes_per_microbatch(frame: pd.DataFrame | Columns) -> np.ndarray:
     per_layer = np.where(c.recompute == 1, 6.0, 4.0)
     tensor = c.micro * c.seq * c.hidden * ACTIVATION_BYTES
     return c.layers_per_stage * per_layer * 2.0 * (c.tp - 1.0) / c.tp * tensor
+
+
+def elementwise_s_per_microbatch(frame: pd.DataFrame | Columns) -> np.ndarray:
+    """Seconds of a stage's memory-bound work per micro-batch: the element-wise operations
+    around the matrix products read and write each activation at the device memory's
+    bandwidth.
+
+    Per token and layer a forward pass moves about 25 activations of the model's width
+    (norms 4, residual adds 6, the MLP activation 8 of its inner width counted in widths,
+    rotary and attention's element-wise work 7) and the backward about twice that:
+    :data:`ELEMENTWISE_SPLIT` plus :data:`ELEMENTWISE_REPLICATED` widths of bf16 values,
+    the first split over the tensor-parallel group. Full recomputation repeats the forward's
+    third. Next to the matrix products (``~72 h^2 / tp`` FLOPs per token and layer) this
+    costs ``~ (45/tp + 30) * 2 / (72 h) * peak / bandwidth`` of their time at peak: a third
+    for a 2,048-wide model on an H100, a few percent for a 25,600-wide one, which is why
+    larger models reach a higher share of peak. Zero where the device's memory bandwidth is
+    not catalogued (the CPU).
+    """
+    c = _cols(frame)
+    widths = ELEMENTWISE_SPLIT / c.tp + ELEMENTWISE_REPLICATED
+    repeat = np.where(c.recompute == 1, 4.0 / 3.0, 1.0)
+    bytes_ = c.layers_per_stage * c.micro * c.seq * c.hidden * widths * ACTIVATION_BYTES * repeat
+    with np.errstate(divide="ignore", invalid="ignore"):
+        seconds = bytes_ / c.memory_bw
+    return np.where(np.isfinite(seconds), seconds, 0.0)
 
 
 def pp_p2p_bytes_per_microbatch(frame: pd.DataFrame | Columns) -> np.ndarray:

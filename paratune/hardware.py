@@ -41,6 +41,9 @@ class HardwareSpec:
     """Bytes/s per device to a peer in the same node."""
     inter_node_bw: float = 0.0
     """Bytes/s per device to a peer in another node."""
+    memory_bw: float | None = None
+    """Bytes/s of the device's own memory (HBM), vendor figure: the pace of the memory-bound
+    work of a step (norms, activations, residual adds); ``None`` where not known."""
     aliases: tuple[str, ...] = ()
     """Other names that resolve to this entry (case-insensitive)."""
 
@@ -68,15 +71,19 @@ HARDWARE: dict[str, HardwareSpec] = {
                      memory_gb=0.0, devices_per_node=1024, intra_node_bw=5 * _GB,
                      inter_node_bw=1.25 * _GB, aliases=("gloo",)),
         HardwareSpec(name="A100-40GB", peak_flops=312e12, memory_gb=40.0,
-                     intra_node_bw=300 * _GB, inter_node_bw=25 * _GB),
+                     intra_node_bw=300 * _GB, inter_node_bw=25 * _GB, memory_bw=1555 * _GB),
         HardwareSpec(name="A100-80GB", peak_flops=312e12, memory_gb=80.0,
-                     intra_node_bw=300 * _GB, inter_node_bw=25 * _GB, aliases=("A100",)),
+                     intra_node_bw=300 * _GB, inter_node_bw=25 * _GB, memory_bw=2039 * _GB,
+                     aliases=("A100",)),
         HardwareSpec(name="H100-80GB", peak_flops=989e12, memory_gb=80.0,
-                     intra_node_bw=450 * _GB, inter_node_bw=50 * _GB, aliases=("H100", "H100-SXM")),
+                     intra_node_bw=450 * _GB, inter_node_bw=50 * _GB, memory_bw=3350 * _GB,
+                     aliases=("H100", "H100-SXM")),
         HardwareSpec(name="H200", peak_flops=989e12, memory_gb=141.0,
-                     intra_node_bw=450 * _GB, inter_node_bw=50 * _GB, aliases=("H200-141GB",)),
+                     intra_node_bw=450 * _GB, inter_node_bw=50 * _GB, memory_bw=4800 * _GB,
+                     aliases=("H200-141GB",)),
         HardwareSpec(name="B200", peak_flops=2250e12, memory_gb=180.0,
-                     intra_node_bw=900 * _GB, inter_node_bw=50 * _GB, aliases=("B200-180GB",)),
+                     intra_node_bw=900 * _GB, inter_node_bw=50 * _GB, memory_bw=8000 * _GB,
+                     aliases=("B200-180GB",)),
     )
 }
 

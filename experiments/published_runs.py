@@ -1,0 +1,128 @@
+"""Other frameworks' published runs, none of their rows fitted on.
+
+Fits the performance model on the public measurements (as ``paratune fit`` does: the
+Ultra-Scale Playbook's nanotron sweep on H100 and vTrain's Megatron-DeepSpeed runs on A100),
+then predicts the runs of the CSVs given (default: every ``published_*.csv`` under the
+repository's ``data/``, e.g. Megatron-LM's 22B-1T GPT runs on 8-512 A100 of Korthikanti et
+al. 2022), whose framework the model has no measurement of. Such a family is predicted as a
+well-tuned framework on that hardware (the calibrated core with its default constants, see
+:mod:`paratune.models._calibration`), with a warning and a widened interval.
+
+Per source: the rows, median APE and MAPE of tokens/s per device, the median predicted /
+measured throughput and the share of runs inside the predicted q10-q90; per row, the
+measured and predicted MFU. Targets: median predicted / measured within [0.8, 1.25] and
+median APE <= 20% for each source.
+
+Writes ``published_runs.csv`` (per row) and ``published_runs.txt`` under --out and logs them
+to MLflow (experiment ``paratune-experiments``, run ``published_runs``; metrics
+``<source>.<figure>``).
+
+    python experiments/published_runs.py [--data DIR] [--out out/published_runs] [CSV ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _public import REPO, public_data_dir
+
+from paratune.tracking import add_no_track_argument
+
+
+def score(predictions) -> list[dict]:
+    """Per source of ``predictions`` (measurement rows with the model's columns): rows,
+    median APE and MAPE of tokens/s per device (percent), median predicted / measured
+    throughput and q10-q90 coverage (percent)."""
+    from paratune.models import measured_step_time
+
+    step = measured_step_time(predictions)
+    tokens = (predictions["global_batch_size"].to_numpy(float)
+              * predictions["seq_len"].to_numpy(float))
+    world = predictions["world_size"].to_numpy(float)
+    measured = tokens / (step * world)
+    predicted = predictions["pred_tokens_per_sec_per_gpu"].to_numpy(float)
+    q10 = predictions["pred_tokens_per_sec_per_gpu_q10"].to_numpy(float)
+    q90 = predictions["pred_tokens_per_sec_per_gpu_q90"].to_numpy(float)
+    out = []
+    for source in sorted(predictions["source"].astype(str).unique()):
+        rows = (predictions["source"].astype(str) == source).to_numpy() & np.isfinite(measured)
+        ratio = predicted[rows] / measured[rows]
+        ape = np.abs(ratio - 1.0)
+        inside = (measured[rows] >= q10[rows]) & (measured[rows] <= q90[rows])
+        out.append({"source": source, "rows": int(rows.sum()),
+                    "mdape": 100 * float(np.median(ape)), "mape": 100 * float(np.mean(ape)),
+                    "ratio_median": float(np.median(ratio)),
+                    "coverage": 100 * float(np.mean(inside))})
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("csv", nargs="*", type=Path,
+                        help="published runs in the public format (default: data/published_*.csv)")
+    parser.add_argument("--data", default=None, help="folder of the public CSVs fitted on")
+    parser.add_argument("--out", default="out/published_runs",
+                        help="folder for the tables (default: %(default)s)")
+    add_no_track_argument(parser)
+    args = parser.parse_args()
+    files = args.csv or sorted((REPO / "data").glob("published_*.csv"))
+    if not files:
+        parser.error("no published runs given and none under data/")
+
+    import pandas as pd
+
+    from paratune.models import PerformanceModel, load_measurements
+    from paratune.models import features as F
+    from paratune.table import format_table
+
+    data = public_data_dir(args.data)
+    fitted_on = sorted(data.glob("*.csv"))
+    model = PerformanceModel().fit(load_measurements(fitted_on))
+    published = load_measurements(files)
+    predictions = pd.concat([published.reset_index(drop=True),
+                             model.predict(published).reset_index(drop=True)], axis=1)
+    scores = score(predictions)
+    table = format_table(scores, ["source", "rows", "mdape", "mape", "ratio_median", "coverage"],
+                         headers={"mdape": "MdAPE%", "mape": "MAPE%",
+                                  "ratio_median": "pred/meas", "coverage": "q10-q90 cover%"},
+                         floatfmt=".3g", title="Published runs of frameworks with no "
+                         "measurement fitted on (tokens/s per device)")
+    c = F.Columns(published)
+    at_peak = F.step_time_at_mfu(c)
+    rows = pd.DataFrame({
+        "source": published["source"].astype(str), "model": published["model_name"],
+        "world_size": published["world_size"],
+        "layout": [f"tp{t} pp{p} dp{d} mb{m} {r}" for t, p, d, m, r in zip(
+            published["tp"], published["pp"], published["dp"], published["micro_batch_size"],
+            published["recompute"], strict=True)],
+        "measured_step_s": predictions["step_time_s"],
+        "pred_step_s": predictions["pred_step_time_s"],
+        "measured_mfu": at_peak / predictions["step_time_s"].to_numpy(float),
+        "pred_mfu": at_peak / predictions["pred_step_time_s"].to_numpy(float)})
+    detail = format_table(rows.to_dict("records"), list(rows.columns), floatfmt=".3g",
+                          title="Per run")
+    text = table + "\n\n" + detail
+    print(text)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows.to_csv(out / "published_runs.csv", index=False)
+    (out / "published_runs.txt").write_text(text + "\n")
+    if not args.no_mlflow:
+        from paratune.tracking import start_script_run
+
+        with start_script_run(__file__) as run:
+            run.log_params({"data": [str(f.resolve()) for f in fitted_on],
+                            "published": [str(f.resolve()) for f in files]})
+            for row in scores:
+                run.log_metrics({f"{row['source']}.{k}": float(v) for k, v in row.items()
+                                 if k != "source"})
+            run.log_artifact(out)
+
+
+if __name__ == "__main__":
+    main()
