@@ -132,14 +132,16 @@ def export_public_csv(datasets: Sequence[str | Path] | str | Path, out: str | Pa
         Rows written per status (``{"ok": 22, "oom": 3}``).
 
     Raises:
-        DatasetError: no dataset given, ``out`` exists and ``replace`` is false, a dataset
-            cannot be read, or a row cannot be expressed in the format (the dataset, its row
-            and the rule are named); nothing is written then.
+        DatasetError: no dataset given, ``out`` is a directory, or exists and ``replace`` is
+            false, a dataset cannot be read, or a row cannot be expressed in the format (the
+            dataset, its row and the rule are named); nothing is written then.
     """
     paths = [datasets] if isinstance(datasets, (str, Path)) else list(datasets)
     if not paths:
         raise DatasetError("export: no dataset given")
     out = Path(out)
+    if out.is_dir():
+        raise DatasetError(f"{out}: is a directory, not a file")
     if out.exists() and not replace:
         raise DatasetError(f"{out}: already exists; refused to replace it")
     if "\n" in provenance or "\r" in provenance:

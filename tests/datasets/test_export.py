@@ -109,3 +109,5 @@ def test_export_cli_writes_several_datasets_as_one_file_and_refuses_to_replace(t
     assert "already exists" in capsys.readouterr().err
     assert main([*args, "--force"]) == 0
     assert import_files([out], None).num_records == 5
+    assert main([*args[:-4], "--out", str(tmp_path), "--force"]) == 2
+    assert "is a directory, not a file" in capsys.readouterr().err
