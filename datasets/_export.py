@@ -117,7 +117,9 @@ def export_public_csv(datasets: Sequence[str | Path] | str | Path, out: str | Pa
     """Write the rows of one or more datasets as one CSV in the public format.
 
     ``paratune datasets import`` reads the file back to the same models, configurations,
-    statuses and metrics.
+    statuses and metrics (a model of the importer's GPT family, a name with ``gpt`` or a
+    vTrain, Megatron or GPT source, comes back with its layers and width appended to its
+    name, as the importer names GPT labels).
 
     Args:
         datasets: Dataset directories, cards or paratune parquet files.
