@@ -15,6 +15,7 @@ _LAZY = {
     "DatasetCard": "paratune.datasets.schema",
     "SCHEMA_VERSION": "paratune.datasets.schema",
     "arrow_schema": "paratune.datasets.schema",
+    "export_public_csv": "paratune.datasets._export",
     "read_dataset": "paratune.datasets._store",
     "read_datasets": "paratune.datasets._store",
     "records_to_frame": "paratune.datasets._rows",

@@ -1,4 +1,4 @@
-"""The ``paratune datasets`` command group: ``show`` and ``import``."""
+"""The ``paratune datasets`` command group: ``show``, ``import`` and ``export``."""
 
 from __future__ import annotations
 
@@ -33,6 +33,26 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     imp.add_argument("--force", action="store_true",
                      help="replace the dataset already in --out (refused without it)")
     imp.set_defaults(func=_import, field_flags={"out": "--out"})
+
+    exp = commands.add_parser("export", help="write datasets as one public-format CSV",
+                              description="Write the rows of paratune datasets as one CSV in "
+                                          "the public measurement format (docs/public-format"
+                                          ".md), which 'paratune datasets import', fit, predict "
+                                          "and evaluate read.")
+    exp.add_argument("paths", nargs="+", metavar="DIR",
+                     help="dataset directory, its card.json, or a paratune .parquet file")
+    exp.add_argument("--out", required=True, metavar="FILE", help="CSV file to write")
+    exp.add_argument("--source", metavar="NAME",
+                     help="the source of every row; its first '_'-separated word is the "
+                          "measurement family (default: each row's own source)")
+    exp.add_argument("--provenance", default="", metavar="TEXT",
+                     help="text of the '# source:' first line: who measured, where, how")
+    exp.add_argument("--precision", default="", metavar="DTYPE",
+                     help="the precision cell of every row, e.g. bf16 (datasets do not "
+                          "record it)")
+    exp.add_argument("--force", action="store_true",
+                     help="replace the file already at --out (refused without it)")
+    exp.set_defaults(func=_export)
 
 
 def _show(args: argparse.Namespace) -> int:
@@ -105,4 +125,15 @@ def _import(args: argparse.Namespace) -> int:
     print(report)
     print()
     print(summarise_dataset(read_dataset(args.out)))
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from paratune.datasets._export import export_public_csv
+
+    counts = export_public_csv(args.paths, args.out, provenance=args.provenance,
+                               source=args.source, precision=args.precision,
+                               replace=args.force)
+    summary = ", ".join(f"{k}={v}" for k, v in sorted(counts.items()))
+    print(f"wrote {sum(counts.values())} rows ({summary}) to {args.out}")
     return 0

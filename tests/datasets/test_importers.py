@@ -1,11 +1,12 @@
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
 import pytest
 
-from paratune import DatasetError, Recompute, Sharding, Status
+from paratune import DatasetError, Recompute, Sharding, Status, get_model
 from paratune.cli import main
 from paratune.datasets.importers import (
     import_files,
@@ -145,6 +146,20 @@ def test_public_files_import_with_every_skipped_row_explained():
     assert flagged and flagged <= reported
     assert report.duplicates  # configurations recorded both ok and failed
     assert "both records are kept" in report.summary()
+
+
+def test_the_repository_h200_measurements_import_without_a_rejected_row():
+    path = REPO / "data" / "paratune_h200.csv"
+    report = import_files([path], None)
+    assert report.problems == [] and report.num_rows == 45
+    assert report.status_counts == {"ok": 38, "oom": 7}
+    assert report.sources["paratune_h200.csv"].startswith("source: paratune's own profiler")
+    records, _ = parse_public_csv(path)
+    assert {m.hardware for m in records} == {"H200"}
+    assert {m.model.name for m in records} == {"llama3.2-1b", "llama3.2-3b"}
+    # the catalogue's shapes, every column stated: nothing assumed
+    assert all(m.model == dataclasses.replace(get_model(m.model.name), seq_len=2048)
+               for m in records)
 
 
 def test_import_writes_a_dataset(tmp_path):
