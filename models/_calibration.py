@@ -18,11 +18,15 @@ public sweeps hold), within physical bounds (no faster than the peak). Because t
 the physics, a larger model or cluster moves the prediction the way the physics does.
 
 A family with no measurement gets :data:`DEFAULT_CONSTANTS`, a well-tuned framework's: its
-matrix products at 80% of peak (what cuBLAS reaches on large bf16 products on an A100 or
-H100), its element-wise work at the memory's bandwidth, 80% of link bandwidth, 0.1 ms per
-layer pass. Because the element-wise work shrinks next to the products as the model widens,
-this predicts the rise of MFU with model size that published well-tuned runs show (41% to
-48% from 2B to 462B parameters in Megatron-LM's H100 weak scaling) from physics alone.
+matrix products at the share of peak its hardware sustains in training
+(:attr:`~paratune.HardwareSpec.matmul_efficiency`: 80% on the A100, what cuBLAS reaches on
+large bf16 products; 60% on the H100 and
+H200, whose published well-tuned runs reach 47-48% MFU at most (Megatron-LM's H100 weak
+scaling, 2B to 462B parameters) although a lone large product runs at 80%; 80% where the
+catalogue has no figure), its element-wise work at the memory's bandwidth, 80% of link
+bandwidth, 0.1 ms per layer pass. Because the element-wise work shrinks next to the products
+as the model widens, this predicts the rise of MFU with model size that such runs show (41%
+to 48% from 2B to 462B parameters on H100) from physics.
 """
 
 from __future__ import annotations

@@ -74,6 +74,7 @@ class Columns:
         self.intra_bw = hw["intra_node_bw"]
         self.inter_bw = hw["inter_node_bw"]
         self.memory_bw = hw["memory_bw"]
+        self.matmul_efficiency = hw["matmul_efficiency"]
         per_node = batch.devices_per_node.astype(float)
         self.per_node = np.where(per_node < 1, hw["devices_per_node"], per_node)
         self.hardware_error = hw["error"]
@@ -130,7 +131,8 @@ def hardware_columns(names: Any) -> dict[str, np.ndarray]:
     # catalogue's nominal figure where there is none (the CPU).
     for attr, source in (("peak_flops", "effective_flops"), ("memory_gb", "memory_gb"),
                          ("intra_node_bw", "intra_node_bw"), ("inter_node_bw", "inter_node_bw"),
-                         ("devices_per_node", "devices_per_node"), ("memory_bw", "memory_bw")):
+                         ("devices_per_node", "devices_per_node"), ("memory_bw", "memory_bw"),
+                         ("matmul_efficiency", "matmul_efficiency")):
         table = np.asarray([float(getattr(s, source)) if s is not None
                             and getattr(s, source) is not None else np.nan for s in specs],
                            dtype=float)

@@ -67,6 +67,10 @@ class _Ranges:
 
         families = self._families(frame) if families is None else families
         constants = np.tile([DEFAULT_CONSTANTS[k] for k in CONSTANT_NAMES], (c.n, 1))
+        # a well-tuned framework's matrix products at its hardware's sustained share of peak
+        efficiency = np.asarray(c.matmul_efficiency, dtype=float)
+        known = np.isfinite(efficiency) & (efficiency > 0)
+        constants[known, CONSTANT_NAMES.index("compute")] = 1.0 / efficiency[known]
         for family, values in self.core_constants_.items():
             constants[families == family] = values
         return predict_core(core_parts(c, analytical), constants)

@@ -44,6 +44,10 @@ class HardwareSpec:
     memory_bw: float | None = None
     """Bytes/s of the device's own memory (HBM), vendor figure: the pace of the memory-bound
     work of a step (norms, activations, residual adds); ``None`` where not known."""
+    matmul_efficiency: float | None = None
+    """Share of ``peak_flops`` a well-tuned framework's matrix products sustain in training:
+    the compute pace of a framework paratune has no measurement of. ``None``: the
+    calibrated core's default (0.8)."""
     aliases: tuple[str, ...] = ()
     """Other names that resolve to this entry (case-insensitive)."""
 
@@ -71,19 +75,20 @@ HARDWARE: dict[str, HardwareSpec] = {
                      memory_gb=0.0, devices_per_node=1024, intra_node_bw=5 * _GB,
                      inter_node_bw=1.25 * _GB, aliases=("gloo",)),
         HardwareSpec(name="A100-40GB", peak_flops=312e12, memory_gb=40.0,
-                     intra_node_bw=300 * _GB, inter_node_bw=25 * _GB, memory_bw=1555 * _GB),
+                     intra_node_bw=300 * _GB, inter_node_bw=25 * _GB, memory_bw=1555 * _GB,
+                     matmul_efficiency=0.8),
         HardwareSpec(name="A100-80GB", peak_flops=312e12, memory_gb=80.0,
                      intra_node_bw=300 * _GB, inter_node_bw=25 * _GB, memory_bw=2039 * _GB,
-                     aliases=("A100",)),
+                     matmul_efficiency=0.8, aliases=("A100",)),
         HardwareSpec(name="H100-80GB", peak_flops=989e12, memory_gb=80.0,
                      intra_node_bw=450 * _GB, inter_node_bw=50 * _GB, memory_bw=3350 * _GB,
-                     aliases=("H100", "H100-SXM")),
+                     matmul_efficiency=0.6, aliases=("H100", "H100-SXM")),
         HardwareSpec(name="H200", peak_flops=989e12, memory_gb=141.0,
                      intra_node_bw=450 * _GB, inter_node_bw=50 * _GB, memory_bw=4800 * _GB,
-                     aliases=("H200-141GB",)),
+                     matmul_efficiency=0.6, aliases=("H200-141GB",)),
         HardwareSpec(name="B200", peak_flops=2250e12, memory_gb=180.0,
                      intra_node_bw=900 * _GB, inter_node_bw=50 * _GB, memory_bw=8000 * _GB,
-                     aliases=("B200-180GB",)),
+                     matmul_efficiency=0.6, aliases=("B200-180GB",)),
     )
 }
 
