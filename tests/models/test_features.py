@@ -167,13 +167,24 @@ def test_analytical_step_time_is_compute_plus_communication_with_bubble():
     assert piped["bubble_s"][0] > 0 and piped["pp_s"][0] > 0
     total = sum(piped[k][0] for k in ("compute_s", "tp_s", "pp_s", "bubble_s", "dp_s"))
     assert piped["step_time_s"][0] == pytest.approx(total)
-    # crossing nodes uses the slower link
-    inside = F.analytical_step_time(row(dp=8, micro_batch_size=1, global_batch_size=64))
-    across = F.analytical_step_time(row(dp=16, micro_batch_size=1, global_batch_size=64))
+    # crossing nodes uses the slower link (ZeRO-1: the reduction that nothing hides)
+    kw = dict(micro_batch_size=1, global_batch_size=64, sharding="zero1")
+    inside = F.analytical_step_time(row(dp=8, **kw))
+    across = F.analytical_step_time(row(dp=16, **kw))
     ratio = H100.intra_node_bw / H100.inter_node_bw
-    across_bytes_s = across["dp_s"][0] - F.dp_latency_s(row(dp=16, micro_batch_size=1,
-                                                           global_batch_size=64))[0]
+    across_bytes_s = across["dp_s"][0] - F.dp_latency_s(row(dp=16, **kw))[0]
     assert across_bytes_s / inside["dp_s"][0] == pytest.approx(ratio * (15 / 16) / (7 / 8))
+
+
+def test_ddp_hides_its_all_reduce_behind_the_last_backward_and_zero1_does_not():
+    kw = dict(dp=16, micro_batch_size=1, global_batch_size=64)
+    ddp = F.analytical_step_time(row(**kw))
+    zero1 = F.analytical_step_time(row(**kw, sharding="zero1"))
+    # the same bytes (2 per gradient), ZeRO-1's exposed, DDP's less the last backward
+    last_backward = 2.0 / 3.0 * ddp["compute_s"][0] / F.num_microbatches(row(**kw))[0]
+    assert ddp["dp_s"][0] == pytest.approx(max(zero1["dp_s"][0] - last_backward,
+                                               0.1 * zero1["dp_s"][0]))
+    assert ddp["dp_s"][0] < zero1["dp_s"][0]
 
 
 def test_full_recompute_scales_the_compute_by_four_thirds():
