@@ -160,12 +160,12 @@ def _comparison(cfg: ParallelConfig, own: pd.DataFrame, pred: float, new: float
                 ) -> dict[str, Any]:
     """One row of the comparison: ``cfg``'s prediction before, its measurement (from its own
     campaign ``own``) and the refit's prediction."""
-    from paratune.tuner._search import config_from_row
+    from paratune.batch import ConfigBatch
 
     # matched on the whole config: configs that differ only in sharding, recomputation or
     # schedule share their degrees and batch sizes
-    match = own.iloc[[j for j, (_, row) in enumerate(own.iterrows())
-                      if config_from_row(row) == cfg]]
+    match = own.iloc[[j for j, config in enumerate(ConfigBatch.from_frame(own).configs())
+                      if config == cfg]]
     status = str(match["status"].iloc[0]) if len(match) else "missing"
     got = float(match["tokens_per_s"].iloc[0]) if len(match) and status == "ok" else math.nan
     return {"config": cfg.key(), "status": status, "pred_tokens_per_s": pred,

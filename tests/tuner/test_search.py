@@ -34,6 +34,24 @@ def test_exhaustive_ranks_every_valid_config(closed_form):
     assert result.best.is_valid(space.model, 16)
 
 
+def test_a_result_keeps_the_configs_of_its_ranked_rows(closed_form):
+    """The configs beside the ranking follow it: a re-ranked result reads its own."""
+    space = SearchSpace.build(get_model("llama3-8b"), 16, "H100", global_batch_sizes=[64])
+    result = exhaustive(closed_form, space, Objective())
+    configs = result.configs()
+    assert set(configs) == set(space.enumerate().valid) and len(configs) == len(result.ranked)
+    assert result.best == configs[0] and result.configs(3) == configs[:3]
+    assert [c.key() for c in configs] == [
+        f"dp{r.dp}-tp{r.tp}-pp{r.pp}-mb{r.micro_batch_size}-gb{r.global_batch_size}-"
+        f"{r.schedule}-v{r.virtual_stages}-{r.sharding}-{r.recompute}"
+        for r in result.ranked.itertuples()]
+    result.ranked = result.ranked.iloc[::-1].reset_index(drop=True)
+    assert result.best == configs[-1] and result.configs() == configs[::-1]
+    empty = exhaustive(closed_form, space, Objective())
+    empty.ranked = empty.ranked.head(0)
+    assert empty.configs() == [] and len(empty.batch) == 0
+
+
 def test_tpe_regret_on_a_large_space_is_small(closed_form):
     space = _big_space()
     objective = Objective(kind="goodput", b_noise=1500)
@@ -159,10 +177,10 @@ def test_failed_predictions_are_infeasible(closed_form):
     assert (ranked.loc[failed, "violation_memory"] > 0).all()
     assert result.best_feasible and not np.isnan(result.best_row["feasible_prob"])
     # only the probability failed: still infeasible; only the memory failed: likewise
+    from paratune.batch import ConfigBatch
     from paratune.parallel import ParallelConfig
-    from paratune.tuner._search import config_from_row
 
-    runs = [config_from_row(row) for _, row in ranked[ranked["feasible"]].head(3).iterrows()]
+    runs = ConfigBatch.from_frame(ranked[ranked["feasible"]].head(3)).configs()
     for column in ("pred_feasible_prob", "pred_peak_mem_gb"):
         class FailsOne:
             def predict(self, frame, column=column):
@@ -173,7 +191,7 @@ def test_failed_predictions_are_infeasible(closed_form):
         scored = evaluate(FailsOne(), space, runs, Objective())
         assert not scored["feasible"].iloc[0] and scored["feasible"].iloc[1:].all()
     # the Optuna search reads the same violations as its constraints
-    failed_keys = {config_from_row(row).key() for _, row in ranked[failed].iterrows()}
+    failed_keys = {c.key() for c in ConfigBatch.from_frame(ranked[failed]).configs()}
     found, study = optuna_search(FailsOnTheWinner(), space, Objective(), n_trials=150, seed=0)
     assert found.best_feasible and not np.isnan(found.best_row["feasible_prob"])
     hits = 0
