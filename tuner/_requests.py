@@ -194,6 +194,14 @@ class SearchOptions:
         help="study to create or join (default: derived from the problem)")
     batch_size: int = option(8, flag="--batch-size", type=int,
                              help="trials asked and predicted together")
+    refine_fraction: float = option(
+        0.5, param=False,
+        help="share of the trials, at the end, spent on a local search around the leaders "
+             "(see optuna_search)")
+    refine_beam: int = option(4, param=False,
+                              help="how many of the best layouts the local search starts from")
+    timeout_s: float | None = option(None, param=False,
+                                     help="stop asking for trials after this many seconds")
     verify: int = option(
         0, flag="--verify", type=int, metavar="K",
         help="verify K configs for real (different layouts first), add them to the dataset, "
@@ -215,6 +223,8 @@ class SearchOptions:
         if self.search == "optuna":  # an exhaustive search counts no trials
             _positive_int("n_trials", self.n_trials)
             _positive_int("batch_size", self.batch_size)
+            if not 0.0 <= self.refine_fraction <= 1.0:
+                raise ConfigError("refine_fraction", self.refine_fraction, "must be in [0, 1]")
             if isinstance(self.sampler, str):
                 from paratune.tuner._samplers import check_sampler
 

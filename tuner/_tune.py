@@ -312,10 +312,9 @@ def _search(problem: _Problem, predictor: Predictor, study: optuna.Study | None
     else:
         try:
             result, study = optuna_search(
-                predictor, problem.space, problem.objective, n_trials=search.n_trials,
-                sampler=search.sampler, seed=search.seed, storage=search.storage,
-                study_name=search.study_name, storage_dir=problem.output.output_dir,
-                batch_size=search.batch_size, progress=problem.output.progress, study=study)
+                predictor, problem.space, problem.objective, search,
+                storage_dir=problem.output.output_dir, progress=problem.output.progress,
+                study=study)
         except StudyNotRecorded as exc:  # finish the work with what was evaluated
             return exc.result, None, exc
     if result.ranked.empty:
