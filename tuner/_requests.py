@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from paratune.hardware import HardwareSpec
     from paratune.space import ConfigSpace
     from paratune.spec import ModelSpec
+    from paratune.tuner._verify_refit import VerifyOptions
 
 __all__ = ["SEARCH_MODES", "OutputOptions", "SearchOptions", "TuneJob", "add_flags",
            "from_flags", "option", "request_params"]
@@ -213,8 +214,10 @@ class SearchOptions:
         "auto", flag="--verify-on", choices=("auto", "here", "cluster"), param=False,
         help="where --verify measures: auto (here if this machine has the job's hardware, "
              "else the cluster), here, or cluster (default: %(default)s)")
-    verify_options: dict[str, Any] | None = option(
-        None, param=False, help="keyword arguments of verify_top_k or verify_on_cluster")
+    verify_options: VerifyOptions | dict[str, Any] | None = option(
+        None, param=False,
+        help="how verify measures, refits and where it writes: a VerifyOptions, or its "
+             "fields (and those of its runs) by name, made into one when the request is built")
 
     def __post_init__(self) -> None:
         if self.search not in SEARCH_MODES:
@@ -231,6 +234,16 @@ class SearchOptions:
                 check_sampler(self.sampler)
         if not _int_like(self.verify) or self.verify < 0:
             raise ConfigError("verify", self.verify, "must be a number of configs >= 0")
+        if self.verify_options is not None:
+            from paratune.tuner._verify_refit import VerifyOptions
+
+            given = self.verify_options
+            if isinstance(given, dict):
+                given = VerifyOptions.build(**given)
+            elif not isinstance(given, VerifyOptions):
+                raise ConfigError("verify_options", given,
+                                  "must be a VerifyOptions or a dict of its fields")
+            object.__setattr__(self, "verify_options", given)
 
     def params(self) -> dict[str, Any]:
         """The MLflow params of these options (see :func:`request_params`); the sampler by

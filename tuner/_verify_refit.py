@@ -93,7 +93,8 @@ class VerifyOptions:
     def build(cls, options: VerifyOptions | None = None, **overrides: Any) -> VerifyOptions:
         """``options`` (default: the defaults) with ``overrides`` by field name; the fields of
         :class:`VerifyRuns` (``warmup_steps``, ``measured_steps``, ``timeout_s``) are taken
-        by their own names too, as ``tune(verify_options={...})`` passes them.
+        by their own names too, as a dict given as ``SearchOptions.verify_options`` names
+        them.
 
         Raises:
             ConfigError: an override that is no field of either (field ``verify_options``).
