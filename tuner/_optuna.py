@@ -91,24 +91,18 @@ def optuna_search(predictor: Predictor, space: SearchSpace, objective: Objective
     ``pruned_reason``; a config seen before (by this worker or another) is scored from
     what was told, not predicted again, and each config is predicted once.
 
-    The options read are those of the search loop (:class:`SearchOptions`; its objective,
-    noise scale and verification are :func:`~paratune.tuner.tune`'s):
-
-    - ``n_trials``: finished trials the study should hold; ``batch_size``: trials asked
-      (and predicted in one call) at a time; ``timeout_s``: stop asking after this many
-      seconds.
-    - ``sampler``: a name in :data:`SAMPLERS` or an Optuna sampler; ``seed``: its seed (a
-      fixed seed reproduces a single-process search).
-    - ``storage``: Optuna storage URL or journal path (see :func:`resolve_storage`);
-      ``study_name``: defaults to a name derived from the problem (so reruns resume).
-    - ``refine_fraction``: share of the trials, at the end, spent on a local search: first
-      every layout with the knobs that need the least memory (see
-      :meth:`SearchSpace.probes`), then the neighbours (one parameter changed, see
-      :meth:`SearchSpace.neighbours`) of the best feasible config of each of the
-      ``refine_beam`` best layouts, taken in turn and re-centred whenever the leaders
-      change; at a local optimum the sampler takes over again. This guards against a
-      model-based sampler settling in one region when the optimum is a lone config in a
-      layout it seldom drew with the right knobs.
+    ``options`` (:class:`SearchOptions`) gives the trial budget (``n_trials``, asked and
+    predicted ``batch_size`` at a time, until ``timeout_s``), the ``sampler`` (a name in
+    :data:`SAMPLERS` or an Optuna sampler) and its ``seed`` (a fixed seed reproduces a
+    single-process search), the ``storage`` and ``study_name`` (see :func:`resolve_storage`;
+    the default name is derived from the problem, so reruns resume) and the local search:
+    the last ``refine_fraction`` of the trials go first to every layout with the knobs that
+    need the least memory (:meth:`SearchSpace.probes`), then to the neighbours (one
+    parameter changed, :meth:`SearchSpace.neighbours`) of the best feasible config of each
+    of the ``refine_beam`` best layouts, taken in turn and re-centred whenever the leaders
+    change; at a local optimum the sampler takes over again. This guards against a
+    model-based sampler settling in one region when the optimum is a lone config in a
+    layout it seldom drew with the right knobs.
 
     Args:
         predictor: Anything with ``predict(config_frame)``.
