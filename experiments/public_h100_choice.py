@@ -38,9 +38,10 @@ def main() -> None:
 
     import pandas as pd
 
+    from paratune.batch import ConfigBatch
     from paratune.measurement import Measurement
     from paratune.models import PerformanceModel
-    from paratune.tuner import Objective, SearchSpace, config_from_row, evaluate, rank
+    from paratune.tuner import Objective, SearchSpace, evaluate, rank
 
     data = public_data_dir(args.data)
     frame = ultrascale_frame(data)
@@ -51,7 +52,7 @@ def main() -> None:
         train = frame.drop(index=group.index)
         model = PerformanceModel(n_estimators=args.n_estimators, n_jobs=1).fit(train)
         spec = Measurement.from_row(group.iloc[0].to_dict()).model
-        configs = [config_from_row(r) for _, r in group.iterrows()]
+        configs = ConfigBatch.from_frame(group).configs()
         batches = sorted({c.global_batch_size for c in configs})
         space = SearchSpace.build(spec, int(gpus), "H100", global_batch_sizes=batches,
                                   devices_per_node=8)
@@ -75,7 +76,7 @@ def main() -> None:
             top5["measured_status"] == "ok").any() else 0.0)
         rows.append({"model": name, "gpus": int(gpus), "configs": len(group),
                      "ran": len(ok), "measured_best": best,
-                     "choice": config_from_row(pick).key(),
+                     "choice": ConfigBatch.from_frame(ranked.head(1)).config_at(0).key(),
                      "choice_status": pick["measured_status"], "choice_measured": got,
                      "choice_vs_best_pct": 100 * got / best,
                      "top5_vs_best_pct": 100 * top5_best / best,

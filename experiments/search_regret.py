@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
 
     from paratune.models import PerformanceModel
-    from paratune.tuner import Objective, SearchSpace, exhaustive, optuna_search
+    from paratune.tuner import Objective, SearchOptions, SearchSpace, exhaustive, optuna_search
 
     data = public_data_dir(args.data)
     start = time.perf_counter()
@@ -92,8 +92,9 @@ def main(argv: list[str] | None = None) -> None:
         for sampler in args.samplers.split(","):
             for seed in range(args.seeds):
                 cpu = time.process_time()
-                found, _ = optuna_search(model, space, objective, n_trials=args.trials,
-                                         seed=seed, sampler=sampler)
+                found, _ = optuna_search(model, space, objective,
+                                         SearchOptions(n_trials=args.trials, seed=seed,
+                                                       sampler=sampler))
                 cpu = time.process_time() - cpu
                 feasible = found.ranked[found.ranked["feasible"]]
                 got = float(feasible["objective"].iloc[0]) if len(feasible) else 0.0

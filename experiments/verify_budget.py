@@ -86,8 +86,8 @@ def candidates(group: Any) -> tuple[list[Any], list[float], Any]:
     (first of each config) to add when a refit takes the verified runs."""
     import math
 
+    from paratune.batch import ConfigBatch
     from paratune.models import config_identity
-    from paratune.tuner import config_from_row
 
     group = group.reset_index(drop=True)
     identity = config_identity(group)
@@ -98,7 +98,7 @@ def candidates(group: Any) -> tuple[list[Any], list[float], Any]:
     rows = group[first.to_numpy()].reset_index(drop=True)
     measured = [float(best[k]) if not math.isnan(best[k]) else math.nan
                 for k in identity[first.to_numpy()]]
-    return [config_from_row(r) for _, r in rows.iterrows()], measured, rows
+    return ConfigBatch.from_frame(rows).configs(), measured, rows
 
 
 def main() -> None:

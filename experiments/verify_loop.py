@@ -48,9 +48,10 @@ def main() -> None:
     import numpy as np
     import pandas as pd
 
+    from paratune.batch import ConfigBatch
     from paratune.measurement import Measurement
     from paratune.models import PerformanceModel
-    from paratune.tuner import Objective, SearchSpace, config_from_row, evaluate, rank
+    from paratune.tuner import Objective, SearchSpace, evaluate, rank
 
     data = public_data_dir(args.data)
     frame = ultrascale_frame(data).reset_index(drop=True)
@@ -67,7 +68,7 @@ def main() -> None:
         best = float(group.loc[ok, "tokens_per_s"].max())
         hit = (ok & (group["tokens_per_s"] >= (1 - args.tolerance) * best)).to_numpy()
         spec = Measurement.from_row(group.iloc[0].to_dict()).model
-        configs = [config_from_row(r) for _, r in group.iterrows()]
+        configs = ConfigBatch.from_frame(group).configs()
         space = SearchSpace.build(spec, int(gpus), "H100",
                                   global_batch_sizes=sorted({c.global_batch_size
                                                              for c in configs}),

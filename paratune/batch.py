@@ -257,6 +257,10 @@ class ConfigBatch:
         return [ParallelConfig(**dict(zip(PARALLEL_COLUMNS, row)))
                 for row in zip(*self._layout_lists())]
 
+    def config_at(self, i: int) -> ParallelConfig:
+        """Row ``i``'s layout (raises :class:`ConfigError` as :meth:`configs` does)."""
+        return self.take(i).configs()[0]
+
     def model_at(self, i: int) -> ModelSpec:
         """Row ``i``'s model (raises :class:`ConfigError` for a shape the spec refuses)."""
         values = {name: int(getattr(self, name)[i]) for name in MODEL_INTS}

@@ -83,11 +83,12 @@ def _tune(args: argparse.Namespace) -> int:
     from paratune.tracking import ui_command
     from paratune.tuner._requests import from_flags
     from paratune.tuner._tune import tune
+    from paratune.tuner._verify_refit import VerifyOptions
 
     model = get_model(args.model, seq_len=args.seq_len)
     job = from_flags(TuneJob, args, model=model, seq_len=None)
-    search = from_flags(SearchOptions, args,
-                        verify_options={"dataset": args.dataset} if args.dataset else None)
+    verify = VerifyOptions(dataset=args.dataset) if args.dataset else None
+    search = from_flags(SearchOptions, args, verify_options=verify)
     output = from_flags(OutputOptions, args, track=not args.no_track,
                         output_dir=args.output or Path(
                             f"tune-{model.name}-{args.gpus}x{args.hardware}"),

@@ -4,6 +4,7 @@ failing what stopped or killed workers left running)."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import os
@@ -13,11 +14,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from paratune.errors import ConfigError
 from paratune.parallel import ParallelConfig
 from paratune.predictor import Predictor
 from paratune.tuner._objective import Objective
 from paratune.tuner._ranking import SearchResult, evaluate, rank
+from paratune.tuner._requests import SearchOptions
 from paratune.tuner._samplers import sampler_name
 from paratune.tuner._study import (
     CONFIG_ATTR,
@@ -78,12 +79,9 @@ def _least_violating(cache: dict[ParallelConfig, tuple[float, tuple[float, float
     return [min(cache, key=lambda cfg: (max(cache[cfg][1]), cfg.key()))]
 
 
-def optuna_search(predictor: Predictor, space: SearchSpace, objective: Objective, *,
-                  n_trials: int = 200, sampler: Any = "tpe", seed: int | None = 0,
-                  storage: str | Path | None = None, study_name: str | None = None,
-                  storage_dir: str | Path | None = None, batch_size: int = 8,
-                  refine_fraction: float = 0.5, refine_beam: int = 4,
-                  timeout_s: float | None = None, progress: bool = False,
+def optuna_search(predictor: Predictor, space: SearchSpace, objective: Objective,
+                  options: SearchOptions | None = None, *,
+                  storage_dir: str | Path | None = None, progress: bool = False,
                   study: optuna.Study | None = None) -> tuple[SearchResult, optuna.Study]:
     """Search ``space`` with an Optuna sampler until the study holds ``n_trials`` trials.
 
@@ -93,28 +91,26 @@ def optuna_search(predictor: Predictor, space: SearchSpace, objective: Objective
     ``pruned_reason``; a config seen before (by this worker or another) is scored from
     what was told, not predicted again, and each config is predicted once.
 
+    ``options`` (:class:`SearchOptions`) gives the trial budget (``n_trials``, asked and
+    predicted ``batch_size`` at a time, until ``timeout_s``), the ``sampler`` (a name in
+    :data:`SAMPLERS` or an Optuna sampler) and its ``seed`` (a fixed seed reproduces a
+    single-process search), the ``storage`` and ``study_name`` (see :func:`resolve_storage`;
+    the default name is derived from the problem, so reruns resume) and the local search:
+    the last ``refine_fraction`` of the trials go first to every layout with the knobs that
+    need the least memory (:meth:`SearchSpace.probes`), then to the neighbours (one
+    parameter changed, :meth:`SearchSpace.neighbours`) of the best feasible config of each
+    of the ``refine_beam`` best layouts, taken in turn and re-centred whenever the leaders
+    change; at a local optimum the sampler takes over again. This guards against a
+    model-based sampler settling in one region when the optimum is a lone config in a
+    layout it seldom drew with the right knobs.
+
     Args:
         predictor: Anything with ``predict(config_frame)``.
         space: The space.
         objective: What to maximise.
-        n_trials: Finished trials the study should hold.
-        sampler: A name in :data:`SAMPLERS` or an Optuna sampler.
-        seed: Sampler seed (a fixed seed reproduces a single-process search).
-        storage: Optuna storage URL or journal path; see :func:`resolve_storage`.
-        study_name: Defaults to a name derived from the problem (so reruns resume).
+        options: How to search (default: :class:`SearchOptions`' defaults).
         storage_dir: Where the default journal goes; ``None`` with no ``storage`` keeps
             the study in memory.
-        batch_size: Trials asked (and predicted in one call) at a time.
-        refine_fraction: Share of the trials, at the end, spent on a local search: first
-            every layout with the knobs that need the least memory (see
-            :meth:`SearchSpace.probes`), then the neighbours (one parameter changed, see
-            :meth:`SearchSpace.neighbours`) of the best feasible config of each of the
-            ``refine_beam`` best layouts, taken in turn and re-centred whenever the leaders
-            change; at a local optimum the sampler takes over again. This guards against a
-            model-based sampler settling in one region when the optimum is a lone config in
-            a layout it seldom drew with the right knobs.
-        refine_beam: How many of the best configs the local search starts from.
-        timeout_s: Stop asking after this many seconds.
         progress: Show a progress bar on stderr (finished trials of the study, the best
             feasible objective so far, time left).
         study: The study, where the caller opened it already (:func:`open_study` with the
@@ -128,21 +124,22 @@ def optuna_search(predictor: Predictor, space: SearchSpace, objective: Objective
             ``result`` ranks them.
     """
     objective.check(space)
-    for name, value in (("n_trials", n_trials), ("batch_size", batch_size)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigError(name, value, "must be a positive integer")
-    if not 0.0 <= refine_fraction <= 1.0:
-        raise ConfigError("refine_fraction", refine_fraction, "must be in [0, 1]")
+    options = options if options is not None else SearchOptions()
+    if options.search != "optuna":  # its trial counts are checked as an Optuna search's
+        options = dataclasses.replace(options, search="optuna")
+    n_trials = options.n_trials
     start = time.perf_counter()
     if study is None:
-        study = open_study(space, objective, sampler=sampler, seed=seed, storage=storage,
-                           study_name=study_name, storage_dir=storage_dir,
+        study = open_study(space, objective, sampler=options.sampler, seed=options.seed,
+                           storage=options.storage, study_name=options.study_name,
+                           storage_dir=storage_dir,
                            predictor_fingerprint=predictor_identity(predictor))
-    where = storage_text(storage, storage_dir)
+    where = storage_text(options.storage, storage_dir)
     worker = _Worker(study, predictor, space, objective, n_trials=n_trials,
-                     batch_size=batch_size, timeout_s=timeout_s, start=start)
-    worker.local = _LocalSearch(space, refine_from=round(n_trials * (1.0 - refine_fraction)),
-                                beam=refine_beam)
+                     batch_size=options.batch_size, timeout_s=options.timeout_s, start=start)
+    worker.local = _LocalSearch(
+        space, refine_from=round(n_trials * (1.0 - options.refine_fraction)),
+        beam=options.refine_beam)
     try:  # what killed workers left running is failed first, whatever is left to do
         worker.begin()
     except Exception as exc:
@@ -152,7 +149,7 @@ def optuna_search(predictor: Predictor, space: SearchSpace, objective: Objective
     finished, lost = worker.run(bar, where)
     result = SearchResult(
         ranked=rank(worker.scored.frame(predictor, space, objective, worker.ranked(finished))),
-        space=space, objective=objective, mode=sampler_name(sampler),
+        space=space, objective=objective, mode=sampler_name(options.sampler),
         num_trials=len(finished) if lost is None else worker.done,
         num_pruned=sum(t.state.name == "PRUNED" for t in finished),
         wall_time_s=time.perf_counter() - start, study_name=study.study_name,

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from paratune.batch import ConfigBatch
 from paratune.errors import ConfigError
 from paratune.parallel import ParallelConfig
 from paratune.predictor import PRED_TOKENS_PER_SEC_PER_GPU, Predictor
@@ -47,7 +48,7 @@ from paratune.tuner._plan_schedule import (
     layout_key,
     optimal_schedule,
 )
-from paratune.tuner._search import config_from_row, evaluate, rank
+from paratune.tuner._search import evaluate, rank
 from paratune.tuner.gns_trajectory import Trajectory
 
 if TYPE_CHECKING:
@@ -244,10 +245,7 @@ def config_times(ranked: pd.DataFrame, segments: list[Segment], *, seq_len: int
             with np.errstate(divide="ignore", invalid="ignore"):
                 q_step = np.where(q_tps > 0, batch * seq_len / q_tps, np.nan)
             quantile_times[q] = steps * q_step[None, :]
-    columns = ["dp", "tp", "pp", "micro_batch_size", "global_batch_size", "schedule",
-               "virtual_stages", "sharding", "recompute"]
-    # records of the config columns only: iterrows over the whole prediction frame is slow
-    configs = [config_from_row(row) for row in ranked[columns].to_dict("records")]
+    configs = ConfigBatch.from_frame(ranked).configs()
     return ConfigTimes(configs=configs, layouts=[layout_key(c) for c in configs], batch=batch,
                        throughput=throughput, step=step, times=steps * step[None, :],
                        quantile_times=quantile_times)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -23,7 +23,7 @@ from paratune.tuner._requests import OutputOptions, TuneJob, option, request_par
 
 if TYPE_CHECKING:
     from paratune.spec import ModelSpec
-    from paratune.tuner._plan import Plan
+    from paratune.tuner._plan import Plan, ScheduleOptions
     from paratune.tuner._space import SearchSpace
     from paratune.tuner.gns_trajectory import Trajectory
 
@@ -95,6 +95,15 @@ class PlanOptions:
 
     def params(self) -> dict[str, Any]:
         return request_params(self)
+
+    def schedule_options(self) -> ScheduleOptions:
+        """The :class:`~paratune.tuner.ScheduleOptions` of these options: the fields they
+        share (costs, threshold, resolution, learning-rate rule)."""
+        from paratune.tuner._plan import ScheduleOptions
+
+        shared = {item.name for item in fields(ScheduleOptions)} & {
+            item.name for item in fields(self)}
+        return ScheduleOptions(**{name: getattr(self, name) for name in shared})
 
     def load_trajectory(self, model: ModelSpec) -> Trajectory:
         """The ``B_noise`` trajectory: the file's, or the law's along the loss curve."""
@@ -208,11 +217,8 @@ def _schedule(predictor: Predictor, space: SearchSpace, trajectory: Trajectory,
     from paratune.fileio import atomic_write_text
     from paratune.tuner._plan import plan_phases
 
-    phases = plan_phases(predictor, space, trajectory, reconfig_cost_s=options.reconfig_cost_s,
-                         batch_change_cost_s=options.batch_change_cost_s,
-                         threshold=options.threshold, max_segments=options.max_segments,
-                         objective=objective, lr_rule=options.lr_rule,
-                         base_lr=options.base_lr, base_batch=options.base_batch)
+    phases = plan_phases(predictor, space, trajectory, options.schedule_options(),
+                         objective=objective)
     outcome = PlanOutcome(plan=phases, space=space)
     target = output.path
     if target is None:

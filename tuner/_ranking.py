@@ -7,8 +7,9 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from paratune.batch import ConfigBatch
 from paratune.errors import ConfigError
 from paratune.parallel import ParallelConfig
 from paratune.predictor import Predictor, config_frame
@@ -20,17 +21,18 @@ if TYPE_CHECKING:
 
     from paratune.tuner._space import SearchSpace
 
-__all__ = ["SearchResult", "config_from_row", "evaluate", "exhaustive", "rank"]
+__all__ = ["SearchResult", "evaluate", "exhaustive", "rank"]
 
 
 @dataclass
 class SearchResult:
-    """Ranked, scored configs from one search."""
+    """Ranked, scored configs from one search: the rows (:attr:`ranked`) and, beside them,
+    their configs (:attr:`batch`)."""
 
     ranked: pd.DataFrame
-    """One row per distinct config evaluated: config columns, predictions, scores, ``rank``
-    (1 = best; feasible configs first, then by objective) and ``vs_best`` (objective as a
-    fraction of the best's)."""
+    """One row per distinct config evaluated: config columns, predictions (``pred_*``, as
+    the predictor names them), scores, ``rank`` (1 = best; feasible configs first, then by
+    objective) and ``vs_best`` (objective as a fraction of the best's)."""
     space: SearchSpace
     objective: Objective
     mode: str
@@ -52,13 +54,25 @@ class SearchResult:
     """Why the study's storage stopped recording mid-search (``None`` where it did not): the
     ranking then covers the configs this search evaluated, and the study holds only the
     trials told before."""
+    _batch: tuple[pd.DataFrame, ConfigBatch] | None = field(
+        default=None, init=False, repr=False, compare=False)
+
+    @property
+    def batch(self) -> ConfigBatch:
+        """The configs of :attr:`ranked`'s rows, in its order (read once per ranking: a
+        re-ranked result, e.g. by :func:`~paratune.tuner.risk_aware_ranking`, gets its own)."""
+        if self._batch is None or self._batch[0] is not self.ranked:
+            batch = (ConfigBatch.from_frame(self.ranked) if len(self.ranked)
+                     else ConfigBatch.from_configs(self.space.model, [], self.space.hardware))
+            self._batch = (self.ranked, batch)
+        return self._batch[1]
 
     @property
     def best(self) -> ParallelConfig:
         """The top-ranked config."""
         if self.ranked.empty:
             raise ConfigError("space", self.space.model.name, "no config was evaluated")
-        return config_from_row(self.ranked.iloc[0])
+        return self.batch.config_at(0)
 
     @property
     def best_row(self) -> pd.Series:
@@ -72,8 +86,8 @@ class SearchResult:
         return self.ranked.head(k)
 
     def configs(self, k: int | None = None) -> list[ParallelConfig]:
-        frame = self.ranked if k is None else self.ranked.head(k)
-        return [config_from_row(row) for _, row in frame.iterrows()]
+        """The ranked configs, best first (the first ``k``)."""
+        return (self.batch if k is None else self.batch[:k]).configs()
 
     def ranked_quantity(self) -> tuple[str, str]:
         """What the ranking maximises: a short column label and a description.
@@ -163,16 +177,6 @@ class SearchResult:
             notes.append(f"the study was not fully recorded: {self.storage_lost}; ranked "
                          f"here are the {len(self.ranked)} configs this search evaluated")
         return "\n".join([format_table(rows, title=title, floatfmt=".4g"), *notes])
-
-
-def config_from_row(row: Any) -> ParallelConfig:
-    """The :class:`ParallelConfig` of a config-frame (or ranked) row."""
-    return ParallelConfig(
-        dp=int(row["dp"]), tp=int(row["tp"]), pp=int(row["pp"]),
-        micro_batch_size=int(row["micro_batch_size"]),
-        global_batch_size=int(row["global_batch_size"]), schedule=str(row["schedule"]),
-        virtual_stages=int(row["virtual_stages"]), sharding=str(row["sharding"]),
-        recompute=str(row["recompute"]))
 
 
 def evaluate(predictor: Predictor, space: SearchSpace, configs: Sequence[ParallelConfig],

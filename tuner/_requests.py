@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from paratune.hardware import HardwareSpec
     from paratune.space import ConfigSpace
     from paratune.spec import ModelSpec
+    from paratune.tuner._verify_refit import VerifyOptions
 
 __all__ = ["SEARCH_MODES", "OutputOptions", "SearchOptions", "TuneJob", "add_flags",
            "from_flags", "option", "request_params"]
@@ -194,6 +195,14 @@ class SearchOptions:
         help="study to create or join (default: derived from the problem)")
     batch_size: int = option(8, flag="--batch-size", type=int,
                              help="trials asked and predicted together")
+    refine_fraction: float = option(
+        0.5, param=False,
+        help="share of the trials, at the end, spent on a local search around the leaders "
+             "(see optuna_search)")
+    refine_beam: int = option(4, param=False,
+                              help="how many of the best layouts the local search starts from")
+    timeout_s: float | None = option(None, param=False,
+                                     help="stop asking for trials after this many seconds")
     verify: int = option(
         0, flag="--verify", type=int, metavar="K",
         help="verify K configs for real (different layouts first), add them to the dataset, "
@@ -205,8 +214,10 @@ class SearchOptions:
         "auto", flag="--verify-on", choices=("auto", "here", "cluster"), param=False,
         help="where --verify measures: auto (here if this machine has the job's hardware, "
              "else the cluster), here, or cluster (default: %(default)s)")
-    verify_options: dict[str, Any] | None = option(
-        None, param=False, help="keyword arguments of verify_top_k or verify_on_cluster")
+    verify_options: VerifyOptions | dict[str, Any] | None = option(
+        None, param=False,
+        help="how verify measures, refits and where it writes: a VerifyOptions, or its "
+             "fields (and those of its runs) by name, made into one when the request is built")
 
     def __post_init__(self) -> None:
         if self.search not in SEARCH_MODES:
@@ -215,12 +226,24 @@ class SearchOptions:
         if self.search == "optuna":  # an exhaustive search counts no trials
             _positive_int("n_trials", self.n_trials)
             _positive_int("batch_size", self.batch_size)
+            if not 0.0 <= self.refine_fraction <= 1.0:
+                raise ConfigError("refine_fraction", self.refine_fraction, "must be in [0, 1]")
             if isinstance(self.sampler, str):
                 from paratune.tuner._samplers import check_sampler
 
                 check_sampler(self.sampler)
         if not _int_like(self.verify) or self.verify < 0:
             raise ConfigError("verify", self.verify, "must be a number of configs >= 0")
+        if self.verify_options is not None:
+            from paratune.tuner._verify_refit import VerifyOptions
+
+            given = self.verify_options
+            if isinstance(given, dict):
+                given = VerifyOptions.build(**given)
+            elif not isinstance(given, VerifyOptions):
+                raise ConfigError("verify_options", given,
+                                  "must be a VerifyOptions or a dict of its fields")
+            object.__setattr__(self, "verify_options", given)
 
     def params(self) -> dict[str, Any]:
         """The MLflow params of these options (see :func:`request_params`); the sampler by

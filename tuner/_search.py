@@ -8,7 +8,7 @@ The implementation lives in :mod:`~paratune.tuner._ranking` (scoring and ranking
 from __future__ import annotations
 
 from paratune.tuner._optuna import optuna_search
-from paratune.tuner._ranking import SearchResult, config_from_row, evaluate, exhaustive, rank
+from paratune.tuner._ranking import SearchResult, evaluate, exhaustive, rank
 from paratune.tuner._samplers import SAMPLERS, make_sampler
 from paratune.tuner._study import (
     DB_CONNECT_TIMEOUT_S,
@@ -26,6 +26,6 @@ from paratune.tuner._study import (
 
 __all__ = ["DB_CONNECT_TIMEOUT_S", "HEARTBEAT_GRACE_S", "HEARTBEAT_INTERVAL_S", "SAMPLERS",
            "SearchResult", "StudyNotRecorded", "_finished", "_without_password",
-           "config_from_row", "default_study_name", "evaluate", "exhaustive", "make_sampler",
+           "default_study_name", "evaluate", "exhaustive", "make_sampler",
            "open_study", "optuna_search", "predictor_identity", "rank", "resolve_storage",
            "storage_text"]

@@ -226,7 +226,8 @@ def _verify_where(search: SearchOptions, space: SearchSpace, output: OutputOptio
     where = verify_location(space, search.verify_on)
     if where == "here":
         check_verify_here(space, search.verify)
-    elif output.output_dir is None and not (search.verify_options or {}).get("out_dir"):
+    elif output.output_dir is None and not (search.verify_options is not None
+                                            and search.verify_options.out_dir):
         raise ConfigError("verify", search.verify, "verifying on the cluster needs an output "
                           "directory (the campaigns and their commands go there)")
     return where
@@ -312,10 +313,9 @@ def _search(problem: _Problem, predictor: Predictor, study: optuna.Study | None
     else:
         try:
             result, study = optuna_search(
-                predictor, problem.space, problem.objective, n_trials=search.n_trials,
-                sampler=search.sampler, seed=search.seed, storage=search.storage,
-                study_name=search.study_name, storage_dir=problem.output.output_dir,
-                batch_size=search.batch_size, progress=problem.output.progress, study=study)
+                predictor, problem.space, problem.objective, search,
+                storage_dir=problem.output.output_dir, progress=problem.output.progress,
+                study=study)
         except StudyNotRecorded as exc:  # finish the work with what was evaluated
             return exc.result, None, exc
     if result.ranked.empty:
@@ -374,13 +374,13 @@ def _write(problem: _Problem, result: SearchResult, study: optuna.Study | None) 
 
 
 def _verify(problem: _Problem, out: TuneResult) -> None:
-    verify, options = problem.search.verify, problem.search.verify_options or {}
+    verify, options = problem.search.verify, problem.search.verify_options
     if verify and problem.verify_where == "here":
         from paratune.tuner._verify import verify_top_k
 
-        out.verification = verify_top_k(out, verify, **options)
+        out.verification = verify_top_k(out, verify, options)
     elif verify:
         from paratune.tuner._verify import verify_on_cluster
 
-        out.cluster_verification = verify_on_cluster(out, verify, **options)
+        out.cluster_verification = verify_on_cluster(out, verify, options)
         out.verification = out.cluster_verification.verification

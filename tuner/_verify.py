@@ -154,7 +154,7 @@ def verify_top_k(result: TuneResult, k: int, options: VerifyOptions | None = Non
             (see :class:`VerifyOptions`; without ``out_dir``: ``verify/`` beside the
             recommendation, or a temporary directory).
         **overrides: Fields of :class:`VerifyOptions` (or of :class:`VerifyRuns`) by name,
-            over ``options`` (what ``tune(verify_options={...})`` passes).
+            over ``options``.
 
     Returns:
         One row per verified config: ``config``, ``status``, ``pred_tokens_per_s`` (before),

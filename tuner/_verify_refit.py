@@ -93,7 +93,8 @@ class VerifyOptions:
     def build(cls, options: VerifyOptions | None = None, **overrides: Any) -> VerifyOptions:
         """``options`` (default: the defaults) with ``overrides`` by field name; the fields of
         :class:`VerifyRuns` (``warmup_steps``, ``measured_steps``, ``timeout_s``) are taken
-        by their own names too, as ``tune(verify_options={...})`` passes them.
+        by their own names too, as a dict given as ``SearchOptions.verify_options`` names
+        them.
 
         Raises:
             ConfigError: an override that is no field of either (field ``verify_options``).
@@ -160,12 +161,12 @@ def _comparison(cfg: ParallelConfig, own: pd.DataFrame, pred: float, new: float
                 ) -> dict[str, Any]:
     """One row of the comparison: ``cfg``'s prediction before, its measurement (from its own
     campaign ``own``) and the refit's prediction."""
-    from paratune.tuner._search import config_from_row
+    from paratune.batch import ConfigBatch
 
     # matched on the whole config: configs that differ only in sharding, recomputation or
     # schedule share their degrees and batch sizes
-    match = own.iloc[[j for j, (_, row) in enumerate(own.iterrows())
-                      if config_from_row(row) == cfg]]
+    match = own.iloc[[j for j, config in enumerate(ConfigBatch.from_frame(own).configs())
+                      if config == cfg]]
     status = str(match["status"].iloc[0]) if len(match) else "missing"
     got = float(match["tokens_per_s"].iloc[0]) if len(match) and status == "ok" else math.nan
     return {"config": cfg.key(), "status": status, "pred_tokens_per_s": pred,

@@ -213,3 +213,9 @@ def test_loose_frames_read_as_predictions_read_them():
     assert strict.option_text("schedule").tolist() == [" Interleaved_1F1B", None, "GPIPE"]
     assert str(strict.validate()[2]) == ("schedule='GPIPE': must be one of gpipe, 1f1b, "
                                          "interleaved_1f1b")
+
+
+def test_config_at_is_one_row_of_configs():
+    batch = ConfigBatch.from_configs(get_model("tiny"), _configs(), "cpu")
+    assert [batch.config_at(i) for i in range(len(batch))] == batch.configs()
+    assert batch[1:].config_at(0) == _configs()[1]

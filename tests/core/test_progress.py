@@ -131,18 +131,20 @@ class _Throughput:
 
 def test_the_tuner_progress_in_a_log_is_plain_lines(capfd, tmp_path, monkeypatch):
     from paratune import get_model
-    from paratune.tuner import Objective, SearchSpace, optuna_search
+    from paratune.tuner import Objective, SearchOptions, SearchSpace, optuna_search
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     space = SearchSpace.build(get_model("llama3-8b"), 16, "H100", global_batch_sizes=[64])
-    optuna_search(_Throughput(), space, Objective(), n_trials=12, seed=0, progress=True)
+    optuna_search(_Throughput(), space, Objective(), SearchOptions(n_trials=12, seed=0),
+                  progress=True)
     lines = _plain_lines(capfd.readouterr().err)
     assert lines[0].startswith("tuning: 0/12 [0%, ")
     assert lines[-1].startswith("tuning: 12/12 [100%, ") and "best feasible" in lines[-1]
     # a resumed study says so from its first line (the search's own postfix follows)
     storage = str(tmp_path / "study.journal")
     for n_trials in (6, 12):
-        optuna_search(_Throughput(), space, Objective(), n_trials=n_trials, seed=0,
-                      storage=storage, study_name="s", progress=True)
+        optuna_search(_Throughput(), space, Objective(),
+                      SearchOptions(n_trials=n_trials, seed=0, storage=storage, study_name="s"),
+                      progress=True)
     lines = _plain_lines(capfd.readouterr().err)
     assert lines[-2].startswith("tuning: 6/12 [50%, ") and "resumed s at 6 trials" in lines[-2]

@@ -8,6 +8,7 @@ import pandas as pd
 import pytest
 
 from paratune import ConfigError, get_model
+from paratune.batch import ConfigBatch
 from paratune.space import ConfigSpace
 from paratune.tuner import (
     ScheduleOptions,
@@ -20,7 +21,7 @@ from paratune.tuner import (
 from paratune.tuner._objective import Objective
 from paratune.tuner._plan import progress_segments
 from paratune.tuner._plan_schedule import layout_key, optimal_schedule
-from paratune.tuner._search import config_from_row, evaluate, rank
+from paratune.tuner._search import evaluate, rank
 
 SEQ = get_model("llama3-8b").seq_len
 
@@ -293,7 +294,7 @@ def _dense_optimum(predictor, space, trajectory, rc, bc, max_segments):
     e = np.array([s.e_min for s in segs])[:, None]
     bn = np.array([s.b_noise for s in segs])[:, None]
     times = e * (1 + b[None] / bn) / b[None] * step[None]
-    lays = [layout_key(config_from_row(r)) for _, r in ranked.iterrows()]
+    lays = [layout_key(c) for c in ConfigBatch.from_frame(ranked).configs()]
     cost = np.where(np.array([[x == y for y in lays] for x in lays]), bc, rc)
     np.fill_diagonal(cost, 0)
     best = times[0].copy()

@@ -6,7 +6,14 @@ import pytest
 
 from paratune import ConfigError, get_model
 from paratune.space import ConfigSpace
-from paratune.tuner import Objective, SearchSpace, evaluate, exhaustive, optuna_search
+from paratune.tuner import (
+    Objective,
+    SearchOptions,
+    SearchSpace,
+    evaluate,
+    exhaustive,
+    optuna_search,
+)
 
 
 def _big_space() -> SearchSpace:
@@ -34,13 +41,31 @@ def test_exhaustive_ranks_every_valid_config(closed_form):
     assert result.best.is_valid(space.model, 16)
 
 
+def test_a_result_keeps_the_configs_of_its_ranked_rows(closed_form):
+    """The configs beside the ranking follow it: a re-ranked result reads its own."""
+    space = SearchSpace.build(get_model("llama3-8b"), 16, "H100", global_batch_sizes=[64])
+    result = exhaustive(closed_form, space, Objective())
+    configs = result.configs()
+    assert set(configs) == set(space.enumerate().valid) and len(configs) == len(result.ranked)
+    assert result.best == configs[0] and result.configs(3) == configs[:3]
+    assert [c.key() for c in configs] == [
+        f"dp{r.dp}-tp{r.tp}-pp{r.pp}-mb{r.micro_batch_size}-gb{r.global_batch_size}-"
+        f"{r.schedule}-v{r.virtual_stages}-{r.sharding}-{r.recompute}"
+        for r in result.ranked.itertuples()]
+    result.ranked = result.ranked.iloc[::-1].reset_index(drop=True)
+    assert result.best == configs[-1] and result.configs() == configs[::-1]
+    empty = exhaustive(closed_form, space, Objective())
+    empty.ranked = empty.ranked.head(0)
+    assert empty.configs() == [] and len(empty.batch) == 0
+
+
 def test_tpe_regret_on_a_large_space_is_small(closed_form):
     space = _big_space()
     objective = Objective(kind="goodput", b_noise=1500)
     full = exhaustive(closed_form, space, objective)
     assert full.num_trials >= 10_000
     best = full.ranked["objective"].iloc[0]
-    found, _ = optuna_search(closed_form, space, objective, n_trials=200, seed=0)
+    found, _ = optuna_search(closed_form, space, objective, SearchOptions(n_trials=200, seed=0))
     assert found.num_trials == 200
     assert found.best_feasible
     regret = 1 - found.ranked["objective"].iloc[0] / best
@@ -50,8 +75,8 @@ def test_tpe_regret_on_a_large_space_is_small(closed_form):
 def test_fixed_seed_reproduces_and_other_samplers_run(closed_form):
     space = SearchSpace.build(get_model("llama3-8b"), 64, "H100", global_batch_sizes="128:512")
     objective = Objective(kind="goodput", b_noise=400)
-    a, study_a = optuna_search(closed_form, space, objective, n_trials=40, seed=3)
-    b, study_b = optuna_search(closed_form, space, objective, n_trials=40, seed=3)
+    a, study_a = optuna_search(closed_form, space, objective, SearchOptions(n_trials=40, seed=3))
+    b, study_b = optuna_search(closed_form, space, objective, SearchOptions(n_trials=40, seed=3))
     assert isinstance(study_a.sampler, optuna.samplers.TPESampler)  # the default
     assert [t.params for t in study_a.trials] == [t.params for t in study_b.trials]
     assert a.best == b.best
@@ -59,8 +84,8 @@ def test_fixed_seed_reproduces_and_other_samplers_run(closed_form):
     assert all("=" in t.user_attrs["pruned_reason"] for t in pruned)
     for sampler, kind in (("random", optuna.samplers.RandomSampler),
                           ("qmc", optuna.samplers.QMCSampler)):
-        result, study = optuna_search(closed_form, space, objective, n_trials=15, seed=0,
-                                      sampler=sampler)
+        result, study = optuna_search(closed_form, space, objective,
+                                      SearchOptions(n_trials=15, seed=0, sampler=sampler))
         assert isinstance(study.sampler, kind)
         assert result.num_trials == 15 and not result.ranked.empty
         assert result.mode == sampler
@@ -159,10 +184,10 @@ def test_failed_predictions_are_infeasible(closed_form):
     assert (ranked.loc[failed, "violation_memory"] > 0).all()
     assert result.best_feasible and not np.isnan(result.best_row["feasible_prob"])
     # only the probability failed: still infeasible; only the memory failed: likewise
+    from paratune.batch import ConfigBatch
     from paratune.parallel import ParallelConfig
-    from paratune.tuner._search import config_from_row
 
-    runs = [config_from_row(row) for _, row in ranked[ranked["feasible"]].head(3).iterrows()]
+    runs = ConfigBatch.from_frame(ranked[ranked["feasible"]].head(3)).configs()
     for column in ("pred_feasible_prob", "pred_peak_mem_gb"):
         class FailsOne:
             def predict(self, frame, column=column):
@@ -173,8 +198,9 @@ def test_failed_predictions_are_infeasible(closed_form):
         scored = evaluate(FailsOne(), space, runs, Objective())
         assert not scored["feasible"].iloc[0] and scored["feasible"].iloc[1:].all()
     # the Optuna search reads the same violations as its constraints
-    failed_keys = {config_from_row(row).key() for _, row in ranked[failed].iterrows()}
-    found, study = optuna_search(FailsOnTheWinner(), space, Objective(), n_trials=150, seed=0)
+    failed_keys = {c.key() for c in ConfigBatch.from_frame(ranked[failed]).configs()}
+    found, study = optuna_search(FailsOnTheWinner(), space, Objective(),
+                                 SearchOptions(n_trials=150, seed=0))
     assert found.best_feasible and not np.isnan(found.best_row["feasible_prob"])
     hits = 0
     for trial in study.trials:
@@ -220,14 +246,14 @@ def test_a_failed_throughput_prediction_is_infeasible(closed_form):
             return out
 
     assert not exhaustive(FailsAll(), space, objective).best_feasible
-    found, _ = optuna_search(FailsAll(), space, objective, n_trials=10, seed=0)
+    found, _ = optuna_search(FailsAll(), space, objective, SearchOptions(n_trials=10, seed=0))
     assert not found.best_feasible
 
 
 @pytest.mark.parametrize("gpus", [1, 7, 12])
 def test_odd_device_counts_give_a_valid_layout_of_every_device(closed_form, gpus):
     space = SearchSpace.build(get_model("llama3-8b"), gpus, "H100", global_batch_sizes=[84])
-    found, _ = optuna_search(closed_form, space, Objective(), n_trials=12, seed=0)
+    found, _ = optuna_search(closed_form, space, Objective(), SearchOptions(n_trials=12, seed=0))
     for config in found.configs():
         config.validate(space.model, gpus)
     assert found.best.world_size == gpus
@@ -300,7 +326,8 @@ def test_a_search_whose_sampler_found_nothing_feasible_probes_the_least_memory_c
     full = exhaustive(closed_form, space, objective)
     assert 0 < full.ranked["feasible"].sum() <= 10  # 10 of 2,448 fit
     for seed in (0, 2):
-        found, _ = optuna_search(closed_form, space, objective, n_trials=100, seed=seed)
+        found, _ = optuna_search(closed_form, space, objective,
+                                 SearchOptions(n_trials=100, seed=seed))
         assert found.best_feasible, seed
 
 
@@ -324,7 +351,7 @@ def test_a_layout_whose_best_needs_less_than_the_most_sharding_is_found(public_d
                                                 recomputes=("none", "selective", "full")))
     objective = Objective(kind="goodput", b_noise=1000)
     best = exhaustive(model, space, objective).ranked.iloc[0]
-    found, _ = optuna_search(model, space, objective, n_trials=200, seed=3)
+    found, _ = optuna_search(model, space, objective, SearchOptions(n_trials=200, seed=3))
     assert found.ranked.iloc[0]["objective"] == pytest.approx(best["objective"], rel=1e-9)
     assert best["sharding"] == "zero2"
     assert found.ranked.iloc[0]["sharding"] == "zero2"

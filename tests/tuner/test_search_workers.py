@@ -15,7 +15,14 @@ from pathlib import Path
 import pytest
 
 from paratune import get_model
-from paratune.tuner import Objective, SearchSpace, StudyNotRecorded, optuna_search, tune
+from paratune.tuner import (
+    Objective,
+    SearchOptions,
+    SearchSpace,
+    StudyNotRecorded,
+    optuna_search,
+    tune,
+)
 from tests.tuner.conftest import ClosedFormPredictor
 
 HERE = Path(__file__).resolve().parent
@@ -94,7 +101,7 @@ OTHER_WORKER = textwrap.dedent("""
     sys.path.insert(0, {root!r})
     from tests.tuner.conftest import ClosedFormPredictor
     from paratune import get_model
-    from paratune.tuner import Objective, SearchSpace, optuna_search
+    from paratune.tuner import Objective, SearchOptions, SearchSpace, optuna_search
 
     from paratune.space import ConfigSpace
     options = ConfigSpace(shardings=("none", "zero1"), recomputes=("none",), schedules=("1f1b",))
@@ -102,9 +109,9 @@ OTHER_WORKER = textwrap.dedent("""
                               global_batch_sizes="128")
     # the first worker's batch in flight counts towards n_trials: once the rest is done this
     # worker waits for it, until its timeout
-    optuna_search(ClosedFormPredictor(), space, Objective(), n_trials={n_trials}, seed=7,
-                  storage={storage!r}, study_name="shared", batch_size=4, refine_fraction=0,
-                  timeout_s=30)
+    optuna_search(ClosedFormPredictor(), space, Objective(),
+                  SearchOptions(n_trials={n_trials}, seed=7, storage={storage!r},
+                                study_name="shared", batch_size=4, refine_fraction=0, timeout_s=30))
 """)
 
 
@@ -197,8 +204,9 @@ def test_a_worker_does_not_predict_again_what_another_worker_finished(tmp_path):
     predicted once (the other's in one call at the end, to rank them)."""
     storage = str(tmp_path / "study.journal")
     predictor = _Recording(storage, at=3, extra=40)
-    result, study = optuna_search(predictor, _small_space(), Objective(), n_trials=100,
-                                  seed=0, storage=storage, study_name="shared", batch_size=4)
+    result, study = optuna_search(predictor, _small_space(), Objective(),
+                                  SearchOptions(n_trials=100, seed=0, storage=storage,
+                                                study_name="shared", batch_size=4))
     assert predictor.other, "the other worker finished no config of its own"
     during, ranking = predictor.asked[:-1], predictor.asked[-1]
     searched = [key for call in during for key in call]

@@ -128,7 +128,7 @@ STUDY_WORKER = textwrap.dedent("""
     from conftest import ClosedFormPredictor
     from paratune import ConfigError, get_model
     from paratune.cli import sigterm_as_exit
-    from paratune.tuner import Objective, SearchSpace, optuna_search
+    from paratune.tuner import Objective, SearchOptions, SearchSpace, optuna_search
 
     class Slow(ClosedFormPredictor):
         def predict(self, frame):
@@ -141,8 +141,9 @@ STUDY_WORKER = textwrap.dedent("""
     try:
         with sigterm_as_exit():
             result, study = optuna_search(Slow(), space, Objective(kind="goodput", b_noise=300),
-                                          n_trials={n_trials}, seed={seed}, storage={storage!r},
-                                          study_name="shared", batch_size={batch_size})
+                                          SearchOptions(n_trials={n_trials}, seed={seed},
+                                                        storage={storage!r}, study_name="shared",
+                                                        batch_size={batch_size}))
     except ConfigError as exc:
         print(f"error: {{exc}}", file=sys.stderr)
         sys.exit(2)

@@ -15,7 +15,7 @@ import pytest
 from optuna.trial import TrialState
 
 from paratune import ConfigError, get_model
-from paratune.tuner import Objective, SearchSpace, optuna_search
+from paratune.tuner import Objective, SearchOptions, SearchSpace, optuna_search
 from paratune.tuner._search import open_study
 
 HERE = Path(__file__).resolve().parent
@@ -25,7 +25,7 @@ WORKER = textwrap.dedent("""
     sys.path.insert(0, {here!r})
     from conftest import ClosedFormPredictor
     from paratune import get_model
-    from paratune.tuner import Objective, SearchSpace, optuna_search
+    from paratune.tuner import Objective, SearchOptions, SearchSpace, optuna_search
 
     class Slow(ClosedFormPredictor):
         def predict(self, frame):
@@ -37,8 +37,9 @@ WORKER = textwrap.dedent("""
         print("READY", flush=True)
         sys.stdin.readline()
     result, study = optuna_search(Slow(), space, Objective(kind="goodput", b_noise=300),
-                                  n_trials={n_trials}, seed={seed}, storage={storage!r},
-                                  study_name="shared", batch_size=1)
+                                  SearchOptions(n_trials={n_trials}, seed={seed},
+                                                storage={storage!r}, study_name="shared",
+                                                batch_size=1))
     print("TRIALS", result.num_trials)
 """)
 
@@ -172,8 +173,8 @@ def test_killed_study_resumes_without_losing_trials(tmp_path, closed_form):
     assert len(done) >= 8, worker.stderr.read()
     before = {t.number: t.params for t in _finished(storage)}
     result, study = optuna_search(closed_form, _space(), Objective(kind="goodput", b_noise=300),
-                                  n_trials=len(before) + 10, seed=0, storage=storage,
-                                  study_name="shared")
+                                  SearchOptions(n_trials=len(before) + 10, seed=0, storage=storage,
+                                                study_name="shared"))
     after = {t.number: t.params for t in study.get_trials(
         states=(TrialState.COMPLETE, TrialState.PRUNED))}
     assert result.num_trials == len(before) + 10
@@ -259,17 +260,17 @@ def test_a_study_name_of_another_problem_is_refused(tmp_path, closed_form):
     model = get_model("llama3-8b")
     sixteen = SearchSpace.build(model, 16, "H100", global_batch_sizes=[64])
     thirty_two = SearchSpace.build(model, 32, "H100", global_batch_sizes=[64])
-    optuna_search(closed_form, sixteen, Objective(), n_trials=10, storage=storage,
-                  study_name="job")
+    optuna_search(closed_form, sixteen, Objective(),
+                  SearchOptions(n_trials=10, storage=storage, study_name="job"))
     with pytest.raises(ConfigError, match=r"study_name.*world_size: 16 -> 32"):
-        optuna_search(closed_form, thirty_two, Objective(), n_trials=10, storage=storage,
-                      study_name="job")
+        optuna_search(closed_form, thirty_two, Objective(),
+                      SearchOptions(n_trials=10, storage=storage, study_name="job"))
     with pytest.raises(ConfigError, match=r"study_name.*min_feasible_prob"):
-        optuna_search(closed_form, sixteen, Objective(min_feasible_prob=0.9), n_trials=10,
-                      storage=storage, study_name="job")
+        optuna_search(closed_form, sixteen, Objective(min_feasible_prob=0.9),
+                      SearchOptions(n_trials=10, storage=storage, study_name="job"))
     # the same problem resumes (another seed joins, as a second worker would)
-    again, _ = optuna_search(closed_form, sixteen, Objective(), n_trials=12, seed=1,
-                             storage=storage, study_name="job")
+    again, _ = optuna_search(closed_form, sixteen, Objective(),
+                             SearchOptions(n_trials=12, seed=1, storage=storage, study_name="job"))
     assert again.num_trials == 12 and again.best.world_size == 16
 
 
@@ -280,14 +281,14 @@ def test_a_resumed_study_does_not_replay_its_draws(tmp_path, closed_form):
     kwargs = dict(seed=0, storage=storage, study_name="resumed", sampler="random",
                   refine_fraction=0.0, batch_size=4)
     objective = Objective(kind="goodput", b_noise=300)
-    optuna_search(closed_form, _space(), objective, n_trials=8, **kwargs)
-    _, study = optuna_search(closed_form, _space(), objective, n_trials=16, **kwargs)
+    optuna_search(closed_form, _space(), objective, SearchOptions(n_trials=8, **kwargs))
+    _, study = optuna_search(closed_form, _space(), objective, SearchOptions(n_trials=16, **kwargs))
     params = [t.params for t in study.trials]
     assert len(params) == 16
     assert sum(params[i] == params[i - 8] for i in range(8, 16)) <= 1
     # a fresh study with the same seed still reproduces the first session
-    _, fresh = optuna_search(closed_form, _space(), objective, n_trials=8,
-                             **{**kwargs, "study_name": "fresh"})
+    _, fresh = optuna_search(closed_form, _space(), objective,
+                             SearchOptions(n_trials=8, **{**kwargs, "study_name": "fresh"}))
     assert [t.params for t in fresh.trials] == params[:8]
 
 
@@ -299,14 +300,14 @@ def test_a_study_valued_by_another_predictor_is_refused(tmp_path, closed_form):
     objective = Objective(kind="goodput", b_noise=300)
     refitted = type(closed_form)()
     closed_form.fingerprint_, refitted.fingerprint_ = "a" * 64, "b" * 64
-    optuna_search(closed_form, _space(), objective, n_trials=6, storage=storage,
-                  study_name="s")
-    resumed, _ = optuna_search(closed_form, _space(), objective, n_trials=8, storage=storage,
-                               study_name="s")
+    optuna_search(closed_form, _space(), objective,
+                  SearchOptions(n_trials=6, storage=storage, study_name="s"))
+    resumed, _ = optuna_search(closed_form, _space(), objective,
+                               SearchOptions(n_trials=8, storage=storage, study_name="s"))
     assert resumed.num_trials == 8
     with pytest.raises(ConfigError, match="another predictor"):
-        optuna_search(refitted, _space(), objective, n_trials=10, storage=storage,
-                      study_name="s")
+        optuna_search(refitted, _space(), objective,
+                      SearchOptions(n_trials=10, storage=storage, study_name="s"))
 
 
 def test_the_printed_storage_of_a_search_hides_the_password(tmp_path):

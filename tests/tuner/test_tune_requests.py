@@ -121,3 +121,25 @@ def test_plan_is_a_library_function(closed_form, tmp_path):
     assert outcome.plan.total_time_s > 0 and outcome.written == tmp_path / "p" / "plan.json"
     assert outcome.written.is_file() and "README" in outcome.files
     assert list(outcome.space.global_batch_sizes) == [64, 128, 256, 512, 1024, 2048]
+
+
+def test_the_options_handed_on_are_option_objects():
+    """``tune`` hands verify its ``VerifyOptions`` and ``plan`` hands ``plan_phases`` its
+    ``ScheduleOptions``, each built once from the request."""
+    from paratune.tuner import ScheduleOptions, VerifyOptions
+    from paratune.tuner._verify_refit import VerifyRuns
+
+    given = VerifyOptions(out_dir="verify")
+    assert SearchOptions(verify_options=given).verify_options is given
+    built = SearchOptions(verify_options={"out_dir": "verify", "measured_steps": 2})
+    assert built.verify_options == VerifyOptions(out_dir="verify",
+                                                 runs=VerifyRuns(measured_steps=2))
+    for bad in ({"measured": 2}, ["out_dir"]):
+        with pytest.raises(ConfigError, match="verify_options"):
+            SearchOptions(verify_options=bad)
+    options = PlanOptions(law="kaplan2020", reconfig_cost_s=60, threshold=0.0, base_batch=256)
+    assert options.schedule_options() == ScheduleOptions(reconfig_cost_s=60, threshold=0.0,
+                                                         base_batch=256)
+    assert SearchOptions(refine_fraction=0.0, timeout_s=5).refine_fraction == 0.0
+    with pytest.raises(ConfigError, match="refine_fraction"):
+        SearchOptions(refine_fraction=1.5)
