@@ -130,7 +130,7 @@ def elementwise_s_per_microbatch(frame: pd.DataFrame | Columns) -> np.ndarray:
     :data:`ELEMENTWISE_SPLIT` plus :data:`ELEMENTWISE_REPLICATED` widths of bf16 values,
     the first split over the tensor-parallel group. Full recomputation repeats the forward's
     third. Next to the matrix products (``~72 h^2 / tp`` FLOPs per token and layer) this
-    costs ``~ (45/tp + 30) * 2 / (72 h) * peak / bandwidth`` of their time at peak: a third
+    costs ``~ (45 + 30 tp) * 2 / (72 h) * peak / bandwidth`` of their time at peak: a third
     for a 2,048-wide model on an H100, a few percent for a 25,600-wide one, which is why
     larger models reach a higher share of peak. Zero where the device's memory bandwidth is
     not catalogued (the CPU).
