@@ -15,7 +15,8 @@ from sklearn.base import BaseEstimator
 
 from paratune.models._base import _xgb_regressor
 
-__all__ = ["FamilyRouter", "StallRegimeEstimator", "StepTimeEstimator", "classifier_params"]
+__all__ = ["FamilyRouter", "FeasibilityEstimator", "MemoryEstimator", "StallRegimeEstimator",
+           "StepTimeEstimator", "classifier_params"]
 
 
 def classifier_params(params: dict[str, Any], labels: np.ndarray) -> dict[str, Any]:
@@ -26,6 +27,11 @@ def classifier_params(params: dict[str, Any], labels: np.ndarray) -> dict[str, A
     classifier gave every config the base rate."""
     rate = float(np.mean(labels))
     return {**params, "min_child_weight": params["min_child_weight"] * rate * (1.0 - rate)}
+
+
+def _select(X: np.ndarray, columns: list[int] | None) -> np.ndarray:
+    """The feature ``columns`` of ``X`` (``None``: all)."""
+    return X if columns is None else X[:, columns]
 
 
 def _quantile_alpha(quantiles: Any) -> np.ndarray:
@@ -56,12 +62,9 @@ class StepTimeEstimator(BaseEstimator):
         self.quantiles = quantiles
         self.columns = columns
 
-    def _select(self, X: np.ndarray) -> np.ndarray:
-        return X if self.columns is None else X[:, self.columns]
-
     def fit(self, X: np.ndarray, y: np.ndarray) -> StepTimeEstimator:
         """Fit the three boosters on the features ``X`` and log ratios ``y``."""
-        X = self._select(X)
+        X = _select(X, self.columns)
         params, aux = dict(self.params or {}), dict(self.aux_params or {})
         self.median_ = _xgb_regressor(params, objective="reg:absoluteerror").fit(X, y)
         residual = np.clip(y - self.median_.predict(X), -self.refine_clip, self.refine_clip)
@@ -74,7 +77,7 @@ class StepTimeEstimator(BaseEstimator):
 
     def predict(self, X: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The log ratio per row and its lower and upper quantiles (``(n, 2)``)."""
-        X = self._select(X)
+        X = _select(X, self.columns)
         ratio = self.median_.predict(X) + self.refine_.predict(X)
         q = np.asarray(self.quantile_.predict(X)).reshape(len(X), -1)
         return ratio, q[:, [0, -1]]
@@ -129,6 +132,60 @@ class StallRegimeEstimator(BaseEstimator):
         prob = self.classifier_.predict_proba(X)[:, 1]
         q = np.asarray(self.quantile_.predict(X)).reshape(len(X), -1)
         return prob, np.column_stack([self.median_.predict(X), q[:, 0], q[:, -1]])
+
+
+class MemoryEstimator(BaseEstimator):
+    """The log ratio of measured to analytical peak memory: one booster (absolute error) on
+    the feature ``columns``, held to the ``monotone`` directions.
+
+    Args:
+        params: The booster's parameters.
+        columns: The feature columns it learns from (``None``: all).
+        monotone: XGBoost monotone constraints over those columns (``None``: none).
+    """
+
+    def __init__(self, *, params: dict[str, Any] | None = None,
+                 columns: list[int] | None = None, monotone: str | None = None) -> None:
+        self.params = params
+        self.columns = columns
+        self.monotone = monotone
+
+    def fit(self, X: np.ndarray, y: np.ndarray) -> MemoryEstimator:
+        """Fit on the features ``X`` and log memory ratios ``y``."""
+        extra = {"monotone_constraints": self.monotone} if self.monotone else {}
+        self.booster_ = _xgb_regressor(dict(self.params or {}), objective="reg:absoluteerror",
+                                       **extra).fit(_select(X, self.columns), y)
+        return self
+
+    def predict(self, X: np.ndarray) -> np.ndarray:
+        """The log memory ratio per row."""
+        return self.booster_.predict(_select(X, self.columns))
+
+
+class FeasibilityEstimator(BaseEstimator):
+    """The probability that a configuration runs: a logistic booster on successful and
+    failed configurations.
+
+    Args:
+        params: The booster's parameters (``min_child_weight`` scaled by
+            :func:`classifier_params`).
+    """
+
+    def __init__(self, *, params: dict[str, Any] | None = None) -> None:
+        self.params = params
+
+    def fit(self, X: np.ndarray, labels: np.ndarray) -> FeasibilityEstimator:
+        """Fit on the matrix ``X`` and the labels (1: ran)."""
+        import xgboost as xgb
+
+        self.classifier_ = xgb.XGBClassifier(
+            tree_method="hist", objective="binary:logistic",
+            **classifier_params(dict(self.params or {}), labels)).fit(X, labels)
+        return self
+
+    def predict_proba(self, X: np.ndarray) -> np.ndarray:
+        """The probability per row that the configuration runs."""
+        return self.classifier_.predict_proba(X)[:, 1]
 
 
 class FamilyRouter(BaseEstimator):

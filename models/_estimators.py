@@ -31,7 +31,6 @@ from paratune.models._base import (
     _Base,
     _catalogue_names,
     _memory_rule,
-    _xgb_regressor,
     source_family,
     training_ranges,
 )
@@ -42,8 +41,9 @@ from paratune.models._baselines import (
 )
 from paratune.models._components import (
     FamilyRouter,
+    FeasibilityEstimator,
+    MemoryEstimator,
     StepTimeEstimator,
-    classifier_params,
 )
 from paratune.models._data import (
     canonical_order,
@@ -87,7 +87,7 @@ in :mod:`paratune.models._stall_regime`, what happens beyond the training data i
 importable from here as before."""
 
 _TRANSFER_COLUMNS = [F.FEATURE_NAMES.index(name) for name in F.TRANSFER_FEATURE_NAMES]
-_MEMORY_COLUMNS = np.asarray([F.FEATURE_NAMES.index(name) for name in F.MEMORY_FEATURE_NAMES])
+_MEMORY_COLUMNS = [F.FEATURE_NAMES.index(name) for name in F.MEMORY_FEATURE_NAMES]
 _MEMORY_MONOTONE = "({})".format(",".join(str(F.MEMORY_MONOTONE.get(name, 0))
                                           for name in F.MEMORY_FEATURE_NAMES))
 
@@ -322,30 +322,27 @@ class PerformanceModel(_Persistence, _StallRegime, _Ranges, _Base):
         self.memory_ = None
         if has_mem.sum() >= 10:
             y_mem = np.log(mem[has_mem] / analytical["memory_gb"][has_mem])
-            self.memory_ = _xgb_regressor(
-                self._booster_params(aux=True), objective="reg:absoluteerror",
-                monotone_constraints=_MEMORY_MONOTONE).fit(X[has_mem][:, _MEMORY_COLUMNS], y_mem)
+            self.memory_ = MemoryEstimator(
+                params=self._booster_params(aux=True), columns=_MEMORY_COLUMNS,
+                monotone=_MEMORY_MONOTONE).fit(X[has_mem], y_mem)
         return has_mem
 
     def _fit_feasibility(self, frame: pd.DataFrame, usable: np.ndarray) -> pd.DataFrame:
         """The feasibility classifier (where configurations both ran and failed); returns the
         per-configuration table it learned from."""
-        import xgboost as xgb
-
         table = feasibility_table(frame[usable].reset_index(drop=True))
         labels = table["feasible"].to_numpy()
         self.feasibility_ = None
         if len(np.unique(labels)) == 2:
             Xf = self._feasibility_matrix(table)
-            self.feasibility_ = xgb.XGBClassifier(
-                tree_method="hist", objective="binary:logistic",
-                **classifier_params(self._booster_params(aux=True), labels)).fit(Xf, labels)
+            self.feasibility_ = FeasibilityEstimator(
+                params=self._booster_params(aux=True)).fit(Xf, labels)
         return table
 
     def _memory_gb(self, X: np.ndarray, analytical: dict[str, Any]) -> np.ndarray:
         if self.memory_ is None:
             return analytical["memory_gb"]
-        return analytical["memory_gb"] * np.exp(self.memory_.predict(X[:, _MEMORY_COLUMNS]))
+        return analytical["memory_gb"] * np.exp(self.memory_.predict(X))
 
     def _feasibility_matrix(self, frame: pd.DataFrame) -> np.ndarray:
         c = F.Columns(frame)
@@ -407,8 +404,7 @@ class PerformanceModel(_Persistence, _StallRegime, _Ranges, _Base):
         if self.feasibility_ is not None:
             # the classifier learned from devices with a memory size; where none is
             # catalogued (the CPU) no memory limit is known, as without a classifier
-            learned = self.feasibility_.predict_proba(self._augment(X, memory,
-                                                                    capacity))[:, 1]
+            learned = self.feasibility_.predict_proba(self._augment(X, memory, capacity))
             return np.where(known, learned, 1.0)
         # no failed runs to learn from: the memory estimate alone; no memory limit is
         # known for uncatalogued device memory (the CPU)

@@ -23,7 +23,13 @@ from paratune.models._component_store import (
     read_bounded,
     save_components,
 )
-from paratune.models._components import FamilyRouter, StallRegimeEstimator, StepTimeEstimator
+from paratune.models._components import (
+    FamilyRouter,
+    FeasibilityEstimator,
+    MemoryEstimator,
+    StallRegimeEstimator,
+    StepTimeEstimator,
+)
 
 if TYPE_CHECKING:
     from paratune.models._estimators import PerformanceModel
@@ -52,9 +58,11 @@ _MANIFEST = "model.json"
 _LOCK_FILE = ".model.lock"
 _LOCK_WAIT_S = 60.0
 _KIND = "paratune.PerformanceModel"
-_NAMES = {"step_time.overall.median": "throughput"}
-"""Components that keep another name than their attribute path: the overall step-time
-model's median booster is ``throughput.json``, which readers of a saved model look for."""
+_NAMES = {"step_time.overall.median": "throughput", "memory.booster": "memory",
+          "feasibility.classifier": "feasibility"}
+"""Components that keep their names of the earlier format rather than their attribute
+paths, which readers of a saved model look for: ``throughput.json`` (the overall step-time
+model's median booster), ``memory.json`` and ``feasibility.json``."""
 _LEGACY_FILE = re.compile(  # the component files of schema 13 and before
     r"^(throughput|throughput_refine|throughput_quantiles|memory|feasibility|stall_classifier"
     r"|stall_time|stall_time_quantiles|transfer-.+|family-.+)\.json$")
@@ -210,7 +218,8 @@ class _Persistence:
                 "state": manifest["state"]}
         model = load_components(
             path, manifest, tree, manifest_name=_MANIFEST, max_bytes=_MAX_COMPONENT_BYTES,
-            kinds=(cls, FamilyRouter, StepTimeEstimator, StallRegimeEstimator))
+            kinds=(cls, FamilyRouter, StepTimeEstimator, StallRegimeEstimator, MemoryEstimator,
+                   FeasibilityEstimator))
         model.quantiles = tuple(model.quantiles)
         if manifest["training"]["fingerprint_sha256"] != model.fingerprint_:
             raise ValueError("'training' (its fingerprint is not the model's)")
