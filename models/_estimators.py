@@ -31,7 +31,6 @@ from paratune.models._base import (
     _Base,
     _catalogue_names,
     _memory_rule,
-    _xgb_regressor,
     source_family,
     training_ranges,
 )
@@ -39,6 +38,12 @@ from paratune.models._baselines import (
     AnalyticalBaseline,
     HistGradientBoostingBaseline,
     RawConfigBaseline,
+)
+from paratune.models._components import (
+    FamilyRouter,
+    FeasibilityEstimator,
+    MemoryEstimator,
+    StepTimeEstimator,
 )
 from paratune.models._data import (
     canonical_order,
@@ -81,8 +86,8 @@ in :mod:`paratune.models._stall_regime`, what happens beyond the training data i
 :mod:`paratune.models._ranges` and the baselines in :mod:`paratune.models._baselines`; they are
 importable from here as before."""
 
-_TRANSFER_COLUMNS = np.asarray([F.FEATURE_NAMES.index(name) for name in F.TRANSFER_FEATURE_NAMES])
-_MEMORY_COLUMNS = np.asarray([F.FEATURE_NAMES.index(name) for name in F.MEMORY_FEATURE_NAMES])
+_TRANSFER_COLUMNS = [F.FEATURE_NAMES.index(name) for name in F.TRANSFER_FEATURE_NAMES]
+_MEMORY_COLUMNS = [F.FEATURE_NAMES.index(name) for name in F.MEMORY_FEATURE_NAMES]
 _MEMORY_MONOTONE = "({})".format(",".join(str(F.MEMORY_MONOTONE.get(name, 0))
                                           for name in F.MEMORY_FEATURE_NAMES))
 
@@ -218,15 +223,41 @@ class PerformanceModel(_Persistence, _StallRegime, _Ranges, _Base):
                 "min_child_weight": self.min_child_weight, "n_jobs": self.n_jobs,
                 "random_state": self.random_state}
 
-    def _classifier_params(self, labels: np.ndarray) -> dict[str, Any]:
-        """A classifier's booster parameters: ``min_child_weight`` counts rows for the
-        regressors (each weighs 1), but a row weighs ``p (1 - p)`` to a logistic booster, so
-        here it is scaled by that weight at the labels' base rate. Unscaled, a few failed
-        runs among many that ran (a small campaign: 17 out-of-memory configs in 180) could
-        share no leaf, and the classifier gave every config the base rate."""
-        rate = float(np.mean(labels))
-        return {**self._booster_params(aux=True),
-                "min_child_weight": self.min_child_weight * rate * (1.0 - rate)}
+    # read-only views of the step-time router's parts, under their earlier names
+    @property
+    def throughput_(self) -> Any:
+        """The overall step-time model's median booster."""
+        return self.step_time_.overall_.median_
+
+    @property
+    def refine_(self) -> Any:
+        """The overall step-time model's refinement booster."""
+        return self.step_time_.overall_.refine_
+
+    @property
+    def quantile_(self) -> Any:
+        """The overall step-time model's quantile booster."""
+        return self.step_time_.overall_.quantile_
+
+    @property
+    def transfer_(self) -> tuple[Any, Any, Any]:
+        """The boosters of the overall step-time model for models not trained on."""
+        return self.step_time_.overall_transfer_.boosters
+
+    @property
+    def families_(self) -> dict[str, tuple[Any, Any, Any]]:
+        """The boosters of each family's step-time model."""
+        return {f: e.boosters for f, e in self.step_time_.families_.items()}
+
+    @property
+    def family_transfer_(self) -> dict[str, tuple[Any, Any, Any]]:
+        """The boosters of each family's step-time model for models it did not measure."""
+        return {f: e.boosters for f, e in self.step_time_.family_transfer_.items()}
+
+    @property
+    def hardware_family_(self) -> dict[str, str]:
+        """The one family each hardware was measured in, where only one."""
+        return self.step_time_.hardware_family_
 
     # ------------------------------------------------------------------ fit
     def fit(self, frame: pd.DataFrame) -> PerformanceModel:
@@ -256,12 +287,17 @@ class PerformanceModel(_Persistence, _StallRegime, _Ranges, _Base):
             raise DatasetError("no successful measurement with a step time on known hardware")
         y = np.log(step / analytical["step_time_s"])
         keys = F.model_keys(c)
-        self.seen_models_ = sorted(str(k) for k in np.unique(keys[timed]))
         families = source_family(frame)
         hardware = _catalogue_names(frame["hardware"])
         # the runs of the normal regime (the timed ones, less the stalled where it is learned)
         has_time = self._fit_stall_regime(c, X, step, timed, families, hardware)
-        self._fit_step_time(X, y, has_time, keys, families, hardware)
+        self.step_time_ = FamilyRouter(
+            estimator=StepTimeEstimator(params=self._booster_params(),
+                                        aux_params=self._booster_params(aux=True),
+                                        refine_clip=self.refine_clip, quantiles=self.quantiles),
+            transfer_columns=_TRANSFER_COLUMNS, min_family_rows=self.min_family_rows,
+        ).fit(X[has_time], y[has_time], keys=keys[has_time], families=families[has_time],
+              hardware=hardware[has_time], seen_models=np.unique(keys[timed]))
         has_mem = self._fit_memory(frame, X, analytical, usable)
         table = self._fit_feasibility(frame, usable)
         self.num_train_rows_ = len(frame)
@@ -277,36 +313,6 @@ class PerformanceModel(_Persistence, _StallRegime, _Ranges, _Base):
         self._fit_widening(frame, families, timed, step)
         return self
 
-    def _fit_step_time(self, X: np.ndarray, y: np.ndarray, has_time: np.ndarray,
-                       keys: np.ndarray, families: np.ndarray, hardware: np.ndarray) -> None:
-        """The step-time models: overall, for unseen models, and per measurement family."""
-        transfer = _TRANSFER_COLUMNS
-        self.throughput_, self.refine_, self.quantile_ = self._fit_time(X[has_time],
-                                                                        y[has_time])
-        self.transfer_ = self._fit_time(X[has_time][:, transfer], y[has_time])
-        # One step-time model per measurement family (framework and cluster of a source) with
-        # enough rows: a family's quirks (e.g. one framework's pathological pipeline runs)
-        # must not leak into another's extrapolation, which the analytical estimate carries.
-        self.families_ = {}
-        self.family_transfer_ = {}
-        # a family's model has seen the models measured in that family only: another
-        # family's shape goes to its transfer model, as an unseen model does
-        self.family_seen_ = {}
-        if len(np.unique(families[has_time])) > 1:
-            for family in np.unique(families[has_time]):
-                rows = has_time & (families == family)
-                if rows.sum() >= self.min_family_rows:
-                    self.families_[str(family)] = self._fit_time(X[rows], y[rows])
-                    self.family_seen_[str(family)] = sorted(
-                        str(k) for k in np.unique(keys[rows]))
-                    self.family_transfer_[str(family)] = self._fit_time(X[rows][:, transfer],
-                                                                        y[rows])
-        self.hardware_family_ = {}
-        for name in np.unique(hardware[has_time]):
-            seen = np.unique(families[has_time & (hardware == name)])
-            if len(seen) == 1 and str(seen[0]) in self.families_:
-                self.hardware_family_[str(name)] = str(seen[0])
-
     def _fit_memory(self, frame: pd.DataFrame, X: np.ndarray, analytical: dict[str, Any],
                     usable: np.ndarray) -> np.ndarray:
         """The peak-memory correction (with ten runs or more that report memory); returns
@@ -316,42 +322,27 @@ class PerformanceModel(_Persistence, _StallRegime, _Ranges, _Base):
         self.memory_ = None
         if has_mem.sum() >= 10:
             y_mem = np.log(mem[has_mem] / analytical["memory_gb"][has_mem])
-            self.memory_ = _xgb_regressor(
-                self._booster_params(aux=True), objective="reg:absoluteerror",
-                monotone_constraints=_MEMORY_MONOTONE).fit(X[has_mem][:, _MEMORY_COLUMNS], y_mem)
+            self.memory_ = MemoryEstimator(
+                params=self._booster_params(aux=True), columns=_MEMORY_COLUMNS,
+                monotone=_MEMORY_MONOTONE).fit(X[has_mem], y_mem)
         return has_mem
 
     def _fit_feasibility(self, frame: pd.DataFrame, usable: np.ndarray) -> pd.DataFrame:
         """The feasibility classifier (where configurations both ran and failed); returns the
         per-configuration table it learned from."""
-        import xgboost as xgb
-
         table = feasibility_table(frame[usable].reset_index(drop=True))
         labels = table["feasible"].to_numpy()
         self.feasibility_ = None
         if len(np.unique(labels)) == 2:
             Xf = self._feasibility_matrix(table)
-            self.feasibility_ = xgb.XGBClassifier(
-                tree_method="hist", objective="binary:logistic",
-                **self._classifier_params(labels)).fit(Xf, labels)
+            self.feasibility_ = FeasibilityEstimator(
+                params=self._booster_params(aux=True)).fit(Xf, labels)
         return table
-
-    def _fit_time(self, X: np.ndarray, y: np.ndarray) -> tuple[Any, Any, Any]:
-        """Median booster, clipped refinement and quantile booster of the log time ratio."""
-        median = _xgb_regressor(self._booster_params(),
-                                objective="reg:absoluteerror").fit(X, y)
-        residual = np.clip(y - median.predict(X), -self.refine_clip, self.refine_clip)
-        refine = _xgb_regressor(self._booster_params(rate=0.1), base_score=0.0,
-                                objective="reg:squarederror").fit(X, residual)
-        quantile = _xgb_regressor(self._booster_params(aux=True), objective="reg:quantileerror",
-                                  quantile_alpha=np.asarray(self.quantiles, dtype=float)
-                                  ).fit(X, y)
-        return median, refine, quantile
 
     def _memory_gb(self, X: np.ndarray, analytical: dict[str, Any]) -> np.ndarray:
         if self.memory_ is None:
             return analytical["memory_gb"]
-        return analytical["memory_gb"] * np.exp(self.memory_.predict(X[:, _MEMORY_COLUMNS]))
+        return analytical["memory_gb"] * np.exp(self.memory_.predict(X))
 
     def _feasibility_matrix(self, frame: pd.DataFrame) -> np.ndarray:
         c = F.Columns(frame)
@@ -371,17 +362,16 @@ class PerformanceModel(_Persistence, _StallRegime, _Ranges, _Base):
     # ------------------------------------------------------------------ predict
     def _predict_arrays(self, frame: pd.DataFrame, c: F.Columns, X: np.ndarray,
                         analytical: dict[str, Any]) -> dict[str, np.ndarray]:
-        import pandas as pd
-
         base = analytical["step_time_s"]
         # a model of one family, with none held free of stalls, goes by neither
-        origin = (self._origin(frame) if self.families_ or self.stall_free_families_
+        router = self.step_time_
+        origin = (self._origin(frame) if router.families_ or self.stall_free_families_
                   else (None, None))
         # configurations of a model in the training data (of any family, for the stalled
         # regime; of the row's family, for its family's step-time model)
         keys = F.model_keys(c)
-        seen = pd.Series(keys).isin(self.seen_models_).to_numpy()
-        ratio, bounds = self._time_ratio(X, keys, seen, self._route(len(X), *origin))
+        seen = router.seen(keys)
+        ratio, bounds = router.predict(X, keys, router.route(len(X), *origin), seen)
         step = base * np.exp(ratio)
         lo = base * np.exp(np.minimum(bounds[:, 0], ratio))
         # the learned lower bound knows no physics: no step on an accelerator is faster than
@@ -407,34 +397,6 @@ class PerformanceModel(_Persistence, _StallRegime, _Ranges, _Base):
                 "feasible": self._feasible(X, memory, c.memory_gb),
                 "distance": distance, "warning": warning}
 
-    def _time_ratio(self, X: np.ndarray, keys: np.ndarray, seen: np.ndarray,
-                    route: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The log ratio of step time to the analytical estimate and its quantile bounds,
-        each row by its family's model (or the overall one), seen or transfer."""
-        import pandas as pd
-
-        ratio = np.zeros(len(X))
-        bounds = np.zeros((len(X), 2))
-        for family in np.unique(route):
-            in_family = (seen if not family
-                         else pd.Series(keys).isin(self.family_seen_[family]).to_numpy())
-            for known in (True, False):
-                rows = (route == family) & (in_family == known)
-                if not rows.any():
-                    continue
-                if known:
-                    boosters = (self.families_[family] if family else
-                                (self.throughput_, self.refine_, self.quantile_))
-                    Xr = X[rows]
-                else:
-                    boosters = self.family_transfer_[family] if family else self.transfer_
-                    Xr = X[rows][:, _TRANSFER_COLUMNS]
-                median, refine, quantile = boosters
-                ratio[rows] = median.predict(Xr) + refine.predict(Xr)
-                q = np.asarray(quantile.predict(Xr)).reshape(int(rows.sum()), -1)
-                bounds[rows] = q[:, [0, -1]]
-        return ratio, bounds
-
     def _feasible(self, X: np.ndarray, memory: np.ndarray, capacity: np.ndarray
                   ) -> np.ndarray:
         """The probability that each configuration runs (fits in memory)."""
@@ -442,8 +404,7 @@ class PerformanceModel(_Persistence, _StallRegime, _Ranges, _Base):
         if self.feasibility_ is not None:
             # the classifier learned from devices with a memory size; where none is
             # catalogued (the CPU) no memory limit is known, as without a classifier
-            learned = self.feasibility_.predict_proba(self._augment(X, memory,
-                                                                    capacity))[:, 1]
+            learned = self.feasibility_.predict_proba(self._augment(X, memory, capacity))
             return np.where(known, learned, 1.0)
         # no failed runs to learn from: the memory estimate alone; no memory limit is
         # known for uncatalogued device memory (the CPU)

@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from paratune.models import features as F
-from paratune.models._base import _catalogue_names, _xgb_regressor, source_family
+from paratune.models._base import _catalogue_names, source_family
+from paratune.models._components import StallRegimeEstimator
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -20,55 +21,18 @@ _STALL_MONOTONE = "({})".format(",".join(str(F.STALL_MONOTONE.get(name, 0))
 
 
 class _StallRegime:
-    """Fitting and predicting the stalled regime, and routing rows to family models (a
-    mix-in of :class:`~paratune.models.PerformanceModel`)."""
-
-    def _fit_stall(self, X: np.ndarray, pipeline: np.ndarray, stalled: np.ndarray,
-                   per_micro: np.ndarray, *, monotone: str | None = None
-                   ) -> tuple[Any, Any, Any]:
-        """Classifier of stalling among pipeline runs (keeping the ``monotone`` directions
-        where given), then the median and quantile boosters of a stalled run's log time per
-        micro-batch."""
-        import xgboost as xgb
-
-        extra = {"monotone_constraints": monotone} if monotone else {}
-        classifier = xgb.XGBClassifier(tree_method="hist", objective="binary:logistic",
-                                       **self._classifier_params(stalled[pipeline]), **extra
-                                       ).fit(X[pipeline], stalled[pipeline])
-        median = _xgb_regressor(self._booster_params(aux=True), objective="reg:absoluteerror"
-                                ).fit(X[stalled], per_micro[stalled])
-        quantile = _xgb_regressor(self._booster_params(aux=True), objective="reg:quantileerror",
-                                  quantile_alpha=np.asarray(self.quantiles, dtype=float)
-                                  ).fit(X[stalled], per_micro[stalled])
-        return classifier, median, quantile
+    """Fitting and predicting the stalled regime (a mix-in of
+    :class:`~paratune.models.PerformanceModel`)."""
 
     @staticmethod
     def _origin(frame: pd.DataFrame) -> tuple[np.ndarray | None, np.ndarray | None]:
         """Each row's hardware (catalogue spelling) and source family (``""`` for a row
         without a source, which goes by its hardware), ``None`` where the frame has no such
-        column: what :meth:`_route` and :meth:`_stall_free` go by."""
+        column: what :meth:`FamilyRouter.route` and :meth:`_stall_free` go by."""
         hardware = _catalogue_names(frame["hardware"]) if "hardware" in frame.columns else None
         families = (source_family(frame, missing="") if "source" in frame.columns
                     else None)
         return hardware, families
-
-    def _route(self, n: int, hardware: np.ndarray | None, families: np.ndarray | None
-               ) -> np.ndarray:
-        """Family model per row (see :meth:`_origin`): its source's family, else the one
-        family its hardware was measured in; ``""`` (the model fitted on everything)
-        otherwise."""
-        import pandas as pd
-
-        out = np.full(n, "", dtype=object)
-        if not self.families_:
-            return out
-        if hardware is not None:
-            out = pd.Series(hardware, dtype=object).map(self.hardware_family_).fillna(
-                "").to_numpy(dtype=object)
-        if families is not None:
-            known = np.isin(families, list(self.families_))
-            out = np.where(known, families, out)
-        return out
 
     def _stall_free(self, n: int, hardware: np.ndarray | None, families: np.ndarray | None
                     ) -> np.ndarray:
@@ -101,11 +65,8 @@ class _StallRegime:
             rows = pipeline & (seen == known)
             if not rows.any():
                 continue
-            classifier, median, quantile = self.stall_ if known else self.stall_transfer_
-            Xr = X[rows] if known else X_stall[rows]
-            prob[rows] = classifier.predict_proba(Xr)[:, 1]
-            q = np.asarray(quantile.predict(Xr)).reshape(int(rows.sum()), -1)
-            per_micro[rows] = np.column_stack([median.predict(Xr), q[:, 0], q[:, -1]])
+            regime = self.stall_ if known else self.stall_transfer_
+            prob[rows], per_micro[rows] = regime.predict(X[rows] if known else X_stall[rows])
         times = F.num_microbatches(c)[:, None] * np.exp(per_micro)
         return prob, times[:, 0], times[:, 1], times[:, 2]
 
@@ -130,12 +91,14 @@ class _StallRegime:
         if (stalled.sum() >= self.min_stall_rows and (pipeline & ~stalled).any()
                 and (timed & ~stalled).any()):
             per_micro = np.log(step / F.num_microbatches(c))
-            self.stall_ = self._fit_stall(X, pipeline, stalled, per_micro)
+            params = self._booster_params(aux=True)
+            self.stall_ = StallRegimeEstimator(params=params, quantiles=self.quantiles).fit(
+                X, per_micro, pipeline=pipeline, stalled=stalled)
             # for a model not trained on, the regime's physics alone (compute per device
             # per step and per micro-batch, nodes): nothing that names a model size
-            self.stall_transfer_ = self._fit_stall(
-                F.stall_features(c), pipeline, stalled, per_micro,
-                monotone=_STALL_MONOTONE)
+            self.stall_transfer_ = StallRegimeEstimator(
+                params=params, quantiles=self.quantiles, monotone=_STALL_MONOTONE,
+            ).fit(F.stall_features(c), per_micro, pipeline=pipeline, stalled=stalled)
             has_time = timed & ~stalled
         self.num_stall_rows_ = int(stalled.sum()) if self.stall_ is not None else 0
         # Stalling is a property of how a framework runs its pipelines (of nanotron's in the
