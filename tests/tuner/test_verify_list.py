@@ -57,6 +57,23 @@ def test_risk_aware_ranking_puts_an_uncertain_config_below_a_sure_one():
         columns="pred_tokens_per_sec_per_gpu_q10"))["tp"]) == [1, 2]
 
 
+def test_after_the_risk_aware_choice_the_list_explores_by_the_expected_objective():
+    # tp1 is sure (q10 close), tp2 and tp4 unsure but expected faster
+    ranked = _ranked([(1, 1, 1, 100.0, True), (2, 1, 1, 130.0, True), (4, 1, 1, 120.0, True),
+                      (1, 1, 2, 95.0, True)])
+    assert list(ranked["objective"]) == [130, 120, 100, 95]
+    ranked["pred_tokens_per_sec_per_gpu_q10"] = [50.0 / 8, 60.0 / 8, 90.0 / 8, 85.0 / 8]
+    out = risk_aware_ranking(ranked)
+    assert list(out["tp"])[:1] == [1]  # the risk-aware choice: the sure layout
+    order = [(out["tp"].iloc[i], out["micro_batch_size"].iloc[i])
+             for i in verification_order(out)]
+    # then the layouts by what they are expected to deliver, not by their slow ends
+    assert order == [(1, 1), (2, 1), (4, 1), (1, 2)]
+    # ranked by the expected objective alone, the order is the plain diverse one
+    assert [(ranked["tp"].iloc[i], ranked["micro_batch_size"].iloc[i])
+            for i in verification_order(ranked)] == [(2, 1), (4, 1), (1, 1), (1, 2)]
+
+
 class _UnsureOfTensorParallelism:
     """The closed-form predictor with a 10th percentile: sure of tp=1 layouts (q10 = the
     prediction), unsure of the others (q10 a tenth of it), and fitted on 1-2 devices only."""
