@@ -4,10 +4,13 @@ stopped or were killed."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import signal
+import threading
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from paratune.parallel import ParallelConfig
@@ -24,6 +27,22 @@ _WAIT_FOR_OTHERS_S = 0.5
 _OVER_BUDGET_ATTR = "over_budget"
 
 
+@contextlib.contextmanager
+def _interrupts_held() -> Iterator[None]:
+    """SIGINT and SIGTERM wait until the block ends (main thread, where signal masks exist):
+    a trial the storage has created is recorded as in flight before an interrupt can stop
+    the worker, so the worker fails it as it exits rather than leaving it running."""
+    if (threading.current_thread() is not threading.main_thread()
+            or not hasattr(signal, "pthread_sigmask")):
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
 def _ask(study: optuna.Study, size: int, worker: str, inflight: dict[int, Any],
          n_trials: int) -> list[Any]:
     """Ask ``size`` trials, each recorded as this ``worker``'s (and its heartbeat started);
@@ -38,8 +57,9 @@ def _ask(study: optuna.Study, size: int, worker: str, inflight: dict[int, Any],
         # heartbeats are recorded here for ask-and-tell trials (see _Heartbeat)
         warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed")
         for _ in range(size):
-            trial = study.ask()
-            inflight[trial.number] = trial
+            with _interrupts_held():
+                trial = study.ask()
+                inflight[trial.number] = trial
             trial.set_user_attr("worker", worker)
             _record_heartbeat(study, trial)
             asked.append(trial)
