@@ -3,8 +3,8 @@
 Parameter counts are those of the released checkpoints (embeddings and output layer counted
 separately where they are not tied, as in the Llama 3 and 3.2 model cards). Hardware figures
 are vendor datasheet figures: dense bf16 peak FLOP/s, NVLink bandwidth per GPU and direction,
-and one network adapter per GPU between nodes (200 Gb/s HDR on A100 systems, 400 Gb/s
-NDR / ConnectX-7 on H100, H200 and B200 systems).
+the device memory's bandwidth, and one network adapter per GPU between nodes (200 Gb/s HDR
+on A100 systems, 400 Gb/s NDR / ConnectX-7 on H100, H200 and B200 systems).
 """
 
 from __future__ import annotations
@@ -48,6 +48,21 @@ def test_nvlink_bandwidth_per_gpu_and_direction(name, gb_per_s):
 ])
 def test_inter_node_bandwidth_is_one_adapter_per_gpu(name, gbit_per_s):
     assert get_hardware(name).inter_node_bw == pytest.approx(gbit_per_s / 8 * _GBPS, rel=1e-12)
+
+
+@pytest.mark.parametrize(("name", "gb_per_s"), [
+    ("A100-40GB", 1555), ("A100-80GB", 2039), ("H100-80GB", 3350), ("H200", 4800),
+    ("B200", 8000),
+])
+def test_device_memory_bandwidth_is_the_datasheet_figure(name, gb_per_s):
+    assert get_hardware(name).memory_bw == pytest.approx(gb_per_s * _GBPS, rel=1e-12)
+
+
+def test_the_cpu_has_no_memory_bandwidth_or_matmul_share_to_price_work_with():
+    cpu = get_hardware("cpu")
+    assert cpu.memory_bw is None and cpu.matmul_efficiency is None
+    assert all(0 < get_hardware(n).matmul_efficiency <= 1
+               for n in ("A100-40GB", "A100-80GB", "H100-80GB", "H200", "B200"))
 
 
 def test_aliases_resolve_to_the_same_entries():
