@@ -35,8 +35,8 @@ import numpy as np
 
 from paratune.models import features as F
 
-__all__ = ["CONSTANT_NAMES", "DEFAULT_CONSTANTS", "core_parts", "fit_constants",
-           "predict_core"]
+__all__ = ["CONSTANT_NAMES", "DEFAULT_CONSTANTS", "core_parts", "default_constants",
+           "fit_constants", "predict_core"]
 
 CONSTANT_NAMES = ("compute", "elementwise", "tp_intra", "tp_inter", "pp", "dp", "layer_pass_s",
                   "step_s")
@@ -69,6 +69,17 @@ def core_parts(c: F.Columns, analytical: dict[str, np.ndarray]) -> np.ndarray:
                             np.where(cross, tp, 0.0), pp,
                             analytical["dp_s"], slots * c.layers_per_stage,
                             np.ones(c.n)])
+
+
+def default_constants(c: F.Columns) -> np.ndarray:
+    """:data:`DEFAULT_CONSTANTS` per row, one row of constants per configuration: the
+    compute constant from each row's hardware
+    (:attr:`~paratune.HardwareSpec.matmul_efficiency`) where the catalogue has it."""
+    constants = np.tile([DEFAULT_CONSTANTS[k] for k in CONSTANT_NAMES], (c.n, 1))
+    efficiency = np.asarray(c.matmul_efficiency, dtype=float)
+    known = np.isfinite(efficiency) & (efficiency > 0)
+    constants[known, CONSTANT_NAMES.index("compute")] = 1.0 / efficiency[known]
+    return constants
 
 
 def predict_core(parts: np.ndarray, constants: np.ndarray) -> np.ndarray:

@@ -58,19 +58,10 @@ class _Ranges:
                    families: np.ndarray | None = None) -> np.ndarray:
         """The calibrated core's step time per row: its family's constants, the defaults of
         a well-tuned framework for a family without them."""
-        from paratune.models._calibration import (
-            CONSTANT_NAMES,
-            DEFAULT_CONSTANTS,
-            core_parts,
-            predict_core,
-        )
+        from paratune.models._calibration import core_parts, default_constants, predict_core
 
         families = self._families(frame) if families is None else families
-        constants = np.tile([DEFAULT_CONSTANTS[k] for k in CONSTANT_NAMES], (c.n, 1))
-        # a well-tuned framework's matrix products at its hardware's sustained share of peak
-        efficiency = np.asarray(c.matmul_efficiency, dtype=float)
-        known = np.isfinite(efficiency) & (efficiency > 0)
-        constants[known, CONSTANT_NAMES.index("compute")] = 1.0 / efficiency[known]
+        constants = default_constants(c)
         for family, values in self.core_constants_.items():
             constants[families == family] = values
         return predict_core(core_parts(c, analytical), constants)
