@@ -26,8 +26,6 @@ import argparse
 import sys
 from pathlib import Path
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _public import REPO, public_data_dir
 
@@ -35,29 +33,19 @@ from paratune.tracking import add_no_track_argument
 
 
 def score(predictions) -> list[dict]:
-    """Per source of ``predictions`` (measurement rows with the model's columns): rows,
-    median APE and MAPE of tokens/s per device (percent), median predicted / measured
-    throughput and q10-q90 coverage (percent)."""
-    from paratune.models import measured_step_time
+    """Per source of ``predictions`` (measurement rows with the model's columns), the
+    figures of :func:`paratune.models.metrics`: rows, median APE and MAPE of tokens/s per
+    device (percent), median predicted / measured throughput and q10-q90 coverage
+    (percent)."""
+    from paratune.models import metrics
 
-    step = measured_step_time(predictions)
-    tokens = (predictions["global_batch_size"].to_numpy(float)
-              * predictions["seq_len"].to_numpy(float))
-    world = predictions["world_size"].to_numpy(float)
-    measured = tokens / (step * world)
-    predicted = predictions["pred_tokens_per_sec_per_gpu"].to_numpy(float)
-    q10 = predictions["pred_tokens_per_sec_per_gpu_q10"].to_numpy(float)
-    q90 = predictions["pred_tokens_per_sec_per_gpu_q90"].to_numpy(float)
     out = []
     for source in sorted(predictions["source"].astype(str).unique()):
-        rows = (predictions["source"].astype(str) == source).to_numpy() & np.isfinite(measured)
-        ratio = predicted[rows] / measured[rows]
-        ape = np.abs(ratio - 1.0)
-        inside = (measured[rows] >= q10[rows]) & (measured[rows] <= q90[rows])
-        out.append({"source": source, "rows": int(rows.sum()),
-                    "mdape": 100 * float(np.median(ape)), "mape": 100 * float(np.mean(ape)),
-                    "ratio_median": float(np.median(ratio)),
-                    "coverage": 100 * float(np.mean(inside))})
+        rows = predictions[predictions["source"].astype(str) == source]
+        m = metrics(rows, rows)
+        out.append({"source": source, "rows": int(m["n"]), "mdape": 100 * m["mdape"],
+                    "mape": 100 * m["mape"], "ratio_median": m["ratio_median"],
+                    "coverage": 100 * m["coverage"]})
     return out
 
 
