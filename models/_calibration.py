@@ -12,7 +12,13 @@ per-micro-batch synchronisation of a pipeline). The core is
 with ``slots`` the micro-batches plus the pipeline's fill and drain, ``elementwise_mb`` the
 memory-bound work at the device memory's bandwidth
 (:func:`~paratune.models.features.elementwise_s_per_microbatch`), ``a_tp`` one constant for
-tensor-parallel groups inside a node and another for groups across nodes. The constants are
+tensor-parallel groups inside a node and another for groups across nodes. Groups across
+nodes reduce hierarchically, as NCCL does with a network card per device
+(:func:`~paratune.models.features.group_seconds_per_byte`): the analytical estimate the
+learned correction multiplies prices every byte of them at the inter-node bandwidth, 6-8x
+the hierarchical time for a group over two 8-device nodes, which is what made a family
+measured in one node predict its tensor-parallel groups across nodes several times too
+slow. The constants are
 fitted per family on the log step time with a soft-L1 loss (robust to the pathological runs
 public sweeps hold), within physical bounds (no faster than the peak). Because they multiply
 the physics, a larger model or cluster moves the prediction the way the physics does.
@@ -64,10 +70,13 @@ def core_parts(c: F.Columns, analytical: dict[str, np.ndarray]) -> np.ndarray:
         tp = analytical["tp_s"] / n_micro * slots
         pp = analytical["pp_s"] / n_micro * slots
     cross = F.tp_crosses_nodes(c) > 0
+    # groups across nodes reduce hierarchically, not at the inter-node bandwidth for every
+    # byte as the analytical estimate has it (see group_seconds_per_byte)
+    tp = np.where(cross, F.hierarchical_tp_s_per_microbatch(c) * slots, tp)
     elementwise = F.elementwise_s_per_microbatch(c) * slots
     return np.column_stack([compute, elementwise, np.where(cross, 0.0, tp),
                             np.where(cross, tp, 0.0), pp,
-                            analytical["dp_s"], slots * c.layers_per_stage,
+                            F.hierarchical_dp_s(c), slots * c.layers_per_stage,
                             np.ones(c.n)])
 
 

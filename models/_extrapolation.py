@@ -27,8 +27,10 @@ if TYPE_CHECKING:
 __all__ = ["AXES", "COVERAGE_STEPS", "MAX_COVERAGE_LEVEL", "axis_values", "calibrate_widening",
            "covering_margins", "distance", "fit_ranges", "nested_folds"]
 
-AXES = ("model_params", "world_size", "tokens_per_step")
-"""The scale axes a distance is measured along."""
+AXES = ("model_params", "world_size", "tokens_per_step", "tp_nodes")
+"""The scale axes a distance is measured along: parameters, devices, tokens per step and
+the nodes a tensor-parallel group spans (a family measured in one node has never seen its
+products wait on the network: a group across two is a doubling beyond it)."""
 MAX_MARGIN_PER_DOUBLING = 1.5
 """The widening's bound: at most this much log margin per doubling of distance (a factor of
 4.5 per doubling) or, for an unmeasured family, this much in all."""
@@ -45,11 +47,14 @@ def axis_values(frame: pd.DataFrame, c: Any = None) -> dict[str, np.ndarray]:
     """Each row's value on every axis of :data:`AXES` (``c``: the frame's
     :class:`~paratune.models.features.Columns` where already built)."""
     from paratune.models._splits import model_params
-    from paratune.models.features import Columns
+    from paratune.models.features import Columns, tp_crosses_nodes
 
     c = Columns(frame) if c is None else c
+    with np.errstate(divide="ignore", invalid="ignore"):
+        spanned = np.maximum(np.ceil(c.tp / c.per_node), 2.0)
+    tp_nodes = np.where(tp_crosses_nodes(c) > 0, spanned, 1.0)
     return {"model_params": model_params(frame, c), "world_size": c.world,
-            "tokens_per_step": c.global_batch * c.seq}
+            "tokens_per_step": c.global_batch * c.seq, "tp_nodes": tp_nodes}
 
 
 def fit_ranges(values: dict[str, np.ndarray], families: np.ndarray, rows: np.ndarray

@@ -107,6 +107,54 @@ def pp_crosses_nodes(frame: pd.DataFrame | Columns) -> np.ndarray:
     return np.where(c.pp > 1, crossing / boundaries, 0.0)
 
 
+def group_seconds_per_byte(c: Columns, size: np.ndarray, members_per_node: np.ndarray,
+                           crosses: np.ndarray) -> np.ndarray:
+    """Seconds per byte of a ring collective's traffic (the ``2 (n-1)/n`` of the tensor each
+    member moves) in a group of ``size`` ranks with ``members_per_node`` of them in each
+    node it spans, ``crosses`` where it spans more than one.
+
+    Inside a node every byte goes over the intra-node link. Across nodes the group reduces
+    hierarchically, as NCCL does with one network card per device: inside each node at the
+    intra-node bandwidth, then across the ``m = size / k`` nodes with each of the node's
+    ``k`` members' cards carrying ``1/k`` of the tensor:
+    ``(k-1)/k / intra + (m-1)/m / (k inter)`` per byte of the whole tensor. With one member
+    per node (``k = 1``) that is the plain ring at the inter-node bandwidth.
+    """
+    size = np.asarray(size, dtype=float)
+    k = np.maximum(np.asarray(members_per_node, dtype=float), 1.0)
+    m = np.maximum(size / k, 1.0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ring = 2.0 * (size - 1.0) / size
+        hierarchical = (2.0 * (k - 1.0) / k / c.intra_bw
+                        + 2.0 * (m - 1.0) / m / (k * c.inter_bw)) / ring
+    return np.where(crosses, hierarchical, 1.0 / c.intra_bw)
+
+
+def hierarchical_tp_s_per_microbatch(frame: pd.DataFrame | Columns) -> np.ndarray:
+    """Seconds of a stage's tensor-parallel collectives per micro-batch with groups across
+    nodes reduced hierarchically (:func:`group_seconds_per_byte`; a group that straddles a
+    node boundary without filling nodes, ``tp=6`` on 8-device nodes, at the inter-node
+    bandwidth). The analytical estimate prices every byte of a group across nodes at the
+    inter-node bandwidth instead, which the public sweeps' learned correction is fitted to."""
+    c = _cols(frame)
+    whole = np.mod(c.tp, np.maximum(c.per_node, 1.0)) == 0
+    members = np.where(whole, c.per_node, 1.0)
+    return tp_bytes_per_microbatch(c) * group_seconds_per_byte(c, c.tp, members,
+                                                               tp_crosses_nodes(c) > 0)
+
+
+def hierarchical_dp_s(frame: pd.DataFrame | Columns) -> np.ndarray:
+    """Seconds of the data-parallel reduction per step as :func:`analytical_step_time` counts
+    it (bytes, latency, DDP's overlap with the last backward), with groups across nodes
+    reduced hierarchically: a group's ranks are ``tp`` apart, so ``per_node / tp`` of them
+    share each node where ``tp`` divides the node size."""
+    c = _cols(frame)
+    fits = (c.tp < c.per_node) & (np.mod(c.per_node, c.tp) == 0)
+    members = np.where(fits, c.per_node / c.tp, 1.0)
+    per_byte = group_seconds_per_byte(c, c.dp, members, dp_crosses_nodes(c) > 0)
+    return _dp_seconds(c, dp_reduction_bytes(c) * per_byte)
+
+
 def tp_bytes_per_microbatch(frame: pd.DataFrame | Columns) -> np.ndarray:
     """Bytes each device moves in tensor-parallel collectives for one micro-batch on a stage.
 
@@ -225,6 +273,36 @@ def dp_reduction_bytes(frame: pd.DataFrame | Columns) -> np.ndarray:
 
 
 # ---------------------------------------------------------------------------------- time
+def _compute_s_per_microbatch(c: Columns) -> np.ndarray:
+    """The fullest stage's FLOPs per micro-batch at the device's peak."""
+    # Full recomputation repeats the blocks' forward only (ModelSpec.flops_per_token with
+    # recompute=True); the factor here also scales the output projection. Counting it exactly
+    # was measured (evaluate_predictor.py, holdout_regret.py): better vTrain and 256-GPU
+    # figures, worse top-1 regret (holdout mean 6.3 -> 10.6%) and 8B hold-out, so the learned
+    # correction keeps this baseline.
+    per_token = 3.0 * _forward_flops_per_token(c, c.layers_per_stage, lm_head=1.0)
+    per_token = per_token * _recompute_factor(c)
+    return per_token * c.micro * c.seq / c.tp / c.peak_flops
+
+
+def _dp_seconds(c: Columns, transfer_s: np.ndarray, compute_mb: np.ndarray | None = None
+                ) -> np.ndarray:
+    """The data-parallel reduction's seconds per step from its transfer time: plus
+    :func:`dp_latency_s`, less what DDP hides behind the backward.
+
+    DDP (no sharding) all-reduces each bucket as the backward produces it: the last
+    micro-batch's backward (two thirds of its compute) hides that much of the reduction, all
+    but a tenth at most (the last bucket). ZeRO-1 gathers the updated parameters after the
+    optimizer step, which nothing hides. Hiding it for every sharding had made the public
+    sweep's rankings worse; for DDP alone it makes them better (in distribution and beyond
+    the fitted cluster sizes, where ZeRO-1 runs slower than its no-sharding twin).
+    """
+    compute_mb = _compute_s_per_microbatch(c) if compute_mb is None else compute_mb
+    dp_s = transfer_s + dp_latency_s(c)
+    hidden = np.where(c.sharding == 0, 2.0 / 3.0 * compute_mb, 0.0)
+    return np.maximum(dp_s - hidden, 0.1 * dp_s)
+
+
 def analytical_step_time(frame: pd.DataFrame | Columns) -> dict[str, np.ndarray]:
     """The analytical step time and its parts, in seconds.
 
@@ -235,17 +313,7 @@ def analytical_step_time(frame: pd.DataFrame | Columns) -> dict[str, np.ndarray]
         sum).
     """
     c = _cols(frame)
-    stage_layers = c.layers_per_stage
-    last_has_head = 1.0
-    # Full recomputation repeats the blocks' forward only (ModelSpec.flops_per_token with
-    # recompute=True); the factor here also scales the output projection. Counting it exactly
-    # was measured (evaluate_predictor.py, holdout_regret.py): better vTrain and 256-GPU
-    # figures, worse top-1 regret (holdout mean 6.3 -> 10.6%) and 8B hold-out, so the learned
-    # correction keeps this baseline.
-    per_token = 3.0 * _forward_flops_per_token(c, stage_layers, lm_head=last_has_head)
-    per_token = per_token * _recompute_factor(c)
-    tokens = c.micro * c.seq
-    compute_mb = per_token * tokens / c.tp / c.peak_flops
+    compute_mb = _compute_s_per_microbatch(c)
     tp_bw = np.where(tp_crosses_nodes(c) > 0, c.inter_bw, c.intra_bw)
     tp_mb = tp_bytes_per_microbatch(c) / tp_bw
     pp_bw = np.where(pp_crosses_nodes(c) > 0, c.inter_bw, c.intra_bw)
@@ -254,15 +322,7 @@ def analytical_step_time(frame: pd.DataFrame | Columns) -> dict[str, np.ndarray]
     warmup = _warmup_slots(c)
     per_mb = compute_mb + tp_mb + pp_mb
     dp_bw = np.where(dp_crosses_nodes(c) > 0, c.inter_bw, c.intra_bw)
-    dp_s = dp_reduction_bytes(c) / dp_bw + dp_latency_s(c)
-    # DDP (no sharding) all-reduces each bucket as the backward produces it: the last
-    # micro-batch's backward (two thirds of its compute) hides that much of the reduction,
-    # all but a tenth at most (the last bucket). ZeRO-1 gathers the updated parameters after
-    # the optimizer step, which nothing hides. Hiding it for every sharding had made the
-    # public sweep's rankings worse; for DDP alone it makes them better (in distribution and
-    # beyond the fitted cluster sizes, where ZeRO-1 runs slower than its no-sharding twin).
-    hidden = np.where(c.sharding == 0, 2.0 / 3.0 * compute_mb, 0.0)
-    dp_s = np.maximum(dp_s - hidden, 0.1 * dp_s)
+    dp_s = _dp_seconds(c, dp_reduction_bytes(c) / dp_bw, compute_mb)
     out = {
         "compute_s": compute_mb * n_micro,
         "tp_s": tp_mb * n_micro,

@@ -33,6 +33,26 @@ def test_distance_counts_doublings_beyond_each_range(synthetic):
     assert unknown.all()
 
 
+def test_a_tensor_parallel_group_across_nodes_is_a_doubling_for_a_one_node_family():
+    from paratune import ModelSpec, ParallelConfig, get_hardware
+    from paratune.models import features as F
+
+    spec = ModelSpec(name="t", num_layers=8, hidden_size=1024, num_heads=8,
+                     ffn_hidden_size=4096, vocab_size=32768, seq_len=2048)
+    rows = [F.config_row(spec, ParallelConfig(tp=tp, dp=dp, global_batch_size=64),
+                         get_hardware("A100"))
+            for tp, dp in ((8, 1), (8, 2), (16, 1), (32, 1))]
+    frame = pd.concat(rows, ignore_index=True)
+    values = axis_values(frame)
+    np.testing.assert_array_equal(values["tp_nodes"], [1, 1, 2, 4])
+    families = np.asarray(["one-node"] * len(frame), dtype=object)
+    ranges = fit_ranges(values, families, np.array([True, False, False, False]))
+    per_axis, _ = distance(values, families, ranges)
+    np.testing.assert_allclose(per_axis["tp_nodes"], [0, 0, 1, 2])
+    # tp=8 on 16 devices keeps its group in a node: beyond the cluster size only
+    np.testing.assert_allclose(per_axis["world_size"], [0, 1, 1, 2])
+
+
 def test_nested_folds_stay_inside_the_training_rows(synthetic):
     values = axis_values(synthetic)
     families = np.asarray(["synthetic"] * len(synthetic), dtype=object)
@@ -152,8 +172,8 @@ def test_predict_cli_counts_the_rows_that_extrapolate(small_cluster_model, synth
     assert main(["predict", str(tmp_path / "in.csv"), "--model", str(model_dir),
                  "--out", str(tmp_path / "out.csv")]) == 0
     out = capsys.readouterr().out
-    assert re.search(r"warning: 2 rows: beyond the fitted model, cluster and batch sizes by N "
-                     r"doublings: interval widened", out), out
+    assert re.search(r"warning: 2 rows: beyond the fitted model, cluster, batch and "
+                     r"tensor-parallel sizes by N doublings: interval widened", out), out
     written = pd.read_csv(tmp_path / "out.csv", keep_default_na=False)
     assert (written[PRED_WARNING] != "").sum() == 2
 

@@ -69,6 +69,41 @@ def test_tp_bytes_per_microbatch_and_node_crossing():
     assert F.tp_crosses_nodes(row(tp=16))[0] == 1
 
 
+def test_groups_across_nodes_reduce_hierarchically():
+    # H100 nodes of 8: 450 GB/s inside, 50 GB/s per device across. Inside a node every byte
+    # of the ring's traffic goes at 450 GB/s.
+    intra, inter = 450e9, 50e9
+    inside = row(tp=8)
+    assert F.hierarchical_tp_s_per_microbatch(inside)[0] == pytest.approx(
+        F.tp_bytes_per_microbatch(inside)[0] / intra)
+    # tp=16 over two whole nodes: 2*7/8 of the tensor inside each node, then 2*1/2 of it
+    # across, each of the node's 8 cards carrying an eighth; the ring's traffic is 2*15/16
+    wide = row(tp=16)
+    tensor = F.tp_bytes_per_microbatch(wide)[0] / (2 * 15 / 16)
+    expected = tensor * (2 * 7 / 8 / intra + 2 * 1 / 2 / (8 * inter))
+    assert F.hierarchical_tp_s_per_microbatch(wide)[0] == pytest.approx(expected)
+    # 6x less than every byte at the inter-node bandwidth, as the analytical estimate has it
+    flat = F.tp_bytes_per_microbatch(wide)[0] / inter
+    assert 5 < flat / expected < 7
+    # data parallelism of 16 with tp=1 spans two nodes with 8 members in each: the same
+    # shape; with tp=8 one member per node, which is the plain ring across nodes
+    per_byte = F.group_seconds_per_byte(F.Columns(wide), np.array([16.0]), np.array([8.0]),
+                                        np.array([True]))[0]
+    assert per_byte == pytest.approx(expected / F.tp_bytes_per_microbatch(wide)[0])
+    assert F.group_seconds_per_byte(F.Columns(wide), np.array([4.0]), np.array([1.0]),
+                                    np.array([True]))[0] == pytest.approx(1 / inter)
+
+
+def test_hierarchical_reduction_keeps_the_overlap_of_the_analytical_one():
+    # inside a node both count the same bytes at the same bandwidth, latency and overlap
+    frame = pd.concat([row(dp=8, micro_batch_size=1), row(dp=4, tp=2, sharding="zero1")],
+                      ignore_index=True)
+    assert np.allclose(F.hierarchical_dp_s(frame), F.analytical_step_time(frame)["dp_s"])
+    # across nodes with 8 members per node the hierarchical reduction is the cheaper one
+    wide = row(dp=32, micro_batch_size=1, global_batch_size=64, sharding="zero1")
+    assert F.hierarchical_dp_s(wide)[0] < 0.5 * F.analytical_step_time(wide)["dp_s"][0]
+
+
 def test_pp_p2p_bytes_and_node_crossing():
     assert F.pp_p2p_bytes_per_microbatch(row(pp=2, micro_batch_size=2))[0] == pytest.approx(
         2 * 2 * 2048 * 1024 * 2)

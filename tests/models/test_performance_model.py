@@ -238,8 +238,12 @@ def test_a_family_is_named_fit_for_files_and_rows_without_a_source_go_by_hardwar
     X, _ = F.compute_features(shape)
     transfer = X[:, [F.FEATURE_NAMES.index(n) for n in F.TRANSFER_FEATURE_NAMES]]
     median, refine, _ = back.family_transfer_["synthetic"]
-    np.testing.assert_allclose((pred["pred_step_time_s"] / pred["analytical_step_time_s"]),
-                               np.exp(median.predict(transfer) + refine.predict(transfer)),
+    # where the shape lies inside the family's fitted sizes (beyond them the prediction
+    # moves toward the calibrated core)
+    inside = (pred["pred_extrapolation_doublings"] == 0).to_numpy()
+    assert inside.sum() > len(inside) / 2
+    np.testing.assert_allclose((pred["pred_step_time_s"] / pred["analytical_step_time_s"])[inside],
+                               np.exp(median.predict(transfer) + refine.predict(transfer))[inside],
                                rtol=1e-5)
 
 
@@ -254,7 +258,11 @@ def test_a_model_not_in_the_training_data_uses_the_transfer_features(fitted, syn
     X, _ = F.compute_features(bigger)
     transfer = X[:, [F.FEATURE_NAMES.index(n) for n in F.TRANSFER_FEATURE_NAMES]]
     median, refine, _ = fitted.transfer_
-    np.testing.assert_allclose(ratio, np.exp(median.predict(transfer) + refine.predict(transfer)),
+    # inside the fitted sizes (beyond them the prediction moves toward the calibrated core)
+    inside = (pred["pred_extrapolation_doublings"] == 0).to_numpy()
+    assert inside.sum() > len(inside) / 2
+    np.testing.assert_allclose(ratio[inside], np.exp(median.predict(transfer)
+                                                     + refine.predict(transfer))[inside],
                                rtol=1e-5)
     assert not set(F.MODEL_SIZE_FEATURES) & set(F.TRANSFER_FEATURE_NAMES)
     # a trained-on architecture under another name is a seen model: all features
