@@ -11,8 +11,10 @@ per-micro-batch synchronisation of a pipeline). The core is
 
 with ``slots`` the micro-batches plus the pipeline's fill and drain, ``elementwise_mb`` the
 memory-bound work at the device memory's bandwidth
-(:func:`~paratune.models.features.elementwise_s_per_microbatch`), ``a_tp`` one constant for
-tensor-parallel groups inside a node and another for groups across nodes. Groups across
+(:func:`~paratune.models.features.elementwise_s_per_microbatch`), and ``a_tp``, ``a_pp``
+and ``a_dp`` each one constant for its collective inside a node and another across nodes
+(a family measured in one node keeps the default for the links it never used, rather than
+carrying its intra-node fit to the network). Groups across
 nodes reduce hierarchically, as NCCL does with a network card per device
 (:func:`~paratune.models.features.group_seconds_per_byte`): the analytical estimate the
 learned correction multiplies prices every byte of them at the inter-node bandwidth, 6-8x
@@ -44,18 +46,19 @@ from paratune.models import features as F
 __all__ = ["CONSTANT_NAMES", "DEFAULT_CONSTANTS", "core_parts", "default_constants",
            "fit_constants", "predict_core"]
 
-CONSTANT_NAMES = ("compute", "elementwise", "tp_intra", "tp_inter", "pp", "dp", "layer_pass_s",
-                  "step_s")
+CONSTANT_NAMES = ("compute", "elementwise", "tp_intra", "tp_inter", "pp_intra", "pp_inter",
+                  "dp_intra", "dp_inter", "layer_pass_s", "step_s")
 """The efficiency constants: time multipliers of compute, the element-wise work and each
-transfer (1 = at peak), the seconds per layer pass and per step."""
+transfer (1 = at peak; each collective's inside a node apart from its across nodes), the
+seconds per layer pass and per step."""
 DEFAULT_CONSTANTS = {"compute": 1 / 0.8, "elementwise": 1.0, "tp_intra": 1.25,
-                     "tp_inter": 1.25, "pp": 1.25, "dp": 1.25, "layer_pass_s": 1e-4,
-                     "step_s": 1e-3}
+                     "tp_inter": 1.25, "pp_intra": 1.25, "pp_inter": 1.25, "dp_intra": 1.25,
+                     "dp_inter": 1.25, "layer_pass_s": 1e-4, "step_s": 1e-3}
 """A well-tuned framework's constants, for a family without measurements."""
 _FIT_START = {**DEFAULT_CONSTANTS, "compute": 1 / 0.55}
 """Where the fit of a measured family's constants starts (55% of peak in compute)."""
-_LOWER = np.log([1.0, 0.5, 0.5, 0.5, 0.5, 0.3, 1e-7, 1e-5])
-_UPPER = np.log([10.0, 50.0, 50.0, 200.0, 50.0, 50.0, 0.1, 10.0])
+_LOWER = np.log([1.0, 0.5, 0.5, 0.5, 0.5, 0.5, 0.3, 0.3, 1e-7, 1e-5])
+_UPPER = np.log([10.0, 50.0, 50.0, 200.0, 50.0, 50.0, 50.0, 50.0, 0.1, 10.0])
 MIN_ROWS = 20
 """Timed rows a family needs for its own constants (else the defaults)."""
 
@@ -74,10 +77,14 @@ def core_parts(c: F.Columns, analytical: dict[str, np.ndarray]) -> np.ndarray:
     # byte as the analytical estimate has it (see group_seconds_per_byte)
     tp = np.where(cross, F.hierarchical_tp_s_per_microbatch(c) * slots, tp)
     elementwise = F.elementwise_s_per_microbatch(c) * slots
-    return np.column_stack([compute, elementwise, np.where(cross, 0.0, tp),
-                            np.where(cross, tp, 0.0), pp,
-                            F.hierarchical_dp_s(c), slots * c.layers_per_stage,
-                            np.ones(c.n)])
+    pp_cross = F.pp_crosses_nodes(c) > 0
+    dp, dp_cross = F.hierarchical_dp_s(c), F.dp_crosses_nodes(c) > 0
+
+    def split(part: np.ndarray, across: np.ndarray) -> list[np.ndarray]:
+        return [np.where(across, 0.0, part), np.where(across, part, 0.0)]
+
+    return np.column_stack([compute, elementwise, *split(tp, cross), *split(pp, pp_cross),
+                            *split(dp, dp_cross), slots * c.layers_per_stage, np.ones(c.n)])
 
 
 def default_constants(c: F.Columns) -> np.ndarray:

@@ -146,7 +146,7 @@ def test_core_constants_are_recovered_and_move_with_the_physics(synthetic):
     c = F.Columns(synthetic)
     parts = core_parts(c, F.analytical_step_time(c))
     # a measured family's constants leave the element-wise part out (its constant is 0)
-    truth = np.asarray([1.8, 0.0, 1.3, 2.5, 1.2, 1.5, 2e-4, 5e-3])
+    truth = np.asarray([1.8, 0.0, 1.3, 2.5, 1.2, 1.6, 1.5, 1.7, 2e-4, 5e-3])
     rng = np.random.default_rng(0)
     step = predict_core(parts, truth) * rng.lognormal(0, 0.01, len(parts))
     small = (synthetic["model_name"] == "llama3.2-1b").to_numpy()
@@ -158,6 +158,36 @@ def test_core_constants_are_recovered_and_move_with_the_physics(synthetic):
     large = (synthetic["model_name"] == "llama3-8b").to_numpy()
     ape = np.abs(predict_core(parts[large], fitted) / step[large] - 1)
     assert np.median(ape) < 0.1
+
+
+def test_a_link_never_measured_keeps_the_default_constant():
+    from paratune import ModelSpec, ParallelConfig, get_hardware
+    from paratune.models import features as F
+    from paratune.models._calibration import (
+        CONSTANT_NAMES,
+        DEFAULT_CONSTANTS,
+        core_parts,
+        fit_constants,
+        predict_core,
+    )
+
+    # one node's campaign: every collective inside the node
+    spec = ModelSpec(name="t", num_layers=8, hidden_size=1024, num_heads=8,
+                     ffn_hidden_size=4096, vocab_size=32768, seq_len=2048)
+    layouts = [(tp, pp, 8 // (tp * pp), mb) for tp in (1, 2, 4, 8) for pp in (1, 2, 4)
+               for mb in (1, 2, 4) if tp * pp <= 8]
+    frame = pd.concat([F.config_row(spec, ParallelConfig(tp=tp, pp=pp, dp=dp,
+                                                         micro_batch_size=mb,
+                                                         global_batch_size=64),
+                                    get_hardware("A100")) for tp, pp, dp, mb in layouts],
+                      ignore_index=True)
+    c = F.Columns(frame)
+    parts = core_parts(c, F.analytical_step_time(c))
+    truth = np.asarray([1.5, 0.0, 1.4, 9.0, 0.6, 9.0, 0.4, 9.0, 1e-3, 5e-3])
+    fitted = fit_constants(parts, predict_core(parts, truth))
+    for name in ("tp_inter", "pp_inter", "dp_inter"):
+        assert fitted[CONSTANT_NAMES.index(name)] == pytest.approx(DEFAULT_CONSTANTS[name])
+    assert fitted[CONSTANT_NAMES.index("compute")] == pytest.approx(1.5, rel=0.05)
 
 
 def test_predict_cli_counts_the_rows_that_extrapolate(small_cluster_model, synthetic, tmp_path,
