@@ -119,12 +119,15 @@ class PerformanceModel(_Persistence, _StallRegime, _Ranges, _Base):
       regime's physics (:func:`~paratune.models.features.stall_features`: compute per device
       per step and per micro-batch, nodes) for the others, the classifier never rising with
       the compute, so a larger model's layouts with seconds of compute per device are not
-      given the small models' stalls. Where the normal regime's step already takes longer
-      than the learned stalled one, the fixed cost hides behind the compute and the
-      probability is 0. Stalling belongs to how a framework runs its pipelines: a
-      measurement family with at least ``min_stall_rows`` pipeline runs, none of them
-      stalled, keeps a stall probability of 0 (``stall_free_families_``, by a row's source,
-      else by its hardware) also on layouts it was not measured on;
+      given the small models' stalls, and beyond the fitted model sizes falling by e per
+      doubling of parameters (like the learned step-time correction, the regime does not
+      dominate where it has no data; the interval's slow end still holds it). Where the
+      normal regime's step already takes longer than the learned stalled one, the fixed
+      cost hides behind the compute and the probability is 0. Stalling belongs to how a
+      framework runs its pipelines: a measurement family with at least ``min_stall_rows``
+      pipeline runs, none of them stalled, keeps a stall probability of 0
+      (``stall_free_families_``, by a row's source, else by its hardware) also on layouts
+      it was not measured on;
     * peak memory: ``analytical * exp(m(x))`` where memory was measured, ``m`` on the
       features of :data:`~paratune.models.features.MEMORY_FEATURE_NAMES` and held to the
       directions of :data:`~paratune.models.features.MEMORY_MONOTONE` (a larger micro-batch

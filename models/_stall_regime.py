@@ -16,6 +16,10 @@ if TYPE_CHECKING:
 
 __all__: list[str] = []
 
+STALL_DECAY_PER_DOUBLING = 1.0
+"""How fast the stall probability of a model larger than any fitted falls toward the
+calibrated core's (which knows no stall), per doubling of parameters beyond them."""
+
 _STALL_MONOTONE = "({})".format(",".join(str(F.STALL_MONOTONE.get(name, 0))
                                            for name in F.STALL_FEATURE_NAMES))
 
@@ -129,6 +133,10 @@ class _StallRegime:
         # already takes longer than the learned stalled one, that cost hides behind the
         # compute and the regime vanishes
         prob = np.where(stall <= step, 0.0, prob)
+        # the regime is learned like the step time's correction, and like it does not
+        # dominate where it has no data: for a model larger than any fitted the
+        # probability decays by e per doubling of parameters beyond them
+        prob = prob * np.exp(-STALL_DECAY_PER_DOUBLING * where[1]["model_params"])
         # a stalled run is by definition slower than the stall thresholds, and no faster
         # than the same configuration not stalling: for a model larger than any trained
         # on, the learned cost per micro-batch alone can fall below its normal step

@@ -107,3 +107,27 @@ def test_deep_pipelines_of_a_model_ten_times_the_sweeps_are_not_called_stalled(p
     assert (F.step_time_at_mfu(deep) > 1.5).all() and len(deep) >= 20
     prob = model.predict(deep)["pred_stall_prob"].to_numpy()
     assert np.median(prob) < 0.3 and np.mean(prob > 0.5) < 0.2, np.round(prob, 2).tolist()
+
+
+def test_a_larger_models_stall_probability_decays_with_its_distance(make_synthetic,
+                                                                      monkeypatch):
+    """The stalled regime is a learned correction like the step time's: beyond the fitted
+    model sizes its probability falls by e per doubling, inside them it is untouched."""
+    from paratune.models import _stall_regime
+
+    train = make_synthetic(stalls=True)
+    model = PerformanceModel(n_estimators=60, aux_estimators=30, n_jobs=1).fit(train)
+    deep = _deep_pipelines(micro=1, global_batch=8)  # a 70B model: beyond the fitted 8B
+    seen = train[(train["status"] == "ok") & (train["pp"] > 1)].head(20)
+    pred, pred_seen = model.predict(deep), model.predict(seen)
+    monkeypatch.setattr(_stall_regime, "STALL_DECAY_PER_DOUBLING", 0.0)
+    flat, flat_seen = model.predict(deep), model.predict(seen)
+    doublings = pred["pred_extrapolation_doublings"].to_numpy()
+    assert (doublings > 2).all() and (flat["pred_stall_prob"] > 0).all()
+    # the model-size axis is all of these rows' distance (same cluster, batch and nodes)
+    np.testing.assert_allclose(pred["pred_stall_prob"],
+                               flat["pred_stall_prob"] * np.exp(-doublings), rtol=1e-6)
+    np.testing.assert_allclose(pred_seen["pred_stall_prob"], flat_seen["pred_stall_prob"])
+    # the expected throughput follows: less of the stalled regime weighed in
+    assert (pred["pred_tokens_per_sec_per_gpu_expected"]
+            > flat["pred_tokens_per_sec_per_gpu_expected"]).all()
