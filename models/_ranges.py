@@ -190,15 +190,16 @@ class _Ranges:
         Returns:
             The step times, the doublings beyond the training ranges and a warning per row.
         """
-        from paratune.models._extrapolation import _distinct, blend_factor
+        from paratune.models._extrapolation import LINK_AXIS, _distinct, blend_factor
 
         step, lo, hi, expected = times.step, times.lo, times.hi, times.expected
         families, per_axis, unknown = where
         dist = sum(per_axis.values())
+        link = per_axis[LINK_AXIS]
         entries = [self.interval_widening_.get(str(f), self.interval_widening_[""])
                    for f in _distinct(families)]
-        if any(e.get("shrink_per_doubling", 0.0) or e.get("core_weight_family", 0.0)
-               for e in entries):
+        if (link > 0).any() or any(e.get("shrink_per_doubling", 0.0)
+                                   or e.get("core_weight_family", 0.0) for e in entries):
             rate, weight = np.zeros(len(step)), np.zeros(len(step))
             for family in _distinct(families):
                 entry = self.interval_widening_.get(str(family), self.interval_widening_[""])
@@ -206,9 +207,12 @@ class _Ranges:
                 weight[families == family] = entry.get("core_weight_family", 0.0)
             # the point in the stalled regime is the stall's time, not the core's business
             core = self._core_step(frame, c, analytical, families)
-            shrink = blend_factor(step, core, dist, unknown,
-                                  ~(prob > 0.5), rate=rate, family_weight=weight)
-            step, lo, hi, expected = step * shrink, lo * shrink, hi * shrink, expected * shrink
+            shrink = blend_factor(step, core, dist - link, unknown,
+                                  ~(prob > 0.5), rate=rate, family_weight=weight, link=link)
+            # the interval spans both the learned prediction and the one moved toward the
+            # core: where they disagree, the data has not said which is right
+            lo, hi = np.minimum(lo * shrink, lo), np.maximum(hi * shrink, hi)
+            step, expected = step * shrink, expected * shrink
         keys = [f"{side}_{axis}" for side in ("hi", "lo") for axis in per_axis]
         margins = {key: np.zeros(len(step)) for key in (*keys, "hi_family", "lo_family")}
         for family in _distinct(families):

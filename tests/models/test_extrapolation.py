@@ -255,3 +255,48 @@ def test_beyond_the_fitted_clusters_the_fast_end_lets_the_reduction_hide(small_c
     hidden = pred["pred_step_time_s"].to_numpy() * (1.0 - share)
     floor = F.step_time_at_mfu(far)
     assert (fast_end <= np.maximum(hidden, floor) * (1 + 1e-6)).all()
+
+
+def test_a_link_never_measured_moves_half_way_to_the_core_per_doubling():
+    from paratune.models._extrapolation import blend_factor
+
+    step, core = np.array([4.0, 4.0, 4.0]), np.array([1.0, 1.0, 1.0])
+    link = np.array([0.0, 1.0, 2.0])
+    # the family's own rate is 0 (its nested splits chose no shrinkage): only the link moves
+    factor = blend_factor(step, core, np.zeros(3), np.zeros(3, dtype=bool),
+                          np.ones(3, dtype=bool), rate=0.0, family_weight=0.0, link=link)
+    np.testing.assert_allclose(step * factor, [4.0, 2.0, 4.0 ** 0.25])
+    # a point in the stalled regime is not the core's business
+    held = blend_factor(step, core, np.zeros(3), np.zeros(3, dtype=bool),
+                        np.zeros(3, dtype=bool), rate=0.0, family_weight=0.0, link=link)
+    np.testing.assert_allclose(held, 1.0)
+
+
+def test_tensor_parallelism_across_nodes_moves_toward_the_core_and_widens(synthetic,
+                                                                          monkeypatch):
+    from paratune.models import _extrapolation
+    from paratune.models import features as F
+
+    one_node = synthetic[synthetic["world_size"] <= 8]
+    model = PerformanceModel(**SMALL).fit(one_node)
+    ok = synthetic[(synthetic["status"] == "ok") & (synthetic["world_size"] == 16)
+                   & (synthetic["pp"] == 1)]
+    across = ok.assign(tp=16, dp=1, micro_batch_size=1).drop_duplicates(
+        subset=["model_name", "global_batch_size"]).head(6)
+    assert (F.tp_crosses_nodes(across) == 1).all() and len(across) >= 2
+    pred = model.predict(across)
+    assert (pred[PRED_EXTRAPOLATION] >= 1).all()
+    c = F.Columns(across)
+    core = model._core_step(across, c, F.analytical_step_time(c))
+    monkeypatch.setattr(_extrapolation, "LINK_SHRINK_PER_DOUBLING", 0.0)
+    learned = model.predict(across)["pred_step_time_s"].to_numpy()
+    step = pred["pred_step_time_s"].to_numpy()
+    # strictly closer to the core than without the link's own rate, never past it
+    assert (np.abs(np.log(step / core)) < np.abs(np.log(learned / core))).all()
+    assert ((step - learned) * (core - learned) >= 0).all()
+    # and the interval holds the learned prediction as well as the moved one
+    tokens = (across["global_batch_size"] * across["seq_len"] / across["world_size"]).to_numpy()
+    q10 = pred["pred_tokens_per_sec_per_gpu_q10"].to_numpy()
+    q90 = pred["pred_tokens_per_sec_per_gpu_q90"].to_numpy()
+    for t in (tokens / step, tokens / learned):
+        assert ((q10 <= t * (1 + 1e-9)) & (t <= q90 * (1 + 1e-9))).all()
