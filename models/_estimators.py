@@ -374,7 +374,10 @@ class PerformanceModel(_Persistence, _StallRegime, _Ranges, _Base):
         # regime; of the row's family, for its family's step-time model)
         keys = F.model_keys(c)
         seen = router.seen(keys)
-        ratio, bounds = router.predict(X, keys, router.route(len(X), *origin), seen)
+        # each row's family and doublings beyond the training ranges, once
+        where = self._distance(frame, c)
+        ratio, bounds = router.predict(X, keys, router.route(len(X), *origin), seen,
+                                       unmeasured=where[2])
         step = base * np.exp(ratio)
         lo = base * np.exp(np.minimum(bounds[:, 0], ratio))
         # the learned lower bound knows no physics: no step on an accelerator is faster than
@@ -383,8 +386,6 @@ class PerformanceModel(_Persistence, _StallRegime, _Ranges, _Base):
                         step)
         hi = base * np.exp(np.maximum(bounds[:, -1], ratio))
         expected = step
-        # each row's family and doublings beyond the training ranges, once
-        where = self._distance(frame, c)
         # without a learned stalled regime the model cannot tell its probability: NaN, as
         # from predictors that do not model it (not 0, which would claim it never stalls)
         prob = np.full(len(X), np.nan)

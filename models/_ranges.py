@@ -174,8 +174,10 @@ class _Ranges:
         families = (source_family(frame, missing="") if "source" in frame.columns
                     else np.full(len(frame), "", dtype=object))
         if "hardware" in frame.columns and (families == "").any():
-            by_hardware = pd.Series(_catalogue_names(frame["hardware"]), dtype=object).map(
-                self.hardware_family_).fillna("").to_numpy(dtype=object)
+            # an empty mapping maps to float NaN, which newer pandas will not fill with ""
+            mapped = pd.Series(_catalogue_names(frame["hardware"]), dtype=object).map(
+                self.hardware_family_).astype(object)
+            by_hardware = mapped.where(mapped.notna(), "").to_numpy(dtype=object)
             families = np.where(families == "", by_hardware, families)
         return families
 

@@ -104,6 +104,36 @@ def test_a_family_without_measurements_is_flagged(small_cluster_model, synthetic
     assert np.isfinite(pred["pred_step_time_s"]).all()
 
 
+def test_a_family_without_measurements_goes_to_the_coarser_cross_family_model(synthetic,
+                                                                              tmp_path):
+    from paratune.models import features as F
+
+    # without the nested fits, nothing moves the point toward the core inside the ranges
+    model = PerformanceModel(**SMALL, nested_intervals=False).fit(synthetic)
+    router = model.step_time_
+    trees = router.overall_transfer_.median_.get_params()["n_estimators"]
+    assert router.cross_family_.median_.get_params()["n_estimators"] == round(trees / 2)
+    ok = synthetic[synthetic["status"] == "ok"]
+    other = ok.assign(source="othersim_runs")
+    X, analytical = F.compute_features(F.Columns(other))
+    base = analytical["step_time_s"]
+    pred = model.predict(other)["pred_step_time_s"].to_numpy()
+    # what the analytical estimate is multiplied by: the cross-family model's, not the
+    # transfer model's of a measured family (the two differ on these rows)
+    cross, _ = router.cross_family_.predict(X)
+    transfer, _ = router.overall_transfer_.predict(X)
+    assert np.abs(cross - transfer).max() > 1e-3
+    distance = model.predict(other)[PRED_EXTRAPOLATION].to_numpy()
+    inside = distance == 0
+    assert inside.any()
+    np.testing.assert_allclose(pred[inside], (base * np.exp(cross))[inside], rtol=1e-5)
+    # the measured family's rows keep their own models, and a saved model keeps all three
+    mine = model.predict(ok)["pred_step_time_s"].to_numpy()
+    loaded = load_model(model.save(tmp_path / "m"))
+    np.testing.assert_allclose(loaded.predict(other)["pred_step_time_s"], pred, rtol=1e-6)
+    np.testing.assert_allclose(loaded.predict(ok)["pred_step_time_s"], mine, rtol=1e-6)
+
+
 def test_few_shot_calibration_moves_a_family_toward_its_rows(synthetic, tmp_path):
     model = PerformanceModel(**SMALL).fit(synthetic)
     # another framework on the same hardware, 1.6x slower on every configuration
