@@ -48,6 +48,16 @@ OUTPUT_COLUMNS = (*PREDICTION_COLUMNS, PRED_TOKENS_Q10, PRED_TOKENS_Q90, PRED_TO
                   PRED_ERROR)
 
 
+def _family_by_hardware(hardware: Any, hardware_family: dict[str, str]) -> np.ndarray:
+    """Each hardware name's one measured family (``hardware_family``), ``""`` for the others
+    (an object array; a plain ``fillna("")`` would fill the float column an empty mapping
+    gives, which newer pandas refuses)."""
+    import pandas as pd
+
+    mapped = pd.Series(hardware, dtype=object).map(hardware_family).astype(object)
+    return mapped.where(mapped.notna(), "").to_numpy(dtype=object)
+
+
 def _catalogue_names(names: Any) -> np.ndarray:
     """Hardware names in their catalogue spelling (``h100`` -> ``H100-80GB``); names the
     catalogue does not know are kept as they are."""

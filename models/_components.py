@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 from sklearn.base import BaseEstimator
 
-from paratune.models._base import _xgb_regressor
+from paratune.models._base import _family_by_hardware, _xgb_regressor
 
 __all__ = ["FamilyRouter", "FeasibilityEstimator", "MemoryEstimator", "StallRegimeEstimator",
            "StepTimeEstimator", "classifier_params"]
@@ -220,28 +220,31 @@ class FamilyRouter(BaseEstimator):
         self.min_family_rows = min_family_rows
         self.cross_family_trees = cross_family_trees
 
+    def _transfer(self, trees: float = 1.0) -> StepTimeEstimator:
+        """An unfitted transfer twin of the estimator, with ``trees`` of its trees."""
+        from sklearn.base import clone
+
+        transfer = clone(self.estimator).set_params(columns=self.transfer_columns)
+        if trees != 1.0:
+            params = dict(transfer.params or {})
+            params["n_estimators"] = max(round(params.get("n_estimators", 100) * trees), 1)
+            transfer.set_params(params=params)
+        return transfer
+
     def _fit_pair(self, X: np.ndarray, y: np.ndarray) -> tuple[StepTimeEstimator, ...]:
         from sklearn.base import clone
 
-        full = clone(self.estimator).fit(X, y)
-        transfer = clone(self.estimator).set_params(columns=self.transfer_columns).fit(X, y)
-        return full, transfer
+        return clone(self.estimator).fit(X, y), self._transfer().fit(X, y)
 
     def fit(self, X: np.ndarray, y: np.ndarray, *, keys: np.ndarray, families: np.ndarray,
             hardware: np.ndarray, seen_models: Any = None) -> FamilyRouter:
         """Fit on the rows' features ``X`` and log ratios ``y``, given each row's model key,
         measurement family and hardware (catalogue spelling); ``seen_models``: the model
         keys the overall model counts as trained on (``None``: those of ``keys``)."""
-        from sklearn.base import clone
-
         seen_models = np.unique(keys) if seen_models is None else seen_models
         self.seen_models_ = sorted(str(k) for k in seen_models)
         self.overall_, self.overall_transfer_ = self._fit_pair(X, y)
-        cross = clone(self.estimator).set_params(columns=self.transfer_columns)
-        params = dict(cross.params or {})
-        params["n_estimators"] = max(
-            round(params.get("n_estimators", 100) * self.cross_family_trees), 1)
-        self.cross_family_ = cross.set_params(params=params).fit(X, y)
+        self.cross_family_ = self._transfer(self.cross_family_trees).fit(X, y)
         # One step-time model per measurement family (framework and cluster of a source) with
         # enough rows: a family's quirks (e.g. one framework's pathological pipeline runs)
         # must not leak into another's extrapolation, which the analytical estimate carries.
@@ -278,14 +281,11 @@ class FamilyRouter(BaseEstimator):
         """Family model per row: its source's family (``families``, ``""`` where a row has
         none), else the one family its hardware was measured in; ``""`` (the overall
         model) otherwise; ``None``: the frame has no such column."""
-        import pandas as pd
-
         out = np.full(n, "", dtype=object)
         if not self.families_:
             return out
         if hardware is not None:
-            mapped = pd.Series(hardware, dtype=object).map(self.hardware_family_).astype(object)
-            out = mapped.where(mapped.notna(), "").to_numpy(dtype=object)
+            out = _family_by_hardware(hardware, self.hardware_family_)
         if families is not None:
             known = np.isin(families, list(self.families_))
             out = np.where(known, families, out)

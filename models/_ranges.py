@@ -12,7 +12,12 @@ import numpy as np
 
 from paratune.errors import DatasetError
 from paratune.models import features as F
-from paratune.models._base import PRED_STALL_PROB, _catalogue_names, source_family
+from paratune.models._base import (
+    PRED_STALL_PROB,
+    _catalogue_names,
+    _family_by_hardware,
+    source_family,
+)
 from paratune.models._data import measured_step_time
 from paratune.models._feature_columns import _lookup
 
@@ -169,15 +174,11 @@ class _Ranges:
         """Each row's family as the step-time models route it: by its source, else the one
         family its hardware was measured in, else ``""`` (no family: the overall ranges and
         the default core constants)."""
-        import pandas as pd
-
         families = (source_family(frame, missing="") if "source" in frame.columns
                     else np.full(len(frame), "", dtype=object))
         if "hardware" in frame.columns and (families == "").any():
-            # an empty mapping maps to float NaN, which newer pandas will not fill with ""
-            mapped = pd.Series(_catalogue_names(frame["hardware"]), dtype=object).map(
-                self.hardware_family_).astype(object)
-            by_hardware = mapped.where(mapped.notna(), "").to_numpy(dtype=object)
+            by_hardware = _family_by_hardware(_catalogue_names(frame["hardware"]),
+                                              self.hardware_family_)
             families = np.where(families == "", by_hardware, families)
         return families
 

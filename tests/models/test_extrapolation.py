@@ -117,14 +117,14 @@ def test_a_family_without_measurements_goes_to_the_coarser_cross_family_model(sy
     other = ok.assign(source="othersim_runs")
     X, analytical = F.compute_features(F.Columns(other))
     base = analytical["step_time_s"]
-    pred = model.predict(other)["pred_step_time_s"].to_numpy()
+    predicted = model.predict(other)
+    pred = predicted["pred_step_time_s"].to_numpy()
     # what the analytical estimate is multiplied by: the cross-family model's, not the
     # transfer model's of a measured family (the two differ on these rows)
     cross, _ = router.cross_family_.predict(X)
     transfer, _ = router.overall_transfer_.predict(X)
     assert np.abs(cross - transfer).max() > 1e-3
-    distance = model.predict(other)[PRED_EXTRAPOLATION].to_numpy()
-    inside = distance == 0
+    inside = predicted[PRED_EXTRAPOLATION].to_numpy() == 0
     assert inside.any()
     np.testing.assert_allclose(pred[inside], (base * np.exp(cross))[inside], rtol=1e-5)
     # the measured family's rows keep their own models, and a saved model keeps all three
