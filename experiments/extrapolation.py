@@ -97,9 +97,11 @@ def main() -> None:
     if shots:
         from paratune.table import format_table
 
-        shot_table = format_table(shots, ["family", "rows", "mdape", "mape", "ratio_median"],
+        shot_table = format_table(shots, ["family", "rows", "mdape", "mape", "ratio_median",
+                                          "coverage"],
                                   headers={"rows": "own rows", "mdape": "MdAPE%",
-                                           "mape": "MAPE%", "ratio_median": "pred/meas"},
+                                           "mape": "MAPE%", "ratio_median": "pred/meas",
+                                           "coverage": "q10-q90 cover%"},
                                   floatfmt=".3g", title="Few-shot calibration: a family "
                                   "fitted without, then calibrated on n of its one-node runs")
         print()
@@ -139,7 +141,7 @@ def main() -> None:
                             "estimators": list(chosen), "n_estimators": args.n_estimators})
             for row in shots:
                 run.log_metrics({f"few_shot.{row['family']}.rows{row['rows']}.{k}": row[k]
-                                 for k in ("mdape", "mape", "ratio_median")})
+                                 for k in ("mdape", "mape", "ratio_median", "coverage")})
             for row in rows:
                 prefix = re.sub(r"[^A-Za-z0-9_.\-/]+", "_",
                                 f"{row['split']}.{row['estimator']}.{row['held_out']}")
@@ -191,8 +193,9 @@ def top1_choices(predictions) -> list[dict]:
 
 def few_shot(frame, factory, *, seeds: int, counts=(0, 1, 2, 5, 10, 20)) -> list[dict]:
     """Per family: fitted without it, then calibrated on n of its runs on its smallest
-    cluster; median APE, MAPE (in percent) and median predicted / measured throughput of the
-    family's other runs, averaged over ``seeds`` draws of the n runs."""
+    cluster; median APE, MAPE (in percent), median predicted / measured throughput and the
+    share (in percent) inside the predicted q10-q90 of the family's other runs, averaged over
+    ``seeds`` draws of the n runs."""
     import numpy as np
 
     from paratune.models import measured_step_time, source_family
@@ -222,13 +225,21 @@ def few_shot(frame, factory, *, seeds: int, counts=(0, 1, 2, 5, 10, 20)) -> list
                 rest = own & timed
                 rest[picked] = False
                 part = frame[rest]
-                pred = model.predict(part)["pred_step_time_s"].to_numpy(float)
+                predicted = model.predict(part)
+                pred = predicted["pred_step_time_s"].to_numpy(float)
                 ratio = step[rest] / pred  # predicted / measured throughput
                 ape = np.abs(ratio - 1.0)
-                figures.append((np.median(ape), np.mean(ape), np.median(ratio)))
-            mdape, mape, ratio = np.mean(figures, axis=0)
+                # the measured throughput, on the scale of the predicted one and its interval
+                measured = predicted["pred_tokens_per_sec_per_gpu"].to_numpy(float) / ratio
+                lo, hi = (predicted[f"pred_tokens_per_sec_per_gpu_{q}"].to_numpy(float)
+                          for q in ("q10", "q90"))
+                inside = (measured >= np.fmin(lo, hi)) & (measured <= np.fmax(lo, hi))
+                figures.append((np.median(ape), np.mean(ape), np.median(ratio),
+                                np.mean(inside)))
+            mdape, mape, ratio, coverage = np.mean(figures, axis=0)
             out.append({"family": str(family), "rows": n, "mdape": 100 * mdape,
-                        "mape": 100 * mape, "ratio_median": ratio})
+                        "mape": 100 * mape, "ratio_median": ratio,
+                        "coverage": 100 * coverage})
     return out
 
 

@@ -164,6 +164,48 @@ def test_few_shot_calibration_moves_a_family_toward_its_rows(synthetic, tmp_path
         model.calibrate(synthetic[synthetic["status"] != "ok"])
 
 
+def test_few_shot_runs_of_an_unmeasured_family_fit_its_efficiency_and_cost_per_pass(
+        synthetic, tmp_path):
+    from paratune.models import features as F
+    from paratune.models._calibration import few_shot_parts
+
+    model = PerformanceModel(**SMALL).fit(synthetic)
+    ok = synthetic[synthetic["status"] == "ok"]
+    # another framework: 1.7x the analytical step time plus 2 ms per layer pass, a shape a
+    # single factor on the measured family's prediction cannot follow
+    other = ok.assign(source="launchbound_runs")
+    c = F.Columns(other)
+    parts = few_shot_parts(c, F.compute_features(c)[1])
+    other["step_time_s"] = parts @ [1.7, 2e-3]
+    shots, rest = other.iloc[:6], other.iloc[6:]
+
+    def mdape(m):
+        pred = m.predict(rest)["pred_step_time_s"].to_numpy()
+        return float(np.median(np.abs(pred / rest["step_time_s"].to_numpy() - 1)))
+
+    model.calibrate(shots.iloc[:2])  # too few runs for two constants: a factor
+    assert "efficiency" not in model.family_offsets_["launchbound"]
+    by_factor = mdape(model)
+    model.calibrate(shots)
+    entry = model.family_offsets_["launchbound"]
+    assert entry["efficiency"] == pytest.approx(1.7, rel=0.05)
+    assert entry["layer_pass_s"] == pytest.approx(2e-3, rel=0.1)
+    assert mdape(model) < 0.02 < by_factor
+    # inside the runs' ranges the interval is their spread; beyond them it widens
+    pred = model.predict(rest)
+    width = (pred["pred_tokens_per_sec_per_gpu_q90"] / pred["pred_tokens_per_sec_per_gpu_q10"])
+    beyond = pred[PRED_EXTRAPOLATION].to_numpy() > 0
+    assert beyond.any() and (~beyond).any()
+    assert width[beyond].min() > width[~beyond].max()
+    # a measured family keeps the factor, and a saved model keeps the two constants
+    from paratune.models import source_family
+
+    model.calibrate(ok.iloc[:6])
+    assert "efficiency" not in model.family_offsets_[source_family(ok.iloc[:1])[0]]
+    loaded = load_model(model.save(tmp_path / "m"))
+    pd.testing.assert_frame_equal(loaded.predict(rest), model.predict(rest))
+
+
 def test_core_constants_are_recovered_and_move_with_the_physics(synthetic):
     from paratune.models import features as F
     from paratune.models._calibration import (
