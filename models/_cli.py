@@ -1,4 +1,4 @@
-"""``paratune fit``, ``paratune predict`` and ``paratune evaluate``."""
+"""``paratune fit``, ``paratune calibrate``, ``paratune predict`` and ``paratune evaluate``."""
 
 from __future__ import annotations
 
@@ -34,6 +34,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     fit.add_argument("--experiment", default="paratune-fit", help="MLflow experiment name")
     add_track_flag(fit)
     fit.set_defaults(func=_fit, field_flags={"out": "--out"})
+
+    calibrate = subparsers.add_parser(
+        "calibrate", help="few-shot: move a saved model toward a handful of a family's runs",
+        description="Calibrate a saved model on a handful of runs (a framework's or cluster's "
+                    "one-node campaign, 5-10 runs): a family it has no measurement of gets "
+                    "two constants of its own from 3 runs on (an efficiency and a cost per "
+                    "layer pass), else one efficiency factor; the model is saved back.")
+    calibrate.add_argument("data", nargs="+", metavar="DATA",
+                           help="paratune dataset directories or public measurement CSVs")
+    calibrate.add_argument("--model", required=True, metavar="MODEL_DIR",
+                           help="saved performance model to calibrate in place (the --out of "
+                                "paratune fit)")
+    calibrate.set_defaults(func=_calibrate, field_flags={"model": "--model"})
 
     predict = subparsers.add_parser(
         "predict", help="predict step time, throughput, memory and feasibility for a CSV",
@@ -92,6 +105,13 @@ def _fit(args: argparse.Namespace) -> int:
                                 experiment=None if args.no_track else args.experiment,
                                 force=args.force)
     print(summary)
+    return 0
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    from paratune.models._workflows import calibrate_model
+
+    print(calibrate_model(args.data, args.model))
     return 0
 
 

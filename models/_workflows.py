@@ -1,4 +1,5 @@
-"""The library functions behind ``paratune fit`` and ``paratune evaluate``."""
+"""The library functions behind ``paratune fit``, ``paratune calibrate`` and
+``paratune evaluate``."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from paratune.models._estimators import PerformanceModel, estimator_factories
 from paratune.models._evaluate import EvaluationResult, cross_validate, plot_predictions
 from paratune.models._persistence import _LOCK_FILE, _MANIFEST
 
-__all__ = ["EvaluationSpec", "evaluate_model", "fit_model", "plot_path"]
+__all__ = ["EvaluationSpec", "calibrate_model", "evaluate_model", "fit_model", "plot_path"]
 
 
 def fit_model(data: Sequence[str | Path], out: str | Path, *, n_estimators: int | None = None,
@@ -91,6 +92,44 @@ def fit_model(data: Sequence[str | Path], out: str | Path, *, n_estimators: int 
             summary += (f"\nMLflow run {run.run_id} (experiment {experiment})"
                         if run.lost is None else f"\n{run_note(run)}")
     return model, summary
+
+
+def calibrate_model(data: Sequence[str | Path], model_dir: str | Path) -> str:
+    """Few-shot calibration of a saved model on a handful of runs (see
+    :meth:`PerformanceModel.calibrate`), saved back in place.
+
+    Args:
+        data: Dataset directories or public CSVs with the runs (one node's campaign of a
+            framework or cluster is enough).
+        model_dir: The saved model (the ``--out`` of ``paratune fit``).
+
+    Returns:
+        One line per family calibrated: its runs and what they set.
+
+    Raises:
+        ModelFormatError: ``model_dir`` holds no model this paratune reads.
+        FileNotFoundError, PermissionError: a ``data`` path is missing or unreadable.
+        DatasetError: no run has a measured step time and a prediction.
+    """
+    from paratune.models._base import source_family
+    from paratune.models._estimators import load_model
+
+    _check_readable(data)
+    model = load_model(model_dir)
+    frame = load_measurements(data)
+    model.calibrate(frame)
+    model.save(model_dir)
+    lines = []
+    for family in sorted(set(source_family(frame)) & set(model.family_offsets_)):
+        entry = model.family_offsets_[family]
+        if "efficiency" in entry:
+            what = (f"its own constants: {entry['efficiency']:.3g}x the analytical step time "
+                    f"+ {1e3 * entry['layer_pass_s']:.3g} ms per layer pass")
+        else:
+            what = f"a factor of {np.exp(entry['log_factor']):.3g} on the step time"
+        lines.append(f"{family}: {entry['rows']} runs -> {what}; interval margin "
+                     f"+/-{100 * (np.exp(entry['margin']) - 1):.0f}% -> {model_dir}")
+    return "\n".join(lines)
 
 
 def _check_out(out: Path, *, force: bool) -> None:

@@ -560,3 +560,33 @@ def test_predict_replaces_the_prediction_columns_of_its_input(model_dir, tmp_pat
     again = pd.read_csv(out, keep_default_na=False, dtype=str)
     assert list(again.columns) == list(first.columns)
     pd.testing.assert_frame_equal(again, first)
+
+
+def test_calibrate_moves_a_saved_model_toward_a_new_familys_runs(model_dir, synthetic,
+                                                                    tmp_path, capsys):
+    import shutil
+
+    from paratune.cli import main
+    from paratune.models import load_model
+
+    model = tmp_path / "model"
+    shutil.copytree(model_dir, model)  # calibrated in place: not the shared fixture's
+    ok = synthetic[synthetic["status"] == "ok"]
+    # another framework on the same hardware, twice as slow as the fitted family
+    other = ok.assign(source="otherfw_runs", step_time_s=ok["step_time_s"] * 2.0)
+    shots = tmp_path / "shots.csv"
+    other.iloc[:8].to_csv(shots, index=False)
+    rest = other.iloc[8:]
+
+    def mdape() -> float:
+        pred = load_model(model).predict(rest)["pred_step_time_s"].to_numpy()
+        return float(np.median(np.abs(pred / rest["step_time_s"].to_numpy() - 1)))
+
+    before = mdape()
+    assert main(["calibrate", str(shots), "--model", str(model)]) == 0
+    out = capsys.readouterr().out
+    assert "otherfw: 8 runs -> its own constants" in out and "ms per layer pass" in out
+    assert mdape() < 0.2 < before
+    # a model directory without a model is refused with its path
+    assert main(["calibrate", str(shots), "--model", str(tmp_path / "none")]) == 2
+    assert str(tmp_path / "none") in capsys.readouterr().err
