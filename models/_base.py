@@ -54,8 +54,11 @@ def _family_by_hardware(hardware: Any, hardware_family: dict[str, str]) -> np.nd
     gives, which newer pandas refuses)."""
     import pandas as pd
 
-    mapped = pd.Series(hardware, dtype=object).map(hardware_family).astype(object)
-    return mapped.where(mapped.notna(), "").to_numpy(dtype=object)
+    # each distinct name once (a frame of 100,000 configs holds a few)
+    codes, names = pd.factorize(pd.Series(hardware, dtype=object))
+    mapped = np.array([hardware_family.get(str(name), "") for name in names] + [""],
+                      dtype=object)
+    return mapped[codes]  # a missing name (code -1) gets the last, ""
 
 
 def _catalogue_names(names: Any) -> np.ndarray:

@@ -102,7 +102,8 @@ def _lookup(values: Any, convert: Any, *, dtype: Any = float) -> np.ndarray:
     """``convert`` applied to each distinct value, spread back over the rows (vectorised)."""
     import pandas as pd
 
-    codes, uniques = pd.factorize(pd.Series(np.asarray(values, dtype=object)), sort=False)
+    codes, uniques = pd.factorize(pd.Series(np.asarray(values, dtype=object), dtype=object),
+                                  sort=False)
     table = np.asarray([convert(u) for u in uniques] + [convert(None)], dtype=dtype)
     return table[codes]  # code -1 (missing) picks the last entry
 
