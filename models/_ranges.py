@@ -273,6 +273,7 @@ class _Ranges:
         calibrated = np.zeros(len(step), dtype=bool)
         # a family calibrated with its own two constants: their step, not the learned one
         few_shot = np.full(len(step), np.nan)
+        shot_parts = None
         for family, entry in self.family_offsets_.items():
             rows = families == family
             if not rows.any():
@@ -286,8 +287,9 @@ class _Ranges:
                 from paratune.models._calibration import few_shot_parts
                 from paratune.models._extrapolation import PRIOR_MARGIN_PER_DOUBLING
 
-                few_shot[rows] = few_shot_parts(c, analytical)[rows] @ [
-                    entry["efficiency"], entry["layer_pass_s"]]
+                if shot_parts is None:
+                    shot_parts = few_shot_parts(c, analytical)
+                few_shot[rows] = shot_parts[rows] @ [entry["efficiency"], entry["layer_pass_s"]]
                 # beyond its runs, no data of this family (the other families' widening
                 # says how their models extrapolate, not how this one does): the prior
                 prior = entry["margin"] + PRIOR_MARGIN_PER_DOUBLING * dist[rows]
