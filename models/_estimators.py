@@ -87,6 +87,7 @@ in :mod:`paratune.models._stall_regime`, what happens beyond the training data i
 importable from here as before."""
 
 _TRANSFER_COLUMNS = [F.FEATURE_NAMES.index(name) for name in F.TRANSFER_FEATURE_NAMES]
+_CROSS_FAMILY_COLUMNS = [F.FEATURE_NAMES.index(name) for name in F.CROSS_FAMILY_FEATURE_NAMES]
 _MEMORY_COLUMNS = [F.FEATURE_NAMES.index(name) for name in F.MEMORY_FEATURE_NAMES]
 _MEMORY_MONOTONE = "({})".format(",".join(str(F.MEMORY_MONOTONE.get(name, 0))
                                           for name in F.MEMORY_FEATURE_NAMES))
@@ -298,7 +299,8 @@ class PerformanceModel(_Persistence, _StallRegime, _Ranges, _Base):
             estimator=StepTimeEstimator(params=self._booster_params(),
                                         aux_params=self._booster_params(aux=True),
                                         refine_clip=self.refine_clip, quantiles=self.quantiles),
-            transfer_columns=_TRANSFER_COLUMNS, min_family_rows=self.min_family_rows,
+            transfer_columns=_TRANSFER_COLUMNS, cross_family_columns=_CROSS_FAMILY_COLUMNS,
+            min_family_rows=self.min_family_rows,
         ).fit(X[has_time], y[has_time], keys=keys[has_time], families=families[has_time],
               hardware=hardware[has_time], seen_models=np.unique(keys[timed]))
         has_mem = self._fit_memory(frame, X, analytical, usable)
