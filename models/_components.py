@@ -198,41 +198,33 @@ class FamilyRouter(BaseEstimator):
     family's model (see :meth:`route`), else to the overall one.
 
     A row of a family with no measurement that goes to the overall model goes to a third
-    twin, ``cross_family_``: the transfer model with ``cross_family_trees`` of its trees, on
-    ``cross_family_columns``. What holds across frameworks is the coarse part of the
-    correction; the finer trees learn the measured family's own habits, which another
-    framework does not share. Fitted without vTrain and predicting it, half the trees gave a
-    median APE of 22.7% against 24.7% (mean of three seeds), and Ultra-Scale from vTrain 37.8%
-    against 38.0%.
+    twin, ``cross_family_``: the transfer model with ``cross_family_trees`` of its trees. What
+    holds across frameworks is the coarse part of the correction; the finer trees learn the
+    measured family's own habits, which another framework does not share. Fitted without
+    vTrain and predicting it, half the trees gave a median APE of 22.7% against 24.7% (mean
+    of three seeds), and Ultra-Scale from vTrain 37.8% against 38.0%.
 
     Args:
         estimator: The step-time estimator on all features, cloned for each fit.
         transfer_columns: The columns its twin for unseen models learns from.
-        cross_family_columns: The columns the model for families without measurements
-            learns from (``None``: ``transfer_columns``).
         min_family_rows: Rows a family needs for models of its own.
         cross_family_trees: The share of the step-time trees of the model for families
             without measurements.
     """
 
     def __init__(self, *, estimator: StepTimeEstimator | None = None,
-                 transfer_columns: list[int] | None = None,
-                 cross_family_columns: list[int] | None = None, min_family_rows: int = 200,
+                 transfer_columns: list[int] | None = None, min_family_rows: int = 200,
                  cross_family_trees: float = 0.5) -> None:
         self.estimator = estimator
         self.transfer_columns = transfer_columns
-        self.cross_family_columns = cross_family_columns
         self.min_family_rows = min_family_rows
         self.cross_family_trees = cross_family_trees
 
-    def _transfer(self, trees: float = 1.0, columns: list[int] | None = None
-                  ) -> StepTimeEstimator:
-        """An unfitted transfer twin of the estimator, with ``trees`` of its trees, on
-        ``columns`` (``None``: the transfer columns)."""
+    def _transfer(self, trees: float = 1.0) -> StepTimeEstimator:
+        """An unfitted transfer twin of the estimator, with ``trees`` of its trees."""
         from sklearn.base import clone
 
-        transfer = clone(self.estimator).set_params(
-            columns=self.transfer_columns if columns is None else columns)
+        transfer = clone(self.estimator).set_params(columns=self.transfer_columns)
         if trees != 1.0:
             params = dict(transfer.params or {})
             params["n_estimators"] = max(round(params.get("n_estimators", 100) * trees), 1)
@@ -252,8 +244,7 @@ class FamilyRouter(BaseEstimator):
         seen_models = np.unique(keys) if seen_models is None else seen_models
         self.seen_models_ = sorted(str(k) for k in seen_models)
         self.overall_, self.overall_transfer_ = self._fit_pair(X, y)
-        self.cross_family_ = self._transfer(self.cross_family_trees,
-                                            self.cross_family_columns).fit(X, y)
+        self.cross_family_ = self._transfer(self.cross_family_trees).fit(X, y)
         # One step-time model per measurement family (framework and cluster of a source) with
         # enough rows: a family's quirks (e.g. one framework's pathological pipeline runs)
         # must not leak into another's extrapolation, which the analytical estimate carries.

@@ -87,7 +87,6 @@ in :mod:`paratune.models._stall_regime`, what happens beyond the training data i
 importable from here as before."""
 
 _TRANSFER_COLUMNS = [F.FEATURE_NAMES.index(name) for name in F.TRANSFER_FEATURE_NAMES]
-_CROSS_FAMILY_COLUMNS = [F.FEATURE_NAMES.index(name) for name in F.CROSS_FAMILY_FEATURE_NAMES]
 _MEMORY_COLUMNS = [F.FEATURE_NAMES.index(name) for name in F.MEMORY_FEATURE_NAMES]
 _MEMORY_MONOTONE = "({})".format(",".join(str(F.MEMORY_MONOTONE.get(name, 0))
                                           for name in F.MEMORY_FEATURE_NAMES))
@@ -299,8 +298,7 @@ class PerformanceModel(_Persistence, _StallRegime, _Ranges, _Base):
             estimator=StepTimeEstimator(params=self._booster_params(),
                                         aux_params=self._booster_params(aux=True),
                                         refine_clip=self.refine_clip, quantiles=self.quantiles),
-            transfer_columns=_TRANSFER_COLUMNS, cross_family_columns=_CROSS_FAMILY_COLUMNS,
-            min_family_rows=self.min_family_rows,
+            transfer_columns=_TRANSFER_COLUMNS, min_family_rows=self.min_family_rows,
         ).fit(X[has_time], y[has_time], keys=keys[has_time], families=families[has_time],
               hardware=hardware[has_time], seen_models=np.unique(keys[timed]))
         has_mem = self._fit_memory(frame, X, analytical, usable)
@@ -380,13 +378,14 @@ class PerformanceModel(_Persistence, _StallRegime, _Ranges, _Base):
         where = self._distance(frame, c)
         ratio, bounds = router.predict(X, keys, router.route(len(X), *origin), seen,
                                        unmeasured=where[2])
-        step = base * np.exp(ratio)
+        # the learned ratio knows no physics: no step on an accelerator is faster than its
+        # model FLOPs at the device's peak (100% MFU), neither the point (far from the data,
+        # e.g. a model too large for its devices, the ratio can put it there) nor the bound
+        floor = np.where(c.accelerator, F.step_time_at_mfu(c), 0.0)
+        step = np.maximum(base * np.exp(ratio), floor)
         lo = base * np.exp(np.minimum(bounds[:, 0], ratio))
-        # the learned lower bound knows no physics: no step on an accelerator is faster than
-        # its model FLOPs at the device's peak (100% MFU)
-        lo = np.minimum(np.maximum(lo, np.where(c.accelerator, F.step_time_at_mfu(c), 0.0)),
-                        step)
-        hi = base * np.exp(np.maximum(bounds[:, -1], ratio))
+        lo = np.minimum(np.maximum(lo, floor), step)
+        hi = np.maximum(base * np.exp(np.maximum(bounds[:, -1], ratio)), step)
         expected = step
         # without a learned stalled regime the model cannot tell its probability: NaN, as
         # from predictors that do not model it (not 0, which would claim it never stalls)

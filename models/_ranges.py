@@ -299,8 +299,12 @@ class _Ranges:
         step, expected = np.where(own, few_shot, step), np.where(own, few_shot, expected)
         lo, hi = np.where(own, few_shot, lo), np.where(own, few_shot, hi)
         hi = hi * factor * np.exp(hi_margin)
-        # no faster than the model FLOPs at the device's peak, as the learned bound
+        # no faster than the model FLOPs at the device's peak: the point (a learned ratio far
+        # from its data, e.g. a model too large for its devices, can put it there) and the
+        # learned bound
         floor = np.where(c.accelerator, F.step_time_at_mfu(c), 0.0)
+        step, expected = np.maximum(step, floor), np.maximum(expected, floor)
+        hi = np.maximum(hi, step)
         lo = np.minimum(np.maximum(lo * factor * np.exp(-lo_margin),
                                    np.fmin(floor, lo * factor)), step)
         # beyond the fitted cluster sizes the data-parallel reduction's cost extrapolates

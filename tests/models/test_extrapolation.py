@@ -113,10 +113,10 @@ def test_a_family_without_measurements_goes_to_the_coarser_cross_family_model(sy
     router = model.step_time_
     trees = router.overall_transfer_.median_.get_params()["n_estimators"]
     assert router.cross_family_.median_.get_params()["n_estimators"] == round(trees / 2)
-    # nor the share of memory a configuration fills: the measured family's habit
+    # nor the features that name a measured model, the share of memory it fills among them
     memory = F.FEATURE_NAMES.index("mem_fraction")
-    assert memory in router.overall_transfer_.columns
     assert memory not in router.cross_family_.columns
+    assert memory not in router.overall_transfer_.columns
     ok = synthetic[synthetic["status"] == "ok"]
     other = ok.assign(source="othersim_runs")
     X, analytical = F.compute_features(F.Columns(other))
