@@ -111,7 +111,6 @@ def calibrate_model(data: Sequence[str | Path], model_dir: str | Path) -> str:
         FileNotFoundError, PermissionError: a ``data`` path is missing or unreadable.
         DatasetError: no run has a measured step time and a prediction.
     """
-    from paratune.models._base import source_family
     from paratune.models._estimators import load_model
 
     _check_readable(data)
@@ -120,14 +119,15 @@ def calibrate_model(data: Sequence[str | Path], model_dir: str | Path) -> str:
     model.calibrate(frame)
     model.save(model_dir)
     lines = []
-    for family in sorted(set(source_family(frame)) & set(model.family_offsets_)):
+    for family in sorted(set(model._families(frame)) & set(model.family_offsets_)):
         entry = model.family_offsets_[family]
         if "efficiency" in entry:
             what = (f"its own constants: {entry['efficiency']:.3g}x the analytical step time "
                     f"+ {1e3 * entry['layer_pass_s']:.3g} ms per layer pass")
         else:
             what = f"a factor of {np.exp(entry['log_factor']):.3g} on the step time"
-        lines.append(f"{family}: {entry['rows']} runs -> {what}; interval margin "
+        name = family or "runs of no known family"
+        lines.append(f"{name}: {entry['rows']} runs -> {what}; interval margin "
                      f"+/-{100 * (np.exp(entry['margin']) - 1):.0f}% -> {model_dir}")
     return "\n".join(lines)
 
