@@ -12,7 +12,8 @@ extrapolation fold fits on a small corner of the data and predicts far outside i
   blocks' parameters 9x);
 * ``larger-cluster``: per family with several cluster sizes, fit on the family's runs on at
   most a quarter of its largest cluster (and every other family's runs), predict the largest
-  (Ultra-Scale <= 64 GPUs -> 256 GPUs, vTrain 2 GPUs -> 8 GPUs);
+  (Ultra-Scale <= 64 GPUs -> 256 GPUs, vTrain 2 GPUs -> 8 GPUs); and again from at most half
+  of it, the step people take next (Ultra-Scale <= 128 -> 256 GPUs, vTrain <= 4 -> 8 GPUs);
 * ``family``: each measurement family left out in turn (fit without vTrain, predict vTrain,
   and the reverse): a framework and cluster with no measurement of its own;
 * ``multi-node``: the largest cluster of each single-node family predicted from its smaller
@@ -164,6 +165,10 @@ def _larger_cluster(frame: pd.DataFrame, family: np.ndarray) -> list[Fold]:
         test = own & (world == largest)
         label = f"{fam}: <={int(world[small].max())} -> {int(largest)} GPUs"
         out.append(Fold(label, small | ~own, test))
+        half = own & (world <= largest / 2)
+        if world[half].max() > world[small].max():
+            label = f"{fam}: <={int(world[half].max())} -> {int(largest)} GPUs (2x)"
+            out.append(Fold(label, half | ~own, test))
     return out
 
 

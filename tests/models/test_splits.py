@@ -28,11 +28,15 @@ def test_larger_model_fits_on_the_smallest_only(synthetic):
     assert not (fold.train & fold.test).any()
 
 
-def test_larger_cluster_fits_on_a_quarter_of_the_largest(synthetic):
-    (fold,) = extrapolation_split(synthetic, "larger-cluster").folds
+def test_larger_cluster_fits_on_a_quarter_then_half_of_the_largest(synthetic):
+    quarter, half = extrapolation_split(synthetic, "larger-cluster").folds
     world = synthetic["world_size"].to_numpy()
-    assert world[fold.train].max() <= world.max() / 4
-    assert (world[fold.test] == world.max()).all()
+    assert world[quarter.train].max() <= world.max() / 4
+    assert world[half.train].max() == world.max() / 2
+    for fold in (quarter, half):
+        assert (world[fold.test] == world.max()).all()
+        assert not (fold.train & fold.test).any()
+    assert half.label.endswith("(2x)")
 
 
 def test_family_split_leaves_each_family_out(synthetic):
@@ -146,6 +150,7 @@ def test_public_splits_are_the_documented_ones(public_dir):
     assert "ultrascale: 1B -> 8B" in labels["larger-model"]
     assert "ultrascale: <=64 -> 256 GPUs" in labels["larger-cluster"]
     assert "vtrain: <=2 -> 8 GPUs" in labels["larger-cluster"]
+    assert "ultrascale: <=128 -> 256 GPUs (2x)" in labels["larger-cluster"]
     assert labels["family"] == ["without ultrascale -> ultrascale", "without vtrain -> vtrain"]
     assert "vtrain: 2-4 -> 8 GPUs (one node)" in labels["multi-node"]
 
