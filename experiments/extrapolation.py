@@ -2,7 +2,8 @@
 
 Fits on a small corner of the public measurements and predicts far outside it (see
 :mod:`paratune.models._splits`): a model at least 4x larger (Ultra-Scale 1B -> 8B), a
-cluster 4x larger (Ultra-Scale <= 64 -> 256 GPUs, vTrain 2 -> 8 GPUs), a measurement family
+cluster 4x and 2x larger (Ultra-Scale <= 64 and <= 128 -> 256 GPUs, vTrain 2 and <= 4 -> 8
+GPUs), a measurement family
 with none of its rows fitted on (vTrain from Ultra-Scale and the reverse), and the
 multi-node proxies (vTrain 2-4 -> 8 A100s; Ultra-Scale one node -> two). Per fold: median
 APE and MAPE of tokens/s per device, Spearman within (model, cluster) groups, top-1 and
@@ -19,9 +20,10 @@ not, against the predicted regime), by layout and by nodes (``error_anatomy.csv`
 ranking ``paratune tune`` switches to where it sees the model extrapolate): its regret,
 layout and whether its run stalled (``top1_choices.csv``).
 
-Writes ``extrapolation.csv``, ``few_shot.csv`` and ``extrapolation.txt`` under --out and logs
-them to MLflow (experiment ``paratune-experiments``, run ``extrapolation``; each figure a metric
-``<split>.<estimator>.<fold>.<figure>``).
+Writes ``extrapolation.csv``, ``few_shot.csv``, ``extrapolation.txt`` and a plot per split
+(``<split>.png``: a panel per fold, predicted vs measured with the runs that stalled apart and
+each run's q10-q90) under --out and logs them to MLflow (experiment ``paratune-experiments``,
+run ``extrapolation``; each figure a metric ``<split>.<estimator>.<fold>.<figure>``).
 
     python experiments/extrapolation.py [--data DIR] [--out out/extrapolation] [--baselines]
         [--splits larger-model,family] [--anatomy]
@@ -71,6 +73,7 @@ def main() -> None:
         estimator_factories,
         extrapolation_table,
         load_measurements,
+        plot_predictions,
     )
 
     data = public_data_dir(args.data)
@@ -80,10 +83,13 @@ def main() -> None:
     chosen = {"performance_model": factories["performance_model"]}
     if args.baselines:
         chosen["analytical"] = factories["analytical"]
+    out = Path(args.out)
     rows, anatomy, choices = [], [], []
     for split in splits:
         result = cross_validate(frame, split=split, estimators=chosen)
         rows.extend({"split": split, **row} for row in result.by_fold)
+        # a panel per fold: predicted vs measured, the stalled runs apart, q10-q90 bars
+        plot_predictions(result, out / f"{split}.png", estimator="performance_model")
         if args.anatomy:
             from paratune.models import error_anatomy
 
@@ -107,7 +113,6 @@ def main() -> None:
         print()
         print(shot_table)
         table += "\n\n" + shot_table
-    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.anatomy:
         from paratune.table import format_table

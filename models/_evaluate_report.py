@@ -16,7 +16,8 @@ if TYPE_CHECKING:
 
     from paratune.models._evaluate import EvaluationResult
 
-__all__ = ["EXTRAPOLATION_COLUMNS", "extrapolation_table", "plot_predictions", "summary_table"]
+__all__ = ["EXTRAPOLATION_COLUMNS", "extrapolation_table", "fold_panels", "plot_predictions",
+           "summary_table"]
 
 
 def _family(frame: pd.DataFrame) -> pd.Series:
@@ -90,7 +91,13 @@ def summary_table(result: EvaluationResult) -> str:
 
 def plot_predictions(result: EvaluationResult, path: str | Path, *,
                      estimator: str | None = None) -> Path:
-    """Scatter of predicted vs measured tokens/s per device (log-log, one colour per source).
+    """Scatter of predicted vs measured tokens/s per device (log-log).
+
+    A cross-validation split draws one panel, a colour per source. An extrapolation split
+    (:data:`~paratune.models._splits.EXTRAPOLATION_SPLITS`) draws a panel per fold, each
+    titled with the fold's median APE, the runs that stalled (measured) apart from the
+    others and each run's predicted q10-q90 as a vertical bar: where a fold's error comes
+    from is seen at a glance.
 
     Args:
         result: A cross-validation result.
@@ -107,29 +114,77 @@ def plot_predictions(result: EvaluationResult, path: str | Path, *,
 
     name = estimator or next(iter(result.predictions))
     oof = result.predictions[name]
-    step = measured_step_time(oof)
-    tokens = oof["global_batch_size"].to_numpy(float) * oof["seq_len"].to_numpy(float)
-    world = oof["world_size"].to_numpy(float)
-    measured = tokens / (step * world)
-    predicted = oof["pred_tokens_per_sec_per_gpu"].to_numpy(float)
-    fig, ax = plt.subplots(figsize=(6, 6))
-    family = _family(oof).to_numpy()
-    for fam in np.unique(family):
-        sel = (family == fam) & np.isfinite(measured) & np.isfinite(predicted)
-        ax.scatter(measured[sel], predicted[sel], s=6, alpha=0.6, label=fam)
-    finite = np.concatenate([measured[np.isfinite(measured)], predicted[np.isfinite(predicted)]])
-    if finite.size:
-        lo, hi = finite[finite > 0].min(), finite.max()
-        ax.plot([lo, hi], [lo, hi], color="black", linewidth=1)
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("measured tokens/s per device")
-    ax.set_ylabel("predicted tokens/s per device")
-    ax.set_title(f"{name}, split={result.split} (out of fold)")
-    ax.legend(fontsize=7)
+    panels = fold_panels(oof) if result.split in EXTRAPOLATION_SPLITS else [
+        _panel("", oof, by_source=True)]
+    cols = min(len(panels), 3)
+    rows = -(-len(panels) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.5 * cols, 4.5 * rows), squeeze=False)
+    for ax in axes.flat[len(panels):]:
+        ax.set_visible(False)
+    for ax, panel in zip(axes.flat, panels):
+        measured, predicted = panel["measured"], panel["predicted"]
+        if panel["bars"]:
+            ax.vlines(measured, panel["lo"], panel["hi"], color="0.8", linewidth=0.6,
+                      zorder=1)
+        for label, sel in panel["groups"].items():
+            if sel.any():
+                ax.scatter(measured[sel], predicted[sel], s=6, alpha=0.6, label=label,
+                           zorder=2)
+        finite = np.concatenate([measured, predicted])
+        finite = finite[np.isfinite(finite) & (finite > 0)]
+        if finite.size:
+            ax.plot([finite.min(), finite.max()], [finite.min(), finite.max()],
+                    color="black", linewidth=1)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("measured tokens/s per device")
+        ax.set_ylabel("predicted tokens/s per device")
+        if panel["title"]:
+            ax.set_title(panel["title"], fontsize=9)
+        else:
+            ax.set_title(f"{name}, split={result.split} (out of fold)")
+        ax.legend(fontsize=7)
+    if result.split in EXTRAPOLATION_SPLITS:
+        fig.suptitle(f"{name}, split={result.split}: predicted vs measured, q10-q90 bars")
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def fold_panels(predictions: pd.DataFrame) -> list[dict[str, Any]]:
+    """One panel of :func:`plot_predictions` per fold of ``predictions`` (rows with a
+    ``fold`` column), in the folds' order: the measured and predicted tokens/s per device of
+    its timed runs, their q10 and q90, the runs measured stalled and the others, and a title
+    with the fold's label, runs and median APE."""
+    folds = predictions["fold"].astype(str).to_numpy()
+    return [_panel(fold, predictions[folds == fold], by_source=False)
+            for fold in dict.fromkeys(folds)]
+
+
+def _panel(title: str, rows: pd.DataFrame, *, by_source: bool) -> dict[str, Any]:
+    from paratune.models import features as F
+
+    step = measured_step_time(rows)
+    tokens = rows["global_batch_size"].to_numpy(float) * rows["seq_len"].to_numpy(float)
+    measured = tokens / (step * rows["world_size"].to_numpy(float))
+    predicted = rows["pred_tokens_per_sec_per_gpu"].to_numpy(float)
+    ok = np.isfinite(measured) & np.isfinite(predicted)
+    part = rows[ok]
+    measured, predicted = measured[ok], predicted[ok]
+    lo, hi = (part[f"pred_tokens_per_sec_per_gpu_{q}"].to_numpy(float)
+              if f"pred_tokens_per_sec_per_gpu_{q}" in part.columns
+              else np.full(len(part), np.nan) for q in ("q10", "q90"))
+    if by_source:
+        family = _family(part).to_numpy()
+        groups = {str(f): family == f for f in np.unique(family)}
+    else:
+        stalled = F.stalled_pipeline(part, step[ok])
+        groups = {"normal runs": ~stalled, "stalled pipelines (measured)": stalled}
+    if title:
+        mdape = float(np.median(np.abs(predicted / measured - 1.0))) if len(part) else np.nan
+        title = f"{title}\n{len(part)} runs, median APE {100 * mdape:.1f}%"
+    return {"title": title, "measured": measured, "predicted": predicted, "lo": lo, "hi": hi,
+            "groups": groups, "bars": not by_source and bool(np.isfinite(lo).any())}

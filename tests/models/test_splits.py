@@ -181,3 +181,54 @@ def test_error_anatomy_tells_the_stalled_runs_apart(make_synthetic):
     assert rows[("layout", "no pipeline")]["mdape"] == pytest.approx(0.0, abs=0.03)
     nodes = [r["group"] for r in error_anatomy(predictions) if r["by"] == "nodes"]
     assert nodes == sorted(nodes, key=lambda g: float(g.split()[0]))
+
+
+def test_an_extrapolation_plot_draws_each_fold_with_its_stalled_runs_apart(make_synthetic,
+                                                                           tmp_path):
+    """One panel per fold, in order; the measured stalled runs in a group of their own; each
+    panel titled with its fold's median APE."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from paratune.models import features as F
+    from paratune.models._evaluate import EvaluationResult
+    from paratune.models._evaluate_report import fold_panels, plot_predictions
+
+    frame = make_synthetic(stalls=True)
+    frame = frame[(frame.status == "ok").to_numpy()].reset_index(drop=True)
+    step = frame["step_time_s"].to_numpy(dtype=float)
+    stalled = F.stalled_pipeline(frame, step)
+    tokens = frame["global_batch_size"] * frame["seq_len"] / frame["world_size"]
+    measured = (tokens / step).to_numpy()
+    # exact on the normal runs, twice too fast on the stalled ones
+    predicted = np.where(stalled, 2.0 * measured, measured)
+    folds = np.where(frame["world_size"].to_numpy() > 8, "b: larger", "a: small")
+    predictions = frame.assign(pred_tokens_per_sec_per_gpu=predicted,
+                               pred_tokens_per_sec_per_gpu_q10=0.8 * predicted,
+                               pred_tokens_per_sec_per_gpu_q90=1.2 * predicted, fold=folds)
+    panels = fold_panels(predictions)
+    # in the order the folds' rows come (cross_validate appends fold after fold)
+    order = list(dict.fromkeys(folds))
+    assert sorted(order) == ["a: small", "b: larger"]
+    assert [p["title"].split("\n")[0] for p in panels] == order
+    larger = panels[order.index("b: larger")]
+    in_b = folds == "b: larger"
+    assert len(larger["measured"]) == in_b.sum()
+    assert larger["groups"]["stalled pipelines (measured)"].sum() == stalled[in_b].sum() > 0
+    mdape = np.median(np.abs(predicted[in_b] / measured[in_b] - 1.0))
+    assert f"median APE {100 * mdape:.1f}%" in larger["title"]
+    assert larger["bars"] and np.allclose(larger["lo"], 0.8 * larger["predicted"])
+
+    closed = []
+    close = plt.close
+    try:
+        plt.close = lambda fig=None: (closed.append(fig), close(fig))
+        path = plot_predictions(EvaluationResult("larger-cluster", {"pm": predictions}),
+                                tmp_path / "folds.png")
+    finally:
+        plt.close = close
+    assert path.stat().st_size > 1000
+    (fig,) = closed
+    assert sum(ax.get_visible() for ax in fig.axes) == 2
