@@ -32,7 +32,9 @@ large bf16 products; 60% on the H100 and
 H200, whose published well-tuned runs reach 47-48% MFU at most (Megatron-LM's H100 weak
 scaling, 2B to 462B parameters) although a lone large product runs at 80%; 80% where the
 catalogue has no figure), its element-wise work at the memory's bandwidth, 80% of link
-bandwidth, 0.1 ms per layer pass. Because the element-wise work shrinks next to the products
+bandwidth, 0.1 ms per layer pass, and gradient buckets that grow with the data-parallel group
+(Megatron-LM's default: at 192-way data parallelism over 192 nodes, fixed 25 MB buckets
+would pay each ring's 382 steps of latency some 200 times a step, 1.7 s for GPT-175B). Because the element-wise work shrinks next to the products
 as the model widens, this predicts the rise of MFU with model size that such runs show (41%
 to 48% from 2B to 462B parameters on H100) from physics.
 """
@@ -64,9 +66,14 @@ MIN_ROWS = 20
 """Timed rows a family needs for its own constants (else the defaults)."""
 
 
-def core_parts(c: F.Columns, analytical: dict[str, np.ndarray]) -> np.ndarray:
+def core_parts(c: F.Columns, analytical: dict[str, np.ndarray],
+               well_tuned: np.ndarray | None = None) -> np.ndarray:
     """The physics the constants multiply, one column per constant of
-    :data:`CONSTANT_NAMES` (seconds over the step, the tp columns split by node crossing)."""
+    :data:`CONSTANT_NAMES` (seconds over the step, the tp columns split by node crossing).
+    The ``well_tuned`` rows (a family without measurements, predicted with
+    :data:`DEFAULT_CONSTANTS`) reduce their gradients in a well-tuned framework's buckets,
+    which grow with the data-parallel group (see :func:`~paratune.models.features.dp_latency_s`);
+    a measured family's constants are fitted to the fixed buckets' latency."""
     n_micro = F.num_microbatches(c)
     slots = n_micro + F._warmup_slots(c)
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -80,6 +87,8 @@ def core_parts(c: F.Columns, analytical: dict[str, np.ndarray]) -> np.ndarray:
     elementwise = F.elementwise_s_per_microbatch(c) * slots
     pp_cross = F.pp_crosses_nodes(c) > 0
     dp, dp_cross = F.hierarchical_dp_s(c), F.dp_crosses_nodes(c) > 0
+    if well_tuned is not None and np.any(well_tuned):
+        dp = np.where(well_tuned, F.hierarchical_dp_s(c, well_tuned=True), dp)
 
     def split(part: np.ndarray, across: np.ndarray) -> list[np.ndarray]:
         return [np.where(across, 0.0, part), np.where(across, part, 0.0)]

@@ -69,7 +69,8 @@ class _Ranges:
         constants = default_constants(c)
         for family, values in self.core_constants_.items():
             constants[families == family] = values
-        return predict_core(core_parts(c, analytical), constants)
+        well_tuned = ~np.isin(families, list(self.core_constants_))
+        return predict_core(core_parts(c, analytical, well_tuned), constants)
 
     def _fit_widening(self, frame: pd.DataFrame, families: np.ndarray, timed: np.ndarray,
                       step: np.ndarray) -> None:

@@ -19,6 +19,10 @@ DP_BUCKET_BYTES = 25e6
 """Gradient bytes per data-parallel reduction call (PyTorch DDP's default bucket, 25 MB)."""
 DP_HOP_LATENCY_S = 20e-6
 """Latency of one inter-node step of a ring collective (NIC, switch and NCCL proxy)."""
+WELL_TUNED_BUCKET_PARAMS = (40e6, 1e6)
+"""A well-tuned framework's gradient bucket, in parameters: the larger of the first and the
+second times the data-parallel size (Megatron-LM's default, which grows the bucket with the
+data-parallel group so that the ring's steps stay bandwidth-bound rather than latency-bound)."""
 ELEMENTWISE_SPLIT = 45.0
 ELEMENTWISE_REPLICATED = 30.0
 """Elements per token and per unit of width that a block's memory-bound work reads and
@@ -143,16 +147,18 @@ def hierarchical_tp_s_per_microbatch(frame: pd.DataFrame | Columns) -> np.ndarra
                                                                tp_crosses_nodes(c) > 0)
 
 
-def hierarchical_dp_s(frame: pd.DataFrame | Columns) -> np.ndarray:
+def hierarchical_dp_s(frame: pd.DataFrame | Columns, *, well_tuned: bool = False
+                      ) -> np.ndarray:
     """Seconds of the data-parallel reduction per step as :func:`analytical_step_time` counts
     it (bytes, latency, DDP's overlap with the last backward), with groups across nodes
     reduced hierarchically: a group's ranks are ``tp`` apart, so ``per_node / tp`` of them
-    share each node where ``tp`` divides the node size."""
+    share each node where ``tp`` divides the node size. ``well_tuned``: with a well-tuned
+    framework's buckets (see :func:`dp_latency_s`)."""
     c = _cols(frame)
     fits = (c.tp < c.per_node) & (np.mod(c.per_node, c.tp) == 0)
     members = np.where(fits, c.per_node / c.tp, 1.0)
     per_byte = group_seconds_per_byte(c, c.dp, members, dp_crosses_nodes(c) > 0)
-    return _dp_seconds(c, dp_reduction_bytes(c) * per_byte)
+    return _dp_seconds(c, dp_reduction_bytes(c) * per_byte, well_tuned=well_tuned)
 
 
 def tp_bytes_per_microbatch(frame: pd.DataFrame | Columns) -> np.ndarray:
@@ -222,17 +228,23 @@ def dp_nodes(frame: pd.DataFrame | Columns) -> np.ndarray:
     return np.maximum(spanned, 1.0)
 
 
-def dp_latency_s(frame: pd.DataFrame | Columns) -> np.ndarray:
+def dp_latency_s(frame: pd.DataFrame | Columns, *, well_tuned: bool = False) -> np.ndarray:
     """Latency of the data-parallel gradient reduction per step, in seconds.
 
-    The gradients go in :data:`DP_BUCKET_BYTES` buckets; a ring collective over ``n`` nodes
-    takes ``2 (n - 1)`` inter-node steps per bucket, each :data:`DP_HOP_LATENCY_S`. Zero
-    inside one node and without data parallelism. This is what makes the reduction slower
-    than its bytes at link bandwidth as the cluster grows. Shardings that communicate every
-    micro-batch (see :func:`dp_reduction_bytes`) pay it every micro-batch.
+    The gradients go in :data:`DP_BUCKET_BYTES` buckets (``well_tuned``: in buckets of
+    :data:`WELL_TUNED_BUCKET_PARAMS`, which grow with the data-parallel size); a ring
+    collective over ``n`` nodes takes ``2 (n - 1)`` inter-node steps per bucket, each
+    :data:`DP_HOP_LATENCY_S`. Zero inside one node and without data parallelism. This is
+    what makes the reduction slower than its bytes at link bandwidth as the cluster grows.
+    Shardings that communicate every micro-batch (see :func:`dp_reduction_bytes`) pay it
+    every micro-batch.
     """
     c = _cols(frame)
-    buckets = np.ceil(_stage_gradient_bytes(c) / DP_BUCKET_BYTES)
+    bucket = DP_BUCKET_BYTES
+    if well_tuned:
+        fixed, per_rank = WELL_TUNED_BUCKET_PARAMS
+        bucket = np.maximum(fixed, per_rank * c.dp) * ACTIVATION_BYTES
+    buckets = np.ceil(_stage_gradient_bytes(c) / bucket)
     hops = 2.0 * (dp_nodes(c) - 1.0)
     per_micro = (c.sharding == 3) | ((c.sharding == 2) & (c.pp == 1))
     rounds = np.where(per_micro, num_microbatches(c), 1.0)
@@ -285,8 +297,8 @@ def _compute_s_per_microbatch(c: Columns) -> np.ndarray:
     return per_token * c.micro * c.seq / c.tp / c.peak_flops
 
 
-def _dp_seconds(c: Columns, transfer_s: np.ndarray, compute_mb: np.ndarray | None = None
-                ) -> np.ndarray:
+def _dp_seconds(c: Columns, transfer_s: np.ndarray, compute_mb: np.ndarray | None = None,
+                *, well_tuned: bool = False) -> np.ndarray:
     """The data-parallel reduction's seconds per step from its transfer time: plus
     :func:`dp_latency_s`, less what DDP hides behind the backward.
 
@@ -298,7 +310,7 @@ def _dp_seconds(c: Columns, transfer_s: np.ndarray, compute_mb: np.ndarray | Non
     the fitted cluster sizes, where ZeRO-1 runs slower than its no-sharding twin).
     """
     compute_mb = _compute_s_per_microbatch(c) if compute_mb is None else compute_mb
-    dp_s = transfer_s + dp_latency_s(c)
+    dp_s = transfer_s + dp_latency_s(c, well_tuned=well_tuned)
     hidden = np.where(c.sharding == 0, 2.0 / 3.0 * compute_mb, 0.0)
     return np.maximum(dp_s - hidden, 0.1 * dp_s)
 

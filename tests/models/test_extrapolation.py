@@ -104,6 +104,41 @@ def test_a_family_without_measurements_is_flagged(small_cluster_model, synthetic
     assert np.isfinite(pred["pred_step_time_s"]).all()
 
 
+def test_a_family_without_measurements_reduces_in_a_well_tuned_frameworks_buckets(
+        small_cluster_model, synthetic):
+    """The calibrated core of an unmeasured family pays the latency of buckets that grow
+    with the data-parallel group; a measured family's core keeps the fixed buckets its
+    constants were fitted to."""
+    from paratune.models import features as F
+    from paratune.models._calibration import DEFAULT_CONSTANTS
+
+    # the runs over many nodes, of a model large enough for many buckets
+    wide = synthetic[(synthetic["world_size"] >= 64) & (synthetic["status"] == "ok")].assign(
+        num_layers=80, hidden_size=8192, num_heads=64, num_kv_heads=8,
+        ffn_hidden_size=28672).reset_index(drop=True)
+    assert (F.dp_nodes(wide) >= 4).any()
+    other = wide.assign(source="othersim_runs")
+    c = F.Columns(wide)
+    analytical = F.compute_features(c)[1]
+    measured = small_cluster_model._core_step(wide, c, analytical)
+    unmeasured = small_cluster_model._core_step(other, F.Columns(other), analytical)
+    saved = F.dp_latency_s(c) - F.dp_latency_s(c, well_tuned=True)
+    assert (saved >= 0).all() and (saved > 0).any()
+    # the latency saved, at the default constant of its link, is the whole difference
+    # between the unmeasured family's core and the same core with the fixed buckets
+    from paratune.models._calibration import core_parts, default_constants, predict_core
+
+    fixed = predict_core(core_parts(c, analytical), default_constants(c))
+    across = F.dp_crosses_nodes(c) > 0
+    link = np.where(across, DEFAULT_CONSTANTS["dp_inter"], DEFAULT_CONSTANTS["dp_intra"])
+    dp_saved = F.hierarchical_dp_s(c) - F.hierarchical_dp_s(c, well_tuned=True)
+    np.testing.assert_allclose(fixed - unmeasured, link * dp_saved, rtol=1e-9, atol=1e-12)
+    assert (unmeasured <= fixed + 1e-12).all() and (unmeasured < fixed).any()
+    # the measured family's core is the fixed buckets' with its fitted constants
+    constants = np.tile(small_cluster_model.core_constants_["synthetic"], (c.n, 1))
+    np.testing.assert_allclose(measured, predict_core(core_parts(c, analytical), constants))
+
+
 def test_a_family_without_measurements_goes_to_the_coarser_cross_family_model(synthetic,
                                                                               tmp_path):
     from paratune.models import features as F

@@ -238,6 +238,33 @@ def test_tp_groups_cross_nodes_unless_tp_divides_the_node():
     assert crosses == [0.0, 0.0, 1.0, 1.0]  # 6 fits in 8 devices but not in their layout
 
 
+def test_a_well_tuned_framework_grows_its_buckets_with_the_data_parallel_group():
+    """Megatron-LM's buckets hold max(40M, 1M x dp) parameters: at dp=256 (32 nodes) a
+    256M-parameter bucket, where the fixed 25 MB bucket cuts the same gradients in ~10x as
+    many ring reductions, each paying 2 (nodes - 1) hops."""
+    from paratune.models._step_time import _stage_gradient_bytes
+
+    kw = dict(dp=256, tp=1, micro_batch_size=1, global_batch_size=256)
+    frame = row(**kw)
+    c = F.Columns(frame)
+    grads = _stage_gradient_bytes(c)[0]
+    hops = 2 * (32 - 1) * F.DP_HOP_LATENCY_S
+    fixed = F.dp_latency_s(frame)[0]
+    tuned = F.dp_latency_s(frame, well_tuned=True)[0]
+    assert fixed == pytest.approx(np.ceil(grads / F.DP_BUCKET_BYTES) * hops)
+    assert tuned == pytest.approx(np.ceil(grads / (256e6 * 2)) * hops)
+    assert tuned < fixed / 5
+    # a small group keeps the 40M-parameter floor; one node pays no latency either way
+    small = row(dp=16, tp=1, micro_batch_size=4, global_batch_size=64)
+    assert F.dp_latency_s(small, well_tuned=True)[0] == pytest.approx(
+        np.ceil(_stage_gradient_bytes(F.Columns(small))[0] / 80e6) * 2 * (2 - 1)
+        * F.DP_HOP_LATENCY_S)
+    assert F.dp_latency_s(row(dp=8, micro_batch_size=8), well_tuned=True)[0] == 0.0
+    # the reduction's seconds shrink by the latency saved, nothing else
+    assert (F.hierarchical_dp_s(frame)[0] - F.hierarchical_dp_s(frame, well_tuned=True)[0]
+            == pytest.approx(fixed - tuned))
+
+
 def test_dp_latency_is_paid_every_micro_batch_where_the_reduction_is():
     # dp=32, tp=2 spans 8 nodes; 4 micro-batches per step
     kw = dict(dp=32, tp=2, micro_batch_size=1, global_batch_size=128)
