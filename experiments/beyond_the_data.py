@@ -1,5 +1,6 @@
-"""What the model says where nobody measured: a model ten times the largest fitted, and
-tensor parallelism across A100 nodes from a family measured in one node.
+"""What the model says where nobody measured: a model ten times the largest fitted,
+tensor parallelism across A100 nodes from a family measured in one node, and an unmeasured
+framework's GPT-175B on up to 12,288 devices.
 
 Fits the performance model on the public measurements (as ``paratune fit`` does), then
 predicts two grids no public row covers and prints what a user would act on:
@@ -11,7 +12,11 @@ predicts two grids no public row covers and prints what a user would act on:
   throughput and by the risk-aware expectation (what ``tune`` ranks by when it extrapolates);
 * vTrain's largest GPT (24 layers, width 2048) on 8-64 A100s: the predicted step time of
   each tensor-parallel degree, with groups of 16 across two nodes, next to the tp=8 layout of
-  the same cluster.
+  the same cluster;
+* GPT-175B of a framework with no measurement (predicted as a well-tuned one) on 256 to
+  12,288 A100s and H100s, tp8 pp8, weak scaling (half a sequence per device in the batch,
+  so 32 micro-batches per pipeline throughout): what the data-parallel group's growth from
+  4 to 192 costs.
 
 There is no measurement to score these against here (the public sweeps stop at 8B and at
 one A100 node); the tables show where the predictions lie, for the physics to be checked by
@@ -19,9 +24,9 @@ eye: deep pipelines of an 80B model run at about 30% of peak in the public sweep
 framework, and a tensor-parallel group over two nodes costs a few times, not tens of times,
 its collective inside one.
 
-Writes ``large_model.csv``, ``a100_tp.csv`` and ``beyond_the_data.txt`` under --out and logs
-them to MLflow (experiment ``paratune-experiments``, run ``beyond_the_data``) unless
-``--no-track``.
+Writes ``large_model.csv``, ``a100_tp.csv``, ``scale_out.csv`` and ``beyond_the_data.txt``
+under --out and logs them to MLflow (experiment ``paratune-experiments``, run
+``beyond_the_data``) unless ``--no-track``.
 
     python experiments/beyond_the_data.py [--data DIR] [--out out/beyond_the_data]
 """
@@ -39,6 +44,7 @@ from paratune.tracking import add_no_track_argument
 
 WORLDS_80B = (64, 128, 256, 512)
 WORLDS_A100 = (8, 16, 32, 64)
+WORLDS_SCALE_OUT = (256, 1024, 4096, 12288)
 
 
 def _layouts(world: int, global_batch: int, micro_batches=(1, 2, 4, 8)):
@@ -147,6 +153,46 @@ def a100_table(model, source: str):
     return out
 
 
+def scale_out_table(model):
+    """GPT-175B of a framework with no measurement (tp8 pp8, ZeRO-1, one sequence per
+    micro-batch, half a sequence per device in the batch) on 256 to 12,288 A100s and
+    H100s: predicted MFU and its q10-q90, the pipeline's bubble and the data-parallel
+    reduction's share of the calibrated core's step."""
+    import numpy as np
+    import pandas as pd
+
+    from paratune import ModelSpec, ParallelConfig
+    from paratune.models import features as F
+    from paratune.models._calibration import core_parts, default_constants
+    from paratune.predictor import config_frame
+
+    spec = ModelSpec(name="GPT-175B", num_layers=96, hidden_size=12288, num_heads=96,
+                     ffn_hidden_size=49152, vocab_size=51200, seq_len=2048, mlp="gelu")
+    rows = []
+    for hardware in ("A100", "H100"):
+        configs = [ParallelConfig(tp=8, pp=8, dp=world // 64, micro_batch_size=1,
+                                  global_batch_size=world // 2, sharding="zero1",
+                                  recompute="selective") for world in WORLDS_SCALE_OUT]
+        frame = config_frame(spec, configs, hardware)
+        frame["source"] = "unmeasured_framework"
+        pred = model.predict(frame)
+        c = F.Columns(frame)
+        at_peak = F.step_time_at_mfu(c)
+        parts = core_parts(c, F.analytical_step_time(c), np.ones(c.n, dtype=bool))
+        parts = parts * default_constants(c)
+        dp_share = parts[:, 6:8].sum(axis=1) / parts.sum(axis=1)
+        tokens = frame["global_batch_size"] * frame["seq_len"] / frame["world_size"]
+        rows.append(pd.DataFrame({
+            "hardware": hardware, "world_size": frame["world_size"], "dp": frame["dp"],
+            "global_batch_size": frame["global_batch_size"],
+            "bubble": 7.0 / (frame["global_batch_size"] / frame["dp"] + 7.0),
+            "dp_share_of_core": dp_share,
+            "pred_mfu": at_peak / pred["pred_step_time_s"].to_numpy(float),
+            "mfu_q10": at_peak / (tokens / pred["pred_tokens_per_sec_per_gpu_q10"]),
+            "mfu_q90": at_peak / (tokens / pred["pred_tokens_per_sec_per_gpu_q90"])}))
+    return pd.concat(rows, ignore_index=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", default=None, help="folder of the public CSVs fitted on")
@@ -176,11 +222,18 @@ def main() -> None:
         a100.to_dict("records"), list(a100.columns), floatfmt=".3g", title=(
             "GPT-24L-2048H on A100s (vTrain measured one node): predicted step per "
             "tensor-parallel degree, and against tp=8 on the same cluster"))
+    scale = scale_out_table(model)
+    text += "\n\n" + format_table(
+        scale.to_dict("records"), list(scale.columns), floatfmt=".3g", title=(
+            "GPT-175B of a framework with no measurement, tp8 pp8 ZeRO-1 on 256-12,288 "
+            "devices, weak scaling (half a sequence per device): predicted MFU and q10-q90, "
+            "bubble and the data-parallel reduction's share of the core"))
     print(text)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     large.to_csv(out / "large_model.csv", index=False)
     a100.to_csv(out / "a100_tp.csv", index=False)
+    scale.to_csv(out / "scale_out.csv", index=False)
     (out / "beyond_the_data.txt").write_text(text + "\n")
     if not args.no_mlflow:
         from paratune.tracking import start_script_run
@@ -193,6 +246,9 @@ def main() -> None:
             for row in a100[a100["tp_crosses_nodes"]].to_dict("records"):
                 run.log_metric(f"a100.{row['world_size']}.tp{row['tp']}.vs_tp8",
                                float(row["vs_tp8"]))
+            for row in scale.to_dict("records"):
+                run.log_metric(f"175b.{row['hardware']}.{row['world_size']}.mfu",
+                               float(row["pred_mfu"]))
             run.log_artifact(out)
 
 
