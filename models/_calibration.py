@@ -35,8 +35,9 @@ catalogue has no figure), its element-wise work at the memory's bandwidth, 80% o
 bandwidth, 0.1 ms per layer pass, and gradient buckets that grow with the data-parallel
 group (Megatron-LM's default: at 192-way data parallelism over 192 nodes, fixed 25 MB buckets
 would pay each ring's 382 steps of latency some 200 times a step, 1.7 s for GPT-175B).
-Because the element-wise work shrinks next to the products as the model widens, this predicts the rise of MFU with model size that such runs show (41%
-to 48% from 2B to 462B parameters on H100) from physics.
+Because the element-wise work shrinks next to the products as the model widens, this
+predicts the rise of MFU with model size that such runs show (41% to 48% from 2B to 462B
+parameters on H100) from physics.
 """
 
 from __future__ import annotations
