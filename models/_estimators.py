@@ -391,12 +391,9 @@ class PerformanceModel(_Persistence, _StallRegime, _Ranges, _Base):
         # from predictors that do not model it (not 0, which would claim it never stalls)
         prob = np.full(len(X), np.nan)
         if self.stall_ is not None:
-            # a family with no measurement is a well-tuned framework: stalling is how one
-            # framework ran its pipelines, not a property of its hardware, so neither the
-            # point nor the interval carries it
-            stall_free = self._stall_free(len(X), *origin) | where[2]
             prob, step, lo, hi, expected = self._blend_stall(
-                c, X, seen, stall_free, step, lo, hi, where)
+                c, X, seen, self._stall_free(*origin, unmeasured=where[2]), step, lo, hi,
+                where)
         times, distance, warning = self._extrapolate(
             frame, c, analytical, _StepTimes(step, lo, hi, expected), prob, where)
         memory = self._memory_gb(X, analytical)

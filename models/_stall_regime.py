@@ -38,20 +38,22 @@ class _StallRegime:
                     else None)
         return hardware, families
 
-    def _stall_free(self, n: int, hardware: np.ndarray | None, families: np.ndarray | None
-                    ) -> np.ndarray:
-        """Which rows (see :meth:`_origin`) belong to a family whose pipelines did not stall
-        in the training data: by the row's source where its family was in the training
-        data, else by its hardware (see ``stall_free_hardware_``)."""
-        out = np.zeros(n, dtype=bool)
-        if not self.stall_free_families_:
-            return out
-        if hardware is not None:
-            out = np.isin(hardware, self.stall_free_hardware_)
-        if families is not None:
-            known = np.isin(families, list(self.pipeline_runs_))
-            out = np.where(known, np.isin(families, self.stall_free_families_), out)
-        return out
+    def _stall_free(self, hardware: np.ndarray | None, families: np.ndarray | None,
+                    unmeasured: np.ndarray) -> np.ndarray:
+        """Which rows (see :meth:`_origin`) are free of the stalled regime: those of a family
+        with no measurement (``unmeasured``: predicted as a well-tuned framework, since
+        stalling is how one framework ran its pipelines, not a property of its hardware),
+        and those of a family whose pipelines did not stall in the training data, by the
+        row's source where its family has pipeline runs there, else by its hardware (see
+        ``stall_free_hardware_``)."""
+        out = np.zeros(len(unmeasured), dtype=bool)
+        if self.stall_free_families_:
+            if hardware is not None:
+                out = np.isin(hardware, self.stall_free_hardware_)
+            if families is not None:
+                known = np.isin(families, list(self.pipeline_runs_))
+                out = np.where(known, np.isin(families, self.stall_free_families_), out)
+        return out | unmeasured
 
     def _stall(self, c: F.Columns, X: np.ndarray, X_stall: np.ndarray, seen: np.ndarray,
                stall_free: np.ndarray
