@@ -163,7 +163,7 @@ def scale_out_table(model):
 
     from paratune import ModelSpec, ParallelConfig
     from paratune.models import features as F
-    from paratune.models._calibration import core_parts, default_constants
+    from paratune.models._calibration import CONSTANT_NAMES, core_parts, default_constants
     from paratune.predictor import config_frame
 
     spec = ModelSpec(name="GPT-175B", num_layers=96, hidden_size=12288, num_heads=96,
@@ -180,12 +180,14 @@ def scale_out_table(model):
         at_peak = F.step_time_at_mfu(c)
         parts = core_parts(c, F.analytical_step_time(c), np.ones(c.n, dtype=bool))
         parts = parts * default_constants(c)
-        dp_share = parts[:, 6:8].sum(axis=1) / parts.sum(axis=1)
+        dp = [CONSTANT_NAMES.index("dp_intra"), CONSTANT_NAMES.index("dp_inter")]
+        dp_share = parts[:, dp].sum(axis=1) / parts.sum(axis=1)
+        micro_batches = F.num_microbatches(c)
         tokens = frame["global_batch_size"] * frame["seq_len"] / frame["world_size"]
         rows.append(pd.DataFrame({
             "hardware": hardware, "world_size": frame["world_size"], "dp": frame["dp"],
             "global_batch_size": frame["global_batch_size"],
-            "bubble": 7.0 / (frame["global_batch_size"] / frame["dp"] + 7.0),
+            "bubble": (c.pp - 1) / (micro_batches + c.pp - 1),
             "dp_share_of_core": dp_share,
             "pred_mfu": at_peak / pred["pred_step_time_s"].to_numpy(float),
             "mfu_q10": at_peak / (tokens / pred["pred_tokens_per_sec_per_gpu_q10"]),
