@@ -184,7 +184,8 @@ def test_error_anatomy_tells_the_stalled_runs_apart(make_synthetic):
 
 
 def test_an_extrapolation_plot_draws_each_fold_with_its_stalled_runs_apart(make_synthetic,
-                                                                           tmp_path):
+                                                                           tmp_path,
+                                                                           monkeypatch):
     """One panel per fold, in order; the measured stalled runs in a group of their own; each
     panel titled with its fold's median APE."""
     import matplotlib
@@ -223,12 +224,9 @@ def test_an_extrapolation_plot_draws_each_fold_with_its_stalled_runs_apart(make_
 
     closed = []
     close = plt.close
-    try:
-        plt.close = lambda fig=None: (closed.append(fig), close(fig))
-        path = plot_predictions(EvaluationResult("larger-cluster", {"pm": predictions}),
-                                tmp_path / "folds.png")
-    finally:
-        plt.close = close
+    monkeypatch.setattr(plt, "close", lambda fig=None: (closed.append(fig), close(fig)))
+    path = plot_predictions(EvaluationResult("larger-cluster", {"pm": predictions}),
+                            tmp_path / "folds.png")
     assert path.stat().st_size > 1000
     (fig,) = closed
     assert sum(ax.get_visible() for ax in fig.axes) == 2
