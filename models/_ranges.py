@@ -212,6 +212,14 @@ class _Ranges:
                     per_axis[axis][rows] = doublings
         return families, per_axis, unknown
 
+    @property
+    def measured_families_(self) -> list[str]:
+        """The measurement families the model knows: those it was fitted on and those a
+        few-shot calibration gave constants of their own. A row of another family (by its
+        source) is predicted as a well-tuned framework."""
+        fitted = {str(f) for f in getattr(self, "extrapolation_ranges_", {}) if f}
+        return sorted(fitted | {str(f) for f in getattr(self, "family_offsets_", {})})
+
     def _families(self, frame: pd.DataFrame) -> np.ndarray:
         """Each row's family as the step-time models route it: by its source, else the one
         family its hardware was measured in, else ``""`` (no family: the overall ranges and

@@ -164,7 +164,8 @@ def plan(job: TuneJob, options: PlanOptions, *, predictor: Predictor | str | Pat
                                       space=space_options, devices_per_node=node)
     space = SearchSpace.build(model, job.gpus, job.device(), space=space_options,
                               global_batch_sizes=batches,
-                              devices_per_node=job.devices_per_node)
+                              devices_per_node=job.devices_per_node,
+                              framework=job.framework)
     objective = Objective(min_feasible_prob=job.min_feasible_prob,
                           memory_limit_gb=job.memory_limit_gb)
     loaded = _tune.load_predictor(predictor)  # a predictor that does not load opens no run
@@ -201,7 +202,7 @@ def _open_run(stack: contextlib.ExitStack, space: SearchSpace, objective: Any,
     return stack.enter_context(start_run("paratune-plan", run_name=name, params={
         "model": model.name, "seq_len": model.seq_len, "gpus": space.world_size,
         "hardware": space.hardware.name, "devices_per_node": space.devices_per_node,
-        **predictor,
+        "framework": space.framework, **predictor,
         "trajectory": (str(Path(options.trajectory).resolve()) if options.trajectory
                        else trajectory.source),
         "trajectory_seq_len": trajectory.seq_len, **options.params(),

@@ -193,6 +193,8 @@ def evaluate(predictor: Predictor, space: SearchSpace, configs: Sequence[Paralle
                          devices_per_node=space.devices_per_node)
     if frame.empty:
         return frame
+    if space.framework:  # the runs of that framework (the model's family of that source)
+        frame["source"] = space.framework
     preds = predictor.predict(frame)
     if len(preds) != len(frame):
         raise ConfigError("predictor", type(predictor).__name__,

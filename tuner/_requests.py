@@ -93,6 +93,13 @@ class TuneJob:
         None, flag="--tp-across-nodes", action="store_true", param=False,
         from_cli=lambda across: False if across else None,
         help="allow tensor parallelism across nodes (off by default)")
+    framework: str | None = option(
+        None, flag="--framework", metavar="NAME", param=False,
+        help="framework the job runs in, as the performance model names its measurement "
+             "families (a source's first word: ultrascale, vtrain, ...); one it has no "
+             "measurement of (megatron-lm, torchtitan) is predicted as a well-tuned "
+             "framework on the device, with a wider interval (default: the family that "
+             "measured the device kind)")
     min_feasible_prob: float = option(
         0.5, flag="--min-feasible-prob", type=float, param=False,
         help="feasibility threshold on the predicted probability of running")

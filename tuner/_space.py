@@ -20,6 +20,7 @@ import hashlib
 import json
 import logging
 import numbers
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -45,6 +46,10 @@ __all__ = ["MAX_BATCH_SIZES", "SearchSpace", "check_gpus", "parse_batch_sizes"]
 
 logger = logging.getLogger(__name__)
 
+_FRAMEWORK = re.compile(r"[A-Za-z0-9][A-Za-z0-9.\-]*")
+"""A framework name as a measurement family is spelt (no ``_``: a source's first
+``_``-separated word names its family)."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class SearchSpace:
@@ -60,6 +65,12 @@ class SearchSpace:
     """Allowed values of every option."""
     devices_per_node: int = 8
     """Node size (decides ``tp_within_node``)."""
+    framework: str = ""
+    """The framework the configs run in, as the performance model names its measurement
+    families (the first word of a measurement's source: ``ultrascale``, ``vtrain``,
+    ``megatron-lm``): the source of every config it predicts. A framework it has no
+    measurement of is predicted as a well-tuned one on the device. Empty: whichever family
+    measured the device kind."""
     _layout_cache: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -69,6 +80,13 @@ class SearchSpace:
                 or self.devices_per_node < 1):
             raise ConfigError("devices_per_node", self.devices_per_node,
                               "must be a positive integer")
+        if not isinstance(self.framework, str) or (
+                self.framework and not _FRAMEWORK.fullmatch(self.framework)):
+            raise ConfigError("framework", self.framework,
+                              "must be a name of letters, digits, '.' and '-' (a measurement "
+                              "family's name, e.g. megatron-lm), starting with a letter or "
+                              "digit")
+        object.__setattr__(self, "framework", self.framework.lower())
         if not self.layouts():
             raise self._no_layout_error()
         unreachable = [b for b in self.space.global_batch_sizes
@@ -163,7 +181,8 @@ class SearchSpace:
     def build(cls, model: ModelSpec, world_size: int, hardware: HardwareSpec | str, *,
               space: ConfigSpace | None = None,
               global_batch_sizes: str | int | Sequence[int] | None = None,
-              devices_per_node: int | None = None) -> SearchSpace:
+              devices_per_node: int | None = None, framework: str | None = None
+              ) -> SearchSpace:
         """Bind a space to a job; ``global_batch_sizes`` overrides the space's batch list.
 
         Args:
@@ -174,10 +193,13 @@ class SearchSpace:
             global_batch_sizes: Batch sizes (list or range text, see
                 :func:`parse_batch_sizes`).
             devices_per_node: Node size; defaults to the catalogue's.
+            framework: The framework the configs run in (see :attr:`framework`); ``None``:
+                the device kind's measured family.
 
         Raises:
             ConfigError: ``world_size`` (``gpus``) or ``devices_per_node`` is not a positive
-                integer, or no layout of the devices is valid.
+                integer, ``framework`` is not a family name, or no layout of the devices is
+                valid.
         """
         world_size = check_gpus(world_size)
         hw = get_hardware(hardware) if isinstance(hardware, str) else hardware
@@ -190,7 +212,7 @@ class SearchSpace:
         if global_batch_sizes is not None:
             space = space.replace(global_batch_sizes=parse_batch_sizes(global_batch_sizes))
         return cls(model=model, world_size=world_size, hardware=hw, space=space,
-                   devices_per_node=int(devices_per_node))
+                   devices_per_node=int(devices_per_node), framework=framework or "")
 
     # ------------------------------------------------------------------ structure
     @property
@@ -335,8 +357,11 @@ class SearchSpace:
 
     # ------------------------------------------------------------------ identity
     def to_dict(self) -> dict[str, Any]:
+        # the framework only where one is named: the spaces (and studies) of the device's
+        # own family keep the fingerprints they had
         return {"model": self.model.to_dict(), "world_size": self.world_size,
                 "hardware": self.hardware.name, "devices_per_node": self.devices_per_node,
+                **({"framework": self.framework} if self.framework else {}),
                 "space": self.space.to_dict()}
 
     def fingerprint(self) -> str:

@@ -204,7 +204,8 @@ class _Problem:
                        else default_global_batch(spec, job.gpus))
         space = SearchSpace.build(spec, job.gpus, hw, space=options,
                                   global_batch_sizes=batches,
-                                  devices_per_node=job.devices_per_node)
+                                  devices_per_node=job.devices_per_node,
+                                  framework=job.framework)
         where = _verify_where(search, space, output)
         kind = (ObjectiveKind(search.objective)
                 if search.objective in ("throughput", "goodput") else search.objective)
@@ -221,6 +222,13 @@ def _verify_where(search: SearchOptions, space: SearchSpace, output: OutputOptio
     cannot run (it would write its files, then fail)."""
     if not search.verify:
         return "here"
+    if space.framework:
+        raise ConfigError("framework", space.framework,
+                          "cannot be verified with --verify, whose runs are paratune's own "
+                          "trainer; measure a few of the framework's runs and calibrate "
+                          "with them instead (paratune calibrate RUNS.csv --model MODEL_DIR, "
+                          "the runs in the public CSV format with a source naming the "
+                          "framework)")
     from paratune.tuner._verify import check_verify_here, verify_location
 
     where = verify_location(space, search.verify_on)
@@ -342,10 +350,12 @@ def _rerank(problem: _Problem, result: SearchResult, *, risk_aware: bool | None,
         reranked = risk_aware_ranking(result.ranked)
         if reranked is not result.ranked:
             result.ranked, result.risk_aware = reranked, True
+            then = ("calibrate it with a few of the framework's runs (paratune calibrate)"
+                    if problem.space.framework else
+                    "verify a few on the cluster (--verify K) and refit")
             logger.warning("the performance model extrapolates here: configs are ranked "
                            "by the risk-aware expectation (the geometric mean of the "
-                           "expected throughput and its 10th percentile); verify a few "
-                           "on the cluster (--verify K) and refit")
+                           "expected throughput and its 10th percentile); %s", then)
     if not result.best_feasible:
         logger.warning("no evaluated config is predicted feasible; the top one is "
                        "predicted not to run (over the memory limit, under the minimum "
@@ -360,6 +370,8 @@ def _write(problem: _Problem, result: SearchResult, study: optuna.Study | None) 
         "feasible_prob", "efficiency", "goodput", "objective", "feasible",
         "pred_stall_prob") if k in best}
     space = problem.space
+    if space.framework:  # whose runs the figures are of
+        predicted["framework"] = space.framework
     rec = recommendation(problem.spec, result.best, space.hardware,
                          devices_per_node=space.devices_per_node, predicted=predicted,
                          objective=problem.objective.to_dict())

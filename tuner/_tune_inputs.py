@@ -59,15 +59,24 @@ def goodput_global_batches(model: ModelSpec, gpus: int, b_noise: float) -> list[
 def extrapolation_warnings(predictor: Predictor, space: SearchSpace, *,
                            factor: float = 4.0) -> list[str]:
     """What a search asks of a performance model beyond the runs it was fitted on (by more
-    than ``factor``): another device kind, more or fewer devices, larger or smaller steps
-    in tokens. Its predictions there are extrapolations; empty where it interpolates or the
-    predictor records no training ranges."""
+    than ``factor``): a framework it has no measurement of, another device kind, more or
+    fewer devices, larger or smaller steps in tokens. Its predictions there are
+    extrapolations; empty where it interpolates or the predictor records neither its
+    families nor its training ranges."""
+    hardware = space.hardware.name
+    out = []
+    known = getattr(predictor, "measured_families_", None)
+    if space.framework and known is not None and space.framework not in known:
+        out.append(f"the performance model has no measurement of framework "
+                   f"{space.framework} (it measured {', '.join(known) or 'none'}): its configs "
+                   f"are predicted as a well-tuned framework on {hardware}, from the other "
+                   "families' runs without their stalled pipelines, with a wider interval "
+                   "(paratune calibrate with a few of its runs calibrates it)")
     ranges = getattr(predictor, "training_ranges_", None)
     if not ranges:
-        return []
-    hardware = space.hardware.name
+        return out
     if hardware not in ranges:
-        return [f"the performance model has no measured runs on {hardware} (only "
+        return [*out, f"the performance model has no measured runs on {hardware} (only "
                 f"{', '.join(sorted(ranges))}): its predictions for {hardware} transfer from "
                 "those devices"]
     seen = ranges[hardware]
@@ -78,7 +87,6 @@ def extrapolation_warnings(predictor: Predictor, space: SearchSpace, *,
     what = {"world_size": ("devices", "--gpus"),
             "tokens_per_step": ("tokens per step (global batch x sequence length)",
                                 "--global-batch or --seq-len")}
-    out = []
     for key, (low, high) in asked.items():
         if key not in seen:
             continue

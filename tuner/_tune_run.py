@@ -39,7 +39,7 @@ def open_run(stack: contextlib.ExitStack, space: SearchSpace, objective: Objecti
     params = {"model": space.model.name, "seq_len": space.model.seq_len,
               "gpus": space.world_size,
               "hardware": space.hardware.name, "devices_per_node": space.devices_per_node,
-              **predictor,
+              "framework": space.framework, **predictor,
               "objective": objective.kind.value, "b_noise": objective.b_noise,
               "b0": objective.reference_batch(space), "risk_quantile": objective.risk_quantile,
               "min_feasible_prob": objective.min_feasible_prob,

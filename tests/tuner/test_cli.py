@@ -160,6 +160,10 @@ def job(saved_model, tmp_path, monkeypatch):
     ("plan", ["--model", "config.json"], "--model='config.json': is not valid JSON"),
     ("tune", ["--storage", "nosuchdialect://x"],
      "--storage='nosuchdialect://x': is not a usable database URL"),
+    ("tune", ["--framework", "megatron_lm"], "--framework='megatron_lm': must be a name of"),
+    ("plan", ["--framework", " "], "--framework=' ': must be a name of"),
+    ("tune", ["--framework", "megatron-lm", "--verify", "2"],
+     "--framework='megatron-lm': cannot be verified with --verify"),
 ])
 def test_errors_name_the_flag_not_the_library_argument(job, tmp_path, capsys, command, flags,
                                                         message):

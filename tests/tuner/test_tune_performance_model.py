@@ -90,3 +90,92 @@ def test_a_model_larger_than_any_fitted_is_ranked_risk_aware(saved_model, tmp_pa
     assert not inside.risk_aware
     assert (beyond.ranked["pred_extrapolation_doublings"] > 0).any()
     assert beyond.risk_aware
+
+
+def test_a_framework_without_measurements_is_tuned_as_a_well_tuned_one(saved_model, tmp_path,
+                                                                       caplog):
+    # the model measured one family ("synthetic") on H100s: named, its configs are predicted
+    # as without a name; another framework's are predicted as a well-tuned framework's, with
+    # a wider interval, a warning and the risk-aware ranking, and the outputs say whose
+    from mlflow.tracking import MlflowClient
+
+    spec = get_model("llama3-8b", seq_len=4096)
+    kwargs = dict(objective="throughput", global_batch_sizes=[64], search="exhaustive",
+                  space=ConfigSpace(micro_batch_sizes=(1, 2), recomputes=("none", "full")),
+                  top_k=3)
+    runs, warned = {}, {}
+    for framework in (None, "synthetic", "Megatron-LM"):
+        with caplog.at_level("WARNING"):
+            caplog.clear()
+            runs[framework] = tune(spec, 16, "H100", saved_model, framework=framework,
+                                   output_dir=tmp_path / str(framework),
+                                   track=framework == "Megatron-LM", **kwargs)
+            warned[framework] = caplog.text
+    own, named, other = runs[None], runs["synthetic"], runs["Megatron-LM"]
+
+    def by_key(result, column):
+        ranked = result.search.ranked
+        keys = [c.key() for c in result.search.configs(len(ranked))]
+        return dict(zip(keys, ranked[column].to_numpy(dtype=float)))
+
+    assert by_key(named, "tokens_per_s") == pytest.approx(by_key(own, "tokens_per_s"))
+    assert not own.search.risk_aware and not named.search.risk_aware
+    assert "no measurement of framework" not in warned[None] + warned["synthetic"]
+    assert other.search.space.framework == "megatron-lm"
+    assert ("no measurement of framework megatron-lm (it measured synthetic)"
+            in warned["Megatron-LM"])
+    assert other.search.risk_aware
+    # a wider interval: the slow end lies further below the point for every config
+    spread = {name: {k: q / p for (k, q), p in zip(
+        by_key(result, "pred_tokens_per_sec_per_gpu_q10").items(),
+        by_key(result, "tokens_per_s").values())} for name, result in
+        (("own", own), ("other", other))}
+    assert spread["own"].keys() == spread["other"].keys()
+    assert all(spread["other"][k] < spread["own"][k] for k in spread["own"])
+    assert other.recommendation["predicted"]["framework"] == "megatron-lm"
+    assert "framework" not in own.recommendation["predicted"]
+    assert (json.loads((tmp_path / "Megatron-LM" / "recommendation.json").read_text())
+            ["predicted"]["framework"] == "megatron-lm")
+    params = MlflowClient().get_run(other.run_id).data.params
+    assert params["framework"] == "megatron-lm"
+
+
+def test_a_framework_without_measurements_cannot_be_verified_by_paratunes_trainer(
+        saved_model, tmp_path):
+    from paratune.errors import ConfigError
+
+    spec = get_model("llama3-8b", seq_len=4096)
+    with pytest.raises(ConfigError, match="paratune calibrate") as err:
+        tune(spec, 16, "H100", saved_model, framework="megatron-lm", verify=2,
+             global_batch_sizes=[64], search="exhaustive", output_dir=tmp_path / "o",
+             track=False)
+    assert err.value.field == "framework"
+    with pytest.raises(ConfigError, match="letters, digits") as err:
+        tune(spec, 16, "H100", saved_model, framework="megatron_lm",
+             global_batch_sizes=[64], search="exhaustive", track=False)
+    assert err.value.field == "framework"
+
+
+@pytest.mark.slow
+def test_another_frameworks_pipelines_do_not_take_the_measured_frameworks_stalls(public_data,
+                                                                                 tmp_path):
+    # on H100s the public data holds one framework's sweep, a third of whose multi-node
+    # pipeline runs stalled; tuned for that framework, an 8B model's pipelines carry its
+    # stall probability, tuned for another (unmeasured) one they carry none
+    from paratune.models import PerformanceModel, load_measurements
+
+    model = PerformanceModel(n_estimators=100, n_jobs=1).fit(
+        load_measurements(sorted(public_data.glob("*.csv"))))
+    spec = get_model("llama3-8b", seq_len=4096)
+    kwargs = dict(objective="throughput", global_batch_sizes=[256], search="exhaustive",
+                  space=ConfigSpace(micro_batch_sizes=(1, 2), recomputes=("none",)),
+                  track=False)
+    ranked = {framework: tune(spec, 64, "H100", model, framework=framework,
+                              output_dir=tmp_path / str(framework), **kwargs).search.ranked
+              for framework in (None, "megatron-lm")}
+    own, other = ranked[None], ranked["megatron-lm"]
+    assert len(own) == len(other)
+    pipelines = own["pp"] > 1
+    assert pipelines.any() and (own.loc[pipelines, "pred_stall_prob"] > 0.05).any()
+    assert (other["pred_stall_prob"].fillna(0) == 0).all()
+    assert (other["pred_warning"].str.contains("no measurement of family megatron-lm")).all()
