@@ -25,14 +25,14 @@ from paratune.errors import ConfigError, DatasetError
 from paratune.fileio import atomic_write_text
 from paratune.hardware import get_hardware
 from paratune.measurement import Measurement, Status
-from paratune.parallel import Schedule
 
 __all__ = ["PUBLIC_EXPORT_COLUMNS", "export_public_csv", "public_row"]
 
 PUBLIC_EXPORT_COLUMNS = (
     "source", "model", "params_b", "layers", "hidden", "heads", "num_kv_heads",
     "ffn_hidden_size", "vocab_size", "mlp", "tie_embeddings", "seq_len", "gpu", "num_gpus",
-    "tp", "pp", "dp", "micro_batch", "global_batch", "grad_accum", "zero_stage", "recompute",
+    "tp", "pp", "dp", "micro_batch", "global_batch", "grad_accum", "schedule",
+    "virtual_stages", "zero_stage", "recompute",
     "precision", "status", "step_time_s", "tokens_per_sec", "tokens_per_sec_per_gpu", "mfu",
     "gpu_mem_gb", "gpu_mem_allocated_gb", "notes")
 """The columns :func:`export_public_csv` writes, in order."""
@@ -64,11 +64,6 @@ def public_row(m: Measurement, *, source: str | None = None, precision: str = ""
     except ConfigError:
         raise ValueError(f"hardware={m.hardware!r} is not a device of the hardware catalogue "
                          f"(the public format's gpu column needs one)") from None
-    if config.pp > 1 and (config.schedule is not Schedule.ONE_F_ONE_B
-                          or config.virtual_stages > 1):
-        raise ValueError(f"schedule={config.schedule.value!r} with "
-                         f"virtual_stages={config.virtual_stages}: the public format takes "
-                         f"every pipeline as 1F1B without virtual stages")
     ok = m.status is Status.OK
     if ok and not (math.isfinite(m.step_time_s) and m.step_time_s > 0):
         raise ValueError(f"status ok but step_time_s={m.step_time_s!r} is not a positive time")
@@ -97,6 +92,9 @@ def public_row(m: Measurement, *, source: str | None = None, precision: str = ""
         "micro_batch": str(config.micro_batch_size),
         "global_batch": str(config.global_batch_size),
         "grad_accum": str(config.num_microbatches),
+        # without a pipeline the schedule is moot (the importer takes 1F1B)
+        "schedule": config.schedule.value if config.pp > 1 else "",
+        "virtual_stages": str(config.virtual_stages) if config.pp > 1 else "",
         "zero_stage": str(config.sharding.stage),
         "recompute": config.recompute.value,
         "precision": precision,

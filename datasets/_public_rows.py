@@ -306,10 +306,52 @@ def config_from_public(raw: dict[str, str], *, check_grad_accum: bool = True
         recompute = Recompute.FULL
     else:
         raise _Unmappable(f"recompute={raw['recompute']!r} is not none, full or selective")
+    schedule, virtual = _schedule(raw, pp)
     config = ParallelConfig(dp=dp, tp=tp, pp=pp, micro_batch_size=micro,
-                            global_batch_size=global_batch, schedule=Schedule.ONE_F_ONE_B,
+                            global_batch_size=global_batch, schedule=schedule,
+                            virtual_stages=virtual,
                             sharding=Sharding.from_stage(int(zero or 0)), recompute=recompute)
+    if schedule is Schedule.INTERLEAVED_1F1B:
+        try:  # the interleaved schedule's own rules (pp >= 2, micro-batches a multiple of pp)
+            config.validate(runnable=False)
+        except ConfigError as exc:
+            raise _Unmappable(f"{_PUBLIC_NAMES.get(exc.field, exc.field)}="
+                              f"{exc.value!r}: {exc.rule}") from None
     return config, num_gpus
+
+
+_SCHEDULES = {"1f1b": Schedule.ONE_F_ONE_B, "interleaved": Schedule.INTERLEAVED_1F1B,
+              "interleaved_1f1b": Schedule.INTERLEAVED_1F1B, "gpipe": Schedule.GPIPE}
+"""The ``schedule`` cells the public format takes (``-`` and ``_`` alike)."""
+
+_PUBLIC_NAMES = {"global_batch_size": "global_batch", "micro_batch_size": "micro_batch"}
+
+
+def _schedule(raw: dict[str, str], pp: int) -> tuple[Schedule, int]:
+    """The pipeline schedule and model chunks per pipeline rank of a public row: the stated
+    ``schedule`` (empty: 1F1B, or interleaved where ``virtual_stages`` > 1) and
+    ``virtual_stages`` (empty: 1; an interleaved schedule must state it, it is not
+    guessed). Without a pipeline (``pp`` 1) the schedule is moot: 1F1B."""
+    text = raw.get("schedule", "").strip().lower().replace("-", "_")
+    virtual = _integer(raw, "virtual_stages", required=False)
+    if text and text not in _SCHEDULES:
+        raise _Unmappable(f"schedule={raw['schedule']!r} is not 1f1b, interleaved_1f1b "
+                          f"or gpipe")
+    schedule = _SCHEDULES.get(text) or (Schedule.INTERLEAVED_1F1B if (virtual or 1) > 1
+                                        else Schedule.ONE_F_ONE_B)
+    if schedule is Schedule.INTERLEAVED_1F1B:
+        if virtual is None or virtual < 2:
+            raise _Unmappable(f"virtual_stages={raw.get('virtual_stages', '')!r}: an "
+                              f"interleaved schedule needs its model chunks per pipeline "
+                              f"rank, an integer >= 2")
+        if pp < 2:
+            raise _Unmappable(f"schedule={raw.get('schedule') or 'interleaved_1f1b'!r} "
+                              f"needs pp >= 2 (pp={pp})")
+        return schedule, virtual
+    if virtual not in (None, 1):
+        raise _Unmappable(f"virtual_stages={virtual} must be 1 unless the schedule is "
+                          f"interleaved_1f1b (schedule={schedule.value})")
+    return (schedule if pp > 1 else Schedule.ONE_F_ONE_B), 1
 
 
 def public_row_layout(raw: dict[str, str]) -> tuple[ModelSpec, ParallelConfig, HardwareSpec]:

@@ -379,3 +379,55 @@ def test_bad_shape_values_are_reported_naming_the_column_and_rule(tmp_path, cell
     rows, _ = read_public_csv(_write_shaped(tmp_path, SMALL + cells))
     (row,) = rows
     assert row.measurement is None and reason in row.error and "\n" not in row.error
+
+
+_PIPE_HEADER = ("source,model,layers,hidden,heads,seq_len,gpu,num_gpus,tp,pp,dp,micro_batch,"
+                "global_batch,schedule,virtual_stages,step_time_s")
+
+
+def _pipeline_row(schedule: str, virtual: str, *, pp: int = 4, global_batch: int = 64) -> str:
+    return (f"megatron_lm_test,GPT-1B,24,2048,16,2048,A100-80GB,8,2,{pp},{4 // pp},1,"
+            f"{global_batch},{schedule},{virtual},1.5")
+
+
+@pytest.mark.parametrize(("schedule", "virtual", "pp", "expected"), [
+    ("", "", 4, ("1f1b", 1)),
+    ("1F1B", "1", 4, ("1f1b", 1)),
+    ("interleaved", "3", 4, ("interleaved_1f1b", 3)),
+    ("interleaved-1f1b", "2", 4, ("interleaved_1f1b", 2)),
+    ("", "2", 4, ("interleaved_1f1b", 2)),  # chunks per rank say the schedule
+    ("GPipe", "", 4, ("gpipe", 1)),
+    ("gpipe", "", 1, ("1f1b", 1)),  # no pipeline: the schedule is moot
+])
+def test_a_pipeline_schedule_and_its_virtual_stages_are_read(tmp_path, schedule, virtual, pp,
+                                                              expected):
+    from paratune.models._predict_io import read_config_csv
+
+    path = tmp_path / "pipe.csv"
+    path.write_text(f"{_PIPE_HEADER}\n{_pipeline_row(schedule, virtual, pp=pp)}\n")
+    (m,), problems = parse_public_csv(path)
+    assert problems == []
+    assert (m.config.schedule.value, m.config.virtual_stages) == expected
+    # predict reads the same layout
+    _, configs, errors = read_config_csv(path)
+    assert not errors[0]
+    assert (configs["schedule"].iloc[0], int(configs["virtual_stages"].iloc[0])) == expected
+
+
+@pytest.mark.parametrize(("schedule", "virtual", "pp", "global_batch", "reason"), [
+    ("interleaved_1f1b", "", 4, 64,
+     "virtual_stages='': an interleaved schedule needs its model chunks per pipeline rank"),
+    ("interleaved", "1", 4, 64, "virtual_stages='1': an interleaved schedule needs"),
+    ("1f1b", "2", 4, 64, "virtual_stages=2 must be 1 unless the schedule is interleaved_1f1b"),
+    ("zb-h1", "", 4, 64, "schedule='zb-h1' is not 1f1b, interleaved_1f1b or gpipe"),
+    ("interleaved", "2", 1, 64, "schedule='interleaved' needs pp >= 2 (pp=1)"),
+    ("interleaved", "2", 4, 6, "global_batch=6: interleaved_1f1b needs the number of "
+                               "micro-batches (6) to be a multiple of pp=4"),
+])
+def test_a_schedule_the_layout_cannot_run_is_refused_with_its_rule(tmp_path, schedule, virtual,
+                                                                   pp, global_batch, reason):
+    path = tmp_path / "pipe.csv"
+    path.write_text(f"{_PIPE_HEADER}\n"
+                    f"{_pipeline_row(schedule, virtual, pp=pp, global_batch=global_batch)}\n")
+    records, (problem,) = parse_public_csv(path)
+    assert records == [] and problem.reason.startswith(reason), problem.reason
