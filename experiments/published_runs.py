@@ -85,9 +85,11 @@ def main() -> None:
     rows = pd.DataFrame({
         "source": published["source"].astype(str), "model": published["model_name"],
         "world_size": published["world_size"],
-        "layout": [f"tp{t} pp{p} dp{d} mb{m} {r}" for t, p, d, m, r in zip(
-            published["tp"], published["pp"], published["dp"], published["micro_batch_size"],
-            published["recompute"], strict=True)],
+        "layout": [f"tp{t} pp{p}{f' v{v}' if v > 1 else ''} dp{d} mb{m} {r}"
+                   for t, p, v, d, m, r in zip(
+                       published["tp"], published["pp"], published["virtual_stages"],
+                       published["dp"], published["micro_batch_size"], published["recompute"],
+                       strict=True)],
         "measured_step_s": predictions["step_time_s"],
         "pred_step_s": predictions["pred_step_time_s"],
         "measured_mfu": at_peak / predictions["step_time_s"].to_numpy(float),
