@@ -29,18 +29,36 @@ _OVER_BUDGET_ATTR = "over_budget"
 
 @contextlib.contextmanager
 def _interrupts_held() -> Iterator[None]:
-    """SIGINT and SIGTERM wait until the block ends (main thread, where signal masks exist):
-    a trial the storage has created is recorded as in flight before an interrupt can stop
-    the worker, so the worker fails it as it exits rather than leaving it running."""
-    if (threading.current_thread() is not threading.main_thread()
-            or not hasattr(signal, "pthread_sigmask")):
+    """SIGINT and SIGTERM wait until the block ends (main thread, where Python's handlers
+    run): a trial the storage has created is recorded as in flight before an interrupt can
+    stop the worker, so the worker fails it as it exits rather than leaving it running.
+
+    The handlers are swapped for one that notes the signal, and the noted signal goes to
+    the handler that was there once the block ends. A signal mask would not do: it holds
+    the signal for this thread only, and the kernel hands a process's signal to any thread
+    that does not block it (the heartbeat's, a database driver's), whose note makes Python
+    run the handler in the main thread at once, inside the block."""
+    if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    previous = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    if any(handler is None for handler in previous.values()):  # set outside Python: leave it
+        yield
+        return
+    noted: list[int] = []
+    for signum in previous:
+        signal.signal(signum, lambda number, _frame: noted.append(number))
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        if noted:
+            handler = previous[noted[0]]
+            if callable(handler):
+                handler(noted[0], None)
+            elif handler == signal.SIG_DFL:
+                signal.raise_signal(noted[0])
 
 
 def _ask(study: optuna.Study, size: int, worker: str, inflight: dict[int, Any],

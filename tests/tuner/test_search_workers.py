@@ -229,3 +229,39 @@ def _key_of(trial) -> tuple:
     from paratune.parallel import ParallelConfig
 
     return _config_key(ParallelConfig.from_dict(trial.user_attrs["config"]))
+
+
+def test_a_signal_that_another_thread_receives_waits_for_the_held_block():
+    """The kernel gives a process's SIGTERM to any thread that does not block it (the
+    heartbeat's, a database driver's): it still waits until the trial being asked is
+    recorded as in flight, and then reaches the handler that was installed."""
+    import signal
+    import threading
+
+    from paratune.tuner._workers import _interrupts_held
+
+    events: list[str] = []
+
+    class Stopped(Exception):
+        pass
+
+    def handler(signum: int, _frame: object) -> None:
+        events.append(f"handled {signal.Signals(signum).name}")
+        raise Stopped
+
+    def signal_from_another_thread() -> None:
+        signal.pthread_kill(threading.get_ident(), signal.SIGTERM)
+
+    installed = signal.signal(signal.SIGTERM, handler)
+    try:
+        with pytest.raises(Stopped), _interrupts_held():
+            other = threading.Thread(target=signal_from_another_thread)
+            other.start()
+            other.join()
+            for _ in range(10_000):  # bytecodes at which Python runs pending handlers
+                pass
+            events.append("asked and recorded")
+        assert signal.getsignal(signal.SIGTERM) is handler
+    finally:
+        signal.signal(signal.SIGTERM, installed)
+    assert events == ["asked and recorded", "handled SIGTERM"]
