@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import time
 import warnings
 from pathlib import Path
@@ -253,6 +254,7 @@ def open_study(space: SearchSpace, objective: Objective, *, sampler: Any = "tpe"
     from optuna.trial import TrialState
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
+    _quiet_fallback_notice()
     first_sampler = make_sampler(sampler, seed=seed)  # an unknown one refused before any file
     store, where = resolve_storage(storage, storage_dir)
     named = sampler if isinstance(sampler, str) else sampler_name(sampler)
@@ -294,6 +296,21 @@ def open_study(space: SearchSpace, objective: Objective, *, sampler: Any = "tpe"
         # QMC draws its sequence by trial count and needs the seed of its scramble
         study.sampler = make_sampler(sampler, seed=_session_seed(seed, num_trials))
     return study
+
+
+def _is_not_fallback_notice(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith("Caught an error from sqlalchemy")
+
+
+def _quiet_fallback_notice() -> None:
+    """Leave out Optuna's "Caught an error from sqlalchemy ... Falling back to a slower
+    alternative": its database storage says so whenever a read of the trials fails, a lost
+    connection included, and then reads them another way. Either that way answers (nothing
+    is lost) or it fails too, and the search ends with its own one-line error that names the
+    storage and what to do; the notice was ten lines of SQL ahead of it."""
+    logger = logging.getLogger("optuna.storages._rdb.storage")
+    if _is_not_fallback_notice not in logger.filters:
+        logger.addFilter(_is_not_fallback_notice)
 
 
 def _finished(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:

@@ -340,3 +340,32 @@ def test_a_storage_error_masks_the_password(url):
     with pytest.raises(ConfigError) as info:
         resolve_storage(url, None)
     assert "s3cret" not in str(info.value) and "***" in str(info.value)
+
+
+def test_a_database_read_that_fails_is_not_preceded_by_optunas_fallback_notice(tmp_path,
+                                                                               caplog):
+    """Optuna's database storage logs its SQL error ("Caught an error from sqlalchemy ...
+    Falling back") before it tries another read; when that fails too (the server stopped),
+    paratune's one-line error is what the user reads, not ten lines of SQL ahead of it."""
+    import sqlite3
+    import warnings
+
+    import optuna
+
+    path = tmp_path / "study.db"
+    study = open_study(_space(), Objective(kind="goodput", b_noise=300),
+                       storage=f"sqlite:///{path}", seed=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # heartbeats are meant for Study.optimize
+        study.tell(study.ask(), 1.0)
+    with sqlite3.connect(path) as db:  # the table the trials are read from goes away
+        db.execute("ALTER TABLE trials RENAME TO gone")
+    optuna.logging.enable_propagation()
+    try:
+        with (caplog.at_level(logging.WARNING, logger="optuna"),
+              pytest.raises(optuna.exceptions.StorageInternalError) as raised):
+            study.get_trials(deepcopy=False)
+    finally:
+        optuna.logging.disable_propagation()
+    assert "no such table: trials" in str(raised.value.__cause__)
+    assert not [r for r in caplog.records if "Falling back" in r.getMessage()]
