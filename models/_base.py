@@ -15,6 +15,7 @@ import numpy as np
 from sklearn.base import BaseEstimator
 
 from paratune.errors import ModelFormatError
+from paratune.measurement import family_of
 from paratune.models import features as F
 from paratune.models._data import measured_step_time
 from paratune.models._feature_columns import _lookup
@@ -103,8 +104,9 @@ def source_family(frame: pd.DataFrame, *, missing: str = "paratune") -> np.ndarr
     """The measurement family of each row: the first ``_``-separated word of its source,
     lower case, any run of characters other than letters, digits, ``.`` and ``-`` made one
     ``-`` (``vtrain_ground_truth_single_node`` and ``vtrain_ground_truth_multi_node`` are one
-    family, ``vtrain``; a family names files of a saved model); ``missing`` where no source
-    is recorded (paratune's own measurements name theirs)."""
+    family, ``vtrain``; a family names files of a saved model; the rule is
+    :func:`paratune.measurement.family_of`); ``missing`` where no source is recorded
+    (paratune's own measurements name theirs)."""
     import pandas as pd
 
     if "source" not in frame.columns:
@@ -112,9 +114,7 @@ def source_family(frame: pd.DataFrame, *, missing: str = "paratune") -> np.ndarr
     # once per distinct source: a frame of 100,000 rows holds a handful
     source = frame["source"]
     codes, sources = pd.factorize(source.astype(object).where(source.notna(), "").astype(str))
-    text = pd.Series(sources, dtype=object).str.strip().str.lower()
-    family = (text.str.split("_").str[0].str.replace(r"[^a-z0-9.\-]+", "-", regex=True)
-              .str.strip("-").replace("", missing))
+    family = [family_of(text, missing=missing) for text in sources]
     return np.asarray(family, dtype=object)[codes]
 
 

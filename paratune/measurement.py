@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import time
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -14,7 +15,8 @@ from paratune.parallel import ParallelConfig
 from paratune.scalars import plain
 from paratune.spec import ModelSpec
 
-__all__ = ["FINGERPRINT_FIELDS", "TIMING_PREFIX", "Measurement", "Status", "StepTiming"]
+__all__ = ["FINGERPRINT_FIELDS", "TIMING_PREFIX", "Measurement", "Status", "StepTiming",
+           "family_of"]
 
 
 class Status(StrEnum):
@@ -70,6 +72,16 @@ class StepTiming:
         return cls(**{f.name: _seconds(row[TIMING_PREFIX + f.name])
                       for f in dataclasses.fields(cls)
                       if row.get(TIMING_PREFIX + f.name) is not None})
+
+
+def family_of(source: str | None, *, missing: str = "paratune") -> str:
+    """The measurement family a record's ``source`` names: its first ``_``-separated word,
+    lower case, any run of characters other than letters, digits, ``.`` and ``-`` made one
+    ``-`` (``vtrain_ground_truth_single_node`` and ``vtrain_ground_truth_multi_node`` are one
+    family, ``vtrain``; a family names files of a saved model, and a framework asked for by
+    ``paratune tune --framework`` is spelt as one); ``missing`` where it names none."""
+    word = (source or "").strip().lower().split("_")[0]
+    return re.sub(r"[^a-z0-9.\-]+", "-", word).strip("-") or missing
 
 
 def _seconds(value: Any) -> float:

@@ -20,13 +20,13 @@ import hashlib
 import json
 import logging
 import numbers
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from paratune.errors import ConfigError
 from paratune.hardware import HardwareSpec, get_hardware
+from paratune.measurement import family_of
 from paratune.parallel import ParallelConfig, Recompute, Schedule, Sharding
 from paratune.space import ConfigSpace, SpaceEnumeration, divisors
 from paratune.spec import ModelSpec
@@ -45,11 +45,6 @@ if TYPE_CHECKING:
 __all__ = ["MAX_BATCH_SIZES", "SearchSpace", "check_gpus", "parse_batch_sizes"]
 
 logger = logging.getLogger(__name__)
-
-_FRAMEWORK = re.compile(r"[A-Za-z0-9][A-Za-z0-9.\-]*")
-"""A framework name as a measurement family is spelt (no ``_``: a source's first
-``_``-separated word names its family)."""
-
 
 @dataclass(frozen=True, kw_only=True)
 class SearchSpace:
@@ -81,11 +76,11 @@ class SearchSpace:
             raise ConfigError("devices_per_node", self.devices_per_node,
                               "must be a positive integer")
         if not isinstance(self.framework, str) or (
-                self.framework and not _FRAMEWORK.fullmatch(self.framework)):
+                self.framework and family_of(self.framework, missing="") != self.framework.lower()):
             raise ConfigError("framework", self.framework,
                               "must be a name of letters, digits, '.' and '-' (a measurement "
-                              "family's name, e.g. megatron-lm), starting with a letter or "
-                              "digit")
+                              "family's name, e.g. megatron-lm), neither starting nor ending "
+                              "with '-'")
         object.__setattr__(self, "framework", self.framework.lower())
         if not self.layouts():
             raise self._no_layout_error()

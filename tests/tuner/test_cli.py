@@ -162,6 +162,7 @@ def job(saved_model, tmp_path, monkeypatch):
      "--storage='nosuchdialect://x': is not a usable database URL"),
     ("tune", ["--framework", "megatron_lm"], "--framework='megatron_lm': must be a name of"),
     ("plan", ["--framework", " "], "--framework=' ': must be a name of"),
+    ("tune", ["--framework", "Megatron LM"], "--framework='Megatron LM': must be a name of"),
     ("tune", ["--framework", "megatron-lm", "--verify", "2"],
      "--framework='megatron-lm': cannot be verified with --verify"),
 ])
