@@ -311,12 +311,11 @@ def config_from_public(raw: dict[str, str], *, check_grad_accum: bool = True
                             global_batch_size=global_batch, schedule=schedule,
                             virtual_stages=virtual,
                             sharding=Sharding.from_stage(int(zero or 0)), recompute=recompute)
-    if schedule is Schedule.INTERLEAVED_1F1B:
-        try:  # the interleaved schedule's own rules (pp >= 2, micro-batches a multiple of pp)
-            config.validate(runnable=False)
-        except ConfigError as exc:
-            raise _Unmappable(f"{_PUBLIC_NAMES.get(exc.field, exc.field)}="
-                              f"{exc.value!r}: {exc.rule}") from None
+    try:  # the layout's own rules (a pipeline schedule's among them)
+        config.validate(runnable=False)
+    except ConfigError as exc:
+        raise _Unmappable(f"{_PUBLIC_NAMES.get(exc.field, exc.field)}="
+                          f"{exc.value!r}: {exc.rule}") from None
     return config, num_gpus
 
 
@@ -331,7 +330,9 @@ def _schedule(raw: dict[str, str], pp: int) -> tuple[Schedule, int]:
     """The pipeline schedule and model chunks per pipeline rank of a public row: the stated
     ``schedule`` (empty: 1F1B, or interleaved where ``virtual_stages`` > 1) and
     ``virtual_stages`` (empty: 1; an interleaved schedule must state it, it is not
-    guessed). Without a pipeline (``pp`` 1) the schedule is moot: 1F1B."""
+    guessed). Without a pipeline (``pp`` 1) a stated 1F1B or GPipe is moot: 1F1B. The
+    layout's own rules (an interleaved schedule needs pp >= 2, one chunk per rank
+    otherwise) are :meth:`ParallelConfig.validate`'s."""
     text = raw.get("schedule", "").strip().lower().replace("-", "_")
     virtual = _integer(raw, "virtual_stages", required=False)
     if text and text not in _SCHEDULES:
@@ -339,19 +340,12 @@ def _schedule(raw: dict[str, str], pp: int) -> tuple[Schedule, int]:
                           f"or gpipe")
     schedule = _SCHEDULES.get(text) or (Schedule.INTERLEAVED_1F1B if (virtual or 1) > 1
                                         else Schedule.ONE_F_ONE_B)
-    if schedule is Schedule.INTERLEAVED_1F1B:
-        if virtual is None or virtual < 2:
-            raise _Unmappable(f"virtual_stages={raw.get('virtual_stages', '')!r}: an "
-                              f"interleaved schedule needs its model chunks per pipeline "
-                              f"rank, an integer >= 2")
-        if pp < 2:
-            raise _Unmappable(f"schedule={raw.get('schedule') or 'interleaved_1f1b'!r} "
-                              f"needs pp >= 2 (pp={pp})")
-        return schedule, virtual
-    if virtual not in (None, 1):
-        raise _Unmappable(f"virtual_stages={virtual} must be 1 unless the schedule is "
-                          f"interleaved_1f1b (schedule={schedule.value})")
-    return (schedule if pp > 1 else Schedule.ONE_F_ONE_B), 1
+    if schedule is Schedule.INTERLEAVED_1F1B and virtual is None:
+        raise _Unmappable("virtual_stages='': an interleaved schedule needs its model chunks "
+                          "per pipeline rank, an integer >= 2")
+    if schedule is Schedule.GPIPE and pp == 1:
+        schedule = Schedule.ONE_F_ONE_B
+    return schedule, virtual or 1
 
 
 def public_row_layout(raw: dict[str, str]) -> tuple[ModelSpec, ParallelConfig, HardwareSpec]:

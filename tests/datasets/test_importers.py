@@ -417,10 +417,11 @@ def test_a_pipeline_schedule_and_its_virtual_stages_are_read(tmp_path, schedule,
 @pytest.mark.parametrize(("schedule", "virtual", "pp", "global_batch", "reason"), [
     ("interleaved_1f1b", "", 4, 64,
      "virtual_stages='': an interleaved schedule needs its model chunks per pipeline rank"),
-    ("interleaved", "1", 4, 64, "virtual_stages='1': an interleaved schedule needs"),
-    ("1f1b", "2", 4, 64, "virtual_stages=2 must be 1 unless the schedule is interleaved_1f1b"),
+    ("interleaved", "1", 4, 64, "virtual_stages=1: must be >= 2 with schedule=interleaved_1f1b"),
+    ("1f1b", "2", 4, 64,
+     "virtual_stages=2: must be 1 unless schedule=interleaved_1f1b (schedule=1f1b)"),
     ("zb-h1", "", 4, 64, "schedule='zb-h1' is not 1f1b, interleaved_1f1b or gpipe"),
-    ("interleaved", "2", 1, 64, "schedule='interleaved' needs pp >= 2 (pp=1)"),
+    ("interleaved", "2", 1, 64, "schedule='interleaved_1f1b': interleaved_1f1b needs pp >= 2"),
     ("interleaved", "2", 4, 6, "global_batch=6: interleaved_1f1b needs the number of "
                                "micro-batches (6) to be a multiple of pp=4"),
 ])
