@@ -119,9 +119,18 @@ def test_cpu_smoke_run_writes_the_dataset_and_the_comparison(tmp_path):
 @pytest.mark.slow
 def test_a_run_past_its_deadline_keeps_what_it_measured(tmp_path):
     # A budget the whole grid cannot fit in: every planned config is either measured or
-    # listed as left out, and the run ends near its budget.
+    # listed as left out, and the run ends near its budget. The budget leaves the first part
+    # less than its planned time, so that it is trimmed when planned whatever the machine's
+    # pace (at a fast pace a budget for most of the grid measured all of it).
+    from paratune import get_model
+    from paratune.profiler.campaign import detect_hardware
+
     out = tmp_path / "out"
-    budget = 25.0
+    step_s = gpu_check._step_estimator(get_model("tiny", seq_len=64), detect_hardware("cpu"),
+                                       "cpu")
+    first = gpu_check.estimate_part_s(gpu_check.default_parts(tiny=True)[0], step_s,
+                                      device="cpu", steps=3)
+    budget = gpu_check.RESERVE_S["cpu"] + 0.8 * first
     proc, wall = _run(out, "--budget-s", str(budget), "--skip-tests")
     text = proc.stdout + proc.stderr
     summary_md = (out / "summary.md").read_text()
