@@ -554,27 +554,33 @@ from paratune.models import load_model
 models = [load_model(src) for src in sys.argv[1].split(",")]
 ready, others, rounds = Path(sys.argv[3]), sys.argv[4].split(","), int(sys.argv[5])
 pause_s = float(sys.argv[6])
+stop = Path(sys.argv[7]) if len(sys.argv) > 7 else None  # else: rounds saves
 ready.touch()
 while not all(Path(other).exists() for other in others):  # start together
     time.sleep(0.001)
-for i in range(rounds):
+i = 0
+while i < rounds if stop is None else not stop.exists() and i < rounds:
     for j, out in enumerate(sys.argv[2].split(",")):
         models[(i + j) % len(models)].save(out)
         time.sleep(pause_s)
+    i += 1
+print(i, flush=True)
 """
 
 
-def _start_saver(sources, outs, ready, others, rounds, pause_s=0.0):
+def _start_saver(sources, outs, ready, others, rounds, pause_s=0.0, stop=None):
     """A process that loads the models saved in ``sources``, waits for ``others`` to exist
     (after creating ``ready``), then saves them into each of ``outs`` in turn, ``rounds``
-    times, ``pause_s`` apart."""
+    times (or, given ``stop``, until that file exists, ``rounds`` at most), ``pause_s``
+    apart; it prints the rounds it saved."""
     import subprocess
     import sys
 
     return subprocess.Popen([sys.executable, "-c", _SAVER, ",".join(map(str, sources)),
                              ",".join(map(str, outs)), str(ready),
-                             ",".join(map(str, others)), str(rounds), str(pause_s)],
-                            stderr=subprocess.PIPE, text=True)
+                             ",".join(map(str, others)), str(rounds), str(pause_s),
+                             *([str(stop)] if stop is not None else [])],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 @pytest.fixture(scope="module")
@@ -635,17 +641,25 @@ def test_a_load_during_saves_gets_one_whole_model(two_models, tmp_path):
     saved, _ = two_models
     out = tmp_path / "m"
     PerformanceModel.load(saved["first"][0]).save(out)
-    ready, go = tmp_path / "ready", tmp_path / "go"
-    writer = _start_saver([saved["first"][0], saved["second"][0]], [out], ready, [go], 40,
-                          pause_s=0.01)
+    ready, go, stop = tmp_path / "ready", tmp_path / "go", tmp_path / "stop"
+    # The writer saves until the loads are done, pausing longer than a waiting lock's retry
+    # (50 ms) so that a load gets its turn whatever the machine's speed; the loads come at
+    # random moments, never in step with the saves.
+    writer = _start_saver([saved["first"][0], saved["second"][0]], [out], ready, [go], 2000,
+                          pause_s=0.1, stop=stop)
     while not ready.exists() and writer.poll() is None:
         time.sleep(0.01)
     go.touch()
-    seen = []
-    while writer.poll() is None:
+    seen, deadline, jitter = [], time.monotonic() + 120, np.random.default_rng(0)
+    while writer.poll() is None and time.monotonic() < deadline and not (
+            len(seen) >= 10 and set(seen) == {"first", "second"}):
         seen.append(_which(out, two_models))
-    assert writer.wait() == 0, writer.stderr.read()
-    assert len(seen) >= 5 and set(seen) == {"first", "second"}, seen
+        time.sleep(jitter.uniform(0.0, 0.05))
+    stop.touch()
+    rounds, err = writer.communicate(timeout=60)
+    assert writer.returncode == 0, err
+    assert int(rounds) >= 2  # the loads raced a stream of saves
+    assert len(seen) >= 10 and set(seen) == {"first", "second"}, seen
 
 
 def test_a_booster_file_of_another_save_is_detected(two_models, tmp_path):
