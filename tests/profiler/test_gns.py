@@ -469,9 +469,12 @@ import time
 
 if __name__ == "__mp_main__":
     # A worker starting up: this module is imported before the worker's function runs. Note
-    # the pid, then take long enough that the parent is gone before the worker runs.
+    # the pid, then wait until the parent is gone (the worker is given another parent).
+    parent = os.getppid()
     open(os.path.join(os.environ["GNS_TEST_DIR"], f"{os.getpid()}.started"), "w").close()
-    time.sleep(2.0)
+    waited = time.monotonic() + 30
+    while os.getppid() == parent and time.monotonic() < waited:
+        time.sleep(0.01)
 
 
 def work(rank, world_size, port, out):
@@ -484,7 +487,13 @@ if __name__ == "__main__":
 
     from paratune.profiler.gns import spawn
 
-    threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGKILL)).start()
+    def kill_once_both_started():  # whatever the machine's pace
+        folder = os.environ["GNS_TEST_DIR"]
+        while sum(name.endswith(".started") for name in os.listdir(folder)) < 2:
+            time.sleep(0.01)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=kill_once_both_started, daemon=True).start()
     spawn(work, 2, sys.argv[1])
 '''
 
