@@ -131,7 +131,13 @@ STUDY_WORKER = textwrap.dedent("""
     from paratune.tuner import Objective, SearchOptions, SearchSpace, optuna_search
 
     class Slow(ClosedFormPredictor):
+        calls = 0
+
         def predict(self, frame):
+            Slow.calls += 1
+            if Slow.calls == {hang_at}:  # a batch's trials are in flight: say so, and stay
+                open({hanging!r}, "w").close()
+                time.sleep(3600)
             time.sleep({delay})
             return super().predict(frame)
 
@@ -152,9 +158,12 @@ STUDY_WORKER = textwrap.dedent("""
 
 
 def _study_worker(storage: str, *, n_trials: int, seed: int, delay: float,
-                  batch_size: int = 2) -> subprocess.Popen:
+                  batch_size: int = 2, hang_at: int = 0, hanging: str = "") -> subprocess.Popen:
+    """A process searching the study ``shared`` once told to go; with ``hang_at``, its
+    predictor's call of that number creates the file ``hanging`` and never returns."""
     code = STUDY_WORKER.format(here=str(HERE), delay=delay, n_trials=n_trials, seed=seed,
-                               storage=storage, batch_size=batch_size)
+                               storage=storage, batch_size=batch_size, hang_at=hang_at,
+                               hanging=hanging)
     env = dict(os.environ, OMP_NUM_THREADS="1")
     worker = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
@@ -212,14 +221,18 @@ def test_four_workers_on_one_postgresql_study_stop_at_its_total(postgres_cluster
 
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["SIGTERM", "SIGKILL"])
-def test_a_stopped_workers_trials_do_not_stay_running(postgres_cluster, how):
+def test_a_stopped_workers_trials_do_not_stay_running(postgres_cluster, tmp_path, how):
     """SIGTERM: the worker fails its in-flight trials as it exits. kill -9: the next worker
-    on this machine fails them (their process is gone) before it searches."""
+    on this machine fails them (their process is gone) before it searches. The signal comes
+    while the worker predicts its third batch, whose trials are in flight."""
     storage = postgres_cluster.url
-    worker = _study_worker(storage, n_trials=10_000, seed=0, delay=0.5, batch_size=4)
+    hanging = tmp_path / "hanging"
+    worker = _study_worker(storage, n_trials=10_000, seed=0, delay=0.0, batch_size=4,
+                           hang_at=3, hanging=str(hanging))
     _go(worker)
-    assert _wait(lambda: _states(storage).get("COMPLETE", 0) >= 4
-                 and _states(storage).get("RUNNING", 0) > 0, 60), _states(storage)
+    assert _wait(hanging.exists, 120), worker.poll()
+    states = _states(storage)
+    assert states.get("RUNNING", 0) > 0 and states.get("COMPLETE", 0) > 0, states
     worker.send_signal(getattr(signal, how))
     worker.communicate(timeout=60)
     if how == "SIGTERM":
