@@ -28,7 +28,17 @@ WORKER = textwrap.dedent("""
     from paratune.tuner import Objective, SearchOptions, SearchSpace, optuna_search
 
     class Slow(ClosedFormPredictor):
+        waited = False
+
         def predict(self, frame):
+            if {together} and not Slow.waited:  # each worker holds a trial before either tells
+                import os, pathlib
+                Slow.waited = True
+                folder = pathlib.Path({storage!r}).parent
+                (folder / f"inflight-{{os.getpid()}}").touch()
+                until = time.monotonic() + 60
+                while len(list(folder.glob("inflight-*"))) < 2 and time.monotonic() < until:
+                    time.sleep(0.01)
             time.sleep({delay})
             return super().predict(frame)
 
@@ -72,7 +82,8 @@ def test_two_processes_share_one_study(tmp_path):
     workers = [_worker(storage, n_trials=30, seed=seed, delay=0.03, together=True)
                for seed in (0, 1)]
     # One worker runs all 30 trials in about a second: one that imports slower under load
-    # used to find the study full and tell none. Both start once both have imported.
+    # used to find the study full and tell none. Both start once both have imported, and
+    # each holds its first trial until the other holds one too.
     for w in workers:
         assert w.stdout.readline() == "READY\n", w.communicate(timeout=60)[1]
     for w in workers:
