@@ -101,12 +101,8 @@ def training_ranges(frame: pd.DataFrame) -> dict[str, dict[str, list[int]]]:
 
 
 def source_family(frame: pd.DataFrame, *, missing: str = "paratune") -> np.ndarray:
-    """The measurement family of each row: the first ``_``-separated word of its source,
-    lower case, any run of characters other than letters, digits, ``.`` and ``-`` made one
-    ``-`` (``vtrain_ground_truth_single_node`` and ``vtrain_ground_truth_multi_node`` are one
-    family, ``vtrain``; a family names files of a saved model; the rule is
-    :func:`paratune.measurement.family_of`); ``missing`` where no source is recorded
-    (paratune's own measurements name theirs)."""
+    """The measurement family of each row's source (:func:`paratune.measurement.family_of`);
+    ``missing`` where no source is recorded (paratune's own measurements name theirs)."""
     import pandas as pd
 
     if "source" not in frame.columns:
