@@ -27,10 +27,13 @@ if TYPE_CHECKING:
 __all__ = ["AXES", "COVERAGE_STEPS", "MAX_COVERAGE_LEVEL", "axis_values", "calibrate_widening",
            "covering_margins", "distance", "fit_ranges", "nested_folds"]
 
-AXES = ("model_params", "world_size", "tokens_per_step", "tp_nodes")
-"""The scale axes a distance is measured along: parameters, devices, tokens per step and
-the nodes a tensor-parallel group spans (a family measured in one node has never seen its
-products wait on the network: a group across two is a doubling beyond it)."""
+AXES = ("model_params", "world_size", "tokens_per_step", "tp_nodes", "dp_regime")
+"""The axes a distance is measured along: parameters, devices, tokens per step, the nodes a
+tensor-parallel group spans (a family measured in one node has never seen its products wait
+on the network: a group across two is a doubling beyond it) and the data-parallel regime
+(1: the gradients cross the data-parallel group once per step, as with DDP, ZeRO-1 and
+ZeRO-2 with a pipeline; 2: parameters or gradients stream through it every micro-batch, as
+with ZeRO-3 (FSDP) and ZeRO-2 without one; see :data:`REGIME_AXIS`)."""
 LINK_AXIS = "tp_nodes"
 """The axis of :data:`AXES` whose distance moves the prediction toward the core at its own
 rate (:data:`LINK_SHRINK_PER_DOUBLING`), not at the family's."""
@@ -44,6 +47,14 @@ network's bandwidth) and the core 1.9x too fast (the hierarchical reduction at a
 framework's constant); half-way, the median APE of those runs fell from 64% to 45%. A
 family's own rate, chosen on nested splits, cannot say this: no nested split of a family
 measured in one node takes its groups across nodes."""
+REGIME_AXIS = "dp_regime"
+"""The axis of :data:`AXES` beyond whose range the prediction is the calibrated core's,
+whatever the family's rate: a data-parallel regime none of the training rows ran in is not a
+matter of degree the learned correction can stretch to. The public sweeps hold DDP and
+ZeRO-1 only; fitted on them, the learned correction priced torchtitan's FSDP runs of Llama 2
+13B on 64 A100 (``data/published_torchtitan_a100.csv``) at 2.4x their step time, the core
+within 1% (``experiments/published_runs.py``). The interval spans both, and widens by the
+prior margin per doubling."""
 MAX_MARGIN_PER_DOUBLING = 1.5
 """The widening's bound: at most this much log margin per doubling of distance (a factor of
 4.5 per doubling) or, for an unmeasured family, this much in all."""
@@ -66,8 +77,10 @@ def axis_values(frame: pd.DataFrame, c: Any = None) -> dict[str, np.ndarray]:
     with np.errstate(divide="ignore", invalid="ignore"):
         spanned = np.maximum(np.ceil(c.tp / c.per_node), 2.0)
     tp_nodes = np.where(tp_crosses_nodes(c) > 0, spanned, 1.0)
+    streamed = (c.sharding == 3) | ((c.sharding == 2) & (c.pp == 1))
     return {"model_params": model_params(frame, c), "world_size": c.world,
-            "tokens_per_step": c.global_batch * c.seq, "tp_nodes": tp_nodes}
+            "tokens_per_step": c.global_batch * c.seq, "tp_nodes": tp_nodes,
+            "dp_regime": np.where(streamed, 2.0, 1.0)}
 
 
 def fit_ranges(values: dict[str, np.ndarray], families: np.ndarray, rows: np.ndarray
@@ -180,7 +193,7 @@ def calibrate_widening(frame: pd.DataFrame, fit_predict: Callable[[Any, Any], An
         pred = fit_predict(frame[train], frame[test])
         m = step[test]
         d = sum(np.asarray(pred[f"distance_{a}"], dtype=float) for a in AXES
-                if a != LINK_AXIS)
+                if a not in (LINK_AXIS, REGIME_AXIS))
         unknown = np.asarray(pred["unknown_family"], dtype=bool)
         parts.append({**{f"d_{a}": np.asarray(pred[f"distance_{a}"], dtype=float)
                          for a in AXES},
@@ -189,6 +202,7 @@ def calibrate_widening(frame: pd.DataFrame, fit_predict: Callable[[Any, Any], An
                       "core": np.asarray(pred["core"], dtype=float),
                       "blendable": np.asarray(pred["blendable"], dtype=bool), "d": d,
                       "link": np.asarray(pred[f"distance_{LINK_AXIS}"], dtype=float),
+                      "regime": np.asarray(pred[f"distance_{REGIME_AXIS}"], dtype=float),
                       "hi": np.asarray(pred["step_hi"], dtype=float),
                       "lo": np.asarray(pred["step_lo"], dtype=float)})
     shrink = {"": _shrink(parts, None)}
@@ -204,7 +218,7 @@ def calibrate_widening(frame: pd.DataFrame, fit_predict: Callable[[Any, Any], An
                              for f in part["family"]])
         factor = blend_factor(part["step"], part["core"], part["d"], part["unknown"],
                               part["blendable"], rate=rate, family_weight=weight,
-                              link=part["link"])
+                              link=part["link"], regime=part["regime"])
         # the interval spans the learned prediction and the one moved toward the core
         part["over"] = np.log(part["measured"] / np.maximum(part["hi"] * factor, part["hi"]))
         part["under"] = np.log(np.minimum(part["lo"] * factor, part["lo"]) / part["measured"])
@@ -300,17 +314,20 @@ PRIOR_SHRINK = {"shrink_per_doubling": 0.0, "core_weight_family": 0.0}
 
 def blend_factor(step: np.ndarray, core: np.ndarray, d: np.ndarray, unknown: np.ndarray,
                  blendable: np.ndarray, *, rate: Any, family_weight: Any,
-                 link: Any = 0.0) -> np.ndarray:
+                 link: Any = 0.0, regime: Any = 0.0) -> np.ndarray:
     """The factor that moves ``step`` (the learned prediction) toward ``core`` (the calibrated
     analytical core) in log space by ``1 - exp(-rate * d - LINK_SHRINK_PER_DOUBLING * link)``
     of the way for a row ``d`` doublings beyond the training ranges of model, cluster and
     batch size and ``link`` doublings beyond the nodes its tensor-parallel groups spanned,
-    and at least ``family_weight`` of it for a row of a family without measurements; 1 where
-    a row is not ``blendable`` (a point prediction in the stalled regime, or no core)."""
+    and at least ``family_weight`` of it for a row of a family without measurements; all of
+    it for a row beyond the data-parallel regimes fitted on (``regime`` > 0, see
+    :data:`REGIME_AXIS`); 1 where a row is not ``blendable`` (a point prediction in the
+    stalled regime, or no core)."""
     share = 1.0 - np.exp(-np.asarray(rate, dtype=float) * d
                          - LINK_SHRINK_PER_DOUBLING * np.asarray(link, dtype=float))
     share = np.where(unknown, 1.0 - (1.0 - share) * (1.0 - np.asarray(family_weight,
                                                                        dtype=float)), share)
+    share = np.where(np.asarray(regime, dtype=float) > 0, 1.0, share)
     with np.errstate(divide="ignore", invalid="ignore"):
         log_gap = np.log(core / step)
     ok = blendable & np.isfinite(log_gap)
@@ -333,11 +350,13 @@ def _shrink(parts: list[dict[str, np.ndarray]], family: str | None) -> dict[str,
 
     step, core, m, d = cat("step"), cat("core"), cat("measured"), cat("d")
     unknown, blendable, link = cat("unknown"), cat("blendable"), cat("link")
+    regime = cat("regime")
     good = np.isfinite(step) & np.isfinite(m) & blendable & np.isfinite(core)
 
     def error(sel: np.ndarray, rate: float, weight: float) -> float:
         factor = blend_factor(step[sel], core[sel], d[sel], unknown[sel], blendable[sel],
-                              rate=rate, family_weight=weight, link=link[sel])
+                              rate=rate, family_weight=weight, link=link[sel],
+                              regime=regime[sel])
         return float(np.median(np.abs(step[sel] * factor / m[sel] - 1.0)))
 
     far = good & ~unknown & (d > 0)

@@ -62,10 +62,15 @@ class _Ranges:
     def _core_step(self, frame: pd.DataFrame, c: F.Columns, analytical: dict[str, Any],
                    families: np.ndarray | None = None) -> np.ndarray:
         """The calibrated core's step time per row: its family's constants, the defaults of
-        a well-tuned framework for a family without them."""
+        a well-tuned framework for a family without them. A row of no family (``""``) takes
+        the constants of the one family a model was fitted on, as its learned prediction
+        comes from that family's rows alone."""
         from paratune.models._calibration import core_parts, default_constants, predict_core
 
         families = self._families(frame) if families is None else families
+        if len(self.core_constants_) == 1:
+            (only,) = self.core_constants_
+            families = np.where(families == "", only, families)
         constants = default_constants(c)
         for family, values in self.core_constants_.items():
             constants[families == family] = values
@@ -243,16 +248,22 @@ class _Ranges:
         Returns:
             The step times, the doublings beyond the training ranges and a warning per row.
         """
-        from paratune.models._extrapolation import LINK_AXIS, _distinct, blend_factor
+        from paratune.models._extrapolation import (
+            LINK_AXIS,
+            REGIME_AXIS,
+            _distinct,
+            blend_factor,
+        )
 
         step, lo, hi, expected = times.step, times.lo, times.hi, times.expected
         families, per_axis, unknown = where
         dist = sum(per_axis.values())
-        link = per_axis[LINK_AXIS]
+        link, regime = per_axis[LINK_AXIS], per_axis[REGIME_AXIS]
         entries = [self.interval_widening_.get(str(f), self.interval_widening_[""])
                    for f in _distinct(families)]
-        if (link > 0).any() or any(e.get("shrink_per_doubling", 0.0)
-                                   or e.get("core_weight_family", 0.0) for e in entries):
+        shrinks = any(e.get("shrink_per_doubling", 0.0) or e.get("core_weight_family", 0.0)
+                      for e in entries)
+        if shrinks or (link > 0).any() or (regime > 0).any():
             rate, weight = np.zeros(len(step)), np.zeros(len(step))
             for family in _distinct(families):
                 entry = self.interval_widening_.get(str(family), self.interval_widening_[""])
@@ -260,8 +271,9 @@ class _Ranges:
                 weight[families == family] = entry.get("core_weight_family", 0.0)
             # the point in the stalled regime is the stall's time, not the core's business
             core = self._core_step(frame, c, analytical, families)
-            shrink = blend_factor(step, core, dist - link, unknown,
-                                  ~(prob > 0.5), rate=rate, family_weight=weight, link=link)
+            shrink = blend_factor(step, core, dist - link - regime, unknown,
+                                  ~(prob > 0.5), rate=rate, family_weight=weight, link=link,
+                                  regime=regime)
             # the interval spans both the learned prediction and the one moved toward the
             # core: where they disagree, the data has not said which is right
             lo, hi = np.minimum(lo * shrink, lo), np.maximum(hi * shrink, hi)
@@ -341,7 +353,8 @@ def _extrapolation_warnings(dist: np.ndarray, fresh: np.ndarray, families: np.nd
         warning[beyond] = _lookup(
             np.round(dist[beyond], 1),
             lambda d: "" if d is None else (
-                f"beyond the fitted model, cluster, batch and tensor-parallel sizes by {d:.1f} "
+                f"beyond the fitted model, cluster, batch and tensor-parallel sizes and "
+                f"data-parallel regimes by {d:.1f} "
                 "doublings: interval widened"), dtype=object)
     if fresh.any():
         warning[fresh] = _lookup(

@@ -314,7 +314,8 @@ def test_predict_cli_counts_the_rows_that_extrapolate(small_cluster_model, synth
                  "--out", str(tmp_path / "out.csv")]) == 0
     out = capsys.readouterr().out
     assert re.search(r"warning: 2 rows: beyond the fitted model, cluster, batch and "
-                     r"tensor-parallel sizes by N doublings: interval widened", out), out
+                     r"tensor-parallel sizes and data-parallel regimes by N doublings: "
+                     r"interval widened", out), out
     written = pd.read_csv(tmp_path / "out.csv", keep_default_na=False)
     assert (written[PRED_WARNING] != "").sum() == 2
 
@@ -411,3 +412,73 @@ def test_tensor_parallelism_across_nodes_moves_toward_the_core_and_widens(synthe
     q90 = pred["pred_tokens_per_sec_per_gpu_q90"].to_numpy()
     for t in (tokens / step, tokens / learned):
         assert ((q10 <= t * (1 + 1e-9)) & (t <= q90 * (1 + 1e-9))).all()
+
+
+def test_the_data_parallel_regime_is_an_axis_streamed_shardings_a_doubling_beyond():
+    """ZeRO-3, and ZeRO-2 without a pipeline, move parameters or gradients through the
+    data-parallel group every micro-batch; DDP, ZeRO-1 and ZeRO-2 with a pipeline once per
+    step. A family fitted on the second kind alone is a doubling from the first."""
+    from paratune import ModelSpec, ParallelConfig, get_hardware
+    from paratune.models import features as F
+
+    spec = ModelSpec(name="t", num_layers=8, hidden_size=1024, num_heads=8,
+                     ffn_hidden_size=4096, vocab_size=32768, seq_len=2048)
+    layouts = (("none", 1), ("zero1", 1), ("zero2", 2), ("zero2", 1), ("zero3", 1),
+               ("zero3", 2))
+    frame = pd.concat([F.config_row(spec, ParallelConfig(dp=8, pp=pp, sharding=sharding,
+                                                         global_batch_size=64),
+                                    get_hardware("A100"))
+                       for sharding, pp in layouts], ignore_index=True)
+    values = axis_values(frame)
+    np.testing.assert_array_equal(values["dp_regime"], [1, 1, 1, 2, 2, 2])
+    families = np.asarray(["ddp"] * len(frame), dtype=object)
+    ranges = fit_ranges(values, families, np.array([True, True, True, False, False, False]))
+    per_axis, _ = distance(values, families, ranges)
+    np.testing.assert_allclose(per_axis["dp_regime"], [0, 0, 0, 1, 1, 1])
+
+
+def test_a_regime_never_measured_is_the_cores_whatever_the_familys_rate():
+    from paratune.models._extrapolation import blend_factor
+
+    step, core = np.array([4.0, 4.0]), np.array([1.0, 1.0])
+    factor = blend_factor(step, core, np.zeros(2), np.zeros(2, dtype=bool),
+                          np.ones(2, dtype=bool), rate=0.0, family_weight=0.0,
+                          regime=np.array([0.0, 1.0]))
+    np.testing.assert_allclose(step * factor, [4.0, 1.0])
+
+
+def test_fsdp_runs_of_a_model_fitted_without_them_are_predicted_by_the_core(synthetic,
+                                                                          monkeypatch):
+    """Fitted on DDP and ZeRO-1 runs only, a ZeRO-3 run's point is the calibrated core's
+    (the learned correction never saw that regime), its interval holds the learned
+    prediction as well, and the warning says why; fitted with such runs, nothing is
+    beyond."""
+    from paratune.models import _extrapolation
+    from paratune.models import features as F
+
+    model = PerformanceModel(**SMALL).fit(synthetic)
+    ok = synthetic[(synthetic["status"] == "ok") & (synthetic["pp"] == 1)
+                   & (synthetic["dp"] >= 2)]
+    fsdp = ok.assign(sharding="zero3").head(6)
+    pred = model.predict(fsdp)
+    c = F.Columns(fsdp)
+    core = model._core_step(fsdp, c, F.analytical_step_time(c))
+    np.testing.assert_allclose(pred["pred_step_time_s"].to_numpy(), core, rtol=1e-9)
+    assert (pred[PRED_EXTRAPOLATION] >= 1).all()
+    assert pred[PRED_WARNING].str.contains("data-parallel regimes").all()
+    # the learned prediction: the same model with the rows' regime taken as measured
+    values = _extrapolation.axis_values
+    monkeypatch.setattr(_extrapolation, "axis_values", lambda frame, c=None: {
+        **values(frame, c), "dp_regime": np.ones(len(frame))})
+    learned = model.predict(fsdp)
+    monkeypatch.undo()
+    tokens = (fsdp["global_batch_size"] * fsdp["seq_len"] / fsdp["world_size"]).to_numpy()
+    q10 = pred["pred_tokens_per_sec_per_gpu_q10"].to_numpy()
+    q90 = pred["pred_tokens_per_sec_per_gpu_q90"].to_numpy()
+    assert not np.allclose(learned["pred_step_time_s"].to_numpy(), core, rtol=0.01)
+    for t in (tokens / core, tokens / learned["pred_step_time_s"].to_numpy()):
+        assert ((q10 <= t * (1 + 1e-9)) & (t <= q90 * (1 + 1e-9))).all()
+    both = pd.concat([synthetic, fsdp.assign(step_time_s=fsdp["step_time_s"] * 1.1)],
+                     ignore_index=True)
+    refit = PerformanceModel(**SMALL).fit(both).predict(fsdp)
+    assert (refit[PRED_EXTRAPOLATION] == 0).all()

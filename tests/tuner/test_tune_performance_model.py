@@ -18,10 +18,12 @@ def test_tune_with_a_fitted_performance_model(saved_model, tmp_path):
     from paratune.models import load_model
 
     spec = get_model("llama3-8b", seq_len=4096)  # the shape the synthetic rows were made for
-    options = ConfigSpace(micro_batch_sizes=(1, 2, 4), recomputes=("none", "full"))
+    # the shardings the synthetic rows measured: the whole space interpolates
+    options = ConfigSpace(micro_batch_sizes=(1, 2, 4), recomputes=("none", "full"),
+                          shardings=("none", "zero1"))
     out = tmp_path / "out"
     result = tune(spec, 16, "H100", saved_model, objective="throughput",
-                  global_batch_sizes=[64], space=options, n_trials=40, seed=0,
+                  global_batch_sizes=[64], space=options, n_trials=60, seed=0,
                   output_dir=out, top_k=5, track=False)
 
     # the whole space, predicted by the same model: the search found (near) its best
@@ -77,7 +79,8 @@ def test_a_model_larger_than_any_fitted_is_ranked_risk_aware(saved_model, tmp_pa
     # fitted on llama3 1B-8B: the 8B job interpolates and ranks by the expected throughput;
     # a 70B job on the same devices is beyond the fitted model sizes, and tune ranks it by
     # the risk-aware expectation (without being told), as the extrapolation splits score it
-    options = ConfigSpace(micro_batch_sizes=(1, 2), recomputes=("none", "full"))
+    options = ConfigSpace(micro_batch_sizes=(1, 2), recomputes=("none", "full"),
+                          shardings=("none", "zero1"))
     runs = {}
     for name in ("llama3-8b", "llama3-70b"):
         spec = get_model(name, seq_len=4096)
@@ -101,7 +104,8 @@ def test_a_framework_without_measurements_is_tuned_as_a_well_tuned_one(saved_mod
 
     spec = get_model("llama3-8b", seq_len=4096)
     kwargs = dict(objective="throughput", global_batch_sizes=[64], search="exhaustive",
-                  space=ConfigSpace(micro_batch_sizes=(1, 2), recomputes=("none", "full")),
+                  space=ConfigSpace(micro_batch_sizes=(1, 2), recomputes=("none", "full"),
+                                    shardings=("none", "zero1")),
                   top_k=3)
     runs, warned = {}, {}
     for framework in (None, "synthetic", "Megatron-LM"):
