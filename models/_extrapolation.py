@@ -31,9 +31,8 @@ AXES = ("model_params", "world_size", "tokens_per_step", "tp_nodes", "dp_regime"
 """The axes a distance is measured along: parameters, devices, tokens per step, the nodes a
 tensor-parallel group spans (a family measured in one node has never seen its products wait
 on the network: a group across two is a doubling beyond it) and the data-parallel regime
-(1: the gradients cross the data-parallel group once per step, as with DDP, ZeRO-1 and
-ZeRO-2 with a pipeline; 2: parameters or gradients stream through it every micro-batch, as
-with ZeRO-3 (FSDP) and ZeRO-2 without one; see :data:`REGIME_AXIS`)."""
+(1: once per step; 2: every micro-batch, as ZeRO-3 does, see
+:func:`~paratune.models.features.dp_streams_every_microbatch` and :data:`REGIME_AXIS`)."""
 LINK_AXIS = "tp_nodes"
 """The axis of :data:`AXES` whose distance moves the prediction toward the core at its own
 rate (:data:`LINK_SHRINK_PER_DOUBLING`), not at the family's."""
@@ -71,13 +70,13 @@ def axis_values(frame: pd.DataFrame, c: Any = None) -> dict[str, np.ndarray]:
     """Each row's value on every axis of :data:`AXES` (``c``: the frame's
     :class:`~paratune.models.features.Columns` where already built)."""
     from paratune.models._splits import model_params
-    from paratune.models.features import Columns, tp_crosses_nodes
+    from paratune.models.features import Columns, dp_streams_every_microbatch, tp_crosses_nodes
 
     c = Columns(frame) if c is None else c
     with np.errstate(divide="ignore", invalid="ignore"):
         spanned = np.maximum(np.ceil(c.tp / c.per_node), 2.0)
     tp_nodes = np.where(tp_crosses_nodes(c) > 0, spanned, 1.0)
-    streamed = (c.sharding == 3) | ((c.sharding == 2) & (c.pp == 1))
+    streamed = dp_streams_every_microbatch(c)
     return {"model_params": model_params(frame, c), "world_size": c.world,
             "tokens_per_step": c.global_batch * c.seq, "tp_nodes": tp_nodes,
             "dp_regime": np.where(streamed, 2.0, 1.0)}

@@ -228,6 +228,15 @@ def dp_nodes(frame: pd.DataFrame | Columns) -> np.ndarray:
     return np.maximum(spanned, 1.0)
 
 
+def dp_streams_every_microbatch(frame: pd.DataFrame | Columns) -> np.ndarray:
+    """Whether a row's data-parallel traffic flows every micro-batch (a boolean per row):
+    ZeRO-3 gathers the parameters for each forward and backward, and ZeRO-2 without a
+    pipeline reduce-scatters each micro-batch's gradients (see :func:`dp_reduction_bytes`);
+    DDP, ZeRO-1 and ZeRO-2 with a pipeline reduce once per step."""
+    c = _cols(frame)
+    return (c.sharding == 3) | ((c.sharding == 2) & (c.pp == 1))
+
+
 def dp_latency_s(frame: pd.DataFrame | Columns, *, well_tuned: bool = False) -> np.ndarray:
     """Latency of the data-parallel gradient reduction per step, in seconds.
 
@@ -246,8 +255,7 @@ def dp_latency_s(frame: pd.DataFrame | Columns, *, well_tuned: bool = False) -> 
         bucket = np.maximum(fixed, per_rank * c.dp) * ACTIVATION_BYTES
     buckets = np.ceil(_stage_gradient_bytes(c) / bucket)
     hops = 2.0 * (dp_nodes(c) - 1.0)
-    per_micro = (c.sharding == 3) | ((c.sharding == 2) & (c.pp == 1))
-    rounds = np.where(per_micro, num_microbatches(c), 1.0)
+    rounds = np.where(dp_streams_every_microbatch(c), num_microbatches(c), 1.0)
     return np.where(c.dp > 1, rounds * buckets * hops * DP_HOP_LATENCY_S, 0.0)
 
 
