@@ -23,6 +23,12 @@ WELL_TUNED_BUCKET_PARAMS = (40e6, 1e6)
 """A well-tuned framework's gradient bucket, in parameters: the larger of the first and the
 second times the data-parallel size (Megatron-LM's default, which grows the bucket with the
 data-parallel group so that the ring's steps stay bandwidth-bound rather than latency-bound)."""
+LOSS_BYTES_PER_LOGIT = 32.0
+"""Bytes the loss reads and writes per logit (each token's score of each vocabulary entry)
+over a forward and backward pass of an fp32 softmax cross-entropy that is not fused: the
+bf16 logits read and written back in fp32 (6), the log-softmax's two reductions and its
+output (12), its gradient (8) and that gradient cast back to bf16 for the output
+projection's backward (6)."""
 ELEMENTWISE_SPLIT = 45.0
 ELEMENTWISE_REPLICATED = 30.0
 """Elements per token and per unit of width that a block's memory-bound work reads and
@@ -193,6 +199,24 @@ def elementwise_s_per_microbatch(frame: pd.DataFrame | Columns) -> np.ndarray:
     widths = ELEMENTWISE_SPLIT / c.tp + ELEMENTWISE_REPLICATED
     repeat = np.where(c.recompute == 1, 4.0 / 3.0, 1.0)
     bytes_ = c.layers_per_stage * c.micro * c.seq * c.hidden * widths * ACTIVATION_BYTES * repeat
+    with np.errstate(divide="ignore", invalid="ignore"):
+        seconds = bytes_ / c.memory_bw
+    return np.where(np.isfinite(seconds), seconds, 0.0)
+
+
+def loss_s_per_microbatch(frame: pd.DataFrame | Columns) -> np.ndarray:
+    """Seconds of the loss's memory-bound work per micro-batch on the last stage: the
+    softmax cross-entropy over the vocabulary moves :data:`LOSS_BYTES_PER_LOGIT` bytes per
+    logit at the device memory's bandwidth, the vocabulary split over the tensor-parallel
+    group (Megatron-LM's vocab-parallel loss).
+
+    Next to the blocks' element-wise work (about 75 widths per token and layer, see
+    :func:`elementwise_s_per_microbatch`) it matters where the vocabulary is large next to
+    layers times width: 1.2x that work for MPT-125M (12 layers of width 768, 50,368
+    entries), 1% of it for Llama 2 70B. Zero where the device's memory bandwidth is not catalogued
+    (the CPU)."""
+    c = _cols(frame)
+    bytes_ = c.micro * c.seq * c.vocab / c.tp * LOSS_BYTES_PER_LOGIT
     with np.errstate(divide="ignore", invalid="ignore"):
         seconds = bytes_ / c.memory_bw
     return np.where(np.isfinite(seconds), seconds, 0.0)
