@@ -191,17 +191,15 @@ def calibrate_widening(frame: pd.DataFrame, fit_predict: Callable[[Any, Any], An
     for train, test in nested_folds(values, families, timed):
         pred = fit_predict(frame[train], frame[test])
         m = step[test]
-        d = sum(np.asarray(pred[f"distance_{a}"], dtype=float) for a in AXES
-                if a not in (LINK_AXIS, REGIME_AXIS))
+        per_axis = {a: np.asarray(pred[f"distance_{a}"], dtype=float) for a in AXES}
+        d, link, regime = blend_distances(per_axis)
         unknown = np.asarray(pred["unknown_family"], dtype=bool)
-        parts.append({**{f"d_{a}": np.asarray(pred[f"distance_{a}"], dtype=float)
-                         for a in AXES},
+        parts.append({**{f"d_{a}": v for a, v in per_axis.items()},
                       "unknown": unknown, "family": families[test], "measured": m,
                       "step": np.asarray(pred["step"], dtype=float),
                       "core": np.asarray(pred["core"], dtype=float),
                       "blendable": np.asarray(pred["blendable"], dtype=bool), "d": d,
-                      "link": np.asarray(pred[f"distance_{LINK_AXIS}"], dtype=float),
-                      "regime": np.asarray(pred[f"distance_{REGIME_AXIS}"], dtype=float),
+                      "link": link, "regime": regime,
                       "hi": np.asarray(pred["step_hi"], dtype=float),
                       "lo": np.asarray(pred["step_lo"], dtype=float)})
     shrink = {"": _shrink(parts, None)}
@@ -309,6 +307,16 @@ WEIGHT_GRID = (0.0, 0.25, 0.5, 0.75, 1.0)
 """Weights of the calibrated core for a family without measurements it chooses among."""
 PRIOR_SHRINK = {"shrink_per_doubling": 0.0, "core_weight_family": 0.0}
 """Where no nested fold says otherwise, the learned correction is kept."""
+
+
+def blend_distances(per_axis: dict[str, np.ndarray]
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A row's doublings per axis (:data:`AXES`) as :func:`blend_factor` takes them: those
+    moved at the family's rate (every axis but the link's and the regime's), the link's
+    (:data:`LINK_AXIS`) and the regime's (:data:`REGIME_AXIS`)."""
+    d = sum(np.asarray(v, dtype=float) for a, v in per_axis.items()
+            if a not in (LINK_AXIS, REGIME_AXIS))
+    return d, per_axis[LINK_AXIS], per_axis[REGIME_AXIS]
 
 
 def blend_factor(step: np.ndarray, core: np.ndarray, d: np.ndarray, unknown: np.ndarray,

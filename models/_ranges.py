@@ -248,17 +248,12 @@ class _Ranges:
         Returns:
             The step times, the doublings beyond the training ranges and a warning per row.
         """
-        from paratune.models._extrapolation import (
-            LINK_AXIS,
-            REGIME_AXIS,
-            _distinct,
-            blend_factor,
-        )
+        from paratune.models._extrapolation import _distinct, blend_distances, blend_factor
 
         step, lo, hi, expected = times.step, times.lo, times.hi, times.expected
         families, per_axis, unknown = where
         dist = sum(per_axis.values())
-        link, regime = per_axis[LINK_AXIS], per_axis[REGIME_AXIS]
+        rated, link, regime = blend_distances(per_axis)
         entries = [self.interval_widening_.get(str(f), self.interval_widening_[""])
                    for f in _distinct(families)]
         shrinks = any(e.get("shrink_per_doubling", 0.0) or e.get("core_weight_family", 0.0)
@@ -271,7 +266,7 @@ class _Ranges:
                 weight[families == family] = entry.get("core_weight_family", 0.0)
             # the point in the stalled regime is the stall's time, not the core's business
             core = self._core_step(frame, c, analytical, families)
-            shrink = blend_factor(step, core, dist - link - regime, unknown,
+            shrink = blend_factor(step, core, rated, unknown,
                                   ~(prob > 0.5), rate=rate, family_weight=weight, link=link,
                                   regime=regime)
             # the interval spans both the learned prediction and the one moved toward the

@@ -199,9 +199,7 @@ def elementwise_s_per_microbatch(frame: pd.DataFrame | Columns) -> np.ndarray:
     widths = ELEMENTWISE_SPLIT / c.tp + ELEMENTWISE_REPLICATED
     repeat = np.where(c.recompute == 1, 4.0 / 3.0, 1.0)
     bytes_ = c.layers_per_stage * c.micro * c.seq * c.hidden * widths * ACTIVATION_BYTES * repeat
-    with np.errstate(divide="ignore", invalid="ignore"):
-        seconds = bytes_ / c.memory_bw
-    return np.where(np.isfinite(seconds), seconds, 0.0)
+    return _at_memory_bandwidth(c, bytes_)
 
 
 def loss_s_per_microbatch(frame: pd.DataFrame | Columns) -> np.ndarray:
@@ -213,10 +211,15 @@ def loss_s_per_microbatch(frame: pd.DataFrame | Columns) -> np.ndarray:
     Next to the blocks' element-wise work (about 75 widths per token and layer, see
     :func:`elementwise_s_per_microbatch`) it matters where the vocabulary is large next to
     layers times width: 1.2x that work for MPT-125M (12 layers of width 768, 50,368
-    entries), 1% of it for Llama 2 70B. Zero where the device's memory bandwidth is not catalogued
-    (the CPU)."""
+    entries), 1% of it for Llama 2 70B. Zero where the device's memory bandwidth is not
+    catalogued (the CPU)."""
     c = _cols(frame)
-    bytes_ = c.micro * c.seq * c.vocab / c.tp * LOSS_BYTES_PER_LOGIT
+    return _at_memory_bandwidth(c, c.micro * c.seq * c.vocab / c.tp * LOSS_BYTES_PER_LOGIT)
+
+
+def _at_memory_bandwidth(c: Columns, bytes_: np.ndarray) -> np.ndarray:
+    """Seconds to move ``bytes_`` at each row's device memory bandwidth; 0 where the
+    catalogue has no bandwidth (the CPU)."""
     with np.errstate(divide="ignore", invalid="ignore"):
         seconds = bytes_ / c.memory_bw
     return np.where(np.isfinite(seconds), seconds, 0.0)
