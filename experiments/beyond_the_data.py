@@ -105,6 +105,8 @@ def _layout(row) -> str:
 def large_model_summary(table) -> list[dict]:
     """Per cluster size: feasible layouts, MFU range, pipelines' stall probability and the
     first choice by each ranking."""
+    from paratune.models import risk_aware_order
+
     rows = []
     for world, group in table.groupby("world_size"):
         pipelines = group[group["pp"] > 1]
@@ -113,9 +115,12 @@ def large_model_summary(table) -> list[dict]:
                "mfu_max": float(group["pred_mfu"].max()),
                "pipeline_stall_max": float(pipelines["stall_prob"].max())
                if len(pipelines) else 0.0}
-        for rule, column in (("point", "tokens"), ("expected", "expected"),
-                             ("risk_aware", "risk_aware")):
-            best = group.loc[group[column].idxmax()]
+        picks = {"point": group["tokens"].to_numpy().argmax(),
+                 "expected": group["expected"].to_numpy().argmax(),
+                 "risk_aware": risk_aware_order(group["expected"].to_numpy(),
+                                                group["q10"].to_numpy())[0]}
+        for rule, pick in picks.items():
+            best = group.iloc[int(pick)]
             row[f"first_by_{rule}"] = f"{_layout(best)} ({best['pred_mfu']:.0%} MFU)"
         rows.append(row)
     return rows

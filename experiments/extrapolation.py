@@ -162,7 +162,7 @@ def top1_choices(predictions) -> list[dict]:
     import numpy as np
 
     from paratune.models import features as F
-    from paratune.models import measured_step_time, risk_aware_throughput
+    from paratune.models import measured_step_time, risk_aware_order
 
     step = measured_step_time(predictions)
     ok = np.isfinite(step) & np.isfinite(predictions["pred_step_time_s"].to_numpy(float))
@@ -174,9 +174,9 @@ def top1_choices(predictions) -> list[dict]:
                           * part["world_size"].to_numpy(float))
     stalled = F.stalled_pipeline(part, step)
     expected = part["pred_tokens_per_sec_per_gpu_expected"].to_numpy(float)
-    rules = {"expected": expected,
-             "risk-aware": risk_aware_throughput(
-                 expected, part["pred_tokens_per_sec_per_gpu_q10"].to_numpy(float))}
+    lower = part["pred_tokens_per_sec_per_gpu_q10"].to_numpy(float)
+    rules = {"expected": lambda sel: int(np.argmax(np.nan_to_num(expected[sel], nan=-np.inf))),
+             "risk-aware": lambda sel: int(risk_aware_order(expected[sel], lower[sel])[0])}
     keys = part[["fold", "model_name", "world_size"]].astype(str).agg("|".join, axis=1)
     out = []
     for key in dict.fromkeys(keys):
@@ -184,8 +184,8 @@ def top1_choices(predictions) -> list[dict]:
         if len(sel) < 2:
             continue
         fold, model, world = key.split("|")
-        for rule, score in rules.items():
-            pick = sel[int(np.argmax(np.nan_to_num(score[sel], nan=-np.inf)))]
+        for rule, choose in rules.items():
+            pick = sel[choose(sel)]
             row = part.iloc[pick]
             out.append({"fold": fold, "group": f"{model} on {world}", "rule": rule,
                         "regret": measured[sel].max() / measured[pick] - 1.0,

@@ -11,7 +11,8 @@ of the group's measured best. Orders compared:
 
 * ``tuner`` (the ``tune --verify K`` list where the model extrapolates): the ranking by
   the risk-aware expectation (:func:`paratune.tuner.risk_aware_ranking`: the geometric
-  mean of the expected throughput and its 10th percentile), feasible first, in the
+  mean of the expected throughput and its 10th percentile, the configs within 30% of the
+  best expected first), feasible first, in the
   layout-diverse order of :func:`paratune.tuner.verification_order`;
 * ``risk_top``: the same ranking in rank order (no diversity);
 * ``expected_diverse`` / ``expected_top``: the ranking by the expected throughput alone (the

@@ -10,6 +10,7 @@ from typing import Any
 
 __all__ = [
     "EXTRAPOLATION_SPLITS",
+    "RISK_AWARE_WITHIN",
     "AnalyticalBaseline",
     "Fold",
     "HistGradientBoostingBaseline",
@@ -31,6 +32,8 @@ __all__ = [
     "measured_step_time",
     "metrics",
     "plot_predictions",
+    "risk_aware_candidates",
+    "risk_aware_order",
     "risk_aware_throughput",
     "source_family",
 ]
@@ -42,6 +45,9 @@ _LAZY = {
     "config_identity": "paratune.models._data",
     "source_family": "paratune.models._base",
     "risk_aware_throughput": "paratune.models._evaluate",
+    "risk_aware_candidates": "paratune.models._evaluate",
+    "risk_aware_order": "paratune.models._evaluate",
+    "RISK_AWARE_WITHIN": "paratune.models._evaluate",
     "measured_step_time": "paratune.models._data",
     "error_anatomy": "paratune.models._evaluate",
     "extrapolation_table": "paratune.models._evaluate_report",

@@ -169,6 +169,12 @@ class SearchResult:
                  f"{label} ({self.mode}, {self.num_trials} trials/configs)")
         notes = [f"ranked by {words}, feasible configs first; vs_best: {label} as a share "
                  "of the best feasible config's"]
+        if self.risk_aware:
+            from paratune.models import RISK_AWARE_WITHIN
+
+            expected = "goodput" if goodput else "tokens/s"
+            notes.append(f"the configs within {RISK_AWARE_WITHIN:.0%} of the best expected "
+                         f"{expected} rank first: safety is not bought with more")
         if infeasible:
             notes.append("ok NO: predicted not to run (probability of running below the "
                          "threshold, or memory over the limit); ranked after every feasible "
@@ -205,10 +211,13 @@ def evaluate(predictor: Predictor, space: SearchSpace, configs: Sequence[Paralle
 
 
 def rank(scored: pd.DataFrame) -> pd.DataFrame:
-    """Feasible first, then by objective (descending); adds ``rank`` and ``vs_best``."""
+    """Feasible first, then (after a risk-aware re-ranking) the configs it may choose
+    (``risk_candidate``), then by objective (descending); adds ``rank`` and ``vs_best``."""
     if scored.empty:
         return scored.assign(rank=[], vs_best=[])
-    ordered = scored.sort_values(["feasible", "objective"], ascending=[False, False],
+    keys = ["feasible", *(["risk_candidate"] if "risk_candidate" in scored.columns else []),
+            "objective"]
+    ordered = scored.sort_values(keys, ascending=[False] * len(keys),
                                  kind="stable").reset_index(drop=True)
     best = float(ordered["objective"].iloc[0])
     ordered["rank"] = range(1, len(ordered) + 1)

@@ -345,6 +345,7 @@ def _rerank(problem: _Problem, result: SearchResult, *, risk_aware: bool | None,
         risk_aware = ((beyond or _extrapolates(result.ranked))
                       and problem.search.risk_quantile is None)
     if risk_aware:
+        from paratune.models import RISK_AWARE_WITHIN
         from paratune.tuner._verify import risk_aware_ranking
 
         reranked = risk_aware_ranking(result.ranked)
@@ -355,7 +356,9 @@ def _rerank(problem: _Problem, result: SearchResult, *, risk_aware: bool | None,
                     "verify a few on the cluster (--verify K) and refit")
             logger.warning("the performance model extrapolates here: configs are ranked "
                            "by the risk-aware expectation (the geometric mean of the "
-                           "expected throughput and its 10th percentile); %s", then)
+                           "expected throughput and its 10th percentile, among the configs "
+                           "within %.0f%% of the best expected); %s",
+                           100 * RISK_AWARE_WITHIN, then)
     if not result.best_feasible:
         logger.warning("no evaluated config is predicted feasible; the top one is "
                        "predicted not to run (over the memory limit, under the minimum "

@@ -55,11 +55,15 @@ def risk_aware_ranking(ranked: pd.DataFrame, *, quantile: str = RISK_QUANTILE
 
     Each config's objective is scaled by ``sqrt(q / t)``, ``t`` its ranked throughput (the
     expected, stall-weighted one) and ``q`` its lower ``quantile``: under the throughput
-    objective the geometric mean of the expected throughput and its lower quantile, under
-    goodput the same times the statistical efficiency. A config the model is unsure of (a
-    wide interval: a regime or a layout it saw little of) ranks below one predicted as fast
-    with confidence; where the model is sure the order is the expected one. Feasible
-    configs stay first; ``rank`` and ``vs_best`` are recomputed.
+    objective the geometric mean of the expected throughput and its lower quantile
+    (:func:`paratune.models.risk_aware_throughput`), under goodput the same times the
+    statistical efficiency. A config the model is unsure of (a wide interval: a regime or a
+    layout it saw little of) ranks below one predicted nearly as fast with confidence;
+    where the model is sure the order is the expected one. Safety is bought with at most
+    :data:`paratune.models.RISK_AWARE_WITHIN` of the best expected objective: the feasible
+    configs within it (``risk_candidate``, :func:`paratune.models.risk_aware_candidates`)
+    rank before those further behind. Feasible configs stay first; ``rank`` and ``vs_best``
+    are recomputed.
 
     Args:
         ranked: A ranking with ``objective``, ``ranked_tokens_per_s``, ``world_size``,
@@ -73,6 +77,7 @@ def risk_aware_ranking(ranked: pd.DataFrame, *, quantile: str = RISK_QUANTILE
     """
     import numpy as np
 
+    from paratune.models import risk_aware_candidates, risk_aware_throughput
     from paratune.tuner._search import rank
 
     column = f"pred_tokens_per_sec_per_gpu_{quantile}"
@@ -81,14 +86,16 @@ def risk_aware_ranking(ranked: pd.DataFrame, *, quantile: str = RISK_QUANTILE
     low = ranked[column].to_numpy(dtype=float) * ranked["world_size"].to_numpy(dtype=float)
     expected = ranked["ranked_tokens_per_s"].to_numpy(dtype=float)
     with np.errstate(divide="ignore", invalid="ignore"):
-        share = np.clip(low / expected, 0.0, 1.0)
-    # no quantile (NaN) or no throughput: the expected objective stands
-    share = np.where(np.isfinite(share), share, 1.0)
-    factor = np.sqrt(share)
+        factor = risk_aware_throughput(expected, low) / expected
+    # no throughput: the expected objective stands
+    factor = np.where(np.isfinite(factor), factor, 1.0)
     objective = ranked["objective"].to_numpy(dtype=float)
+    feasible = ranked["feasible"].to_numpy(dtype=bool)
+    candidate = risk_aware_candidates(np.where(feasible, objective, np.nan)) & feasible
     out = ranked.drop(columns=["rank", "vs_best"], errors="ignore").assign(
         objective_expected=objective, objective=objective * factor,
-        expected_tokens_per_s=expected, ranked_tokens_per_s=expected * factor)
+        expected_tokens_per_s=expected, ranked_tokens_per_s=expected * factor,
+        risk_candidate=candidate)
     return rank(out)
 
 

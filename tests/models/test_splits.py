@@ -101,21 +101,33 @@ def test_top5_regret_and_coverage(synthetic):
 
 def test_risk_aware_regret_is_the_tuners_choice(synthetic):
     """The risk-aware regret chooses as ``tune``'s risk-aware ranking does: where the fast
-    prediction is unsure (a low q10) it picks the surer config, and regret follows."""
-    from paratune.models._evaluate import risk_aware_throughput
+    prediction is unsure (a low q10) it picks the surer config among those predicted
+    within RISK_AWARE_WITHIN of the fastest, and regret follows."""
+    from paratune.models._evaluate import (
+        RISK_AWARE_WITHIN,
+        risk_aware_order,
+        risk_aware_throughput,
+    )
     from paratune.tuner import risk_aware_ranking
 
+    assert 0.0 < RISK_AWARE_WITHIN < 0.5
     expected = np.array([100.0, 90.0, 80.0, 50.0])
     low = np.array([20.0, 85.0, np.nan, 60.0])
     risk = risk_aware_throughput(expected, low)
     # the tuner's ranking of the same configs, each on one device
     ranked = pd.DataFrame({"objective": expected, "ranked_tokens_per_s": expected,
                            "world_size": 1, "feasible": True,
-                           "pred_tokens_per_sec_per_gpu_q10": low, "tp": 1, "pp": 1})
+                           "pred_tokens_per_sec_per_gpu_q10": low, "tp": 1, "pp": 1,
+                           "config": range(4)})
     reranked = risk_aware_ranking(ranked)
-    np.testing.assert_allclose(np.sort(reranked["objective"].to_numpy())[::-1],
-                               np.sort(risk)[::-1])
-    assert list(np.argsort(-risk, kind="stable")) == [1, 2, 3, 0]
+    order = risk_aware_order(expected, low)
+    # the sure 50 (risk-aware 50) beats the unsure 100 (44.7) but is 50% behind it
+    assert list(order) == [1, 2, 0, 3]
+    assert list(reranked["config"]) == list(order)
+    np.testing.assert_allclose(reranked["objective"].to_numpy(), risk[order])
+    assert list(reranked["risk_candidate"]) == [True, True, True, False]
+    # with a wider bound the sure 50 may be chosen over the unsure 100
+    assert list(risk_aware_order(expected, low, within=0.6)) == [1, 2, 3, 0]
 
     ok = (synthetic.status == "ok").to_numpy()
     step = synthetic["step_time_s"].to_numpy(dtype=float)
@@ -127,18 +139,22 @@ def test_risk_aware_regret_is_the_tuners_choice(synthetic):
     figures = metrics(synthetic, pred)
     assert figures["regret_risk_mean"] == pytest.approx(0.0)
     assert figures["regret_risk_top5_mean"] == pytest.approx(0.0)
-    # the measured best of each group predicted 2x too fast, but with a q10 far below:
-    # the expected choice keeps it (regret 0); the risk-aware one passes it over
+    # the measured best of each group with a q10 far below: the expected choice keeps it
+    # (regret 0); the risk-aware one passes it over where the next is predicted nearly as
+    # fast, not where it is predicted twice as fast as the rest
     frame = synthetic[ok].reset_index(drop=True)
     pred = pred[ok].reset_index(drop=True)
     tps = tps[ok]
     best = frame.assign(t=tps).groupby(["model_name", "world_size"])["t"].transform("max")
     top = (tps == best.to_numpy())
-    pred.loc[top, "pred_step_time_s"] /= 2.0
     pred.loc[top, "pred_tokens_per_sec_per_gpu_q10"] = tps[top] * 0.01
     figures = metrics(frame, pred)
     assert figures["regret_mean"] == pytest.approx(0.0)
     assert figures["regret_risk_mean"] > 0
+    pred.loc[top, "pred_step_time_s"] /= 2.0
+    figures = metrics(frame, pred)
+    assert figures["regret_mean"] == pytest.approx(0.0)
+    assert figures["regret_risk_mean"] == pytest.approx(0.0)
     assert "top-1 risk-aware%" in extrapolation_table([{"estimator": "m", "held_out": "f",
                                                          **figures}], title="t")
 

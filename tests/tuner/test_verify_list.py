@@ -57,6 +57,25 @@ def test_risk_aware_ranking_puts_an_uncertain_config_below_a_sure_one():
         columns="pred_tokens_per_sec_per_gpu_q10"))["tp"]) == [1, 2]
 
 
+def test_the_risk_aware_ranking_buys_safety_with_at_most_a_bounded_share_of_throughput():
+    from paratune.models import RISK_AWARE_WITHIN
+
+    # a deep pipeline whose slow end holds a stall (300 expected, q10 30), a shallower one
+    # (250, q10 60) and tensor parallelism across nodes, slow but sure (130, q10 125)
+    ranked = _ranked([(4, 8, 1, 300.0, True), (8, 4, 1, 250.0, True),
+                      (32, 1, 1, 130.0, True), (2, 8, 1, 400.0, False)])
+    ranked["pred_tokens_per_sec_per_gpu_q10"] = [30.0 / 8, 60.0 / 8, 125.0 / 8, 1.0]
+    out = risk_aware_ranking(ranked)
+    assert 250.0 >= (1 - RISK_AWARE_WITHIN) * 300.0 > 130.0
+    # the surest of those within the bound of the best feasible first, then the rest of
+    # them; the sure layout far behind after them although its risk-aware figure is highest
+    assert list(out["tp"]) == [8, 4, 32, 2]
+    assert list(out["risk_candidate"]) == [True, True, False, False]
+    assert out["objective"].iloc[2] > out["objective"].iloc[0]
+    # the infeasible 400 does not set the bound (it would leave the 300 alone within it)
+    assert out["feasible"].tolist() == [True, True, True, False]
+
+
 def test_after_the_risk_aware_choice_the_list_explores_by_the_expected_objective():
     # tp1 is sure (q10 close), tp2 and tp4 unsure but expected faster
     ranked = _ranked([(1, 1, 1, 100.0, True), (2, 1, 1, 130.0, True), (4, 1, 1, 120.0, True),
