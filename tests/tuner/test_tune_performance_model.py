@@ -183,3 +183,32 @@ def test_another_frameworks_pipelines_do_not_take_the_measured_frameworks_stalls
     assert pipelines.any() and (own.loc[pipelines, "pred_stall_prob"] > 0.05).any()
     assert (other["pred_stall_prob"].fillna(0) == 0).all()
     assert (other["pred_warning"].str.contains("no measurement of family megatron-lm")).all()
+
+
+def test_sharded_regimes_the_model_never_measured_are_ranked_risk_aware(saved_model, tmp_path):
+    """ZeRO-2/3 in the space of a model fitted on DDP and ZeRO-1 runs alone: those configs lie
+    beyond the fitted data-parallel regimes (the calibrated core predicts them), so ``tune``
+    ranks by the risk-aware expectation, and buys safety with no more than the bound."""
+    import numpy as np
+
+    from paratune.models import RISK_AWARE_WITHIN
+
+    spec = get_model("llama3-8b", seq_len=4096)
+    options = ConfigSpace(micro_batch_sizes=(1, 2), recomputes=("none",),
+                          shardings=("none", "zero1", "zero2", "zero3"))
+    result = tune(spec, 16, "H100", saved_model, objective="throughput",
+                  global_batch_sizes=[64], space=options, search="exhaustive",
+                  output_dir=tmp_path / "out", top_k=5, track=False)
+    ranked = result.ranked
+    assert result.search.risk_aware
+    streamed = ranked["sharding"].isin(["zero3"]) | (
+        (ranked["sharding"] == "zero2") & (ranked["pp"] == 1))
+    assert streamed.any() and (ranked.loc[streamed, "pred_extrapolation_doublings"] > 0).all()
+    assert (ranked.loc[ranked["sharding"] == "none", "pred_extrapolation_doublings"] == 0).any()
+    feasible = ranked[ranked["feasible"]]
+    best_expected = feasible["objective_expected"].max()
+    first = feasible.iloc[0]
+    assert first["objective_expected"] >= (1 - RISK_AWARE_WITHIN) * best_expected
+    assert np.array_equal(feasible["risk_candidate"].to_numpy(),
+                          feasible["objective_expected"].to_numpy()
+                          >= (1 - RISK_AWARE_WITHIN) * best_expected)
