@@ -64,10 +64,8 @@ def _interrupts_held() -> Iterator[None]:
 def _ask(study: optuna.Study, size: int, worker: str, inflight: dict[int, Any],
          n_trials: int) -> list[Any]:
     """Ask ``size`` trials, each recorded as this ``worker``'s (and its heartbeat started);
-    those beyond the study's ``n_trials`` (another worker asked at the same time) are failed
-    as ``over_budget`` and left out."""
-    import bisect
-
+    those beyond the study's ``n_trials`` (another worker asked at the same time, see
+    :func:`_beyond_budget`) are failed as ``over_budget`` and left out."""
     from optuna.trial import TrialState
 
     asked = []
@@ -81,17 +79,31 @@ def _ask(study: optuna.Study, size: int, worker: str, inflight: dict[int, Any],
             trial.set_user_attr("worker", worker)
             _record_heartbeat(study, trial)
             asked.append(trial)
-    ahead = sorted(t.number for t in study.get_trials(
-        deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED, TrialState.RUNNING)))
     kept = []
-    for trial in asked:
-        if bisect.bisect_left(ahead, trial.number) >= n_trials:
+    for trial, beyond in zip(asked, _beyond_budget(study, asked, n_trials), strict=True):
+        if beyond:
             trial.set_user_attr(_OVER_BUDGET_ATTR, True)
             study.tell(trial, state=TrialState.FAIL)
             inflight.pop(trial.number, None)
         else:
             kept.append(trial)
     return kept
+
+
+def _beyond_budget(study: optuna.Study, trials: Sequence[Any], n_trials: int) -> list[bool]:
+    """Whether each of ``trials`` (just asked) finds ``n_trials`` trials ahead of it: those
+    of a lower number that finished, run or wait. A waiting trial is one a worker enqueued
+    (the local search's probes) and some worker's next ask will run; uncounted, a worker
+    that asked past it while it waited and the worker that then asks it could each keep
+    the study's last trial, and four workers asked for 40 finished 41."""
+    import bisect
+
+    from optuna.trial import TrialState
+
+    ahead = sorted(t.number for t in study.get_trials(
+        deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED, TrialState.RUNNING,
+                                TrialState.WAITING)))
+    return [bisect.bisect_left(ahead, trial.number) >= n_trials for trial in trials]
 
 
 def _absorb(trials: Sequence[Any], cache: dict[ParallelConfig, tuple[float, tuple[float, float]]],

@@ -265,3 +265,34 @@ def test_a_signal_that_another_thread_receives_waits_for_the_held_block():
     finally:
         signal.signal(signal.SIGTERM, installed)
     assert events == ["asked and recorded", "handled SIGTERM"]
+
+
+def test_a_trial_asked_past_a_waiting_one_counts_it_ahead(tmp_path):
+    """The study's total under concurrency counts trials a worker enqueued and none has asked
+    yet: they run next. A worker whose ask passed such a trial while it waited (the asks
+    raced) fails its own trial if it would be the one over the total, and the waiting one,
+    asked later, is kept; otherwise both were kept and the study finished one trial too
+    many."""
+    import optuna
+    from optuna.trial import TrialState, create_trial
+
+    from paratune.tuner._workers import _ask, _beyond_budget
+
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+    study = optuna.create_study(study_name="shared", storage=storage)
+    x = optuna.distributions.IntDistribution(0, 9)
+    study.add_trial(create_trial(params={"x": 0}, distributions={"x": x}, value=1.0))
+    study.enqueue_trial({"x": 1})  # another worker's probe, waiting to be asked
+    # a third worker's trial, created while the probe waited
+    study.add_trial(create_trial(state=TrialState.RUNNING, params={"x": 2},
+                                 distributions={"x": x}))
+    finished, waiting, passed = study.get_trials(deepcopy=False)
+    assert [t.state for t in (finished, waiting, passed)] == [
+        TrialState.COMPLETE, TrialState.WAITING, TrialState.RUNNING]
+    # a study of two: the waiting probe is the second, the trial asked past it the third
+    assert _beyond_budget(study, [waiting, passed], 2) == [False, True]
+    assert _beyond_budget(study, [passed], 3) == [False]
+    # the probe's own ask keeps it
+    inflight: dict = {}
+    (asked,) = _ask(study, 1, "w", inflight, 2)
+    assert asked.number == waiting.number and set(inflight) == {waiting.number}
