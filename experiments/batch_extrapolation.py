@@ -41,7 +41,7 @@ def main() -> None:
 
     from _public import public_data_dir
 
-    from paratune.models import PerformanceModel, load_measurements
+    from paratune.models import PerformanceModel, load_measurements, throughput_regret
     from paratune.predictor import PRED_TOKENS_PER_SEC_PER_GPU
 
     data = public_data_dir(args.data)
@@ -62,7 +62,7 @@ def main() -> None:
             if len(cell) < 2:
                 continue
             chosen = cell.loc[cell["predicted"].idxmax(), "tokens_per_s_per_device"]
-            regrets.append(1.0 - chosen / cell["tokens_per_s_per_device"].max())
+            regrets.append(throughput_regret(cell["tokens_per_s_per_device"].max(), chosen))
         rows.append({"global_batch": int(batch), "runs": len(group),
                      "choices": len(regrets), "median_ape": float(group["ape"].median()),
                      "p90_ape": float(group["ape"].quantile(0.9)),

@@ -162,7 +162,7 @@ def top1_choices(predictions) -> list[dict]:
     import numpy as np
 
     from paratune.models import features as F
-    from paratune.models import measured_step_time, risk_aware_order
+    from paratune.models import measured_step_time, risk_aware_order, throughput_regret
 
     step = measured_step_time(predictions)
     ok = np.isfinite(step) & np.isfinite(predictions["pred_step_time_s"].to_numpy(float))
@@ -188,7 +188,7 @@ def top1_choices(predictions) -> list[dict]:
             pick = sel[choose(sel)]
             row = part.iloc[pick]
             out.append({"fold": fold, "group": f"{model} on {world}", "rule": rule,
-                        "regret": measured[sel].max() / measured[pick] - 1.0,
+                        "regret": throughput_regret(measured[sel].max(), measured[pick]),
                         "layout": (f"tp{row['tp']:.0f} pp{row['pp']:.0f} dp{row['dp']:.0f} "
                                    f"mb{row['micro_batch_size']:.0f} {row['sharding']}"),
                         "stalled": bool(stalled[pick]),

@@ -81,13 +81,16 @@ def twin_oracle_ape(pairs) -> np.ndarray:
 def twin_oracle_regret(pairs) -> np.ndarray:
     """Top-1 regret per (model, cluster) group and direction of choosing by one twin and
     being timed by the other (groups of at least two pairs)."""
+    from paratune.models import throughput_regret
+
     regrets = []
     for _, group in pairs.groupby(["model_name", "world_size"]):
         if len(group) < 2:
             continue
         for chooser, timer in (("zero1", "none"), ("none", "zero1")):
             chosen = group[timer].to_numpy()[int(np.argmin(group[chooser].to_numpy()))]
-            regrets.append(chosen / group[timer].min() - 1.0)
+            # step times: the throughput is their inverse
+            regrets.append(throughput_regret(1.0 / group[timer].min(), 1.0 / chosen))
     return np.asarray(regrets)
 
 

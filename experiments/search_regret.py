@@ -73,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
 
-    from paratune.models import PerformanceModel
+    from paratune.models import PerformanceModel, throughput_regret
     from paratune.tuner import Objective, SearchOptions, SearchSpace, exhaustive, optuna_search
 
     data = public_data_dir(args.data)
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> None:
                 rows.append({"gpus": gpus, "space": full.num_trials, "sampler": sampler,
                              "seed": seed, "trials": found.num_trials,
                              "pruned": found.num_pruned, "distinct": len(found.ranked),
-                             "regret_pct": 100 * (1 - got / best),
+                             "regret_pct": 100 * throughput_regret(best, got),
                              "search_s": found.wall_time_s, "search_cpu_s": cpu,
                              "exhaustive_s": full.wall_time_s,
                              "found": found.best.key()})

@@ -36,6 +36,7 @@ __all__ = [
     "risk_aware_order",
     "risk_aware_throughput",
     "source_family",
+    "throughput_regret",
 ]
 
 _LAZY = {
@@ -48,6 +49,7 @@ _LAZY = {
     "risk_aware_candidates": "paratune.models._evaluate",
     "risk_aware_order": "paratune.models._evaluate",
     "RISK_AWARE_WITHIN": "paratune.models._evaluate",
+    "throughput_regret": "paratune.models._evaluate",
     "measured_step_time": "paratune.models._data",
     "error_anatomy": "paratune.models._evaluate",
     "extrapolation_table": "paratune.models._evaluate_report",

@@ -10,7 +10,7 @@ from paratune.models._estimators import (
     PerformanceModel,
     RawConfigBaseline,
 )
-from paratune.models._evaluate import metrics, plot_predictions
+from paratune.models._evaluate import metrics, plot_predictions, throughput_regret
 
 
 def _small():
@@ -48,6 +48,35 @@ def test_metrics_on_known_predictions(synthetic):
     by_expected = metrics(synthetic, pred)
     assert by_expected["regret_mean"] == pytest.approx(0.0)
     assert by_expected["mdape"] == worst_first["mdape"]
+
+
+def test_regret_is_the_share_of_the_best_throughput_lost():
+    """A choice ten times slower than the best loses 90% of its throughput (not 900%), so a
+    mean over groups stays a share of what a user could have had."""
+    assert throughput_regret(100.0, 100.0) == 0.0
+    assert throughput_regret(100.0, 50.0) == pytest.approx(0.5)
+    assert throughput_regret(100.0, 10.0) == pytest.approx(0.9)
+    np.testing.assert_allclose(throughput_regret(np.array([4.0, 2.0]), np.array([1.0, 2.0])),
+                               [0.75, 0.0])
+
+
+def test_a_stalled_choice_reads_at_most_its_whole_throughput(synthetic):
+    """The evaluation's regret is :func:`throughput_regret`: in every group, choosing the
+    slowest configuration loses exactly the share its measured throughput lacks."""
+    ok = (synthetic.status == "ok").to_numpy()
+    tokens = (synthetic["global_batch_size"] * synthetic["seq_len"]).to_numpy(float)
+    world = synthetic["world_size"].to_numpy(float)
+    measured = tokens / (synthetic["step_time_s"].to_numpy(float) * world)
+    # a predicted throughput of 1 / measured ranks each group's slowest run first
+    pred = synthetic[[]].assign(pred_step_time_s=tokens * measured / world,
+                                pred_feasible_prob=np.where(ok, 0.9, 0.1))
+    figures = metrics(synthetic, pred)
+    timed = synthetic.assign(tps=measured)[ok & np.isfinite(measured)]
+    lost = [1.0 - group["tps"].min() / group["tps"].max()
+            for _, group in timed.groupby(["model_name", "world_size", "hardware"])
+            if len(group) > 1]
+    assert figures["regret_mean"] == pytest.approx(np.mean(lost))
+    assert 0 < figures["regret_max"] < 1
 
 
 @pytest.mark.parametrize("split", ["random", "cluster", "model"])
