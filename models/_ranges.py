@@ -348,8 +348,8 @@ def _extrapolation_warnings(dist: np.ndarray, fresh: np.ndarray, families: np.nd
         warning[beyond] = _lookup(
             np.round(dist[beyond], 1),
             lambda d: "" if d is None else (
-                f"beyond the fitted model, cluster, batch and tensor-parallel sizes and "
-                f"data-parallel regimes by {d:.1f} "
+                f"beyond the fitted model, cluster, batch, tensor- and data-parallel "
+                f"node spans and data-parallel regimes by {d:.1f} "
                 "doublings: interval widened"), dtype=object)
     if fresh.any():
         warning[fresh] = _lookup(

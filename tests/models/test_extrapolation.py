@@ -53,6 +53,38 @@ def test_a_tensor_parallel_group_across_nodes_is_a_doubling_for_a_one_node_famil
     np.testing.assert_allclose(per_axis["world_size"], [0, 1, 1, 2])
 
 
+def test_a_data_parallel_group_over_more_nodes_is_a_link_doubling_for_measured_families():
+    """The nodes a data-parallel group spans count on the link axes (half-way to the core per
+    doubling) for a family with measurements; for a family without, they do not count."""
+    from paratune import ModelSpec, ParallelConfig, get_hardware
+    from paratune.models import features as F
+    from paratune.models._extrapolation import blend_distances
+
+    spec = ModelSpec(name="t", num_layers=8, hidden_size=1024, num_heads=8,
+                     ffn_hidden_size=4096, vocab_size=32768, seq_len=2048)
+    rows = [F.config_row(spec, ParallelConfig(tp=tp, dp=dp, global_batch_size=64),
+                         get_hardware("A100"))
+            for tp, dp in ((1, 8), (1, 16), (2, 16), (8, 4), (16, 2))]
+    frame = pd.concat(rows, ignore_index=True)
+    values = axis_values(frame)
+    # (mesh order pp, dp, tp) a group's ranks are tp apart; tp=16 spans two nodes itself and
+    # its data-parallel peers sit on other nodes
+    np.testing.assert_array_equal(values["dp_nodes"], [1, 2, 4, 4, 2])
+    families = np.asarray(["one-node"] * len(frame), dtype=object)
+    ranges = fit_ranges(values, families, np.array([True, False, False, False, False]))
+    per_axis, _ = distance(values, families, ranges)
+    np.testing.assert_allclose(per_axis["dp_nodes"], [0, 1, 2, 2, 1])
+    d, link, _ = blend_distances(per_axis)
+    np.testing.assert_allclose(link, per_axis["dp_nodes"] + per_axis["tp_nodes"])
+    np.testing.assert_allclose(d, per_axis["model_params"] + per_axis["world_size"]
+                               + per_axis["tokens_per_step"])
+    others = np.asarray(["unmeasured"] * len(frame), dtype=object)
+    per_axis, unknown = distance(values, others, ranges)
+    assert unknown.all()
+    np.testing.assert_array_equal(per_axis["dp_nodes"], 0.0)
+    np.testing.assert_allclose(per_axis["world_size"], [0, 1, 2, 2, 2])
+
+
 def test_nested_folds_stay_inside_the_training_rows(synthetic):
     values = axis_values(synthetic)
     families = np.asarray(["synthetic"] * len(synthetic), dtype=object)
@@ -313,8 +345,8 @@ def test_predict_cli_counts_the_rows_that_extrapolate(small_cluster_model, synth
     assert main(["predict", str(tmp_path / "in.csv"), "--model", str(model_dir),
                  "--out", str(tmp_path / "out.csv")]) == 0
     out = capsys.readouterr().out
-    assert re.search(r"warning: 2 rows: beyond the fitted model, cluster, batch and "
-                     r"tensor-parallel sizes and data-parallel regimes by N doublings: "
+    assert re.search(r"warning: 2 rows: beyond the fitted model, cluster, batch, tensor- "
+                     r"and data-parallel node spans and data-parallel regimes by N doublings: "
                      r"interval widened", out), out
     written = pd.read_csv(tmp_path / "out.csv", keep_default_na=False)
     assert (written[PRED_WARNING] != "").sum() == 2

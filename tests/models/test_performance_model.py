@@ -374,13 +374,16 @@ def test_a_family_whose_pipelines_never_stalled_is_not_given_the_stalled_regime(
     assert (there[PRED_STALL_PROB] > 0.5).mean() > 0.8
     here = model.predict(deep.assign(hardware="A100-80GB", source="otherlab_cluster"))
     assert (here[PRED_STALL_PROB] == 0).all()
-    # the normal regime's time: near the family's ratio to the analytical estimate, far
-    # below the stalled regime's
+    # the normal regime's time: near the family's ratio to the analytical estimate where
+    # its data-parallel groups stay in a node as they did in its runs (across nodes the
+    # prediction moves toward the calibrated core), far below the stalled regime's
     calm_ok = calm[calm["status"] == "ok"]
     learned = np.median(calm_ok["step_time_s"]
                         / F.analytical_step_time(calm_ok)["step_time_s"])
     ratio = here["pred_step_time_s"] / here["analytical_step_time_s"]
-    assert ratio.between(learned / 1.5, learned * 1.5).all()
+    in_node = F.dp_nodes(deep) == 1
+    assert in_node.sum() >= 5
+    assert ratio[in_node].between(learned / 1.5, learned * 1.5).all()
     a100 = deep.assign(hardware="A100-80GB")
     assert (here["pred_step_time_s"] < F.stall_floor_s(a100)).all()
     np.testing.assert_allclose(here["pred_tokens_per_sec_per_gpu_expected"],
