@@ -190,8 +190,11 @@ class _Base(BaseEstimator):
             PRED_STALL_PROB: out.get("stall_prob", np.full(len(frame), np.nan)),
             "analytical_step_time_s": analytical["step_time_s"],
             PRED_EXTRAPOLATION: out.get("distance", np.full(len(frame), np.nan)),
-            PRED_WARNING: np.where(failed, "", out.get("warning", "")).astype(object),
-            PRED_ERROR: errors,
+            # object columns, as built: pandas' string type would copy 100,000 strings into
+            # Arrow, a tenth of predicting that many configs
+            PRED_WARNING: pd.Series(np.where(failed, "", out.get("warning", "")),
+                                    index=frame.index, dtype=object),
+            PRED_ERROR: pd.Series(errors, index=frame.index, dtype=object),
         }, index=frame.index)
         numeric = [c for c in result.columns if c not in (PRED_ERROR, PRED_WARNING)]
         result.loc[failed, numeric] = np.nan
