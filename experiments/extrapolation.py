@@ -12,7 +12,9 @@ measured throughput. Nothing of a fold's test rows is used to fit or to choose a
 
 Then few-shot calibration: for each family fit without it, ``calibrate`` with the first
 n of its runs on its smallest cluster (one node's campaign, n = 0, 1, 2, 5, 10, 20; drawn
-with --shot-seeds seeds), scored on every other run of the family.
+with --shot-seeds seeds), scored on every other run of the family and on those beyond its
+smallest cluster alone; and, for how far one node's campaign can take a family at all,
+calibrated on every run of that cluster and fitted with them.
 
 With --anatomy, where each fold's errors come from: its runs by regime (measured stalled or
 not, against the predicted regime), by layout and by nodes (``error_anatomy.csv``), and each
@@ -104,10 +106,11 @@ def main() -> None:
         from paratune.table import format_table
 
         shot_table = format_table(shots, ["family", "rows", "mdape", "mape", "ratio_median",
-                                          "coverage"],
+                                          "coverage", "beyond"],
                                   headers={"rows": "own rows", "mdape": "MdAPE%",
                                            "mape": "MAPE%", "ratio_median": "pred/meas",
-                                           "coverage": "q10-q90 cover%"},
+                                           "coverage": "q10-q90 cover%",
+                                           "beyond": "MdAPE% beyond its node"},
                                   floatfmt=".3g", title="Few-shot calibration: a family "
                                   "fitted without, then calibrated on n of its one-node runs")
         print()
@@ -145,8 +148,10 @@ def main() -> None:
             run.log_params({"data": [str(f.resolve()) for f in files], "splits": splits,
                             "estimators": list(chosen), "n_estimators": args.n_estimators})
             for row in shots:
-                run.log_metrics({f"few_shot.{row['family']}.rows{row['rows']}.{k}": row[k]
-                                 for k in ("mdape", "mape", "ratio_median", "coverage")})
+                rows_key = str(row["rows"]).replace(" ", "_")
+                run.log_metrics({f"few_shot.{row['family']}.rows{rows_key}.{k}": row[k]
+                                 for k in ("mdape", "mape", "ratio_median", "coverage",
+                                           "beyond")})
             for row in rows:
                 prefix = re.sub(r"[^A-Za-z0-9_.\-/]+", "_",
                                 f"{row['split']}.{row['estimator']}.{row['held_out']}")
@@ -200,7 +205,12 @@ def few_shot(frame, factory, *, seeds: int, counts=(0, 1, 2, 5, 10, 20)) -> list
     """Per family: fitted without it, then calibrated on n of its runs on its smallest
     cluster; median APE, MAPE (in percent), median predicted / measured throughput and the
     share (in percent) inside the predicted q10-q90 of the family's other runs, averaged over
-    ``seeds`` draws of the n runs."""
+    ``seeds`` draws of the n runs, and the median APE of those beyond the smallest cluster
+    alone (``beyond``).
+
+    Two rows more per family say how far one node's campaign can take it: calibrated on
+    every run of its smallest cluster (``rows`` = their number), and the model fitted with
+    them (``rows`` = ``"<n> fitted"``), both scored on the runs beyond that cluster."""
     import numpy as np
 
     from paratune.models import measured_step_time, source_family
@@ -211,6 +221,25 @@ def few_shot(frame, factory, *, seeds: int, counts=(0, 1, 2, 5, 10, 20)) -> list
     step = measured_step_time(frame)
     timed = np.isfinite(step)
     world = frame["world_size"].to_numpy(dtype=float)
+
+    def score(model, rest):
+        predicted = model.predict(frame[rest])
+        ratio = step[rest] / predicted["pred_step_time_s"].to_numpy(float)  # pred / meas tok/s
+        ape = np.abs(ratio - 1.0)
+        # the measured throughput, on the scale of the predicted one and its interval
+        measured = predicted["pred_tokens_per_sec_per_gpu"].to_numpy(float) / ratio
+        lo, hi = (predicted[f"pred_tokens_per_sec_per_gpu_{q}"].to_numpy(float)
+                  for q in ("q10", "q90"))
+        inside = (measured >= np.fmin(lo, hi)) & (measured <= np.fmax(lo, hi))
+        beyond = world[rest] > world[pool].min()
+        return (np.median(ape), np.mean(ape), np.median(ratio), np.mean(inside),
+                np.median(ape[beyond]))
+
+    def row(family, rows, figures):
+        mdape, mape, ratio, coverage, beyond = np.mean(figures, axis=0)
+        return {"family": str(family), "rows": rows, "mdape": 100 * mdape, "mape": 100 * mape,
+                "ratio_median": ratio, "coverage": 100 * coverage, "beyond": 100 * beyond}
+
     out = []
     for family in sorted(set(families)):
         own = families == family
@@ -229,24 +258,19 @@ def few_shot(frame, factory, *, seeds: int, counts=(0, 1, 2, 5, 10, 20)) -> list
                     model.calibrate(frame.iloc[picked])
                 rest = own & timed
                 rest[picked] = False
-                part = frame[rest]
-                predicted = model.predict(part)
-                pred = predicted["pred_step_time_s"].to_numpy(float)
-                ratio = step[rest] / pred  # predicted / measured throughput
-                ape = np.abs(ratio - 1.0)
-                # the measured throughput, on the scale of the predicted one and its interval
-                measured = predicted["pred_tokens_per_sec_per_gpu"].to_numpy(float) / ratio
-                lo, hi = (predicted[f"pred_tokens_per_sec_per_gpu_{q}"].to_numpy(float)
-                          for q in ("q10", "q90"))
-                inside = (measured >= np.fmin(lo, hi)) & (measured <= np.fmax(lo, hi))
-                figures.append((np.median(ape), np.mean(ape), np.median(ratio),
-                                np.mean(inside)))
-            mdape, mape, ratio, coverage = np.mean(figures, axis=0)
-            out.append({"family": str(family), "rows": n, "mdape": 100 * mdape,
-                        "mape": 100 * mape, "ratio_median": ratio,
-                        "coverage": 100 * coverage})
+                figures.append(score(model, rest))
+            out.append(row(family, n, figures))
+        rest = own & timed
+        rest[pool] = False
+        if rest.any():
+            model.family_offsets_.pop(str(family), None)
+            model.calibrate(frame.iloc[pool])
+            out.append(row(family, len(pool), [score(model, rest)]))
+            with_pool = ~own
+            with_pool[pool] = True
+            out.append(row(family, f"{len(pool)} fitted",
+                           [score(factory().fit(frame[with_pool]), rest)]))
     return out
-
 
 if __name__ == "__main__":
     main()

@@ -235,6 +235,31 @@ def test_few_shot_calibration_moves_a_family_toward_its_rows(synthetic, tmp_path
         model.calibrate(synthetic[synthetic["status"] != "ok"])
 
 
+def test_the_few_shot_experiment_scores_counts_and_one_nodes_ceilings(synthetic):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "experiments"))
+    from extrapolation import few_shot
+
+    # another framework on the same hardware, measured from one 8-device node up and 1.6x
+    # slower on every configuration
+    ok = synthetic[(synthetic["status"] == "ok") & (synthetic["world_size"] >= 8)]
+    slow = ok.assign(source="slowfw_runs", step_time_s=ok["step_time_s"] * 1.6)
+    frame = pd.concat([synthetic, slow], ignore_index=True)
+    rows = [r for r in few_shot(frame, lambda: PerformanceModel(**SMALL), seeds=1,
+                                counts=(0, 2)) if r["family"] == "slowfw"]
+    world = slow["world_size"]
+    pool = int((world == world.min()).sum())
+    assert [r["rows"] for r in rows] == [0, 2, pool, f"{pool} fitted"]
+    none, fitted = rows[0], rows[-1]
+    # without its rows the family is priced as the measured one, 1.6x too fast; fitted with
+    # its smallest cluster's runs, its larger ones are predicted from its own measurements
+    assert none["ratio_median"] > 1.3
+    assert fitted["beyond"] < none["beyond"] / 2
+    assert all(np.isfinite(r[k]) for r in rows for k in ("mdape", "coverage", "beyond"))
+
+
 def test_few_shot_runs_of_an_unmeasured_family_fit_its_efficiency_and_cost_per_pass(
         synthetic, tmp_path):
     from paratune.models import features as F
