@@ -132,8 +132,10 @@ def _predict(args: argparse.Namespace) -> int:
           + (f" ({failed} rows with pred_error)" if failed else ""))
     warned = out["pred_warning"].fillna("").astype(str) if "pred_warning" in out else None
     if warned is not None and (warned != "").any():
-        # the first reason of each kind (the text up to its figures) with its row count
-        kinds = warned[warned != ""].str.replace(r"\d+(\.\d+)?", "N", regex=True)
+        # each kind of reason with its row count: the text with its figures as N (a figure
+        # stands alone; the digits of a name, such as a family's, stay)
+        kinds = warned[warned != ""].str.replace(r"(?<![\w.-])\d+(\.\d+)?(?![\w-])", "N",
+                                                 regex=True)
         for text, count in kinds.value_counts().items():
             print(f"warning: {count} {'row' if count == 1 else 'rows'}: {text} "
                   "(see pred_warning, pred_extrapolation_doublings)")

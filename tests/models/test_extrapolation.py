@@ -365,16 +365,19 @@ def test_predict_cli_counts_the_rows_that_extrapolate(small_cluster_model, synth
 
     model_dir = small_cluster_model.save(tmp_path / "m")
     ok = synthetic[synthetic["status"] == "ok"]
-    rows = pd.concat([ok[ok["world_size"] <= 32].head(3), ok[ok["world_size"] >= 128].head(2)])
-    rows[list(CONFIG_COLUMNS)].to_csv(tmp_path / "in.csv", index=False)
+    rows = pd.concat([ok[ok["world_size"] <= 32].head(3), ok[ok["world_size"] >= 128].head(2),
+                      ok[ok["world_size"] <= 32].tail(1).assign(source="llama3_2024_runs")])
+    rows[[*CONFIG_COLUMNS, "source"]].to_csv(tmp_path / "in.csv", index=False)
     assert main(["predict", str(tmp_path / "in.csv"), "--model", str(model_dir),
                  "--out", str(tmp_path / "out.csv")]) == 0
     out = capsys.readouterr().out
     assert re.search(r"warning: 2 rows: beyond the fitted model, cluster, batch, tensor- "
                      r"and data-parallel node spans and data-parallel regimes by N doublings: "
                      r"interval widened", out), out
+    # a family's name keeps its digits
+    assert "warning: 1 row: no measurement of family llama3:" in out, out
     written = pd.read_csv(tmp_path / "out.csv", keep_default_na=False)
-    assert (written[PRED_WARNING] != "").sum() == 2
+    assert (written[PRED_WARNING] != "").sum() == 3
 
 
 def test_margins_cover_every_nested_fold():
