@@ -273,19 +273,24 @@ def config_from_public(raw: dict[str, str], *, check_grad_accum: bool = True
     Raises:
         _Unmappable: a degree is missing or stated values contradict each other.
     """
-    num_gpus = _integer(raw, "num_gpus")
-    tp, pp, dp = (_integer(raw, k) for k in ("tp", "pp", "dp"))
-    micro, global_batch = _integer(raw, "micro_batch"), _integer(raw, "global_batch")
     cp = _integer(raw, "cp", required=False) or 1
     if cp != 1:
         raise _Unmappable(f"cp={cp}: context parallelism is not modelled")
+    num_gpus, (tp, pp, dp) = _degrees(raw)
     if dp * tp * pp != num_gpus:
         raise _Unmappable(f"dp*tp*pp = {dp}*{tp}*{pp} = {dp * tp * pp} contradicts "
                           f"num_gpus={num_gpus}")
+    global_batch = _integer(raw, "global_batch")
+    grad_accum = _integer(raw, "grad_accum", required=False)
+    micro = _integer(raw, "micro_batch", required=grad_accum is None)
+    if micro is None:  # what the stated micro-batches per step leave to each
+        micro = global_batch // (dp * grad_accum)
+        if micro < 1 or micro * dp * grad_accum != global_batch:
+            raise _Unmappable(f"micro_batch is empty and global_batch={global_batch} is not a "
+                              f"multiple of dp*grad_accum = {dp}*{grad_accum}")
     if global_batch % (dp * micro):
         raise _Unmappable(f"global_batch={global_batch} is not a multiple of dp*micro_batch = "
                           f"{dp}*{micro}")
-    grad_accum = _integer(raw, "grad_accum", required=False)
     if check_grad_accum and grad_accum is not None and dp * micro * grad_accum != global_batch:
         raise _Unmappable(f"dp*micro_batch*grad_accum = {dp}*{micro}*{grad_accum} = "
                           f"{dp * micro * grad_accum} contradicts global_batch={global_batch}")
@@ -317,6 +322,32 @@ def config_from_public(raw: dict[str, str], *, check_grad_accum: bool = True
         raise _Unmappable(f"{_PUBLIC_NAMES.get(exc.field, exc.field)}="
                           f"{exc.value!r}: {exc.rule}") from None
     return config, num_gpus
+
+
+def _degrees(raw: dict[str, str]) -> tuple[int, tuple[int, int, int]]:
+    """``num_gpus`` and ``(tp, pp, dp)`` of a public row. Published tables often leave one
+    of them to arithmetic (the data-parallel degree of a table that gives the GPUs, tensor
+    and pipeline degrees): one empty cell among the four is what the others imply."""
+    names = ("tp", "pp", "dp")
+    num_gpus = _integer(raw, "num_gpus", required=False)
+    degrees = [_integer(raw, k, required=False) for k in names]
+    empty = [k for k, v in zip(names, degrees, strict=True) if v is None]
+    if num_gpus is None:
+        if empty:
+            raise _Unmappable(f"missing {empty[0]} (one of num_gpus, tp, pp and dp may be left "
+                              "empty, not two)")
+        return math.prod(degrees), (degrees[0], degrees[1], degrees[2])
+    if len(empty) > 1:
+        raise _Unmappable(f"missing {empty[0]} (one of num_gpus, tp, pp and dp may be left "
+                          "empty, not two)")
+    if empty:
+        stated = [(k, v) for k, v in zip(names, degrees, strict=True) if v is not None]
+        product = math.prod(v for _, v in stated)
+        if num_gpus % product:
+            raise _Unmappable(f"{empty[0]} is empty and num_gpus={num_gpus} is not a multiple "
+                              f"of {'*'.join(k for k, _ in stated)} = {product}")
+        degrees[names.index(empty[0])] = num_gpus // product
+    return num_gpus, (degrees[0], degrees[1], degrees[2])
 
 
 _SCHEDULES = {"1f1b": Schedule.ONE_F_ONE_B, "interleaved": Schedule.INTERLEAVED_1F1B,

@@ -53,7 +53,13 @@ def test_good_row_maps_config_hardware_and_metrics(tmp_path):
 
 @pytest.mark.parametrize(("change", "reason"), [
     ({"dp": "4"}, "dp*tp*pp = 4*1*1 = 4 contradicts num_gpus=8"),
-    ({"tp": ""}, "missing tp"),
+    ({"tp": "", "dp": ""}, "missing tp (one of num_gpus, tp, pp and dp may be left empty, "
+                           "not two)"),
+    ({"num_gpus": "", "pp": ""}, "missing pp"),
+    ({"dp": "", "tp": "3"}, "dp is empty and num_gpus=8 is not a multiple of tp*pp = 3"),
+    ({"micro_batch": "", "grad_accum": "5"},
+     "micro_batch is empty and global_batch=256 is not a multiple of dp*grad_accum = 8*5"),
+    ({"micro_batch": "", "grad_accum": ""}, "missing micro_batch"),
     ({"grad_accum": "8"}, "contradicts global_batch=256"),
     ({"gpu": "TPU-v5"}, "gpu='TPU-v5' is not a known device"),
     ({"notes": "nodes=1;FLAG=source_dims_inconsistent"}, "FLAG=source_dims_inconsistent"),
@@ -88,6 +94,18 @@ def test_unmappable_rows_are_reported_with_line_and_reason(tmp_path, change, rea
     (problem,) = problems
     assert problem.line == 4  # comment, header, good row, then the bad one
     assert reason in problem.reason
+
+
+@pytest.mark.parametrize("empty", ["num_gpus", "tp", "pp", "dp", "micro_batch"])
+def test_one_degree_left_to_arithmetic_is_what_the_others_imply(tmp_path, empty):
+    """Published tables often give the GPUs, tensor and pipeline degrees and leave the
+    data-parallel one (or the micro-batch, where the micro-batches per step are stated)."""
+    cells = dict(zip(HEADER.split(","), GOOD.split(",")))
+    cells[empty] = ""
+    (m,), problems = parse_public_csv(_write(tmp_path, ",".join(cells.values())))
+    assert problems == []
+    assert (m.config.dp, m.config.tp, m.config.pp, m.config.micro_batch_size) == (8, 1, 1, 2)
+    assert m.config.world_size == 8
 
 
 def test_header_without_comment_and_failed_status(tmp_path):
