@@ -274,17 +274,19 @@ def _choice_figures(frame: pd.DataFrame, predictions: pd.DataFrame, ok: np.ndarr
         sel = keys == key
         if sel.sum() < 2:
             continue
-        chosen = m_ok[sel][int(np.argmax(p_ok[sel]))]
-        regrets.append(throughput_regret(m_ok[sel].max(), chosen))
-        top5 = np.argsort(-p_ok[sel], kind="stable")[:5]
-        top5_regrets.append(throughput_regret(m_ok[sel].max(), m_ok[sel][top5].max()))
-        rhos.append(_spearman(m_ok[sel], p_ok[sel]))
+        m, p = m_ok[sel], p_ok[sel]
+        best = m.max()
+        regrets.append(throughput_regret(best, m[int(np.argmax(p))]))
+        top5 = np.argsort(-p, kind="stable")[:5]
+        top5_regrets.append(throughput_regret(best, m[top5].max()))
+        rhos.append(_spearman(m, p))
         if cautious is not None:
-            chosen = m_ok[sel][int(np.argmax(np.nan_to_num(cautious[sel], nan=-np.inf)))]
-            cautious_regrets.append(throughput_regret(m_ok[sel].max(), chosen))
-            order = risk_aware_order(p_ok[sel], cautious[sel])
-            risk_regrets.append(throughput_regret(m_ok[sel].max(), m_ok[sel][order[0]]))
-            risk_top5.append(throughput_regret(m_ok[sel].max(), m_ok[sel][order[:5]].max()))
+            low = cautious[sel]
+            chosen = m[int(np.argmax(np.nan_to_num(low, nan=-np.inf)))]
+            cautious_regrets.append(throughput_regret(best, chosen))
+            order = risk_aware_order(p, low)
+            risk_regrets.append(throughput_regret(best, m[order[0]]))
+            risk_top5.append(throughput_regret(best, m[order[:5]].max()))
     out: dict[str, float] = {}
     out["regret_mean"] = float(np.mean(regrets)) if regrets else np.nan
     out["regret_max"] = float(np.max(regrets)) if regrets else np.nan
