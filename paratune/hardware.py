@@ -80,6 +80,14 @@ HARDWARE: dict[str, HardwareSpec] = {
         HardwareSpec(name="A100-80GB", peak_flops=312e12, memory_gb=80.0,
                      intra_node_bw=300 * _GB, inter_node_bw=25 * _GB, memory_bw=2039 * _GB,
                      matmul_efficiency=0.8, aliases=("A100",)),
+        # the export variants of the A100 and H100 (China): the same devices with NVLink
+        # cut to 400 GB/s both directions together
+        HardwareSpec(name="A800-80GB", peak_flops=312e12, memory_gb=80.0,
+                     intra_node_bw=200 * _GB, inter_node_bw=25 * _GB, memory_bw=2039 * _GB,
+                     matmul_efficiency=0.8, aliases=("A800",)),
+        HardwareSpec(name="H800", peak_flops=989e12, memory_gb=80.0,
+                     intra_node_bw=200 * _GB, inter_node_bw=50 * _GB, memory_bw=3350 * _GB,
+                     matmul_efficiency=0.6, aliases=("H800-80GB",)),
         HardwareSpec(name="H100-80GB", peak_flops=989e12, memory_gb=80.0,
                      intra_node_bw=450 * _GB, inter_node_bw=50 * _GB, memory_bw=3350 * _GB,
                      matmul_efficiency=0.6, aliases=("H100", "H100-SXM")),
