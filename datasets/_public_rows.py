@@ -332,15 +332,12 @@ def _degrees(raw: dict[str, str]) -> tuple[int, tuple[int, int, int]]:
     num_gpus = _integer(raw, "num_gpus", required=False)
     degrees = [_integer(raw, k, required=False) for k in names]
     empty = [k for k, v in zip(names, degrees, strict=True) if v is None]
-    if num_gpus is None:
-        if empty:
-            raise _Unmappable(f"missing {empty[0]} (one of num_gpus, tp, pp and dp may be left "
-                              "empty, not two)")
-        return math.prod(degrees), (degrees[0], degrees[1], degrees[2])
-    if len(empty) > 1:
+    if len(empty) + (num_gpus is None) > 1:
         raise _Unmappable(f"missing {empty[0]} (one of num_gpus, tp, pp and dp may be left "
                           "empty, not two)")
-    if empty:
+    if num_gpus is None:
+        num_gpus = math.prod(degrees)
+    elif empty:
         stated = [(k, v) for k, v in zip(names, degrees, strict=True) if v is not None]
         product = math.prod(v for _, v in stated)
         if num_gpus % product:
