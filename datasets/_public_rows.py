@@ -268,7 +268,8 @@ def config_from_public(raw: dict[str, str], *, check_grad_accum: bool = True
     Args:
         raw: The row's cells.
         check_grad_accum: Require ``dp * micro_batch * grad_accum == global_batch`` where
-            ``grad_accum`` is stated (a record needs it; a prediction uses ``global_batch``).
+            both are stated (a record needs it; a prediction uses ``global_batch``, and
+            ``grad_accum`` only where ``micro_batch`` is empty).
 
     Raises:
         _Unmappable: a degree is missing or stated values contradict each other.

@@ -110,7 +110,7 @@ def main() -> None:
                                   headers={"rows": "own rows", "mdape": "MdAPE%",
                                            "mape": "MAPE%", "ratio_median": "pred/meas",
                                            "coverage": "q10-q90 cover%",
-                                           "beyond": "MdAPE% beyond its node"},
+                                           "beyond": "MdAPE% beyond its smallest cluster"},
                                   floatfmt=".3g", title="Few-shot calibration: a family "
                                   "fitted without, then calibrated on n of its one-node runs")
         print()
@@ -209,8 +209,10 @@ def few_shot(frame, factory, *, seeds: int, counts=(0, 1, 2, 5, 10, 20)) -> list
     alone (``beyond``).
 
     Two rows more per family say how far one node's campaign can take it: calibrated on
-    every run of its smallest cluster (``rows`` = their number), and the model fitted with
-    them (``rows`` = ``"<n> fitted"``), both scored on the runs beyond that cluster."""
+    every run of its smallest cluster (``rows`` = their number; left out where a count
+    already is that number), and the model fitted with them (``rows`` = ``"<n> fitted"``),
+    both scored on the runs beyond that cluster alone, so that there ``mdape`` is
+    ``beyond``."""
     import numpy as np
 
     from paratune.models import measured_step_time, source_family
@@ -222,7 +224,7 @@ def few_shot(frame, factory, *, seeds: int, counts=(0, 1, 2, 5, 10, 20)) -> list
     timed = np.isfinite(step)
     world = frame["world_size"].to_numpy(dtype=float)
 
-    def score(model, rest):
+    def score(model, rest, smallest):
         predicted = model.predict(frame[rest])
         ratio = step[rest] / predicted["pred_step_time_s"].to_numpy(float)  # pred / meas tok/s
         ape = np.abs(ratio - 1.0)
@@ -231,9 +233,9 @@ def few_shot(frame, factory, *, seeds: int, counts=(0, 1, 2, 5, 10, 20)) -> list
         lo, hi = (predicted[f"pred_tokens_per_sec_per_gpu_{q}"].to_numpy(float)
                   for q in ("q10", "q90"))
         inside = (measured >= np.fmin(lo, hi)) & (measured <= np.fmax(lo, hi))
-        beyond = world[rest] > world[pool].min()
+        beyond = world[rest] > smallest
         return (np.median(ape), np.mean(ape), np.median(ratio), np.mean(inside),
-                np.median(ape[beyond]))
+                np.median(ape[beyond]) if beyond.any() else np.nan)
 
     def row(family, rows, figures):
         mdape, mape, ratio, coverage, beyond = np.mean(figures, axis=0)
@@ -246,7 +248,8 @@ def few_shot(frame, factory, *, seeds: int, counts=(0, 1, 2, 5, 10, 20)) -> list
         if own.all():
             continue
         model = factory().fit(frame[~own])
-        pool = np.flatnonzero(own & timed & (world == world[own & timed].min()))
+        smallest = world[own & timed].min()
+        pool = np.flatnonzero(own & timed & (world == smallest))
         for n in counts:
             if n > len(pool):
                 continue
@@ -258,19 +261,22 @@ def few_shot(frame, factory, *, seeds: int, counts=(0, 1, 2, 5, 10, 20)) -> list
                     model.calibrate(frame.iloc[picked])
                 rest = own & timed
                 rest[picked] = False
-                figures.append(score(model, rest))
+                figures.append(score(model, rest, smallest))
             out.append(row(family, n, figures))
         rest = own & timed
         rest[pool] = False
-        if rest.any():
+        if not rest.any():
+            continue
+        if len(pool) not in counts:
             model.family_offsets_.pop(str(family), None)
             model.calibrate(frame.iloc[pool])
-            out.append(row(family, len(pool), [score(model, rest)]))
-            with_pool = ~own
-            with_pool[pool] = True
-            out.append(row(family, f"{len(pool)} fitted",
-                           [score(factory().fit(frame[with_pool]), rest)]))
+            out.append(row(family, len(pool), [score(model, rest, smallest)]))
+        with_pool = ~own
+        with_pool[pool] = True
+        out.append(row(family, f"{len(pool)} fitted",
+                       [score(factory().fit(frame[with_pool]), rest, smallest)]))
     return out
+
 
 if __name__ == "__main__":
     main()

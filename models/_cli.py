@@ -134,8 +134,8 @@ def _predict(args: argparse.Namespace) -> int:
     if warned is not None and (warned != "").any():
         # each kind of reason with its row count: the text with its figures as N (a figure
         # stands alone; the digits of a name, such as a family's, stay)
-        kinds = warned[warned != ""].str.replace(r"(?<![\w.-])\d+(\.\d+)?(?![\w-])", "N",
-                                                 regex=True)
+        kinds = warned[warned != ""].str.replace(r"(?<![\w.-])\d+(\.\d+)?(?![\w-]|\.\w)",
+                                                 "N", regex=True)
         for text, count in kinds.value_counts().items():
             print(f"warning: {count} {'row' if count == 1 else 'rows'}: {text} "
                   "(see pred_warning, pred_extrapolation_doublings)")

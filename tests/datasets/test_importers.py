@@ -100,12 +100,19 @@ def test_unmappable_rows_are_reported_with_line_and_reason(tmp_path, change, rea
 def test_one_degree_left_to_arithmetic_is_what_the_others_imply(tmp_path, empty):
     """Published tables often give the GPUs, tensor and pipeline degrees and leave the
     data-parallel one (or the micro-batch, where the micro-batches per step are stated)."""
+    from paratune.datasets.importers import public_row_layout
+
     cells = dict(zip(HEADER.split(","), GOOD.split(",")))
+    # every degree above 1, so that no empty cell reads as a default of 1
+    cells.update(tp="2", pp="2", dp="2", grad_accum="64", notes="")
     cells[empty] = ""
     (m,), problems = parse_public_csv(_write(tmp_path, ",".join(cells.values())))
     assert problems == []
-    assert (m.config.dp, m.config.tp, m.config.pp, m.config.micro_batch_size) == (8, 1, 1, 2)
+    assert (m.config.dp, m.config.tp, m.config.pp, m.config.micro_batch_size) == (2, 2, 2, 2)
     assert m.config.world_size == 8
+    # and as predict reads a row
+    _, config, _ = public_row_layout(cells)
+    assert config == m.config
 
 
 def test_header_without_comment_and_failed_status(tmp_path):

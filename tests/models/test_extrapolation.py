@@ -257,6 +257,7 @@ def test_the_few_shot_experiment_scores_counts_and_one_nodes_ceilings(synthetic)
     # its smallest cluster's runs, its larger ones are predicted from its own measurements
     assert none["ratio_median"] > 1.3
     assert fitted["beyond"] < none["beyond"] / 2
+    assert fitted["mdape"] == fitted["beyond"]  # scored on the runs beyond that node alone
     assert all(np.isfinite(r[k]) for r in rows for k in ("mdape", "coverage", "beyond"))
 
 
