@@ -333,9 +333,10 @@ def _degrees(raw: dict[str, str]) -> tuple[int, tuple[int, int, int]]:
     num_gpus = _integer(raw, "num_gpus", required=False)
     degrees = [_integer(raw, k, required=False) for k in names]
     empty = [k for k, v in zip(names, degrees, strict=True) if v is None]
-    if len(empty) + (num_gpus is None) > 1:
-        raise _Unmappable(f"missing {empty[0]} (one of num_gpus, tp, pp and dp may be left "
-                          "empty, not two)")
+    missing = ["num_gpus"] * (num_gpus is None) + empty
+    if len(missing) > 1:
+        raise _Unmappable(f"missing {' and '.join(missing)} (one of num_gpus, tp, pp and dp may "
+                          "be left empty, no more)")
     if num_gpus is None:
         num_gpus = math.prod(degrees)
     elif empty:

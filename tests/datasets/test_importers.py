@@ -53,9 +53,9 @@ def test_good_row_maps_config_hardware_and_metrics(tmp_path):
 
 @pytest.mark.parametrize(("change", "reason"), [
     ({"dp": "4"}, "dp*tp*pp = 4*1*1 = 4 contradicts num_gpus=8"),
-    ({"tp": "", "dp": ""}, "missing tp (one of num_gpus, tp, pp and dp may be left empty, "
-                           "not two)"),
-    ({"num_gpus": "", "pp": ""}, "missing pp"),
+    ({"tp": "", "dp": ""}, "missing tp and dp (one of num_gpus, tp, pp and dp may be left "
+                           "empty, no more)"),
+    ({"num_gpus": "", "pp": ""}, "missing num_gpus and pp"),
     ({"dp": "", "tp": "3"}, "dp is empty and num_gpus=8 is not a multiple of tp*pp = 3"),
     ({"micro_batch": "", "grad_accum": "5"},
      "micro_batch is empty and global_batch=256 is not a multiple of dp*grad_accum = 8*5"),
