@@ -67,6 +67,17 @@ class HardwareSpec:
 
 
 _GB = 1e9
+_A100_80GB = HardwareSpec(name="A100-80GB", peak_flops=312e12, memory_gb=80.0,
+                          intra_node_bw=300 * _GB, inter_node_bw=25 * _GB,
+                          memory_bw=2039 * _GB, matmul_efficiency=0.8, aliases=("A100",))
+_H100_80GB = HardwareSpec(name="H100-80GB", peak_flops=989e12, memory_gb=80.0,
+                          intra_node_bw=450 * _GB, inter_node_bw=50 * _GB,
+                          memory_bw=3350 * _GB, matmul_efficiency=0.6,
+                          aliases=("H100", "H100-SXM"))
+_NVLINK_CUT = 200 * _GB
+"""NVLink per direction of the export variants of the A100 and H100 (China): the same
+devices with NVLink cut to 400 GB/s both directions together."""
+
 HARDWARE: dict[str, HardwareSpec] = {
     spec.name: spec
     for spec in (
@@ -77,20 +88,12 @@ HARDWARE: dict[str, HardwareSpec] = {
         HardwareSpec(name="A100-40GB", peak_flops=312e12, memory_gb=40.0,
                      intra_node_bw=300 * _GB, inter_node_bw=25 * _GB, memory_bw=1555 * _GB,
                      matmul_efficiency=0.8),
-        HardwareSpec(name="A100-80GB", peak_flops=312e12, memory_gb=80.0,
-                     intra_node_bw=300 * _GB, inter_node_bw=25 * _GB, memory_bw=2039 * _GB,
-                     matmul_efficiency=0.8, aliases=("A100",)),
-        # the export variants of the A100 and H100 (China): the same devices with NVLink
-        # cut to 400 GB/s both directions together
-        HardwareSpec(name="A800-80GB", peak_flops=312e12, memory_gb=80.0,
-                     intra_node_bw=200 * _GB, inter_node_bw=25 * _GB, memory_bw=2039 * _GB,
-                     matmul_efficiency=0.8, aliases=("A800",)),
-        HardwareSpec(name="H800", peak_flops=989e12, memory_gb=80.0,
-                     intra_node_bw=200 * _GB, inter_node_bw=50 * _GB, memory_bw=3350 * _GB,
-                     matmul_efficiency=0.6, aliases=("H800-80GB",)),
-        HardwareSpec(name="H100-80GB", peak_flops=989e12, memory_gb=80.0,
-                     intra_node_bw=450 * _GB, inter_node_bw=50 * _GB, memory_bw=3350 * _GB,
-                     matmul_efficiency=0.6, aliases=("H100", "H100-SXM")),
+        _A100_80GB,
+        dataclasses.replace(_A100_80GB, name="A800-80GB", intra_node_bw=_NVLINK_CUT,
+                            aliases=("A800",)),
+        _H100_80GB,
+        dataclasses.replace(_H100_80GB, name="H800", intra_node_bw=_NVLINK_CUT,
+                            aliases=("H800-80GB",)),
         HardwareSpec(name="H200", peak_flops=989e12, memory_gb=141.0,
                      intra_node_bw=450 * _GB, inter_node_bw=50 * _GB, memory_bw=4800 * _GB,
                      matmul_efficiency=0.6, aliases=("H200-141GB",)),
