@@ -4,7 +4,8 @@ Fits the performance model on the public measurements (as ``paratune fit`` does:
 Ultra-Scale Playbook's nanotron sweep on H100 and vTrain's Megatron-DeepSpeed runs on A100),
 then predicts the runs of the CSVs given (default: every ``published_*.csv`` under the
 repository's ``data/``, e.g. Megatron-LM's 22B-1T GPT runs on 8-512 A100 of Korthikanti et
-al. 2022), whose framework the model has no measurement of. Such a family is predicted as a
+al. 2022 and its weak scaling from 1.7B on 32 A100 to 1T on 3,072 of Narayanan et al. 2021),
+whose framework the model has no measurement of. Such a family is predicted as a
 well-tuned framework on that hardware (the calibrated core with its default constants, see
 :mod:`paratune.models._calibration`), with a warning and a widened interval.
 
