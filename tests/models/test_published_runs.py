@@ -1,6 +1,7 @@
 """Frameworks with no measurement fitted on, predicted as well-tuned ones: Megatron-LM's
 published GPT runs (22B to 1T parameters on 8 to 512 A100, and its weak scaling from 1.7B on
-32 GPUs to 1T on 3,072, tensor and pipeline parallelism),
+32 GPUs to 1T on 3,072, tensor and pipeline parallelism; DeepSpeed's ZeRO-3 runs of GPT-3
+175B on 384 to 1,536 A100 are the one source outside the targets, inside the interval),
 torchtitan's (Llama 2 13B to Llama 3 70B on 64 A100) and llm-foundry's (MPT 125M to 70B on
 8 to 128 A100 and H100), both FSDP alone, from a model fitted on the public nanotron and
 Megatron-DeepSpeed measurements."""
@@ -17,7 +18,8 @@ PUBLISHED = REPO / "data" / "published_megatron_a100.csv"
 TORCHTITAN = REPO / "data" / "published_torchtitan_a100.csv"
 MPT = REPO / "data" / "published_llmfoundry_mpt.csv"
 WEAK_SCALING = REPO / "data" / "published_megatron_narayanan2021_a100.csv"
-ROWS = {PUBLISHED: 8, TORCHTITAN: 3, MPT: 191, WEAK_SCALING: 10}
+ZERO3 = REPO / "data" / "published_deepspeed_zero3_a100.csv"
+ROWS = {PUBLISHED: 8, TORCHTITAN: 3, MPT: 191, WEAK_SCALING: 13, ZERO3: 3}
 
 
 @pytest.mark.parametrize("path", list(ROWS), ids=lambda p: p.stem)
@@ -45,7 +47,7 @@ def test_torchtitans_runs_are_fsdp_alone_with_their_stated_shapes():
     np.testing.assert_allclose(mfu, rows["mfu"].to_numpy(float), rtol=0.03)
 
 
-def test_megatrons_weak_scaling_rows_give_back_the_papers_figures():
+def test_narayanans_rows_give_back_the_papers_figures():
     """The transcribed shapes give the parameter counts the paper states (to its one
     decimal), the layouts fill the stated GPUs, and the step times give back the stated
     teraFLOP/s per GPU under the paper's own FLOPs count (its Eq. 3, recomputation
@@ -55,13 +57,17 @@ def test_megatrons_weak_scaling_rows_give_back_the_papers_figures():
     from paratune.models import load_measurements
     from paratune.models._splits import model_params
 
-    rows = load_measurements([WEAK_SCALING]).reset_index(drop=True)
-    raw = pd.read_csv(WEAK_SCALING, comment="#")
-    assert (raw["model"] + "-" == rows["model_name"].str.extract(r"(GPT-[\d.]+[BT]-)")[0]).all()
+    rows = load_measurements([WEAK_SCALING, ZERO3]).reset_index(drop=True)
+    raw = pd.concat([pd.read_csv(p, comment="#") for p in (WEAK_SCALING, ZERO3)],
+                    ignore_index=True)
+    assert all(n.startswith(f"{m}-") for m, n in zip(raw["model"], rows["model_name"],
+                                                     strict=True))
     stated = raw["params_b"].to_numpy(float)
     np.testing.assert_allclose(model_params(rows) / 1e9, stated, rtol=0.002, atol=0.06)
     assert (rows["tp"] * rows["pp"] * rows["dp"] == rows["world_size"]).all()
     assert rows["world_size"].min() == 32 and rows["world_size"].max() == 3072
+    zero3 = rows["source"].str.startswith("deepspeed").to_numpy()
+    assert (rows["sharding"][zero3] == "zero3").all() and (rows["sharding"][~zero3] == "none").all()
     b, s, v = (rows[k].to_numpy(float) for k in ("global_batch_size", "seq_len", "vocab_size"))
     layers, h = rows["num_layers"].to_numpy(float), rows["hidden_size"].to_numpy(float)
     flops = 96 * b * s * layers * h**2 * (1 + s / (6 * h) + v / (16 * layers * h))
@@ -150,8 +156,14 @@ def test_published_runs_of_an_unmeasured_framework_are_predicted_within_target(p
                for s, w in zip(published["source"], pred[PRED_WARNING], strict=True))
     both = pd.concat([published, pred], axis=1)
     rows = score(both)
-    assert [r["source"] for r in rows] == ["llmfoundry_mpt", "megatron_lm_korthikanti2022",
+    assert [r["source"] for r in rows] == ["deepspeed_zero3_narayanan2021", "llmfoundry_mpt",
+                                           "megatron_lm_korthikanti2022",
                                            "megatron_lm_narayanan2021", "torchtitan_fsdp2"]
+    # DeepSpeed's ZeRO-3 over 48 to 192 nodes ran below the well-tuned pace the model
+    # assumes (NCCL's hierarchical gathers), more so the more nodes: predicted too fast,
+    # and the unmeasured family's interval holds the runs
+    zero3, rows = rows[0], rows[1:]
+    assert zero3["ratio_median"] > 1.25 and zero3["coverage"] == 100.0
     for row in rows:
         assert 0.8 <= row["ratio_median"] <= 1.25, row
         assert row["mdape"] <= 20.0, row
