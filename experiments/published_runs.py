@@ -32,21 +32,29 @@ from _public import REPO, public_data_dir
 
 from paratune.tracking import add_no_track_argument
 
+RATIO_TARGET = (0.8, 1.25)
+"""The target's range of the median predicted / measured throughput of a source."""
+MDAPE_TARGET = 20.0
+"""The target's largest median APE of a source (percent)."""
+
 
 def score(predictions) -> list[dict]:
     """Per source of ``predictions`` (measurement rows with the model's columns), the
     figures of :func:`paratune.models.metrics`: rows, median APE and MAPE of tokens/s per
-    device (percent), median predicted / measured throughput and q10-q90 coverage
-    (percent)."""
+    device (percent), median predicted / measured throughput, q10-q90 coverage (percent)
+    and ``targets_met`` (the ratio within :data:`RATIO_TARGET` and the median APE at most
+    :data:`MDAPE_TARGET`)."""
     from paratune.models import metrics
 
     out = []
     for source in sorted(predictions["source"].astype(str).unique()):
         rows = predictions[predictions["source"].astype(str) == source]
         m = metrics(rows, rows)
+        met = (RATIO_TARGET[0] <= m["ratio_median"] <= RATIO_TARGET[1]
+               and 100 * m["mdape"] <= MDAPE_TARGET)
         out.append({"source": source, "rows": int(m["n"]), "mdape": 100 * m["mdape"],
                     "mape": 100 * m["mape"], "ratio_median": m["ratio_median"],
-                    "coverage": 100 * m["coverage"]})
+                    "coverage": 100 * m["coverage"], "targets_met": bool(met)})
     return out
 
 
@@ -76,9 +84,13 @@ def main() -> None:
     predictions = pd.concat([published.reset_index(drop=True),
                              model.predict(published).reset_index(drop=True)], axis=1)
     scores = score(predictions)
-    table = format_table(scores, ["source", "rows", "mdape", "mape", "ratio_median", "coverage"],
+    shown = [{**row, "targets": "met" if row["targets_met"] else "MISSED"} for row in scores]
+    table = format_table(shown, ["source", "rows", "mdape", "mape", "ratio_median", "coverage",
+                                 "targets"],
                          headers={"mdape": "MdAPE%", "mape": "MAPE%",
-                                  "ratio_median": "pred/meas", "coverage": "q10-q90 cover%"},
+                                  "ratio_median": "pred/meas", "coverage": "q10-q90 cover%",
+                                  "targets": f"pred/meas in {list(RATIO_TARGET)}, "
+                                             f"MdAPE <= {MDAPE_TARGET:g}%"},
                          floatfmt=".3g", title="Published runs of frameworks with no "
                          "measurement fitted on (tokens/s per device)")
     c = F.Columns(published)

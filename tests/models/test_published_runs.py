@@ -164,9 +164,11 @@ def test_published_runs_of_an_unmeasured_framework_are_predicted_within_target(p
     # and the unmeasured family's interval holds the runs
     zero3, rows = rows[0], rows[1:]
     assert zero3["ratio_median"] > 1.25 and zero3["coverage"] == 100.0
+    assert not zero3["targets_met"]
     for row in rows:
         assert 0.8 <= row["ratio_median"] <= 1.25, row
         assert row["mdape"] <= 20.0, row
+        assert row["targets_met"], row
     assert metrics(both, both)["coverage"] >= 0.8
     ratio = pred["pred_tokens_per_sec_per_gpu"].to_numpy(float) / (
         published["global_batch_size"].to_numpy(float) * published["seq_len"].to_numpy(float)
