@@ -55,16 +55,18 @@ def test_narayanans_rows_give_back_the_papers_figures():
     import pandas as pd
 
     from paratune.models import load_measurements
-    from paratune.models._splits import model_params
 
     rows = load_measurements([WEAK_SCALING, ZERO3]).reset_index(drop=True)
     raw = pd.concat([pd.read_csv(p, comment="#") for p in (WEAK_SCALING, ZERO3)],
                     ignore_index=True)
     assert all(n.startswith(f"{m}-") for m, n in zip(raw["model"], rows["model_name"],
                                                      strict=True))
-    stated = raw["params_b"].to_numpy(float)
-    np.testing.assert_allclose(model_params(rows) / 1e9, stated, rtol=0.002, atol=0.06)
-    assert (rows["tp"] * rows["pp"] * rows["dp"] == rows["world_size"]).all()
+    # the paper's parameter count (its Eq. 2), to the one decimal its tables give
+    lay, wid = rows["num_layers"].to_numpy(float), rows["hidden_size"].to_numpy(float)
+    voc, seq = rows["vocab_size"].to_numpy(float), rows["seq_len"].to_numpy(float)
+    params = 12 * lay * wid**2 * (1 + 13 / (12 * wid) + (voc + seq) / (12 * lay * wid))
+    np.testing.assert_array_equal(np.round(params / 1e9, 1), raw["params_b"].to_numpy(float))
+    assert (rows["world_size"].to_numpy() == raw["num_gpus"].to_numpy()).all()
     assert rows["world_size"].min() == 32 and rows["world_size"].max() == 3072
     zero3 = rows["source"].str.startswith("deepspeed").to_numpy()
     assert (rows["sharding"][zero3] == "zero3").all() and (rows["sharding"][~zero3] == "none").all()
@@ -74,6 +76,34 @@ def test_narayanans_rows_give_back_the_papers_figures():
     tflops = raw["notes"].str.extract(r"(\d+) teraFLOP/s")[0].astype(float).to_numpy()
     achieved = flops / (rows["step_time_s"].to_numpy(float) * rows["world_size"]) / 1e12
     np.testing.assert_allclose(achieved, tflops, rtol=1e-3)
+
+
+def test_a_source_meets_the_targets_only_with_both_figures_in_range():
+    """``targets_met`` asks for the median predicted / measured in [0.8, 1.25] *and* the
+    median APE at most 20%: a source read right on the median but scattered (a third of its
+    runs 1.43x too fast, a third 0.71x) misses, as does one read 1.33x too fast throughout;
+    one read 1.11x too fast throughout meets them."""
+    import sys
+
+    import pandas as pd
+
+    sys.path.insert(0, str(REPO / "experiments"))
+    from published_runs import score
+
+    from paratune.models import load_measurements
+
+    rows = load_measurements([MPT]).reset_index(drop=True)
+    step = rows["step_time_s"].to_numpy(float)
+    thirds = np.arange(len(rows)) % 3
+    factors = {"scattered": np.choose(thirds, [0.7, 1.0, 1.4]), "fast": 0.75, "close": 0.9}
+    frame = pd.concat([rows.assign(source=name, pred_step_time_s=step * f,
+                                   pred_feasible_prob=1.0)
+                       for name, f in factors.items()], ignore_index=True)
+    got = {row["source"]: row for row in score(frame)}
+    assert 0.8 <= got["scattered"]["ratio_median"] <= 1.25 < 1 + got["scattered"]["mdape"] / 100
+    assert not got["scattered"]["targets_met"]
+    assert got["fast"]["ratio_median"] > 1.25 and not got["fast"]["targets_met"]
+    assert got["close"]["targets_met"]
 
 
 def test_llm_foundrys_runs_are_fsdp_alone_with_mpts_shapes():
@@ -135,8 +165,10 @@ def test_the_elementwise_share_falls_as_the_model_widens():
 
 @pytest.mark.slow
 def test_published_runs_of_an_unmeasured_framework_are_predicted_within_target(public_dir):
-    """Each source within the targets (median predicted / measured in [0.8, 1.25], median
-    APE <= 20%, every row predicted); q10-q90 covering 80% of the runs of both together."""
+    """Each source but DeepSpeed's ZeRO-3 runs within the targets (median predicted /
+    measured in [0.8, 1.25], median APE <= 20%), every row predicted, q10-q90 covering 80%
+    of all the runs together; the ZeRO-3 runs predicted too fast, the more so the more
+    GPUs, inside their interval."""
     import sys
 
     sys.path.insert(0, str(REPO / "experiments"))
@@ -173,6 +205,8 @@ def test_published_runs_of_an_unmeasured_framework_are_predicted_within_target(p
     ratio = pred["pred_tokens_per_sec_per_gpu"].to_numpy(float) / (
         published["global_batch_size"].to_numpy(float) * published["seq_len"].to_numpy(float)
         / (published["step_time_s"].to_numpy(float) * published["world_size"].to_numpy(float)))
+    # the ZeRO-3 runs' miss grows with the GPUs (384, 768, 1,536)
+    assert np.all(np.diff(ratio[published["source"].str.startswith("deepspeed").to_numpy()]) > 0)
     # Megatron-LM's runs one by one, 8 to 3,072 GPUs: none off by more than 35%
     megatron = published["source"].str.startswith("megatron_lm").to_numpy()
     assert np.all(np.abs(ratio[megatron] - 1.0) < 0.35), ratio[megatron]
