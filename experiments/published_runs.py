@@ -14,7 +14,9 @@ measured throughput and the share of runs inside the predicted q10-q90; per row,
 measured and predicted MFU. Targets: median predicted / measured within [0.8, 1.25] and
 median APE <= 20% for each source.
 
-Writes ``published_runs.csv`` (per row) and ``published_runs.txt`` under --out and logs them
+Writes ``published_runs.csv`` (per row), ``published_runs.txt`` and ``published_runs.png`` (a
+panel per source: predicted vs measured tokens/s per device, each run's q10-q90 as a bar)
+under --out and logs them
 to MLflow (experiment ``paratune-experiments``, run ``published_runs``; metrics
 ``<source>.<figure>``).
 
@@ -75,6 +77,7 @@ def main() -> None:
 
     from paratune.models import PerformanceModel, load_measurements
     from paratune.models import features as F
+    from paratune.models._evaluate_report import fold_panels, plot_panels
     from paratune.table import format_table
 
     data = public_data_dir(args.data)
@@ -115,6 +118,8 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     rows.to_csv(out / "published_runs.csv", index=False)
     (out / "published_runs.txt").write_text(text + "\n")
+    plot_panels(fold_panels(predictions, by="source"), out / "published_runs.png",
+                title="Published runs, none fitted on: predicted vs measured, q10-q90 bars")
     if not args.no_mlflow:
         from paratune.tracking import start_script_run
 

@@ -16,8 +16,8 @@ if TYPE_CHECKING:
 
     from paratune.models._evaluate import EvaluationResult
 
-__all__ = ["EXTRAPOLATION_COLUMNS", "extrapolation_table", "fold_panels", "plot_predictions",
-           "summary_table"]
+__all__ = ["EXTRAPOLATION_COLUMNS", "extrapolation_table", "fold_panels", "plot_panels",
+           "plot_predictions", "summary_table"]
 
 
 def _family(frame: pd.DataFrame) -> pd.Series:
@@ -107,15 +107,24 @@ def plot_predictions(result: EvaluationResult, path: str | Path, *,
     Returns:
         The written path.
     """
+    name = estimator or next(iter(result.predictions))
+    oof = result.predictions[name]
+    if result.split in EXTRAPOLATION_SPLITS:
+        return plot_panels(fold_panels(oof), path, title=f"{name}, split={result.split}: "
+                           "predicted vs measured, q10-q90 bars")
+    return plot_panels([_panel(f"{name}, split={result.split} (out of fold)", oof,
+                               by_source=True, figures=False)], path)
+
+
+def plot_panels(panels: list[dict[str, Any]], path: str | Path, *, title: str = "") -> Path:
+    """Draw ``panels`` (of :func:`fold_panels`) side by side, three to a row, predicted vs
+    measured tokens/s per device on log-log axes with the diagonal, and write them to
+    ``path`` (PNG); ``title`` over them all."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    name = estimator or next(iter(result.predictions))
-    oof = result.predictions[name]
-    panels = fold_panels(oof) if result.split in EXTRAPOLATION_SPLITS else [
-        _panel("", oof, by_source=True)]
     cols = min(len(panels), 3)
     rows = -(-len(panels) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(4.5 * cols, 4.5 * rows), squeeze=False)
@@ -139,13 +148,10 @@ def plot_predictions(result: EvaluationResult, path: str | Path, *,
         ax.set_yscale("log")
         ax.set_xlabel("measured tokens/s per device")
         ax.set_ylabel("predicted tokens/s per device")
-        if panel["title"]:
-            ax.set_title(panel["title"], fontsize=9)
-        else:
-            ax.set_title(f"{name}, split={result.split} (out of fold)")
+        ax.set_title(panel["title"], fontsize=9)
         ax.legend(fontsize=7)
-    if result.split in EXTRAPOLATION_SPLITS:
-        fig.suptitle(f"{name}, split={result.split}: predicted vs measured, q10-q90 bars")
+    if title:
+        fig.suptitle(title)
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -154,17 +160,18 @@ def plot_predictions(result: EvaluationResult, path: str | Path, *,
     return path
 
 
-def fold_panels(predictions: pd.DataFrame) -> list[dict[str, Any]]:
-    """One panel of :func:`plot_predictions` per fold of ``predictions`` (rows with a
-    ``fold`` column), in the folds' order: the measured and predicted tokens/s per device of
-    its timed runs, their q10 and q90, the runs measured stalled and the others, and a title
-    with the fold's label, runs and median APE."""
-    folds = predictions["fold"].astype(str).to_numpy()
-    return [_panel(fold, predictions[folds == fold], by_source=False)
-            for fold in dict.fromkeys(folds)]
+def fold_panels(predictions: pd.DataFrame, by: str = "fold") -> list[dict[str, Any]]:
+    """One panel of :func:`plot_panels` per value of column ``by`` of ``predictions`` (a
+    fold, or a ``source``), in order of appearance: the measured and predicted tokens/s per
+    device of its timed runs, their q10 and q90, the runs measured stalled and the others,
+    and a title with the value, the runs and their median APE."""
+    values = predictions[by].astype(str).to_numpy()
+    return [_panel(value, predictions[values == value], by_source=False)
+            for value in dict.fromkeys(values)]
 
 
-def _panel(title: str, rows: pd.DataFrame, *, by_source: bool) -> dict[str, Any]:
+def _panel(title: str, rows: pd.DataFrame, *, by_source: bool,
+           figures: bool = True) -> dict[str, Any]:
     from paratune.models import features as F
 
     step = measured_step_time(rows)
@@ -183,7 +190,7 @@ def _panel(title: str, rows: pd.DataFrame, *, by_source: bool) -> dict[str, Any]
     else:
         stalled = F.stalled_pipeline(part, step[ok])
         groups = {"normal runs": ~stalled, "stalled pipelines (measured)": stalled}
-    if title:
+    if figures:
         mdape = float(np.median(np.abs(predicted / measured - 1.0))) if len(part) else np.nan
         title = f"{title}\n{len(part)} runs, median APE {100 * mdape:.1f}%"
     return {"title": title, "measured": measured, "predicted": predicted, "lo": lo, "hi": hi,

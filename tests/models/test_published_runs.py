@@ -106,6 +106,29 @@ def test_a_source_meets_the_targets_only_with_both_figures_in_range():
     assert got["close"]["targets_met"]
 
 
+def test_the_published_runs_plot_draws_a_panel_per_source(tmp_path):
+    """A panel per source in the order the rows come, titled with the source, its runs and
+    their median APE, written as one PNG."""
+    import pandas as pd
+
+    from paratune.models import load_measurements
+    from paratune.models._evaluate_report import fold_panels, plot_panels
+
+    rows = load_measurements([TORCHTITAN, MPT]).reset_index(drop=True)
+    tokens = rows["global_batch_size"] * rows["seq_len"]
+    measured = (tokens / (rows["step_time_s"] * rows["world_size"])).to_numpy(float)
+    frame = pd.concat([rows, pd.DataFrame({
+        "pred_tokens_per_sec_per_gpu": 1.1 * measured,
+        "pred_tokens_per_sec_per_gpu_q10": 0.5 * measured,
+        "pred_tokens_per_sec_per_gpu_q90": 2.0 * measured})], axis=1)
+    panels = fold_panels(frame, by="source")
+    assert [p["title"].splitlines() for p in panels] == [
+        ["torchtitan_fsdp2", "3 runs, median APE 10.0%"],
+        ["llmfoundry_mpt", "191 runs, median APE 10.0%"]]
+    path = plot_panels(panels, tmp_path / "published_runs.png", title="published runs")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_llm_foundrys_runs_are_fsdp_alone_with_mpts_shapes():
     """Every GPU one FSDP rank (ZeRO-3), the stated MPT shapes (GeLU MLP of 4x the width,
     vocabulary 50368, tied embeddings), 125M to 70B on 8 to 128 GPUs of three kinds."""
