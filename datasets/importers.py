@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import csv
 import io
+import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -247,14 +248,18 @@ def header_and_body(path: Path) -> tuple[list[str], list[str], int, str]:
     return header, lines[start + 1:], start + 1, " | ".join(comments)
 
 
-def read_public_csv(path: str | Path, *, seen: dict[tuple[tuple[str, str], ...], str] | None = None
+def read_public_csv(path: str | Path, *, seen: dict[tuple[Any, ...], str] | None = None
                     ) -> tuple[list[ParsedRow], str]:
     """Parse every data row of a public CSV.
 
     Args:
         path: The CSV file.
-        seen: Rows already read (their cells -> ``path:line``), to report exact duplicates
-            across files; filled in here. Duplicates within the file are always reported.
+        seen: Rows already read (their cells, and the runs they map to -> ``path:line``), to
+            report duplicates across files; filled in here. Duplicates within the file are
+            always reported: a row whose every cell equals an earlier one's, and a row that
+            maps to the same run as an earlier one (model, layout, device, source and
+            measured figures) though written differently (``dp`` given once and left to
+            arithmetic once, ``1`` and ``1.0``).
 
     Returns:
         One :class:`ParsedRow` per data row (a record or an error), and the provenance line.
@@ -293,12 +298,27 @@ def read_public_csv(path: str | Path, *, seen: dict[tuple[tuple[str, str], ...],
             continue
         seen[key] = f"{path}:{line}"
         try:
-            parsed.measurement = _row_to_measurement(raw)
+            measurement = _row_to_measurement(raw)
         except _Unmappable as exc:
             parsed.error = str(exc)
+            continue
         except ConfigError as exc:
             parsed.error = f"invalid {exc.field}={exc.value!r}: {exc.rule}"
+            continue
+        run = ("run", _run_key(measurement))
+        if run in seen:
+            parsed.error = (f"duplicate of {seen[run]} (the same run written differently: "
+                            "model, layout, device, source and measured figures equal)")
+            continue
+        seen[run] = f"{path}:{line}"
+        parsed.measurement = measurement
     return rows, provenance
+
+
+def _run_key(measurement: Measurement) -> str:
+    """What makes two rows one run: every field of its flat row (see
+    :meth:`~paratune.Measurement.to_row`), in a canonical text."""
+    return json.dumps(measurement.to_row(), sort_keys=True, default=str)
 
 
 def layout_problem(cells: list[str], header: list[str], line: int, last: int) -> str:
@@ -381,7 +401,7 @@ def import_files(paths: Sequence[str | Path] | Iterable[str | Path],
                                f"would be imported twice")
         given[resolved] = path
     names = [p.name for p in paths]
-    seen: dict[tuple[tuple[str, str], ...], str] = {}
+    seen: dict[tuple[Any, ...], str] = {}
     for path in paths:
         rows, provenance = read_public_csv(path, seen=seen)
         report.sources[path.name if names.count(path.name) == 1 else str(path)] = provenance

@@ -262,6 +262,25 @@ def test_rows_that_do_not_line_up_are_reported_not_guessed(tmp_path, lines, line
     assert any(n == line and reason in error for n, error in problems), problems
 
 
+def test_the_same_run_written_twice_differently_is_a_duplicate(tmp_path):
+    """One run, written once with every degree and once leaving ``dp`` to arithmetic, maps
+    to one record: the second is reported as a copy of the first, naming its line, in one
+    file and across two; a row that differs in a measured figure is another run."""
+    no_dp = GOOD.replace(",8,1,1,8,1,2,", ",8,1,1,,1,2,")
+    assert no_dp != GOOD
+    rows, _ = read_public_csv(_write(tmp_path, GOOD, no_dp))
+    assert rows[0].measurement is not None and rows[1].measurement is None
+    assert rows[1].error.startswith(f"duplicate of {tmp_path / 'rows.csv'}:3 (the same run "
+                                    "written differently")
+    other = tmp_path / "other.csv"
+    other.write_text(HEADER + "\n" + no_dp + "\n")
+    report = import_files([_write(tmp_path, GOOD), other], tmp_path / "store")
+    assert [(p.line, "duplicate of" in p.reason) for p in report.problems] == [(2, True)]
+    slower = GOOD.replace(",0.392,321200,,40150,", ",0.391,320400,,40050,")
+    rows, _ = read_public_csv(_write(tmp_path, GOOD, slower))
+    assert all(r.measurement is not None for r in rows)
+
+
 def test_unreadable_files_are_errors_naming_the_file(tmp_path):
     (tmp_path / "empty.csv").write_text("")
     (tmp_path / "latin1.csv").write_bytes(("# source: x\n" + HEADER + "\n"
