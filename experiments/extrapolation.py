@@ -256,9 +256,10 @@ def few_shot(frame, factory, *, seeds: int, counts=(0, 1, 2, 5, 10, 20)) -> list
             figures = []
             for seed in range(seeds if n else 1):
                 picked = np.random.default_rng(seed).choice(pool, size=n, replace=False)
-                model.family_offsets_.pop(str(family), None)
-                if n:
+                if n:  # a calibration replaces the family's last one
                     model.calibrate(frame.iloc[picked])
+                else:
+                    model.family_offsets_.pop(str(family), None)
                 rest = own & timed
                 rest[picked] = False
                 figures.append(score(model, rest, smallest))
@@ -268,7 +269,6 @@ def few_shot(frame, factory, *, seeds: int, counts=(0, 1, 2, 5, 10, 20)) -> list
         if not rest.any():
             continue
         if len(pool) not in counts:
-            model.family_offsets_.pop(str(family), None)
             model.calibrate(frame.iloc[pool])
             out.append(row(family, len(pool), [score(model, rest, smallest)]))
         with_pool = ~own
