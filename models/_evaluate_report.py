@@ -124,6 +124,7 @@ def plot_panels(panels: list[dict[str, Any]], path: str | Path, *, title: str = 
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
     cols = min(len(panels), 3)
     rows = -(-len(panels) // cols)
@@ -139,13 +140,24 @@ def plot_panels(panels: list[dict[str, Any]], path: str | Path, *, title: str = 
             if sel.any():
                 ax.scatter(measured[sel], predicted[sel], s=6, alpha=0.6, label=label,
                            zorder=2)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
         finite = np.concatenate([measured, predicted])
         finite = finite[np.isfinite(finite) & (finite > 0)]
         if finite.size:
-            ax.plot([finite.min(), finite.max()], [finite.min(), finite.max()],
-                    color="black", linewidth=1)
-        ax.set_xscale("log")
-        ax.set_yscale("log")
+            lo, hi = _square_limits(finite)
+            ax.plot([lo, hi], [lo, hi], color="black", linewidth=1)
+            ax.set_xlim(lo, hi)
+            ax.set_ylim(lo, hi)
+            ax.set_aspect("equal", adjustable="box")
+            for axis in (ax.xaxis, ax.yaxis):
+                # a panel of under two decades gets its ticks at 1, 2 and 5 (a decade's
+                # ticks alone may miss it) in plain numbers; no minor tick is labelled,
+                # whose labels would be written over each other
+                if hi / lo < 100:
+                    axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+                    axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+                axis.set_minor_formatter(NullFormatter())
         ax.set_xlabel("measured tokens/s per device")
         ax.set_ylabel("predicted tokens/s per device")
         ax.set_title(panel["title"], fontsize=9)
@@ -158,6 +170,18 @@ def plot_panels(panels: list[dict[str, Any]], path: str | Path, *, title: str = 
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def _square_limits(values: np.ndarray, *, pad: float = 1.3, span: float = 4.0
+                   ) -> tuple[float, float]:
+    """The same limits for both log axes of a panel: its points' range widened by ``pad``
+    either side and to at least ``span`` (a ratio) around its geometric middle, so that the
+    diagonal runs corner to corner and a source of three runs is as readable as one of 191."""
+    lo, hi = float(values.min()) / pad, float(values.max()) * pad
+    if hi / lo < span:
+        middle = np.sqrt(lo * hi)
+        lo, hi = middle / np.sqrt(span), middle * np.sqrt(span)
+    return lo, hi
 
 
 def fold_panels(predictions: pd.DataFrame, by: str = "fold") -> list[dict[str, Any]]:
