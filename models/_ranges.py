@@ -355,6 +355,7 @@ def _extrapolation_warnings(dist: np.ndarray, fresh: np.ndarray, families: np.nd
         warning[fresh] = _lookup(
             families[fresh],
             lambda f: "" if f is None else (
-                f"no measurement of family {f}: predicted from other families' runs, "
-                "interval widened"), dtype=object)
+                f"no measurement of family {f}: predicted from other families' runs "
+                "moved toward a well-tuned framework on its hardware, interval widened "
+                "(`paratune calibrate` on a few of its runs moves it)"), dtype=object)
     return warning
