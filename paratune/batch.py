@@ -39,9 +39,8 @@ from paratune.predictor import CONFIG_COLUMNS, PARALLEL_COLUMNS
 from paratune.spec import (
     ModelSpec,
     block_params,
-    forward_flops_per_token,
+    model_flops_per_token,
     total_params,
-    training_flops_per_token,
 )
 
 if TYPE_CHECKING:
@@ -329,12 +328,9 @@ class ConfigBatch:
 
     def flops_per_token(self, *, training: bool = True, recompute: bool = False) -> np.ndarray:
         """:meth:`ModelSpec.flops_per_token` of each row."""
-        forward = forward_flops_per_token(self.num_layers, self.params_per_layer,
-                                          self.hidden_size, self.seq_len, self.vocab_size)
-        if not training:
-            return forward
-        return training_flops_per_token(forward, self.hidden_size, self.vocab_size,
-                                        recompute=recompute)
+        return model_flops_per_token(self.num_layers, self.params_per_layer,
+                                     self.hidden_size, self.seq_len, self.vocab_size,
+                                     training=training, recompute=recompute)
 
     # ------------------------------------------------------------------ rules
     def violations(self, *, world_size: int | None = None, runnable: bool = True,

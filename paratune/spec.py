@@ -14,7 +14,7 @@ from typing import Any
 from paratune.errors import ConfigError
 
 __all__ = ["MODEL_PRESETS", "ModelSpec", "block_params", "forward_flops_per_token", "get_model",
-           "total_params", "training_flops_per_token"]
+           "model_flops_per_token", "total_params"]
 
 logger = logging.getLogger(__name__)
 
@@ -136,12 +136,9 @@ class ModelSpec:
         Returns:
             FLOPs for one token of one sequence of ``seq_len`` tokens.
         """
-        forward = forward_flops_per_token(self.num_layers, self.params_per_layer,
-                                          self.hidden_size, self.seq_len, self.vocab_size)
-        if not training:
-            return forward
-        return training_flops_per_token(forward, self.hidden_size, self.vocab_size,
-                                        recompute=recompute)
+        return model_flops_per_token(self.num_layers, self.params_per_layer,
+                                     self.hidden_size, self.seq_len, self.vocab_size,
+                                     training=training, recompute=recompute)
 
     # ------------------------------------------------------------------ (de)serialisation
     def to_dict(self) -> dict[str, Any]:
@@ -276,10 +273,17 @@ def forward_flops_per_token(num_layers: Any, params_per_layer: Any, hidden_size:
     return 2.0 * matmul_params + 4.0 * num_layers * seq_len * hidden_size
 
 
-def training_flops_per_token(forward: Any, hidden_size: Any, vocab_size: Any, *,
-                             recompute: Any = False) -> Any:
-    """Training FLOPs per token from the forward's: three forwards, plus (where
-    ``recompute``) a second forward of the blocks (the output projection is not recomputed)."""
+def model_flops_per_token(num_layers: Any, params_per_layer: Any, hidden_size: Any,
+                          seq_len: Any, vocab_size: Any, *, training: bool = True,
+                          recompute: Any = False) -> Any:
+    """FLOPs per token of the whole model (scalars or arrays alike): the forward's
+    (:func:`forward_flops_per_token`), or with ``training`` three forwards, plus (where
+    ``recompute``) a second forward of the blocks (the output projection is not recomputed).
+    :meth:`ModelSpec.flops_per_token` and ``ConfigBatch.flops_per_token`` both count this."""
+    forward = forward_flops_per_token(num_layers, params_per_layer, hidden_size, seq_len,
+                                      vocab_size)
+    if not training:
+        return forward
     return 3.0 * forward + recompute * (forward - 2.0 * vocab_size * hidden_size)
 
 
