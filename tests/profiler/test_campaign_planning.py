@@ -36,10 +36,7 @@ from paratune.space import ConfigSpace
 from tests.profiler._campaign import KEYS_WS2, SMALL_SPACE, TINY
 from tests.profiler._campaign import campaign_spec as _spec
 
-
-@pytest.fixture(autouse=True)
-def _one_thread(monkeypatch):
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ---------------------------------------------------------------------- planning

@@ -24,9 +24,7 @@ from paratune.space import ConfigSpace
 SPACE = ConfigSpace(micro_batch_sizes=[2], shardings=["none"], recomputes=["none"])
 
 
-@pytest.fixture(autouse=True)
-def _one_thread(monkeypatch):
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _spec() -> CampaignSpec:
