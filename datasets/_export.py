@@ -31,7 +31,7 @@ __all__ = ["PUBLIC_EXPORT_COLUMNS", "export_public_csv", "public_row"]
 PUBLIC_EXPORT_COLUMNS = (
     "source", "model", "params_b", "layers", "hidden", "heads", "num_kv_heads",
     "ffn_hidden_size", "vocab_size", "mlp", "tie_embeddings", "seq_len", "gpu", "num_gpus",
-    "tp", "pp", "dp", "micro_batch", "global_batch", "grad_accum", "schedule",
+    "tp", "pp", "dp", "cp", "micro_batch", "global_batch", "grad_accum", "schedule",
     "virtual_stages", "zero_stage", "recompute",
     "precision", "status", "step_time_s", "tokens_per_sec", "tokens_per_sec_per_gpu", "mfu",
     "gpu_mem_gb", "gpu_mem_allocated_gb", "notes")
@@ -89,6 +89,7 @@ def public_row(m: Measurement, *, source: str | None = None, precision: str = ""
         "tp": str(config.tp),
         "pp": str(config.pp),
         "dp": str(config.dp),
+        "cp": str(config.cp) if config.cp > 1 else "",
         "micro_batch": str(config.micro_batch_size),
         "global_batch": str(config.global_batch_size),
         "grad_accum": str(config.num_microbatches),

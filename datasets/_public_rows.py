@@ -12,7 +12,7 @@ from typing import Any
 from paratune.errors import ConfigError
 from paratune.hardware import HardwareSpec, get_hardware
 from paratune.measurement import Measurement, Status
-from paratune.parallel import ParallelConfig, Recompute, Schedule, Sharding
+from paratune.parallel import ParallelConfig, Recompute, Schedule, Sharding, degrees_product
 from paratune.scalars import plain
 from paratune.spec import ModelSpec
 
@@ -274,13 +274,9 @@ def config_from_public(raw: dict[str, str], *, check_grad_accum: bool = True
     Raises:
         _Unmappable: a degree is missing or stated values contradict each other.
     """
-    cp = _integer(raw, "cp", required=False) or 1
-    if cp != 1:
-        raise _Unmappable(f"cp={cp}: context parallelism is not modelled")
-    num_gpus, (tp, pp, dp) = _degrees(raw)
-    if dp * tp * pp != num_gpus:
-        raise _Unmappable(f"dp*tp*pp = {dp}*{tp}*{pp} = {dp * tp * pp} contradicts "
-                          f"num_gpus={num_gpus}")
+    num_gpus, (tp, pp, dp, cp) = _degrees(raw)
+    if dp * tp * pp * cp != num_gpus:
+        raise _Unmappable(f"{degrees_product(dp, tp, pp, cp)} contradicts num_gpus={num_gpus}")
     global_batch = _integer(raw, "global_batch")
     grad_accum = _integer(raw, "grad_accum", required=False)
     micro = _integer(raw, "micro_batch", required=grad_accum is None)
@@ -315,7 +311,7 @@ def config_from_public(raw: dict[str, str], *, check_grad_accum: bool = True
     schedule, virtual = _schedule(raw, pp)
     config = ParallelConfig(dp=dp, tp=tp, pp=pp, micro_batch_size=micro,
                             global_batch_size=global_batch, schedule=schedule,
-                            virtual_stages=virtual,
+                            virtual_stages=virtual, cp=cp,
                             sharding=Sharding.from_stage(int(zero or 0)), recompute=recompute)
     try:  # the layout's own rules (a pipeline schedule's among them)
         config.validate(runnable=False)
@@ -325,12 +321,14 @@ def config_from_public(raw: dict[str, str], *, check_grad_accum: bool = True
     return config, num_gpus
 
 
-def _degrees(raw: dict[str, str]) -> tuple[int, tuple[int, int, int]]:
-    """``num_gpus`` and ``(tp, pp, dp)`` of a public row. Published tables often leave one
-    of them to arithmetic (the data-parallel degree of a table that gives the GPUs, tensor
-    and pipeline degrees): one empty cell among the four is what the others imply."""
+def _degrees(raw: dict[str, str]) -> tuple[int, tuple[int, int, int, int]]:
+    """``num_gpus`` and ``(tp, pp, dp, cp)`` of a public row (``cp`` 1 where empty).
+    Published tables often leave one of the first four to arithmetic (the data-parallel
+    degree of a table that gives the GPUs, tensor and pipeline degrees): one empty cell among
+    them is what the others imply."""
     names = ("tp", "pp", "dp")
     num_gpus = _integer(raw, "num_gpus", required=False)
+    cp = _integer(raw, "cp", required=False) or 1
     degrees = [_integer(raw, k, required=False) for k in names]
     empty = [k for k, v in zip(names, degrees, strict=True) if v is None]
     missing = ["num_gpus"] * (num_gpus is None) + empty
@@ -338,15 +336,16 @@ def _degrees(raw: dict[str, str]) -> tuple[int, tuple[int, int, int]]:
         raise _Unmappable(f"missing {' and '.join(missing)} (one of num_gpus, tp, pp and dp may "
                           "be left empty, no more)")
     if num_gpus is None:
-        num_gpus = math.prod(degrees)
+        num_gpus = math.prod(degrees) * cp
     elif empty:
         stated = [(k, v) for k, v in zip(names, degrees, strict=True) if v is not None]
+        stated += [("cp", cp)] * (cp > 1)
         product = math.prod(v for _, v in stated)
         if num_gpus % product:
             raise _Unmappable(f"{empty[0]} is empty and num_gpus={num_gpus} is not a multiple "
                               f"of {'*'.join(k for k, _ in stated)} = {product}")
         degrees[names.index(empty[0])] = num_gpus // product
-    return num_gpus, (degrees[0], degrees[1], degrees[2])
+    return num_gpus, (degrees[0], degrees[1], degrees[2], cp)
 
 
 _SCHEDULES = {"1f1b": Schedule.ONE_F_ONE_B, "interleaved": Schedule.INTERLEAVED_1F1B,

@@ -3,7 +3,7 @@ optional columns filled in and every row checked.
 
 Every row is checked before anything is written, by the rules its reader applies (the
 model shape and the layout, as :class:`~paratune.ModelSpec` and
-:class:`~paratune.ParallelConfig` check them, with ``world_size == dp*tp*pp``) and the
+:class:`~paratune.ParallelConfig` check them, with ``world_size == dp*tp*pp*cp``) and the
 ranges of the measured values; a row breaking one is refused, naming the row, the column
 and the rule.
 """
@@ -23,6 +23,7 @@ from paratune.datasets.schema import (
 )
 from paratune.errors import ConfigError, DatasetError
 from paratune.measurement import Measurement, Status
+from paratune.parallel import degrees_product
 from paratune.predictor import MODEL_COLUMNS, PARALLEL_COLUMNS
 
 if TYPE_CHECKING:
@@ -75,7 +76,9 @@ def _derived(frame: pd.DataFrame, name: str) -> pd.Series:
     for values in degrees.values():
         valid &= values >= 1
     if name == "world_size":
-        value = degrees["dp"] * degrees["tp"] * degrees["pp"]
+        cp = (pd.to_numeric(frame["cp"], errors="coerce").fillna(1) if "cp" in frame.columns
+              else 1)
+        value = degrees["dp"] * degrees["tp"] * degrees["pp"] * cp
     else:
         value = degrees["global_batch_size"] // (degrees["dp"] * degrees["micro_batch_size"])
     return value if valid.all() else value.where(valid)
@@ -164,7 +167,7 @@ def _check_rows(table: pa.Table, where: str) -> None:
     """Refuse a row its reader would refuse or misread: a model shape
     :class:`~paratune.ModelSpec` refuses (checked once per distinct model), a layout
     :class:`~paratune.ParallelConfig` refuses (``validate(model, runnable=False)``), a
-    ``world_size`` other than ``dp*tp*pp`` or ``num_microbatches`` other than
+    ``world_size`` other than ``dp*tp*pp*cp`` or ``num_microbatches`` other than
     ``global_batch_size // (dp*micro_batch_size)``, or a measured value out of its range.
 
     The layout rules are those of :class:`~paratune.batch.ConfigBatch`, checked over all
@@ -235,12 +238,12 @@ def _check_layouts(batch: ConfigBatch, frame: pd.DataFrame, where: str) -> None:
         return
     i = int(bad[0])
     row = batch.take([i])
-    dp, tp, pp = int(row.dp[0]), int(row.tp[0]), int(row.pp[0])
+    dp, tp, pp, cp = int(row.dp[0]), int(row.tp[0]), int(row.pp[0]), int(row.cp[0])
     if built[i]:
         error = row.validate(layout=False)[0]
     elif world_wrong[i]:
         error = ConfigError("world_size", _stated(world[i]),
-                            f"must equal dp*tp*pp = {dp}*{tp}*{pp} = {dp * tp * pp}")
+                            f"must equal {degrees_product(dp, tp, pp, cp)}")
     elif layout_wrong[i]:
         error = row.validate(runnable=False)[0]
     else:

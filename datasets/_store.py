@@ -120,7 +120,7 @@ def write_dataset(path: str | Path, records_or_frame: Any, *,
     Raises:
         DatasetError: a required column is missing or empty, a value does not fit its
             column's type, or a row breaks a rule (a model shape or layout its reader refuses,
-            ``world_size`` other than ``dp*tp*pp``, an unknown status, schedule, sharding or
+            ``world_size`` other than ``dp*tp*pp*cp``, an unknown status, schedule, sharding or
             recompute, a time or rate not positive, ``mfu`` outside [0, 1]); the message names
             the column, the rule and the row; or another process kept the directory's write
             lock too long.

@@ -13,9 +13,10 @@ is silently dropped or guessed. Line numbers count every line of the file, comme
 included. A row is reported (not imported) when its cells do not line up with the header, when
 every cell equals an earlier row's (a copy, not a repeated measurement), when a value is not a
 finite number or breaks its column's rule (degrees and batch sizes positive integers with
-``dp*tp*pp == num_gpus``, where one of the four cells may be empty and is then what the
-others imply, as ``micro_batch`` may be where ``grad_accum`` is stated; ``mfu`` a fraction
-in [0, 1]; times, rates and memory positive), or when stated values contradict each other.
+``dp*tp*pp*cp == num_gpus`` (``cp`` 1 where empty), where one of num_gpus, tp, pp and dp may
+be empty and is then what the others imply, as ``micro_batch`` may be where ``grad_accum`` is
+stated; ``mfu`` a fraction in [0, 1]; times, rates and memory positive), or when stated
+values contradict each other.
 The optional columns ``vocab_size, ffn_hidden_size, num_kv_heads, mlp, tie_embeddings``
 state the model's shape; what a row does not state comes from :data:`MODEL_FAMILIES`, which
 names each assumption, or from a GPT-style default (see :func:`model_spec_from_public`).

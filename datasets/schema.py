@@ -34,11 +34,11 @@ __all__ = [
     "required_columns",
 ]
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 """Version of the dataset layout written by this code; readers refuse newer ones.
 
 2: the ``timing_*`` columns of :class:`~paratune.measurement.StepTiming` (a version-1 file
-reads with them NaN)."""
+reads with them NaN). 3: the context-parallel degree ``cp`` (an older file reads with 1)."""
 
 CARD_FILE = "card.json"
 """Name of the card inside a dataset directory."""

@@ -101,7 +101,8 @@ def core_parts(c: F.Columns, analytical: dict[str, np.ndarray],
     cross = F.tp_crosses_nodes(c) > 0
     # groups across nodes reduce hierarchically, not at the inter-node bandwidth for every
     # byte as the analytical estimate has it (see group_seconds_per_byte)
-    tp = np.where(cross, F.hierarchical_tp_s_per_microbatch(c) * slots, tp)
+    tp = np.where(cross, (F.hierarchical_tp_s_per_microbatch(c) + F.cp_s_per_microbatch(c))
+                  * slots, tp)
     elementwise = F.elementwise_s_per_microbatch(c) * slots
     loss = F.loss_s_per_microbatch(c) * slots
     pp_cross = F.pp_crosses_nodes(c) > 0

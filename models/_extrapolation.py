@@ -28,13 +28,15 @@ __all__ = ["AXES", "COVERAGE_STEPS", "LINK_AXES", "MAX_COVERAGE_LEVEL", "MEASURE
            "axis_values", "calibrate_widening", "covering_margins", "distance", "fit_ranges",
            "nested_folds"]
 
-AXES = ("model_params", "world_size", "tokens_per_step", "tp_nodes", "dp_nodes", "dp_regime")
+AXES = ("model_params", "world_size", "tokens_per_step", "tp_nodes", "dp_nodes", "dp_regime",
+        "cp")
 """The axes a distance is measured along: parameters, devices, tokens per step, the nodes a
 tensor-parallel group spans (a family measured in one node has never seen its products wait
 on the network: a group across two is a doubling beyond it), the nodes a data-parallel group
-spans (see :data:`LINK_AXES`) and the data-parallel regime (1: once per step; 2: every
+spans (see :data:`LINK_AXES`), the data-parallel regime (1: once per step; 2: every
 micro-batch, as ZeRO-3 does, see
-:func:`~paratune.models.features.dp_streams_every_microbatch` and :data:`REGIME_AXIS`)."""
+:func:`~paratune.models.features.dp_streams_every_microbatch`) and the context-parallel
+degree (see :data:`REGIME_AXES`)."""
 LINK_AXES = ("tp_nodes", "dp_nodes")
 """The axes of :data:`AXES` whose distance moves the prediction toward the core at their own
 rate (:data:`LINK_SHRINK_PER_DOUBLING`), not at the family's: the nodes a group's
@@ -64,14 +66,15 @@ measurements is compared with the ranges of all the training rows, and for it th
 data-parallel group spans are no news beside its family margin: counted, they moved its
 multi-node rows toward the well-tuned core, which predicts a slower framework faster than it
 runs (Ultra-Scale fitted without its rows: risk-aware top-1 regret 9.4% -> 15.4%)."""
-REGIME_AXIS = "dp_regime"
-"""The axis of :data:`AXES` beyond whose range the prediction is the calibrated core's,
-whatever the family's rate: a data-parallel regime none of the training rows ran in is not a
-matter of degree the learned correction can stretch to. The public sweeps hold DDP and
-ZeRO-1 only; fitted on them, the learned correction priced torchtitan's FSDP runs of Llama 2
-13B on 64 A100 (``data/published_torchtitan_a100.csv``) at 2.4x their step time, the core
-within 1% (``experiments/published_runs.py``). The interval spans both, and widens by the
-prior margin per doubling."""
+REGIME_AXES = ("dp_regime", "cp")
+"""The axes of :data:`AXES` beyond whose range the prediction is the calibrated core's,
+whatever the family's rate: a data-parallel regime none of the training rows ran in, or a
+sequence split over more ranks than any fitted on (ring attention's exchange, shorter
+sequences per rank), is not a matter of degree the learned correction can stretch to. The
+public sweeps hold DDP and ZeRO-1 only; fitted on them, the learned correction priced
+torchtitan's FSDP runs of Llama 2 13B on 64 A100 (``data/published_torchtitan_a100.csv``) at
+2.4x their step time, the core within 1% (``experiments/published_runs.py``). The interval
+spans both, and widens by the prior margin per doubling."""
 MAX_MARGIN_PER_DOUBLING = 1.5
 """The widening's bound: at most this much log margin per doubling of distance (a factor of
 4.5 per doubling) or, for an unmeasured family, this much in all."""
@@ -102,7 +105,8 @@ def axis_values(frame: pd.DataFrame, c: Any = None) -> dict[str, np.ndarray]:
     streamed = dp_streams_every_microbatch(c)
     return {"model_params": model_params(frame, c), "world_size": c.world,
             "tokens_per_step": c.global_batch * c.seq, "tp_nodes": tp_nodes,
-            "dp_nodes": dp_nodes(c), "dp_regime": np.where(streamed, 2.0, 1.0)}
+            "dp_nodes": dp_nodes(c), "dp_regime": np.where(streamed, 2.0, 1.0),
+            "cp": np.asarray(c.cp, dtype=float)}
 
 
 def fit_ranges(values: dict[str, np.ndarray], families: np.ndarray, rows: np.ndarray
@@ -337,12 +341,13 @@ PRIOR_SHRINK = {"shrink_per_doubling": 0.0, "core_weight_family": 0.0}
 def blend_distances(per_axis: dict[str, np.ndarray]
                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """A row's doublings per axis (:data:`AXES`) as :func:`blend_factor` takes them: those
-    moved at the family's rate (every axis but the links' and the regime's), the links'
-    (:data:`LINK_AXES`, summed) and the regime's (:data:`REGIME_AXIS`)."""
+    moved at the family's rate (every axis but the links' and the regimes'), the links'
+    (:data:`LINK_AXES`, summed) and the regimes' (:data:`REGIME_AXES`, summed)."""
     d = sum(np.asarray(v, dtype=float) for a, v in per_axis.items()
-            if a not in (*LINK_AXES, REGIME_AXIS))
+            if a not in (*LINK_AXES, *REGIME_AXES))
     link = sum(np.asarray(per_axis[a], dtype=float) for a in LINK_AXES)
-    return d, link, per_axis[REGIME_AXIS]
+    regime = sum(np.asarray(per_axis[a], dtype=float) for a in REGIME_AXES if a in per_axis)
+    return d, link, regime
 
 
 def blend_factor(step: np.ndarray, core: np.ndarray, d: np.ndarray, unknown: np.ndarray,
@@ -353,9 +358,9 @@ def blend_factor(step: np.ndarray, core: np.ndarray, d: np.ndarray, unknown: np.
     of the way for a row ``d`` doublings beyond the training ranges of model, cluster and
     batch size and ``link`` doublings beyond the nodes its groups spanned (:data:`LINK_AXES`),
     and at least ``family_weight`` of it for a row of a family without measurements; all of
-    it for a row beyond the data-parallel regimes fitted on (``regime`` > 0, see
-    :data:`REGIME_AXIS`); 1 where a row is not ``blendable`` (a point prediction in the
-    stalled regime, or no core)."""
+    it for a row beyond the data-parallel regimes or context-parallel degrees fitted on
+    (``regime`` > 0, see :data:`REGIME_AXES`); 1 where a row is not ``blendable`` (a point
+    prediction in the stalled regime, or no core)."""
     share = 1.0 - np.exp(-np.asarray(rate, dtype=float) * d
                          - LINK_SHRINK_PER_DOUBLING * np.asarray(link, dtype=float))
     share = np.where(unknown, 1.0 - (1.0 - share) * (1.0 - np.asarray(family_weight,

@@ -48,6 +48,11 @@ class Columns:
         self.dp = batch.dp
         self.tp = batch.tp
         self.pp = batch.pp
+        self.cp = np.maximum(batch.cp, 1.0)
+        # a sequence's tokens on one rank, and the ranks that hold the same parameters (the
+        # gradient reduction's and ZeRO's group: Megatron-LM reduces over dp*cp)
+        self.seq_local = batch.seq_len / self.cp
+        self.dp_group = batch.dp * self.cp
         self.micro = batch.micro_batch_size
         self.global_batch = batch.global_batch_size
         self.virtual = np.maximum(batch.virtual_stages, 1.0)
@@ -80,7 +85,7 @@ class Columns:
         self.hardware_error = hw["error"]
         self.error = np.where(self.hardware_error != "", self.hardware_error, option_errors)
         self.accelerator = hw["accelerator"]
-        self.world = self.dp * self.tp * self.pp
+        self.world = self.dp * self.tp * self.pp * self.cp
 
     # derived shapes
     @property

@@ -20,7 +20,7 @@ MEMORY_OVERHEAD_GB = 2.0
 def parameter_memory_bytes(frame: pd.DataFrame | Columns) -> np.ndarray:
     """bf16 weights on the fullest device (sharded over dp under ZeRO-3)."""
     c = _cols(frame)
-    shard = np.where(c.sharding >= 3, c.dp, 1.0)
+    shard = np.where(c.sharding >= 3, c.dp_group, 1.0)
     return _stage_params(c) / c.tp * 2.0 / shard
 
 
@@ -28,14 +28,14 @@ def gradient_memory_bytes(frame: pd.DataFrame | Columns) -> np.ndarray:
     """fp32 gradient accumulation buffers on the fullest device (sharded over dp under ZeRO-2
     and -3)."""
     c = _cols(frame)
-    shard = np.where(c.sharding >= 2, c.dp, 1.0)
+    shard = np.where(c.sharding >= 2, c.dp_group, 1.0)
     return _stage_params(c) / c.tp * 4.0 / shard
 
 
 def optimizer_memory_bytes(frame: pd.DataFrame | Columns) -> np.ndarray:
     """fp32 master weights and Adam moments (12 bytes/param), sharded over dp from ZeRO-1."""
     c = _cols(frame)
-    shard = np.where(c.sharding >= 1, c.dp, 1.0)
+    shard = np.where(c.sharding >= 1, c.dp_group, 1.0)
     return _stage_params(c) / c.tp * 12.0 / shard
 
 
@@ -51,7 +51,7 @@ def activation_memory_bytes(frame: pd.DataFrame | Columns) -> np.ndarray:
     under GPipe.
     """
     c = _cols(frame)
-    tokens = c.micro * c.seq
+    tokens = c.micro * c.seq_local
     per_layer = tokens * (18.0 * c.hidden + 2.0 * c.mlp_matrices * c.ffn) / c.tp
     layer_inputs = tokens * c.hidden * ACTIVATION_BYTES / c.tp
     full = c.recompute == 1

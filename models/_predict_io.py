@@ -23,7 +23,7 @@ _OWN_REQUIRED = ("num_layers", "hidden_size", "num_heads", "ffn_hidden_size", "v
                  "seq_len", "dp", "tp", "pp", "micro_batch_size", "global_batch_size",
                  "hardware")
 _LIMITS = {"dp": MAX_DEVICES, "tp": MAX_DEVICES, "pp": MAX_DEVICES, "world_size": MAX_DEVICES,
-           "devices_per_node": MAX_DEVICES, "virtual_stages": MAX_DEVICES,
+           "devices_per_node": MAX_DEVICES, "virtual_stages": MAX_DEVICES, "cp": MAX_DEVICES,
            "num_microbatches": MAX_GLOBAL_BATCH, "micro_batch_size": MAX_GLOBAL_BATCH,
            "global_batch_size": MAX_GLOBAL_BATCH}
 """The largest value of a parallel column a prediction row may give."""
@@ -131,6 +131,7 @@ def read_config_csv(path: str | Path) -> tuple[pd.DataFrame, pd.DataFrame, np.nd
         default = _DEFAULTS[column]
         configs[column] = configs[column].replace("", default).fillna(default)
     configs["virtual_stages"] = configs["virtual_stages"].fillna(1)
+    configs["cp"] = configs["cp"].fillna(1)
     _derive_counts(configs, raw, errors)
     _check_options(configs, errors)
     _check_layouts(configs, errors)
@@ -213,12 +214,13 @@ def _derive_counts(configs: pd.DataFrame, raw: pd.DataFrame, errors: np.ndarray)
     ones."""
     import pandas as pd
 
-    configs["world_size"] = configs["dp"] * configs["tp"] * configs["pp"]
+    configs["world_size"] = configs["dp"] * configs["tp"] * configs["pp"] * configs["cp"]
     if "world_size" in raw.columns:
         stated = pd.to_numeric(raw["world_size"], errors="coerce")
         clash = stated.notna() & (stated != configs["world_size"])
         for i in np.flatnonzero(clash.to_numpy() & (errors == "")):
-            errors[i] = (f"world_size={raw['world_size'].iloc[i]} contradicts dp*tp*pp = "
+            product = "dp*tp*pp*cp" if configs["cp"].iloc[i] > 1 else "dp*tp*pp"
+            errors[i] = (f"world_size={raw['world_size'].iloc[i]} contradicts {product} = "
                          f"{int(configs['world_size'].iloc[i])}")
     configs["num_microbatches"] = configs["global_batch_size"] / (
         configs["dp"] * configs["micro_batch_size"])

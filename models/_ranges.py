@@ -248,7 +248,12 @@ class _Ranges:
         Returns:
             The step times, the doublings beyond the training ranges and a warning per row.
         """
-        from paratune.models._extrapolation import _distinct, blend_distances, blend_factor
+        from paratune.models._extrapolation import (
+            PRIOR_MARGIN_PER_DOUBLING,
+            _distinct,
+            blend_distances,
+            blend_factor,
+        )
 
         step, lo, hi, expected = times.step, times.lo, times.hi, times.expected
         families, per_axis, unknown = where
@@ -279,7 +284,8 @@ class _Ranges:
             rows = families == family
             entry = self.interval_widening_.get(str(family), self.interval_widening_[""])
             for key, values in margins.items():
-                values[rows] = entry[key]
+                # a model saved before an axis was added has no margin for it: the prior's
+                values[rows] = entry.get(key, PRIOR_MARGIN_PER_DOUBLING)
         # the margin per doubling of each axis, times the doublings beyond its range
         beyond = {side: sum(margins[f"{side}_{axis}"] * d for axis, d in per_axis.items())
                   for side in ("hi", "lo")}
@@ -349,7 +355,7 @@ def _extrapolation_warnings(dist: np.ndarray, fresh: np.ndarray, families: np.nd
             np.round(dist[beyond], 1),
             lambda d: "" if d is None else (
                 f"beyond the fitted model, cluster, batch, tensor- and data-parallel "
-                f"node spans and data-parallel regimes by {d:.1f} "
+                f"node spans, data-parallel regimes and context-parallel degrees by {d:.1f} "
                 "doublings: interval widened"), dtype=object)
     if fresh.any():
         warning[fresh] = _lookup(

@@ -101,15 +101,16 @@ def tp_crosses_nodes(frame: pd.DataFrame | Columns) -> np.ndarray:
 
 
 def dp_crosses_nodes(frame: pd.DataFrame | Columns) -> np.ndarray:
-    """Whether a data-parallel group spans more than one node (1.0 / 0.0)."""
+    """Whether a data-parallel group spans more than one node (1.0 / 0.0). With context
+    parallelism the group is the ``dp * cp`` ranks that reduce their gradients together."""
     c = _cols(frame)
-    return ((c.dp > 1) & (c.dp * c.tp > c.per_node)).astype(float)
+    return ((c.dp_group > 1) & (c.dp_group * c.tp > c.per_node)).astype(float)
 
 
 def pp_crosses_nodes(frame: pd.DataFrame | Columns) -> np.ndarray:
     """Fraction of pipeline boundaries whose two stages sit in different nodes."""
     c = _cols(frame)
-    stride = c.dp * c.tp
+    stride = c.dp_group * c.tp
     stages_per_node = np.maximum(c.per_node / stride, 1.0)
     boundaries = np.maximum(c.pp - 1.0, 1.0)
     crossing = np.where(stride >= c.per_node, c.pp - 1.0,
@@ -163,7 +164,7 @@ def hierarchical_dp_s(frame: pd.DataFrame | Columns, *, well_tuned: bool = False
     c = _cols(frame)
     fits = (c.tp < c.per_node) & (np.mod(c.per_node, c.tp) == 0)
     members = np.where(fits, c.per_node / c.tp, 1.0)
-    per_byte = group_seconds_per_byte(c, c.dp, members, dp_crosses_nodes(c) > 0)
+    per_byte = group_seconds_per_byte(c, c.dp_group, members, dp_crosses_nodes(c) > 0)
     return _dp_seconds(c, dp_reduction_bytes(c) * per_byte, well_tuned=well_tuned)
 
 
@@ -175,7 +176,7 @@ def tp_bytes_per_microbatch(frame: pd.DataFrame | Columns) -> np.ndarray:
     """
     c = _cols(frame)
     per_layer = np.where(c.recompute == 1, 6.0, 4.0)
-    tensor = c.micro * c.seq * c.hidden * ACTIVATION_BYTES
+    tensor = c.micro * c.seq_local * c.hidden * ACTIVATION_BYTES
     return c.layers_per_stage * per_layer * 2.0 * (c.tp - 1.0) / c.tp * tensor
 
 
@@ -198,7 +199,8 @@ def elementwise_s_per_microbatch(frame: pd.DataFrame | Columns) -> np.ndarray:
     c = _cols(frame)
     widths = ELEMENTWISE_SPLIT / c.tp + ELEMENTWISE_REPLICATED
     repeat = np.where(c.recompute == 1, 4.0 / 3.0, 1.0)
-    bytes_ = c.layers_per_stage * c.micro * c.seq * c.hidden * widths * ACTIVATION_BYTES * repeat
+    bytes_ = (c.layers_per_stage * c.micro * c.seq_local * c.hidden * widths * ACTIVATION_BYTES
+              * repeat)
     return _at_memory_bandwidth(c, bytes_)
 
 
@@ -214,7 +216,8 @@ def loss_s_per_microbatch(frame: pd.DataFrame | Columns) -> np.ndarray:
     entries), 1% of it for Llama 2 70B. Zero where the device's memory bandwidth is not
     catalogued (the CPU)."""
     c = _cols(frame)
-    return _at_memory_bandwidth(c, c.micro * c.seq * c.vocab / c.tp * LOSS_BYTES_PER_LOGIT)
+    return _at_memory_bandwidth(c, c.micro * c.seq_local * c.vocab / c.tp
+                                * LOSS_BYTES_PER_LOGIT)
 
 
 def _at_memory_bandwidth(c: Columns, bytes_: np.ndarray) -> np.ndarray:
@@ -228,8 +231,35 @@ def _at_memory_bandwidth(c: Columns, bytes_: np.ndarray) -> np.ndarray:
 def pp_p2p_bytes_per_microbatch(frame: pd.DataFrame | Columns) -> np.ndarray:
     """Bytes a pipeline rank sends per micro-batch (activation forward, gradient backward)."""
     c = _cols(frame)
-    tensor = c.micro * c.seq * c.hidden * ACTIVATION_BYTES
+    tensor = c.micro * c.seq_local * c.hidden * ACTIVATION_BYTES
     return np.where(c.pp > 1, 2.0 * tensor * c.virtual, 0.0)
+
+
+def cp_s_per_microbatch(frame: pd.DataFrame | Columns) -> np.ndarray:
+    """Seconds per micro-batch that a stage's context-parallel exchange adds (0 where
+    ``cp == 1``).
+
+    Ring attention passes each rank's keys and values around the ``cp`` ranks of its
+    sequence: per layer the forward receives the other ``cp - 1`` chunks' keys and values
+    (``2 (cp-1)/cp * micro * seq * kv_width / tp`` bf16 values), the backward them again and
+    their gradients (twice that), full recomputation one forward more. The ring's ranks are
+    ``tp`` apart, each sending to its neighbour over its own link: within a node where
+    ``tp * cp`` fits in one, else at the inter-node bandwidth. Each step's transfer runs
+    behind the attention of the chunk in hand, so only what the attention's FLOPs at peak
+    (``4 * micro * seq/cp * seq * hidden / tp`` per layer forward, as
+    :func:`model_flops_per_device` counts them, three times that with the backward) do not
+    cover is added."""
+    c = _cols(frame)
+    passes = np.where(c.recompute == 1, 4.0, 3.0)
+    kv_width = c.kv_heads * c.head_dim / c.tp
+    layer_bytes = (2.0 * (c.cp - 1.0) / c.cp * c.micro * c.seq * kv_width * ACTIVATION_BYTES
+                   * passes)
+    crosses = c.tp * c.cp > c.per_node
+    link = np.where(crosses, c.inter_bw, c.intra_bw)
+    attention_flops = 4.0 * c.micro * c.seq_local * c.seq * c.hidden / c.tp * passes
+    with np.errstate(divide="ignore", invalid="ignore"):
+        exposed = np.maximum(layer_bytes / link - attention_flops / c.peak_flops, 0.0)
+    return np.where(c.cp > 1, c.layers_per_stage * np.nan_to_num(exposed), 0.0)
 
 
 def _stage_params(c: Columns) -> np.ndarray:
@@ -248,10 +278,11 @@ def _stage_gradient_bytes(c: Columns) -> np.ndarray:
 
 
 def dp_nodes(frame: pd.DataFrame | Columns) -> np.ndarray:
-    """Nodes a data-parallel group spans (mesh order (pp, dp, tp): a group's ranks are
-    ``tp`` apart)."""
+    """Nodes a data-parallel group spans (mesh order (pp, dp, cp, tp), as Megatron-LM lays
+    ranks out: a group's ``dp * cp`` ranks are ``tp`` apart)."""
     c = _cols(frame)
-    spanned = np.where(c.tp >= c.per_node, c.dp, np.ceil(c.dp * c.tp / c.per_node))
+    spanned = np.where(c.tp >= c.per_node, c.dp_group,
+                       np.ceil(c.dp_group * c.tp / c.per_node))
     return np.maximum(spanned, 1.0)
 
 
@@ -279,11 +310,11 @@ def dp_latency_s(frame: pd.DataFrame | Columns, *, well_tuned: bool = False) -> 
     bucket = DP_BUCKET_BYTES
     if well_tuned:
         fixed, per_rank = WELL_TUNED_BUCKET_PARAMS
-        bucket = np.maximum(fixed, per_rank * c.dp) * ACTIVATION_BYTES
+        bucket = np.maximum(fixed, per_rank * c.dp_group) * ACTIVATION_BYTES
     buckets = np.ceil(_stage_gradient_bytes(c) / bucket)
     hops = 2.0 * (dp_nodes(c) - 1.0)
     rounds = np.where(dp_streams_every_microbatch(c), num_microbatches(c), 1.0)
-    return np.where(c.dp > 1, rounds * buckets * hops * DP_HOP_LATENCY_S, 0.0)
+    return np.where(c.dp_group > 1, rounds * buckets * hops * DP_HOP_LATENCY_S, 0.0)
 
 
 def dp_reduction_bytes(frame: pd.DataFrame | Columns) -> np.ndarray:
@@ -316,7 +347,7 @@ def dp_reduction_bytes(frame: pd.DataFrame | Columns) -> np.ndarray:
         [np.full(c.n, grad + param), (grad + param) * reductions,
          2.0 * param * n_micro + grad * reductions],
         default=2.0 * grad)
-    return per_param * (c.dp - 1.0) / c.dp * _stage_params(c) / c.tp
+    return per_param * (c.dp_group - 1.0) / c.dp_group * _stage_params(c) / c.tp
 
 
 # ---------------------------------------------------------------------------------- time
@@ -329,7 +360,7 @@ def _compute_s_per_microbatch(c: Columns) -> np.ndarray:
     # correction keeps this baseline.
     per_token = 3.0 * _forward_flops_per_token(c, c.layers_per_stage, lm_head=1.0)
     per_token = per_token * _recompute_factor(c)
-    return per_token * c.micro * c.seq / c.tp / c.peak_flops
+    return per_token * c.micro * c.seq_local / c.tp / c.peak_flops
 
 
 def _dp_seconds(c: Columns, transfer_s: np.ndarray, compute_mb: np.ndarray | None = None,
@@ -355,14 +386,15 @@ def analytical_step_time(frame: pd.DataFrame | Columns) -> dict[str, np.ndarray]
 
     Returns:
         ``compute_s`` (slowest stage's FLOPs at peak over the step), ``tp_s``, ``pp_s``
-        (communication over the step), ``bubble_s`` (pipeline idle), ``dp_s`` (gradient
-        reduction: bytes at bandwidth plus :func:`dp_latency_s`) and ``step_time_s`` (their
-        sum).
+        (communication over the step; ``tp_s`` holds the collectives inside a layer, the
+        context-parallel exchange's exposed part too, :func:`cp_s_per_microbatch`),
+        ``bubble_s`` (pipeline idle), ``dp_s`` (gradient reduction: bytes at bandwidth plus
+        :func:`dp_latency_s`) and ``step_time_s`` (their sum).
     """
     c = _cols(frame)
     compute_mb = _compute_s_per_microbatch(c)
     tp_bw = np.where(tp_crosses_nodes(c) > 0, c.inter_bw, c.intra_bw)
-    tp_mb = tp_bytes_per_microbatch(c) / tp_bw
+    tp_mb = tp_bytes_per_microbatch(c) / tp_bw + cp_s_per_microbatch(c)
     pp_bw = np.where(pp_crosses_nodes(c) > 0, c.inter_bw, c.intra_bw)
     pp_mb = pp_p2p_bytes_per_microbatch(c) / pp_bw
     n_micro = num_microbatches(c)

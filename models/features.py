@@ -8,8 +8,8 @@ computed in a few column operations. :func:`config_row` builds a one-row frame f
 
 Conventions (Megatron-LM / nanotron accounting; the learned model corrects what they miss):
 
-* mesh order is (pp, dp, tp), tp innermost: a group crosses nodes when the ranks it spans
-  do not fit in one node;
+* mesh order is (pp, dp, cp, tp), tp innermost (cp 1 but where a sequence is split): a
+  group crosses nodes when the ranks it spans do not fit in one node;
 * bf16 activations and communication (2 bytes); mixed-precision Adam state of 18 bytes per
   parameter (2 bf16 weights, 4 fp32 gradient-accumulation buffer, 12 fp32 master weights and
   moments), sharded by ZeRO stage;
@@ -60,6 +60,7 @@ from paratune.models._step_time import (
     _warmup_slots,
     analytical_step_time,
     bubble_fraction,
+    cp_s_per_microbatch,
     dp_crosses_nodes,
     dp_latency_s,
     dp_nodes,
@@ -102,6 +103,7 @@ __all__ = [
     "bubble_fraction",
     "compute_features",
     "config_row",
+    "cp_s_per_microbatch",
     "dp_crosses_nodes",
     "dp_latency_s",
     "dp_nodes",
@@ -224,7 +226,7 @@ def compute_features(frame: pd.DataFrame | Columns) -> tuple[np.ndarray, dict[st
             "frac_pp": times["pp_s"] / total,
             "frac_bubble": times["bubble_s"] / total,
             "frac_dp": times["dp_s"] / total,
-            "log2_tokens_per_micro": np.log2(c.micro * c.seq),
+            "log2_tokens_per_micro": np.log2(c.micro * c.seq_local),
             "log2_hidden_per_tp": np.log2(c.hidden / c.tp),
             "log2_ffn_per_tp": np.log2(c.ffn / c.tp),
             "log2_head_dim": np.log2(c.head_dim),

@@ -106,6 +106,8 @@ class ConfigBatch:
     """Codes of :class:`~paratune.Sharding`, equal to the ZeRO stage (int8; -1: none)."""
     recompute: np.ndarray
     """Codes of :class:`~paratune.Recompute` (int8; -1: none of them)."""
+    cp: np.ndarray
+    """Context-parallel degrees (1 where a frame has no ``cp`` column)."""
     hardware: np.ndarray
     """Catalogue names as given (object array of str)."""
     devices_per_node: np.ndarray
@@ -289,7 +291,7 @@ class ConfigBatch:
     # ------------------------------------------------------------------ derived
     @property
     def world_size(self) -> np.ndarray:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.tp * self.pp * self.cp
 
     @property
     def num_microbatches(self) -> np.ndarray:

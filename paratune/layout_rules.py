@@ -15,7 +15,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from paratune.parallel import MAX_DEVICES, MAX_GLOBAL_BATCH, Recompute, Schedule, Sharding
+from paratune.parallel import (
+    MAX_DEVICES,
+    MAX_GLOBAL_BATCH,
+    Recompute,
+    Schedule,
+    Sharding,
+    degrees_product,
+)
 
 if TYPE_CHECKING:
     from paratune.batch import ConfigBatch
@@ -35,7 +42,8 @@ OPTIONS: dict[str, type[StrEnum]] = {"schedule": Schedule, "sharding": Sharding,
 """The option columns and the enum each one's codes come from."""
 MLP_KINDS: tuple[str, ...] = ("swiglu", "gelu")
 """Values of ``ModelSpec.mlp``; a batch stores the position (0: SwiGLU, three matrices)."""
-LAYOUT_INTS = ("dp", "tp", "pp", "micro_batch_size", "global_batch_size", "virtual_stages")
+LAYOUT_INTS = ("dp", "tp", "pp", "micro_batch_size", "global_batch_size", "virtual_stages",
+               "cp")
 """The integer fields of a layout, in declaration order."""
 
 
@@ -111,9 +119,8 @@ _ONE_F_ONE_B = _CODES["schedule"][Schedule.ONE_F_ONE_B.value]
 
 
 def _describe_world(b: ConfigBatch, i: int, c: RuleContext) -> tuple[Any, str]:
-    dp, tp, pp = _int(b, "dp", i), _int(b, "tp", i), _int(b, "pp", i)
-    return dp, f"dp*tp*pp = {dp}*{tp}*{pp} = {dp * tp * pp} must equal the world size " \
-               f"{c.world_size}"
+    dp, tp, pp, cp = (_int(b, name, i) for name in ("dp", "tp", "pp", "cp"))
+    return dp, f"{degrees_product(dp, tp, pp, cp)} must equal the world size {c.world_size}"
 
 
 def _describe_divisible(b: ConfigBatch, i: int, c: RuleContext) -> tuple[Any, str]:
@@ -166,6 +173,10 @@ def _shape_rules() -> list[LayoutRule]:
             "tp", needs, lambda b, c, name=name: np.mod(getattr(b, name), b.tp) != 0,
             lambda b, i, c, name=name: (_int(b, "tp", i),
                                         f"must divide {name}={_int(b, name, i)}")))
+    rules.append(LayoutRule(
+        "cp", _SHAPE, lambda b, c: (b.cp > 1) & (np.mod(b.seq_len, 2 * b.cp) != 0),
+        lambda b, i, c: (_int(b, "cp", i), (
+            f"2*cp = {2 * _int(b, 'cp', i)} must divide seq_len={_int(b, 'seq_len', i)}"))))
     rules.append(LayoutRule(
         "pp", _SHAPE | _RUNNABLE, lambda b, c: b.num_layers < b.num_stages,
         lambda b, i, c: (_int(b, "pp", i), (

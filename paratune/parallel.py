@@ -14,8 +14,8 @@ if TYPE_CHECKING:
     from paratune.spec import ModelSpec
 
 __all__ = ["MAX_DEVICES", "MAX_GLOBAL_BATCH", "MeshAxis", "ParallelConfig", "Recompute",
-           "Schedule", "Sharding", "check_magnitude", "layout_key", "max_stage_layers",
-           "stage_layer_counts"]
+           "Schedule", "Sharding", "check_magnitude", "degrees_product", "layout_key",
+           "max_stage_layers", "stage_layer_counts"]
 
 MAX_DEVICES = 1 << 20
 """The most devices (world size, or any one degree) paratune plans for: about ten times the
@@ -118,12 +118,18 @@ class ParallelConfig:
     """Data-parallel sharding level."""
     recompute: Recompute = Recompute.NONE
     """Activation checkpointing mode."""
+    cp: int = 1
+    """Context-parallel degree: each sequence split over ``cp`` ranks, which exchange keys
+    and values around a ring in attention (Megatron-LM's ``--context-parallel-size``,
+    torchtitan's ``context_parallel_degree``). The performance model predicts it; paratune's
+    own trainer does not run it (:meth:`check_trainer`)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "schedule", _enum_field(Schedule, "schedule", self.schedule))
         object.__setattr__(self, "sharding", _enum_field(Sharding, "sharding", self.sharding))
         object.__setattr__(self, "recompute", _enum_field(Recompute, "recompute", self.recompute))
-        for name in ("dp", "tp", "pp", "micro_batch_size", "global_batch_size", "virtual_stages"):
+        for name in ("dp", "tp", "pp", "micro_batch_size", "global_batch_size", "virtual_stages",
+                     "cp"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(name, value, "must be a positive integer")
@@ -132,7 +138,7 @@ class ParallelConfig:
     # ------------------------------------------------------------------ derived
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.tp * self.pp * self.cp
 
     @property
     def dp_enabled(self) -> bool:
@@ -162,7 +168,14 @@ class ParallelConfig:
         return self.global_batch_size // self.dp
 
     def mesh_shape(self) -> tuple[int, int, int]:
-        """Degrees in :class:`MeshAxis` order (pp, dp, tp)."""
+        """Degrees in :class:`MeshAxis` order (pp, dp, tp).
+
+        Raises:
+            ConfigError: ``cp > 1`` (the trainer's mesh has no context-parallel axis).
+        """
+        if self.cp > 1:
+            raise ConfigError("cp", self.cp, "paratune's trainer has no context parallelism "
+                              "(cp=1): its device mesh is (pp, dp, tp)")
         return (self.pp, self.dp, self.tp)
 
     # ------------------------------------------------------------------ validation
@@ -172,7 +185,7 @@ class ParallelConfig:
 
         Args:
             model: The model; shape rules are checked when given.
-            world_size: Devices available; ``dp * tp * pp`` must equal it when given.
+            world_size: Devices available; ``dp * tp * pp * cp`` must equal it when given.
             runnable: Also check the limits of paratune's own trainer (torch's 1F1B schedule
                 needs at least ``pp`` micro-batches, ``tp`` must divide the vocabulary, a
                 pipeline stage needs a decoder layer); ``False`` checks only what any
@@ -185,8 +198,8 @@ class ParallelConfig:
             ConfigError: naming the field, the value and the rule broken.
         """
         if world_size is not None and self.world_size != world_size:
-            raise ConfigError("dp", self.dp, f"dp*tp*pp = {self.dp}*{self.tp}*{self.pp} = "
-                              f"{self.world_size} must equal the world size {world_size}")
+            product = degrees_product(self.dp, self.tp, self.pp, self.cp)
+            raise ConfigError("dp", self.dp, f"{product} must equal the world size {world_size}")
         per_step = self.dp * self.micro_batch_size
         if self.global_batch_size % per_step:
             raise ConfigError("global_batch_size", self.global_batch_size,
@@ -221,6 +234,11 @@ class ParallelConfig:
         for field_name, size in shapes:
             if size % self.tp:
                 raise ConfigError("tp", self.tp, f"must divide {field_name}={size}")
+        if self.cp > 1 and model.seq_len % (2 * self.cp):
+            # each rank holds two chunks of the sequence, one from each end, so that causal
+            # attention's work is balanced around the ring (Megatron-LM, torchtitan)
+            raise ConfigError("cp", self.cp, f"2*cp = {2 * self.cp} must divide "
+                              f"seq_len={model.seq_len}")
         if runnable and model.num_layers < self.num_stages:
             raise ConfigError("pp", self.pp,
                               f"pp*virtual_stages = {self.num_stages} pipeline stages need at "
@@ -233,8 +251,12 @@ class ParallelConfig:
         Raises:
             ConfigError: ``zero1`` with ``tp > 1`` (``ZeroRedundancyOptimizer`` cannot
                 partition tensor-parallel parameters); tied embeddings with ``pp > 1`` (one
-                matrix on the first and the last stage).
+                matrix on the first and the last stage); context parallelism (``cp > 1``).
         """
+        if self.cp > 1:
+            raise ConfigError("cp", self.cp, "paratune's trainer has no context parallelism "
+                              "(cp=1): predict such a layout, or export it to Megatron-LM or "
+                              "torchtitan")
         if self.sharding is Sharding.ZERO1 and self.tp_enabled:
             raise ConfigError("sharding", "zero1", f"needs tp=1 (tp={self.tp}) in paratune's "
                               "trainer: ZeroRedundancyOptimizer cannot partition "
@@ -268,24 +290,36 @@ class ParallelConfig:
         return dataclasses.replace(self, **changes)
 
     def key(self) -> str:
-        """A short, stable, readable identity: ``dp2-tp2-pp1-mb1-gb8-1f1b-v1-none-none``."""
+        """A short, stable, readable identity: ``dp2-tp2-pp1-mb1-gb8-1f1b-v1-none-none``
+        (``-cp2`` appended where the sequence is split)."""
         return layout_key((self.dp, self.tp, self.pp, self.micro_batch_size,
                            self.global_batch_size, self.schedule.value, self.virtual_stages,
-                           self.sharding.value, self.recompute.value))
+                           self.sharding.value, self.recompute.value, self.cp))
 
     def __str__(self) -> str:
         return self.key()
 
 
 def layout_key(fields: Sequence[Any]) -> str:
-    """The identity of a layout (:meth:`ParallelConfig.key`), from its nine fields in
-    declaration order (dp, tp, pp, micro batch, global batch, schedule, virtual stages,
-    sharding, recompute; the enums as their values): ``dp2-tp2-pp1-mb1-gb8-1f1b-v1-none-none``.
+    """The identity of a layout (:meth:`ParallelConfig.key`), from its fields in declaration
+    order (dp, tp, pp, micro batch, global batch, schedule, virtual stages, sharding,
+    recompute and, optionally, cp; the enums as their values):
+    ``dp2-tp2-pp1-mb1-gb8-1f1b-v1-none-none``, with ``-cp2`` appended where ``cp > 1`` (so
+    the keys of layouts without context parallelism are what they always were).
     """
     dp, tp, pp, micro_batch_size, global_batch_size, schedule, virtual_stages, sharding, \
-        recompute = fields
+        recompute, *rest = fields
+    cp = int(rest[0]) if rest else 1
     return (f"dp{dp}-tp{tp}-pp{pp}-mb{micro_batch_size}-gb{global_batch_size}-{schedule}"
-            f"-v{virtual_stages}-{sharding}-{recompute}")
+            f"-v{virtual_stages}-{sharding}-{recompute}" + (f"-cp{cp}" if cp > 1 else ""))
+
+
+def degrees_product(dp: int, tp: int, pp: int, cp: int = 1) -> str:
+    """The world-size product in words, ``dp*tp*pp = 2*2*1 = 4`` (``dp*tp*pp*cp = ...``
+    where ``cp > 1``), for the messages that compare it with a device count."""
+    if cp > 1:
+        return f"dp*tp*pp*cp = {dp}*{tp}*{pp}*{cp} = {dp * tp * pp * cp}"
+    return f"dp*tp*pp = {dp}*{tp}*{pp} = {dp * tp * pp}"
 
 
 def stage_layer_counts(num_layers: int, num_stages: int) -> list[int]:

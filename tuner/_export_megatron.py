@@ -95,6 +95,8 @@ def megatron_args(model: ModelSpec, config: ParallelConfig,
              "--global-batch-size", str(config.global_batch_size)]
     if config.tp_enabled:
         args.append("--sequence-parallel")
+    if config.cp > 1:
+        args += ["--context-parallel-size", str(config.cp)]
     counts = stage_layer_counts(model.num_layers, config.num_stages) if config.pp > 1 else []
     if len(set(counts)) > 1:
         # uneven: Megatron-LM splits the layers evenly unless a layout names every

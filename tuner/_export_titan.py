@@ -264,6 +264,8 @@ def torchtitan_args(model: ModelSpec, config: ParallelConfig,
         args += [par + "fsdp_reshard_after_forward", reshard]
     args += [par + "tensor_parallel_degree", str(config.tp),
              par + "pipeline_parallel_degree", str(config.pp)]
+    if config.cp > 1:
+        args += [par + "context_parallel_degree", str(config.cp)]
     if config.pp > 1:
         counts = stage_layer_counts(model.num_layers, config.num_stages)
         args += [par + "pipeline_parallel_schedule", TITAN_SCHEDULES[config.schedule],

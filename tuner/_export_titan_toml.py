@@ -69,6 +69,8 @@ def torchtitan_toml(model: ModelSpec, config: ParallelConfig,
         lines.append(f'fsdp_reshard_after_forward = "{reshard}"')
     lines.append(f"tensor_parallel_degree = {config.tp}")
     lines.append(f"pipeline_parallel_degree = {config.pp}")
+    if config.cp > 1:
+        lines.append(f"context_parallel_degree = {config.cp}")
     if config.pp > 1:
         lines.append(f'pipeline_parallel_schedule = "{TITAN_SCHEDULES[config.schedule]}"')
         lines.append(f"pipeline_parallel_microbatch_size = {config.micro_batch_size}")

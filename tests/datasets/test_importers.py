@@ -64,7 +64,7 @@ def test_good_row_maps_config_hardware_and_metrics(tmp_path):
     ({"gpu": "TPU-v5"}, "gpu='TPU-v5' is not a known device"),
     ({"notes": "nodes=1;FLAG=source_dims_inconsistent"}, "FLAG=source_dims_inconsistent"),
     ({"tokens_per_sec": "100000"}, "contradicts tokens_per_sec_per_gpu"),
-    ({"cp": "2"}, "context parallelism"),
+    ({"cp": "2"}, "dp*tp*pp*cp = 8*1*1*2 = 16 contradicts num_gpus=8"),
     ({"tp": "inf"}, "tp='inf' must be a finite number"),
     ({"tp": "-2"}, "tp='-2' must be a positive integer"),
     ({"global_batch": "100", "grad_accum": ""},
@@ -94,6 +94,25 @@ def test_unmappable_rows_are_reported_with_line_and_reason(tmp_path, change, rea
     (problem,) = problems
     assert problem.line == 4  # comment, header, good row, then the bad one
     assert reason in problem.reason
+
+
+def test_a_split_sequence_counts_in_the_gpus_and_survives_the_round_trip(tmp_path):
+    """A row with ``cp`` holds dp*tp*pp*cp GPUs, a data-parallel degree left empty is what
+    the others leave, and the export writes ``cp`` back (empty where it is 1)."""
+    from paratune.datasets import export_public_csv, write_dataset
+
+    cells = dict(zip(HEADER.split(","), GOOD.split(",")))
+    cells.update(cp="2", dp="", grad_accum="32")
+    records, problems = parse_public_csv(_write(tmp_path, GOOD, ",".join(cells.values())))
+    assert problems == []
+    assert [(m.config.dp, m.config.cp, m.config.world_size) for m in records] == [
+        (8, 1, 8), (4, 2, 8)]
+    write_dataset(tmp_path / "ds", records, card={"campaign_id": "cp"})
+    out = tmp_path / "out.csv"
+    export_public_csv(tmp_path / "ds", out)
+    again, problems = parse_public_csv(out)
+    assert problems == [] and [m.config.cp for m in again] == [1, 2]
+    assert {m.config.key() for m in again} == {m.config.key() for m in records}
 
 
 @pytest.mark.parametrize("empty", ["num_gpus", "tp", "pp", "dp", "micro_batch"])

@@ -87,7 +87,7 @@ def test_timing_is_kept_in_the_dataset_and_read_from_older_journals(tmp_path):
     assert JournalEntry.from_dict(second.to_dict()).timing.call_s == 4.0
 
     frame = materialise(paths.root).frame.set_index("dp")
-    assert read_dataset(paths.root).card.schema_version == SCHEMA_VERSION == 2
+    assert read_dataset(paths.root).card.schema_version == SCHEMA_VERSION == 3
     assert frame.loc[2, "timing_call_s"] == 3.5 and frame.loc[2, "timing_mesh_s"] == 0.25
     assert frame.loc[1, "timing_call_s"] == 4.0 and math.isnan(frame.loc[1, "timing_mesh_s"])
     assert all(column_types()[c] == "float64" for c in StepTiming().to_columns())

@@ -387,12 +387,14 @@ def test_a_measurement_without_fingerprint_writes(tmp_path):
 def test_a_file_without_an_optional_column_reads_with_its_default(tmp_path):
     ds = write_dataset(tmp_path / "ds", _records())
     table = pq.read_table(tmp_path / "ds" / ds.card.data_file)
-    older = table.drop_columns(["device_count", "world_size"]).replace_schema_metadata(
+    older = table.drop_columns(["device_count", "world_size", "cp"]).replace_schema_metadata(
         table.schema.metadata)
     pq.write_table(older, tmp_path / "older.parquet")
     back = read_dataset(tmp_path / "older.parquet")
     assert back.frame["device_count"].tolist() == [None] * 3
     assert back.frame["world_size"].tolist() == [2, 2, 2]
+    # a file written before the context-parallel degree was stored: whole sequences
+    assert back.frame["cp"].tolist() == [1, 1, 1]
     assert [m.config.world_size for m in back.measurements()] == [2, 2, 2]
     # filled columns have the types a file with them reads back with
     fresh = read_dataset(tmp_path / "ds").frame

@@ -373,8 +373,8 @@ def test_predict_cli_counts_the_rows_that_extrapolate(small_cluster_model, synth
                  "--out", str(tmp_path / "out.csv")]) == 0
     out = capsys.readouterr().out
     assert re.search(r"warning: 2 rows: beyond the fitted model, cluster, batch, tensor- "
-                     r"and data-parallel node spans and data-parallel regimes by N doublings: "
-                     r"interval widened", out), out
+                     r"and data-parallel node spans, data-parallel regimes and "
+                     r"context-parallel degrees by N doublings: interval widened", out), out
     # a family's name keeps its digits
     assert "warning: 1 row: no measurement of family llama3:" in out, out
     written = pd.read_csv(tmp_path / "out.csv", keep_default_na=False)

@@ -39,7 +39,7 @@ _FRAMEWORKS = "pip install -e '.[dev,frameworks]'"
 # (model, config, hardware): the reproductions of the report (llama3-70b on 1024 and on 2
 # H100s, llama3-8b over 13 GPUs), interleaved and uneven pipelines, each sharding and
 # recompute mode, dp=1, DDP with tensor and pipeline parallelism, presets torchtitan 0.2.x has
-# no flavor of, a shape no framework registers, Blackwell
+# no flavor of, a shape no framework registers, Blackwell, a sequence split over two ranks
 MATRIX = [
     ("llama3-70b", ParallelConfig(dp=32, tp=8, pp=4, micro_batch_size=1, global_batch_size=1024,
                                   sharding="zero1", recompute="full"), "H100"),
@@ -67,6 +67,8 @@ MATRIX = [
     ("llama3-405b", ParallelConfig(dp=16, tp=8, pp=8, micro_batch_size=1, global_batch_size=512,
                                    schedule="interleaved_1f1b", virtual_stages=2,
                                    sharding="zero3", recompute="full"), "H100"),
+    ("llama3-8b", ParallelConfig(dp=2, tp=2, cp=2, micro_batch_size=1, global_batch_size=16,
+                                 sharding="zero1", recompute="full"), "H100"),
 ]
 IDS = [f"{name}-{config.key()}-{hw}" for name, config, hw in MATRIX]
 
@@ -164,7 +166,7 @@ def _check_titan_03(model, config, hardware, tmp_path, monkeypatch):
     assert (par.tensor_parallel_degree, par.pipeline_parallel_degree) == (config.tp, config.pp)
     assert par.enable_sequence_parallel  # with tp > 1: as noted
     dims = ParallelDims.from_config(par, config.world_size)
-    assert (dims.tp, dims.pp) == (config.tp, config.pp)
+    assert (dims.tp, dims.pp, dims.cp) == (config.tp, config.pp, config.cp)
     assert dims.dp_replicate * dims.dp_shard == config.dp
     assert dims.fsdp_enabled == (par.data_parallel_shard_degree > 1)
     assert training.seq_len == model.seq_len
@@ -219,9 +221,10 @@ def _check_titan_02(model, config, hardware, tmp_path, monkeypatch):
     assert (training.seq_len, training.global_batch_size) == (model.seq_len,
                                                               config.global_batch_size)
     dims = ParallelDims(dp_replicate=par.data_parallel_replicate_degree,
-                        dp_shard=par.data_parallel_shard_degree, cp=1,
-                        tp=par.tensor_parallel_degree, pp=par.pipeline_parallel_degree, ep=1,
-                        etp=1, world_size=config.world_size)
+                        dp_shard=par.data_parallel_shard_degree,
+                        cp=par.context_parallel_degree, tp=par.tensor_parallel_degree,
+                        pp=par.pipeline_parallel_degree, ep=1, etp=1,
+                        world_size=config.world_size)
     assert dims.dp_replicate * dims.dp_shard == config.dp
     spec = get_train_spec(job.model.name)
     if job.model.flavor not in spec.model_args:
@@ -239,9 +242,10 @@ def _check_titan_02(model, config, hardware, tmp_path, monkeypatch):
 
     def build_parts():
         dims = ParallelDims(dp_replicate=par.data_parallel_replicate_degree,
-                            dp_shard=par.data_parallel_shard_degree, cp=1,
-                            tp=par.tensor_parallel_degree, pp=par.pipeline_parallel_degree,
-                            ep=1, etp=1, world_size=config.world_size)
+                            dp_shard=par.data_parallel_shard_degree,
+                            cp=par.context_parallel_degree, tp=par.tensor_parallel_degree,
+                            pp=par.pipeline_parallel_degree, ep=1, etp=1,
+                            world_size=config.world_size)
         dims.build_mesh()
         _, parts, _, _ = pipeline_llm(whole, dims, job, torch.device("cpu"), model_args,
                                       lambda m, *a, **k: m, lambda *a, **k: None)
@@ -304,7 +308,8 @@ def test_megatron_parses_and_validates_every_export(name, config, hardware, monk
     multiple = args.make_vocab_size_divisible_by * config.tp
     assert -(-model.vocab_size // multiple) * multiple == model.vocab_size  # no padding
     assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-            args.data_parallel_size) == (config.tp, config.pp, config.dp)
+            args.context_parallel_size, args.data_parallel_size) == (config.tp, config.pp,
+                                                                     config.cp, config.dp)
     assert args.sequence_parallel == config.tp_enabled
     assert args.global_batch_size // (args.micro_batch_size * args.data_parallel_size) == \
         config.num_microbatches
