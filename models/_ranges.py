@@ -358,10 +358,13 @@ def _extrapolation_warnings(dist: np.ndarray, fresh: np.ndarray, families: np.nd
                 f"node spans, data-parallel regimes and context-parallel degrees by {d:.1f} "
                 "doublings: interval widened"), dtype=object)
     if fresh.any():
-        warning[fresh] = _lookup(
+        family = _lookup(
             families[fresh],
             lambda f: "" if f is None else (
                 f"no measurement of family {f}: predicted from other families' runs "
                 "moved toward a well-tuned framework on its hardware, interval widened "
                 "(`paratune calibrate` on a few of its runs moves it)"), dtype=object)
+        # both where both hold: the family first, then how far beyond the fitted runs
+        warning[fresh] = [f"{f}; {w}" if w else f for f, w in zip(family, warning[fresh],
+                                                                   strict=True)]
     return warning
