@@ -157,7 +157,7 @@ def missing_public_columns(header: Sequence[str]) -> list[str]:
 
 # Columns of the public format that paratune's own formats do not have (they say
 # ``hardware``, ``world_size``, ``micro_batch_size``, ``global_batch_size``, ``num_layers``).
-_PUBLIC_ONLY_COLUMNS = ("params_b", "layers", "hidden", "heads", "gpu", "num_gpus", "cp",
+_PUBLIC_ONLY_COLUMNS = ("params_b", "layers", "hidden", "heads", "gpu", "num_gpus",
                         "micro_batch", "global_batch", "zero_stage")
 
 

@@ -87,7 +87,8 @@ def training_ranges(frame: pd.DataFrame) -> dict[str, dict[str, list[int]]]:
         return {}
     hardware = _catalogue_names(timed["hardware"].to_numpy())
     world = (timed["world_size"] if "world_size" in timed.columns
-             else timed["dp"] * timed["tp"] * timed["pp"])
+             else timed["dp"] * timed["tp"] * timed["pp"]
+             * (timed["cp"] if "cp" in timed.columns else 1))
     values = {"world_size": world.to_numpy(dtype=float),
               "global_batch_size": timed["global_batch_size"].to_numpy(dtype=float),
               "tokens_per_step": (timed["global_batch_size"].to_numpy(dtype=float)

@@ -94,15 +94,18 @@ def core_parts(c: F.Columns, analytical: dict[str, np.ndarray],
     a measured family's constants are fitted to the fixed buckets' latency."""
     n_micro = F.num_microbatches(c)
     slots = n_micro + F._warmup_slots(c)
+    # the context-parallel exchange, which the analytical tp part holds, goes in the tp
+    # column of its own ring's link
+    cp = F.cp_s_per_microbatch(c) * slots
     with np.errstate(divide="ignore", invalid="ignore"):
         compute = analytical["compute_s"] / n_micro * slots
-        tp = analytical["tp_s"] / n_micro * slots
+        tp = analytical["tp_s"] / n_micro * slots - cp
         pp = analytical["pp_s"] / n_micro * slots
     cross = F.tp_crosses_nodes(c) > 0
     # groups across nodes reduce hierarchically, not at the inter-node bandwidth for every
     # byte as the analytical estimate has it (see group_seconds_per_byte)
-    tp = np.where(cross, (F.hierarchical_tp_s_per_microbatch(c) + F.cp_s_per_microbatch(c))
-                  * slots, tp)
+    tp = np.where(cross, F.hierarchical_tp_s_per_microbatch(c) * slots, tp)
+    cp_cross = F.cp_crosses_nodes(c) > 0
     elementwise = F.elementwise_s_per_microbatch(c) * slots
     loss = F.loss_s_per_microbatch(c) * slots
     pp_cross = F.pp_crosses_nodes(c) > 0
@@ -113,8 +116,11 @@ def core_parts(c: F.Columns, analytical: dict[str, np.ndarray],
     def split(part: np.ndarray, across: np.ndarray) -> list[np.ndarray]:
         return [np.where(across, 0.0, part), np.where(across, part, 0.0)]
 
-    return np.column_stack([compute, elementwise, loss, *split(tp, cross), *split(pp, pp_cross),
-                            *split(dp, dp_cross), slots * c.layers_per_stage, np.ones(c.n)])
+    tp_intra, tp_inter = (a + b for a, b in zip(split(tp, cross), split(cp, cp_cross),
+                                                strict=True))
+    return np.column_stack([compute, elementwise, loss, tp_intra, tp_inter,
+                            *split(pp, pp_cross), *split(dp, dp_cross),
+                            slots * c.layers_per_stage, np.ones(c.n)])
 
 
 def default_constants(c: F.Columns) -> np.ndarray:

@@ -68,10 +68,12 @@ class Columns:
             return np.where(bad, np.nan, code.astype(float))
 
         self.schedule = codes("schedule")
-        # ZeRO-1 over a single data-parallel rank shards nothing: the same run as none (what
-        # every framework does), and so the same features, not a rarely-seen category
+        # ZeRO-1 over a single rank of the parameters (dp * cp) shards nothing: the same run
+        # as none (what every framework does), and so the same features, not a rarely-seen
+        # category
         self.sharding = codes("sharding")
-        self.sharding = np.where((self.sharding == 1) & (self.dp == 1), 0.0, self.sharding)
+        self.sharding = np.where((self.sharding == 1) & (self.dp_group == 1), 0.0,
+                                 self.sharding)
         self.recompute = codes("recompute")
         hw = hardware_columns(batch.hardware)
         self.peak_flops = hw["peak_flops"]

@@ -248,12 +248,7 @@ class _Ranges:
         Returns:
             The step times, the doublings beyond the training ranges and a warning per row.
         """
-        from paratune.models._extrapolation import (
-            PRIOR_MARGIN_PER_DOUBLING,
-            _distinct,
-            blend_distances,
-            blend_factor,
-        )
+        from paratune.models._extrapolation import _distinct, blend_distances, blend_factor
 
         step, lo, hi, expected = times.step, times.lo, times.hi, times.expected
         families, per_axis, unknown = where
@@ -284,8 +279,7 @@ class _Ranges:
             rows = families == family
             entry = self.interval_widening_.get(str(family), self.interval_widening_[""])
             for key, values in margins.items():
-                # a model saved before an axis was added has no margin for it: the prior's
-                values[rows] = entry.get(key, PRIOR_MARGIN_PER_DOUBLING)
+                values[rows] = entry[key]
         # the margin per doubling of each axis, times the doublings beyond its range
         beyond = {side: sum(margins[f"{side}_{axis}"] * d for axis, d in per_axis.items())
                   for side in ("hi", "lo")}
@@ -365,6 +359,6 @@ def _extrapolation_warnings(dist: np.ndarray, fresh: np.ndarray, families: np.nd
                 "moved toward a well-tuned framework on its hardware, interval widened "
                 "(`paratune calibrate` on a few of its runs moves it)"), dtype=object)
         # both where both hold: the family first, then how far beyond the fitted runs
-        warning[fresh] = [f"{f}; {w}" if w else f for f, w in zip(family, warning[fresh],
-                                                                   strict=True)]
+        warning[fresh] = [f"{f}; {w.removesuffix(': interval widened')}" if w else f
+                          for f, w in zip(family, warning[fresh], strict=True)]
     return warning

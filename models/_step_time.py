@@ -242,24 +242,33 @@ def cp_s_per_microbatch(frame: pd.DataFrame | Columns) -> np.ndarray:
     Ring attention passes each rank's keys and values around the ``cp`` ranks of its
     sequence: per layer the forward receives the other ``cp - 1`` chunks' keys and values
     (``2 (cp-1)/cp * micro * seq * kv_width / tp`` bf16 values), the backward them again and
-    their gradients (twice that), full recomputation one forward more. The ring's ranks are
-    ``tp`` apart, each sending to its neighbour over its own link: within a node where
-    ``tp * cp`` fits in one, else at the inter-node bandwidth. Each step's transfer runs
-    behind the attention of the chunk in hand, so only what the attention's FLOPs at peak
-    (``4 * micro * seq/cp * seq * hidden / tp`` per layer forward, as
-    :func:`model_flops_per_device` counts them, three times that with the backward) do not
-    cover is added."""
+    their gradients (twice that); recomputation that repeats attention (full or selective)
+    one forward more. A rank holds at least one key/value head (Megatron-LM replicates them
+    where there are fewer than ``tp``). The ring's ranks are ``tp`` apart, each sending to
+    its neighbour over its own link: within a node where ``tp * cp`` fits in one, else at the
+    inter-node bandwidth (:func:`cp_crosses_nodes`). Each of the ``cp - 1`` transfers runs
+    behind the attention of the chunk in hand, a ``1/cp`` share of the rank's causal
+    attention (half of the ``4 * micro * seq/cp * seq * hidden / tp`` FLOPs per layer
+    forward that :func:`model_flops_per_device` counts, three times that with the backward),
+    so only what ``(cp-1)/cp`` of that at peak does not cover is added."""
     c = _cols(frame)
-    passes = np.where(c.recompute == 1, 4.0, 3.0)
-    kv_width = c.kv_heads * c.head_dim / c.tp
+    passes = np.where((c.recompute == 1) | (c.recompute == 2), 4.0, 3.0)
+    kv_width = np.maximum(c.kv_heads / c.tp, 1.0) * c.head_dim
     layer_bytes = (2.0 * (c.cp - 1.0) / c.cp * c.micro * c.seq * kv_width * ACTIVATION_BYTES
                    * passes)
-    crosses = c.tp * c.cp > c.per_node
-    link = np.where(crosses, c.inter_bw, c.intra_bw)
-    attention_flops = 4.0 * c.micro * c.seq_local * c.seq * c.hidden / c.tp * passes
+    link = np.where(cp_crosses_nodes(c) > 0, c.inter_bw, c.intra_bw)
+    causal_attention = 0.5 * 4.0 * c.micro * c.seq_local * c.seq * c.hidden / c.tp * passes
+    covering = (c.cp - 1.0) / c.cp * causal_attention
     with np.errstate(divide="ignore", invalid="ignore"):
-        exposed = np.maximum(layer_bytes / link - attention_flops / c.peak_flops, 0.0)
+        exposed = np.maximum(layer_bytes / link - covering / c.peak_flops, 0.0)
     return np.where(c.cp > 1, c.layers_per_stage * np.nan_to_num(exposed), 0.0)
+
+
+def cp_crosses_nodes(frame: pd.DataFrame | Columns) -> np.ndarray:
+    """Whether a context-parallel ring spans more than one node (1.0 / 0.0): its ``cp``
+    ranks are ``tp`` apart (mesh order (pp, dp, cp, tp))."""
+    c = _cols(frame)
+    return ((c.cp > 1) & (c.tp * c.cp > c.per_node)).astype(float)
 
 
 def _stage_params(c: Columns) -> np.ndarray:

@@ -340,7 +340,7 @@ class ConfigBatch:
         """The position in :data:`LAYOUT_RULES` of the first rule each row breaks (-1: none).
 
         Args:
-            world_size: Devices available (``dp*tp*pp`` must equal it) when given.
+            world_size: Devices available (``dp*tp*pp*cp`` must equal it) when given.
             runnable: Also the limits of paratune's own trainer (as
                 :meth:`ParallelConfig.validate`).
             shape: Also the rules between the layout and the row's model shape.

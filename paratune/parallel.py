@@ -145,6 +145,12 @@ class ParallelConfig:
         return self.dp > 1
 
     @property
+    def dp_group_size(self) -> int:
+        """Ranks that hold the same parameters: the gradient reduction's and ZeRO's group,
+        ``dp * cp`` (Megatron-LM and torchtitan shard over the context-parallel ranks too)."""
+        return self.dp * self.cp
+
+    @property
     def tp_enabled(self) -> bool:
         return self.tp > 1
 

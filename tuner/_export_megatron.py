@@ -38,7 +38,7 @@ def _cuda_major(hardware: HardwareSpec | None) -> int | None:
 
 
 def _megatron_fsdp(config: ParallelConfig) -> bool:
-    return config.dp_enabled and config.sharding in (Sharding.ZERO2, Sharding.ZERO3)
+    return config.dp_group_size > 1 and config.sharding in (Sharding.ZERO2, Sharding.ZERO3)
 
 
 def _vocab_divisor(vocab_size: int, tp: int) -> int:
@@ -104,7 +104,7 @@ def megatron_args(model: ModelSpec, config: ParallelConfig,
         args += ["--pipeline-model-parallel-layout", _megatron_layout(counts)]
     elif config.schedule is Schedule.INTERLEAVED_1F1B and counts:
         args += ["--num-layers-per-virtual-pipeline-stage", str(counts[0])]
-    if config.dp_enabled:  # one data-parallel rank has nothing to shard
+    if config.dp_group_size > 1:  # one rank of the parameters has nothing to shard (dp*cp)
         if config.sharding is Sharding.ZERO1:
             args.append("--use-distributed-optimizer")
         elif _megatron_fsdp(config):

@@ -57,7 +57,7 @@ def titan_data_parallel(config: ParallelConfig) -> tuple[int, int, str | None, l
     """``(replicate, shard, fsdp_reshard_after_forward or None, notes)`` of torchtitan."""
     notes = []
     reshard = None  # FSDP2's reshard_after_forward; None: no sharding (DDP or no dp)
-    if config.dp_enabled:
+    if config.dp_group_size > 1:  # dp * cp: torchtitan shards over the cp ranks too
         if config.sharding is Sharding.ZERO3:
             reshard = "always"
         elif config.sharding is not Sharding.NONE:
@@ -76,6 +76,12 @@ def titan_data_parallel(config: ParallelConfig) -> tuple[int, int, str | None, l
                          f"parallelism measured (less memory, a reduce-scatter and an "
                          f"all-gather in place of the all-reduce)")
     replicate, shard = (config.dp, 1) if reshard is None else (1, config.dp)
+    if config.cp > 1 and reshard is None:
+        # parallel_dims: fsdp_enabled = dp_shard_enabled or cp_enabled
+        notes.append(f"torchtitan shards the parameters over the context-parallel ranks "
+                     f"(FSDP2 over cp={config.cp}, replicated over dp={config.dp}) whatever the "
+                     f"sharding asked ({config.sharding.value}): more traffic per step, less "
+                     f"memory than predicted")
     return replicate, shard, reshard, notes
 
 
@@ -118,7 +124,7 @@ def torchtitan_notes(model: ModelSpec, config: ParallelConfig, *,
                      f"parameters, memory and time than predicted)")
     if version == "0.2" and titan_flavor(model, version="0.2") is None:
         notes.append(_titan_v02_custom_model_note(model))
-    if config.dp == 1 and (config.tp_enabled or config.pp_enabled):
+    if config.dp_group_size == 1 and (config.tp_enabled or config.pp_enabled):
         # distributed/utils.py maybe_enable_amp: mixed precision only through FSDP when
         # tp or pp is on; there is no FSDP with one data-parallel rank
         notes.append("torchtitan runs this layout in fp32: with tensor or pipeline "

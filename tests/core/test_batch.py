@@ -29,7 +29,8 @@ def _random_layouts(rng: np.random.Generator, n: int) -> list[dict]:
                          global_batch_size=global_batch, schedule=schedule,
                          virtual_stages=int(rng.choice([1, 1, 1, 1, 2, 3])),
                          sharding=str(rng.choice([s.value for s in Sharding])),
-                         recompute=str(rng.choice([r.value for r in Recompute]))))
+                         recompute=str(rng.choice([r.value for r in Recompute])),
+                         cp=int(rng.choice([1] * 12 + [2, 4, 3, 0]))))
     return rows
 
 

@@ -80,7 +80,7 @@ def test_the_analytical_step_splits_the_tokens_and_reduces_over_dp_times_cp():
     per_micro = F.analytical_step_time(c)["compute_s"] / F.num_microbatches(c)
     assert per_micro[1] == pytest.approx(per_micro[0] / 2)
     for part in (F.tp_bytes_per_microbatch, F.pp_p2p_bytes_per_microbatch,
-                 F.elementwise_s_per_microbatch):
+                 F.elementwise_s_per_microbatch, F.loss_s_per_microbatch):
         values = part(c)
         assert values[1] == pytest.approx(values[0] / 2)
     # the reduction's group: dp*cp = 4 ranks, not dp = 2
@@ -88,7 +88,34 @@ def test_the_analytical_step_splits_the_tokens_and_reduces_over_dp_times_cp():
     assert F.dp_reduction_bytes(c)[1] == pytest.approx(F.dp_reduction_bytes(four)[0])
     activations = F.activation_memory_bytes(c)
     assert activations[1] == pytest.approx(activations[0] / 2)
-    assert F.cp_s_per_microbatch(c)[0] == 0.0
+    # ZeRO-1 with one data-parallel rank but two context-parallel ones shards over the two
+    zero1 = ParallelConfig(tp=2, micro_batch_size=1, global_batch_size=8, sharding="zero1")
+    z = F.Columns(_frame(model, [zero1, zero1.replace(cp=2)]))
+    assert z.sharding.tolist() == [0.0, 1.0]
+    optimizer = F.optimizer_memory_bytes(z)
+    assert optimizer[1] == pytest.approx(optimizer[0] / 2)
+
+
+def test_the_exports_shard_over_the_context_parallel_ranks():
+    """Megatron-LM gets the degree and, with ZeRO-1 over dp*cp > 1 ranks, its distributed
+    optimizer; torchtitan the degree, and a note where it shards over the context-parallel
+    ranks although no sharding was asked."""
+    from paratune import get_hardware
+    from paratune.tuner import megatron_args, torchtitan_args
+    from paratune.tuner._export_titan import torchtitan_notes
+
+    model, hw = get_model("llama3-8b"), get_hardware("H100")
+    zero1 = ParallelConfig(tp=2, cp=2, micro_batch_size=1, global_batch_size=8,
+                           sharding="zero1")
+    args = megatron_args(model, zero1, hw)
+    assert args[args.index("--context-parallel-size") + 1] == "2"
+    assert "--use-distributed-optimizer" in args
+    assert "--use-distributed-optimizer" not in megatron_args(model, zero1.replace(cp=1), hw)
+    titan = torchtitan_args(model, zero1, hw)
+    assert titan[titan.index("--parallelism.context_parallel_degree") + 1] == "2"
+    ddp = ParallelConfig(dp=2, cp=2, micro_batch_size=1, global_batch_size=8)
+    assert any("over the context-parallel ranks" in n for n in torchtitan_notes(model, ddp))
+    assert not any("context-parallel" in n for n in torchtitan_notes(model, ddp.replace(cp=1)))
 
 
 def test_the_ring_exchange_costs_only_what_attention_does_not_cover():
