@@ -179,10 +179,15 @@ class ParallelConfig:
         Raises:
             ConfigError: ``cp > 1`` (the trainer's mesh has no context-parallel axis).
         """
-        if self.cp > 1:
-            raise ConfigError("cp", self.cp, "paratune's trainer has no context parallelism "
-                              "(cp=1): its device mesh is (pp, dp, tp)")
+        self._refuse_split_sequences("its device mesh is (pp, dp, tp)")
         return (self.pp, self.dp, self.tp)
+
+    def _refuse_split_sequences(self, why: str) -> None:
+        """Raise a :class:`ConfigError` naming ``cp`` (and ``why``) where ``cp > 1``: what
+        paratune's own trainer cannot run."""
+        if self.cp > 1:
+            raise ConfigError("cp", self.cp,
+                              f"paratune's trainer has no context parallelism (cp=1): {why}")
 
     # ------------------------------------------------------------------ validation
     def validate(self, model: ModelSpec | None = None, world_size: int | None = None, *,
@@ -259,10 +264,8 @@ class ParallelConfig:
                 partition tensor-parallel parameters); tied embeddings with ``pp > 1`` (one
                 matrix on the first and the last stage); context parallelism (``cp > 1``).
         """
-        if self.cp > 1:
-            raise ConfigError("cp", self.cp, "paratune's trainer has no context parallelism "
-                              "(cp=1): predict such a layout, or export it to Megatron-LM or "
-                              "torchtitan")
+        self._refuse_split_sequences("predict such a layout, or export it to Megatron-LM or "
+                                     "torchtitan")
         if self.sharding is Sharding.ZERO1 and self.tp_enabled:
             raise ConfigError("sharding", "zero1", f"needs tp=1 (tp={self.tp}) in paratune's "
                               "trainer: ZeroRedundancyOptimizer cannot partition "
