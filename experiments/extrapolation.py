@@ -22,13 +22,18 @@ not, against the predicted regime), by layout and by nodes (``error_anatomy.csv`
 ranking ``paratune tune`` switches to where it sees the model extrapolate): its regret,
 layout and whether its run stalled (``top1_choices.csv``).
 
+With --model-seeds N, every fold again with the model's seeds 1..N-1 (its boosters' row and
+feature subsampling; the folds themselves are fixed): each figure's mean and range over the
+N seeds (``model_seeds.csv``). A single seed's figure on an extrapolation fold can sit far
+from the mean, since a few trees decide how a regime the fold never saw is priced.
+
 Writes ``extrapolation.csv``, ``few_shot.csv``, ``extrapolation.txt`` and a plot per split
 (``<split>.png``: a panel per fold, predicted vs measured with the runs that stalled apart and
 each run's q10-q90) under --out and logs them to MLflow (experiment ``paratune-experiments``,
 run ``extrapolation``; each figure a metric ``<split>.<estimator>.<fold>.<figure>``).
 
     python experiments/extrapolation.py [--data DIR] [--out out/extrapolation] [--baselines]
-        [--splits larger-model,family] [--anatomy]
+        [--splits larger-model,family] [--anatomy] [--model-seeds 5]
 """
 
 from __future__ import annotations
@@ -58,6 +63,10 @@ def main() -> None:
     parser.add_argument("--n-estimators", type=int, default=None)
     parser.add_argument("--shot-seeds", type=int, default=5,
                         help="draws of the few-shot rows per n (0: no few-shot table)")
+    parser.add_argument("--model-seeds", type=int, default=1,
+                        help="refit every fold with the model's seeds 0..N-1 (its row and "
+                        "feature subsampling) and add each figure's mean and range over them "
+                        "(default: %(default)s, seed 0 alone)")
     parser.add_argument("--anatomy", action="store_true",
                         help="also break each fold's errors down by regime, layout and nodes, "
                         "and list each group's top-1 choices")
@@ -67,6 +76,8 @@ def main() -> None:
     unknown = [s for s in splits if s not in EXTRAPOLATION_SPLITS]
     if unknown:
         parser.error(f"--splits: {unknown[0]!r} must be one of {', '.join(EXTRAPOLATION_SPLITS)}")
+    if args.model_seeds < 1:
+        parser.error(f"--model-seeds: {args.model_seeds} must be at least 1")
 
     import pandas as pd
 
@@ -101,6 +112,20 @@ def main() -> None:
     table = extrapolation_table(rows, title="Extrapolation splits: tokens/s per device vs "
                                 "measured (figures in %, Spearman and pred/meas as ratios)")
     print(table)
+    spread = []
+    if args.model_seeds > 1:
+        seeded = [row for row in rows if row["estimator"] == "performance_model"]
+        for seed in range(1, args.model_seeds):
+            refit = {"performance_model": estimator_factories(
+                n_estimators=args.n_estimators, random_state=seed)["performance_model"]}
+            for split in splits:
+                result = cross_validate(frame, split=split, estimators=refit)
+                seeded.extend({"split": split, **row} for row in result.by_fold)
+        spread = seed_spread(seeded)
+        spread_table = format_seed_spread(spread, args.model_seeds)
+        print()
+        print(spread_table)
+        table += "\n\n" + spread_table
     shots = few_shot(frame, chosen["performance_model"], seeds=args.shot_seeds)
     if shots:
         from paratune.table import format_table
@@ -139,6 +164,8 @@ def main() -> None:
         pd.DataFrame(anatomy).to_csv(out / "error_anatomy.csv", index=False)
         pd.DataFrame(choices).to_csv(out / "top1_choices.csv", index=False)
     pd.DataFrame(rows).to_csv(out / "extrapolation.csv", index=False)
+    if spread:
+        pd.DataFrame(spread).to_csv(out / "model_seeds.csv", index=False)
     pd.DataFrame(shots).to_csv(out / "few_shot.csv", index=False)
     (out / "extrapolation.txt").write_text(table + "\n")
     if not args.no_mlflow:
@@ -146,7 +173,13 @@ def main() -> None:
 
         with start_script_run(__file__) as run:
             run.log_params({"data": [str(f.resolve()) for f in files], "splits": splits,
-                            "estimators": list(chosen), "n_estimators": args.n_estimators})
+                            "estimators": list(chosen), "n_estimators": args.n_estimators,
+                            "model_seeds": args.model_seeds})
+            for row in spread:
+                prefix = re.sub(r"[^A-Za-z0-9_.\-/]+", "_",
+                                f"{row['split']}.performance_model.{row['held_out']}.seeds")
+                run.log_metrics({f"{prefix}.{k}": float(v) for k, v in row.items()
+                                 if isinstance(v, float) and v == v})
             for row in shots:
                 rows_key = str(row["rows"]).replace(" ", "_")
                 run.log_metrics({f"few_shot.{row['family']}.rows{rows_key}.{k}": row[k]
@@ -158,6 +191,55 @@ def main() -> None:
                 run.log_metrics({f"{prefix}.{k}": float(v) for k, v in row.items()
                                  if isinstance(v, (int, float))})
             run.log_artifact(out)
+
+
+SPREAD_FIGURES = ("mdape", "spearman_group", "regret_mean", "regret_top5_mean",
+                  "regret_risk_mean", "coverage", "ratio_median")
+"""The figures whose mean and range over the model's seeds :func:`seed_spread` gives."""
+
+
+def seed_spread(rows: list[dict]) -> list[dict]:
+    """Per (split, fold), each of :data:`SPREAD_FIGURES` over the rows of every model seed:
+    ``<figure>`` (the mean), ``<figure>_min`` and ``<figure>_max``, and ``seeds``."""
+    import numpy as np
+
+    folds: dict[tuple[str, str], list[dict]] = {}
+    for row in rows:
+        folds.setdefault((row["split"], row["held_out"]), []).append(row)
+    out = []
+    for (split, held_out), seeded in folds.items():
+        item: dict = {"split": split, "held_out": held_out, "seeds": len(seeded)}
+        for figure in SPREAD_FIGURES:
+            values = np.asarray([r.get(figure, np.nan) for r in seeded], dtype=float)
+            values = values[np.isfinite(values)]
+            item[figure] = float(values.mean()) if len(values) else np.nan
+            item[f"{figure}_min"] = float(values.min()) if len(values) else np.nan
+            item[f"{figure}_max"] = float(values.max()) if len(values) else np.nan
+        out.append(item)
+    return out
+
+
+def format_seed_spread(spread: list[dict], seeds: int) -> str:
+    """:func:`seed_spread` as a table: each figure's mean with its range in brackets."""
+    from paratune.table import format_table
+
+    percent = {"mdape", "regret_mean", "regret_top5_mean", "regret_risk_mean", "coverage"}
+    shown = []
+    for row in spread:
+        item = {"split": row["split"], "held_out": row["held_out"]}
+        for figure in SPREAD_FIGURES:
+            scale = 100.0 if figure in percent else 1.0
+            mean, lo, hi = (scale * row[k] for k in (figure, f"{figure}_min", f"{figure}_max"))
+            digits = 1 if figure in percent else 2
+            item[figure] = f"{mean:.{digits}f} ({lo:.{digits}f}-{hi:.{digits}f})"
+        shown.append(item)
+    return format_table(
+        shown, ["split", "held_out", *SPREAD_FIGURES],
+        headers={"mdape": "MdAPE%", "spearman_group": "Spearman(group)",
+                 "regret_mean": "top-1 regret%", "regret_top5_mean": "top-5 regret%",
+                 "regret_risk_mean": "top-1 risk-aware%", "coverage": "q10-q90 cover%",
+                 "ratio_median": "pred/meas"},
+        title=f"The same folds over the model's seeds 0-{seeds - 1}: mean (min-max)")
 
 
 def top1_choices(predictions) -> list[dict]:

@@ -421,13 +421,19 @@ def load_model(path: str | Path) -> PerformanceModel:
     return PerformanceModel.load(path)
 
 
-def estimator_factories(*, n_estimators: int | None = None) -> dict[str, Any]:
-    """Name -> zero-argument factory of every predictor ``paratune evaluate`` compares."""
-    kw = {} if n_estimators is None else {"n_estimators": n_estimators}
+def estimator_factories(*, n_estimators: int | None = None, random_state: int = 0
+                        ) -> dict[str, Any]:
+    """Name -> zero-argument factory of every predictor ``paratune evaluate`` compares
+    (``random_state``: the seed of each learned one's row and feature subsampling)."""
+    kw: dict[str, Any] = {"random_state": random_state}
+    if n_estimators is not None:
+        kw["n_estimators"] = n_estimators
     pm_kw = dict(kw)
     if n_estimators is not None:
         pm_kw["aux_estimators"] = min(100, max(n_estimators // 4, 10))
-    hist_kw = {} if n_estimators is None else {"max_iter": n_estimators}
+    hist_kw: dict[str, Any] = {"random_state": random_state}
+    if n_estimators is not None:
+        hist_kw["max_iter"] = n_estimators
     return {
         "performance_model": lambda: PerformanceModel(**pm_kw),
         "analytical": AnalyticalBaseline,

@@ -261,6 +261,43 @@ def test_the_few_shot_experiment_scores_counts_and_one_nodes_ceilings(synthetic)
     assert all(np.isfinite(r[k]) for r in rows for k in ("mdape", "coverage", "beyond"))
 
 
+def test_a_folds_figures_over_model_seeds_are_their_mean_and_range():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "experiments"))
+    from extrapolation import SPREAD_FIGURES, format_seed_spread, seed_spread
+
+    def row(held_out, mdape, regret):
+        return {"split": "larger-model", "estimator": "performance_model",
+                "held_out": held_out, "mdape": mdape, "regret_mean": regret,
+                "spearman_group": 0.6, "regret_top5_mean": 0.0, "regret_risk_mean": np.nan,
+                "coverage": 0.9, "ratio_median": 1.0}
+
+    rows = [row("a: 1B -> 8B", 0.2, 0.1), row("b: x -> y", 0.1, 0.0),
+            row("a: 1B -> 8B", 0.3, 0.0), row("a: 1B -> 8B", 0.4, 0.5)]
+    spread = {r["held_out"]: r for r in seed_spread(rows)}
+    a = spread["a: 1B -> 8B"]
+    assert a["seeds"] == 3 and spread["b: x -> y"]["seeds"] == 1
+    assert a["mdape"] == pytest.approx(0.3)
+    assert (a["mdape_min"], a["mdape_max"]) == (0.2, 0.4)
+    assert a["regret_mean_max"] == 0.5
+    assert np.isnan(a["regret_risk_mean"])  # a figure no seed gave stays missing
+    assert set(SPREAD_FIGURES) <= set(a)
+    table = format_seed_spread(list(spread.values()), 3)
+    assert "seeds 0-2" in table and "30.0 (20.0-40.0)" in table
+
+
+def test_estimator_factories_pass_the_seed_to_every_learned_model():
+    from paratune.models import estimator_factories
+
+    for seed in (0, 3):
+        for name, factory in estimator_factories(n_estimators=10, random_state=seed).items():
+            model = factory()
+            if hasattr(model, "random_state"):
+                assert model.random_state == seed, name
+
+
 def test_few_shot_runs_of_an_unmeasured_family_fit_its_efficiency_and_cost_per_pass(
         synthetic, tmp_path):
     from paratune.models import features as F
