@@ -221,7 +221,6 @@ def calibrate_widening(frame: pd.DataFrame, fit_predict: Callable[[Any, Any], An
         pred = fit_predict(frame[train], frame[test])
         m = step[test]
         per_axis = {a: np.asarray(pred[f"distance_{a}"], dtype=float) for a in AXES}
-        # without the model's doublings of a group across nodes (see blend_distances)
         d, link, regime = blend_distances(per_axis)
         unknown = np.asarray(pred["unknown_family"], dtype=bool)
         parts.append({**{f"d_{a}": v for a, v in per_axis.items()},
@@ -339,35 +338,14 @@ PRIOR_SHRINK = {"shrink_per_doubling": 0.0, "core_weight_family": 0.0}
 """Where no nested fold says otherwise, the learned correction is kept."""
 
 
-def blend_distances(per_axis: dict[str, np.ndarray], *, tp_across: Any = None,
-                    unknown: Any = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def blend_distances(per_axis: dict[str, np.ndarray]
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """A row's doublings per axis (:data:`AXES`) as :func:`blend_factor` takes them: those
     moved at the family's rate (every axis but the links' and the regimes'), the links'
-    (:data:`LINK_AXES`, summed) and the regimes' (:data:`REGIME_AXES`, summed).
-
-    A measured family's row whose tensor-parallel group crosses nodes (``tp_across``; not
-    one of a family without measurements, ``unknown``) counts its model's doublings beyond
-    the family's as link doublings too. Such a group's traffic per token grows with the
-    width, its compute with the width squared: the share of the step its collectives take
-    falls as the model grows, and what the learned correction learned of them where they
-    dominated a smaller model's step does not carry over. Fitted on Ultra-Scale's 1B, whose
-    tensor-parallel groups over four nodes ran at under 1% MFU, the correction priced the
-    8B's tp16 layouts without a pipeline 1.8x too slow; the core, which prices the group
-    link by link, within 9%. Counted, the 8B's median APE over the model's seeds 0-4 fell
-    from 26.7% to 25.2% (range 22.7-32.1% to 22.7-27.9%), the other folds unchanged. A
-    family without measurements is a well-tuned framework's already: counted for it too,
-    Ultra-Scale fitted without its rows read predicted / measured 1.25 (1.18). The nested
-    folds that choose a family's rate (:func:`calibrate_widening`) leave it out: counted
-    there, they chose a faster shrink toward the core for Ultra-Scale's larger clusters, and
-    256 GPUs fitted on <= 64 read 38.9% (37.7%)."""
+    (:data:`LINK_AXES`, summed) and the regimes' (:data:`REGIME_AXES`, summed)."""
     d = sum(np.asarray(v, dtype=float) for a, v in per_axis.items()
             if a not in (*LINK_AXES, *REGIME_AXES))
     link = sum(np.asarray(per_axis[a], dtype=float) for a in LINK_AXES)
-    if tp_across is not None:
-        measured = (np.ones(len(link), dtype=bool) if unknown is None
-                    else ~np.asarray(unknown, dtype=bool))
-        link = link + np.where(np.asarray(tp_across, dtype=bool) & measured,
-                               np.asarray(per_axis["model_params"], dtype=float), 0.0)
     regime = sum(np.asarray(per_axis[a], dtype=float) for a in REGIME_AXES if a in per_axis)
     return d, link, regime
 

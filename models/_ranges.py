@@ -253,8 +253,7 @@ class _Ranges:
         step, lo, hi, expected = times.step, times.lo, times.hi, times.expected
         families, per_axis, unknown = where
         dist = sum(per_axis.values())
-        rated, link, regime = blend_distances(per_axis, tp_across=F.tp_crosses_nodes(c) > 0,
-                                              unknown=unknown)
+        rated, link, regime = blend_distances(per_axis)
         entries = [self.interval_widening_.get(str(f), self.interval_widening_[""])
                    for f in _distinct(families)]
         shrinks = any(e.get("shrink_per_doubling", 0.0) or e.get("core_weight_family", 0.0)

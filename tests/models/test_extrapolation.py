@@ -482,26 +482,6 @@ def test_a_link_never_measured_moves_half_way_to_the_core_per_doubling():
     np.testing.assert_allclose(held, 1.0)
 
 
-def test_a_larger_models_tensor_parallel_group_across_nodes_counts_its_doublings_as_links():
-    from paratune.models._extrapolation import blend_distances
-
-    # rows: a group in one node, across nodes, across nodes of an unmeasured family
-    per_axis = {axis: np.zeros(3) for axis in ("model_params", "world_size", "tokens_per_step",
-                                                "tp_nodes", "dp_nodes", "dp_regime", "cp")}
-    per_axis["model_params"] = np.array([3.0, 3.0, 3.0])
-    per_axis["tp_nodes"] = np.array([0.0, 1.0, 1.0])
-    tp_across = np.array([False, True, True])
-    unknown = np.array([False, False, True])
-    d, link, regime = blend_distances(per_axis, tp_across=tp_across, unknown=unknown)
-    np.testing.assert_allclose(d, 3.0)  # the family's own rate still sees the model's size
-    # the group across nodes is also its model's doublings from the core, half-way each; a
-    # family without measurements keeps its own weight toward a well-tuned framework's core
-    np.testing.assert_allclose(link, [0.0, 4.0, 1.0])
-    np.testing.assert_allclose(regime, 0.0)
-    # without the mask, the links alone
-    np.testing.assert_allclose(blend_distances(per_axis)[1], [0.0, 1.0, 1.0])
-
-
 def test_tensor_parallelism_across_nodes_moves_toward_the_core_and_widens(synthetic,
                                                                           monkeypatch):
     from paratune.models import _extrapolation
