@@ -90,6 +90,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                                "predicted_vs_measured.png in (default: %(default)s)")
     evaluate.add_argument("--folds", type=at_least(2), default=5,
                           help="folds of the random split (at least 2)")
+    evaluate.add_argument("--model-seed", type=at_least(0), default=0,
+                          help="seed of the learned estimators' row and feature subsampling "
+                               "(default: %(default)s); beyond the data a fold's figures move "
+                               "with it, so compare a few")
     evaluate.add_argument("--experiment", default="paratune-evaluate",
                           help="MLflow experiment name (default: %(default)s)")
     add_track_flag(evaluate)
@@ -146,7 +150,8 @@ def _evaluate(args: argparse.Namespace) -> int:
     from paratune.models._workflows import EvaluationSpec, evaluate_model, plot_path
 
     spec = EvaluationSpec(split=args.split, baselines=args.baselines,
-                          n_estimators=args.n_estimators, folds=args.folds)
+                          n_estimators=args.n_estimators, folds=args.folds,
+                          model_seed=args.model_seed)
     result, run_id = evaluate_model(args.data, spec, plot=args.plot,
                                     experiment=None if args.no_track else args.experiment,
                                     progress=False if args.no_progress else None)

@@ -206,6 +206,10 @@ class EvaluationSpec:
     """Folds of the random split."""
     seed: int = 0
     """Seed of the random split."""
+    model_seed: int = 0
+    """Seed of every learned estimator's row and feature subsampling. On a fold beyond the
+    data a few trees decide how a regime it never saw is priced, and a fold's figures move
+    with it (``experiments/extrapolation.py --model-seeds`` gives the spread)."""
 
 
 def evaluate_model(data: Sequence[str | Path], spec: EvaluationSpec | None = None, *,
@@ -235,7 +239,8 @@ def evaluate_model(data: Sequence[str | Path], spec: EvaluationSpec | None = Non
     split, folds, seed = spec.split, spec.folds, spec.seed
     _check_readable(data)
     plot = plot_path(plot) if plot else None
-    factories = estimator_factories(n_estimators=spec.n_estimators)
+    factories = estimator_factories(n_estimators=spec.n_estimators,
+                                    random_state=spec.model_seed)
     if not spec.baselines:
         factories = {"performance_model": factories["performance_model"]}
     with contextlib.ExitStack() as stack:

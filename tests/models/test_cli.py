@@ -269,6 +269,8 @@ def test_predict_own_format_takes_empty_optional_cells_and_any_case(model_dir, s
      "paratune evaluate: error: argument --n-estimators: must be an integer >= 1, not '-5'"),
     (["evaluate", "data.csv", "--folds", "1"],
      "paratune evaluate: error: argument --folds: must be an integer >= 2, not '1'"),
+    (["evaluate", "data.csv", "--model-seed", "-1"],
+     "paratune evaluate: error: argument --model-seed: must be an integer >= 0, not '-1'"),
 ])
 def test_flags_out_of_range_are_refused_by_the_parser(tmp_path, synthetic, capsys, monkeypatch,
                                                       flags, message):
@@ -312,6 +314,7 @@ def test_evaluate_prints_its_run_and_logs_its_inputs(tmp_path, synthetic, mlflow
     assert params["folds"] == "2" and params["seed"] == "0" and params["split"] == "random"
     assert json.loads(params["data"]) == [str(data.resolve())]
     assert params["n_estimators"] == "10" and "max_depth" in params
+    assert params["random_state"] == "0"  # the model's seed, as a fit logs it
     # the default trees are logged as the number a fit logs (not the flag's None), and the
     # random split's folds and seed only where they apply
     assert main(["evaluate", str(data), "--split", "model", "--plot",
@@ -321,6 +324,11 @@ def test_evaluate_prints_its_run_and_logs_its_inputs(tmp_path, synthetic, mlflow
     by_split = {r.info.run_name: r.data.params for r in _runs(mlflow_uri, "paratune-evaluate")}
     model_split = by_split["evaluate-model"]
     assert "folds" not in model_split and "seed" not in model_split
+    assert main(["evaluate", str(data), "--split", "model", "--model-seed", "3",
+                 "--n-estimators", "10", "--plot", str(tmp_path / "r.png")]) == 0
+    seeded = [r for r in _runs(mlflow_uri, "paratune-evaluate")
+              if r.data.params.get("random_state") == "3"]
+    assert len(seeded) == 1 and seeded[0].info.run_name == "evaluate-model"
     from paratune.models._estimators import estimator_factories
 
     default_trees = estimator_factories()["performance_model"]().get_params()["n_estimators"]
