@@ -231,7 +231,8 @@ def format_seed_spread(spread: list[dict], seeds: int) -> str:
             scale = 100.0 if figure in percent else 1.0
             mean, lo, hi = (scale * row[k] for k in (figure, f"{figure}_min", f"{figure}_max"))
             digits = 1 if figure in percent else 2
-            item[figure] = f"{mean:.{digits}f} ({lo:.{digits}f}-{hi:.{digits}f})"
+            item[figure] = (f"{mean:.{digits}f} ({lo:.{digits}f}-{hi:.{digits}f})"
+                            if mean == mean else "-")  # no seed gave it: NaN
         shown.append(item)
     return format_table(
         shown, ["split", "held_out", *SPREAD_FIGURES],
