@@ -77,19 +77,17 @@ def _catalogue_names(names: Any) -> np.ndarray:
     return _lookup(names, canonical, dtype=object)
 
 
-def training_ranges(frame: pd.DataFrame) -> dict[str, dict[str, list[int]]]:
-    """Per device kind (catalogue name), the smallest and largest ``world_size``,
-    ``global_batch_size`` and tokens per step (global batch x sequence length) among the
-    runs that measured a step time: where a model's predictions interpolate."""
-    step = measured_step_time(frame)
-    timed = frame[np.isfinite(step)]
+def training_ranges(frame: pd.DataFrame, world: np.ndarray) -> dict[str, dict[str, list[int]]]:
+    """Per device kind (catalogue name), the smallest and largest ``world_size`` (``world``:
+    each row's, as :class:`~paratune.models.features.Columns` has it), ``global_batch_size``
+    and tokens per step (global batch x sequence length) among the runs that measured a step
+    time: where a model's predictions interpolate."""
+    timed_rows = np.isfinite(measured_step_time(frame))
+    timed = frame[timed_rows]
     if timed.empty:
         return {}
     hardware = _catalogue_names(timed["hardware"].to_numpy())
-    world = (timed["world_size"] if "world_size" in timed.columns
-             else timed["dp"] * timed["tp"] * timed["pp"]
-             * (timed["cp"] if "cp" in timed.columns else 1))
-    values = {"world_size": world.to_numpy(dtype=float),
+    values = {"world_size": np.asarray(world, dtype=float)[timed_rows],
               "global_batch_size": timed["global_batch_size"].to_numpy(dtype=float),
               "tokens_per_step": (timed["global_batch_size"].to_numpy(dtype=float)
                                   * timed["seq_len"].to_numpy(dtype=float))}

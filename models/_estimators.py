@@ -308,7 +308,7 @@ class PerformanceModel(_Persistence, _StallRegime, _Ranges, _Base):
         self.num_memory_rows_ = int(has_mem.sum())
         self.num_feasibility_rows_ = len(table)
         self.fingerprint_ = training_fingerprint(frame)
-        self.training_ranges_ = training_ranges(frame)
+        self.training_ranges_ = training_ranges(frame, c.world)
         sources = frame["source"].astype(str) if "source" in frame.columns else None
         self.sources_ = sorted(sources.unique().tolist()) if sources is not None else []
         self.family_offsets_ = {}

@@ -350,7 +350,10 @@ def _extrapolation_warnings(dist: np.ndarray, fresh: np.ndarray, families: np.nd
             lambda d: "" if d is None else (
                 f"beyond the fitted model, cluster, batch, tensor- and data-parallel "
                 f"node spans, data-parallel regimes and context-parallel degrees by {d:.1f} "
-                "doublings: interval widened"), dtype=object)
+                "doublings"), dtype=object)
+        # a fresh family's own text says the interval is widened
+        alone = beyond & ~fresh
+        warning[alone] = warning[alone] + ": interval widened"
     if fresh.any():
         family = _lookup(
             families[fresh],
@@ -359,6 +362,6 @@ def _extrapolation_warnings(dist: np.ndarray, fresh: np.ndarray, families: np.nd
                 "moved toward a well-tuned framework on its hardware, interval widened "
                 "(`paratune calibrate` on a few of its runs moves it)"), dtype=object)
         # both where both hold: the family first, then how far beyond the fitted runs
-        warning[fresh] = [f"{f}; {w.removesuffix(': interval widened')}" if w else f
+        warning[fresh] = [f"{f}; {w}" if w else f
                           for f, w in zip(family, warning[fresh], strict=True)]
     return warning

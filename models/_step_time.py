@@ -252,7 +252,7 @@ def cp_s_per_microbatch(frame: pd.DataFrame | Columns) -> np.ndarray:
     forward that :func:`model_flops_per_device` counts, three times that with the backward),
     so only what ``(cp-1)/cp`` of that at peak does not cover is added."""
     c = _cols(frame)
-    passes = np.where((c.recompute == 1) | (c.recompute == 2), 4.0, 3.0)
+    passes = np.where(c.recompute > 0, 4.0, 3.0)  # full or selective: not none (0)
     kv_width = np.maximum(c.kv_heads / c.tp, 1.0) * c.head_dim
     layer_bytes = (2.0 * (c.cp - 1.0) / c.cp * c.micro * c.seq * kv_width * ACTIVATION_BYTES
                    * passes)
