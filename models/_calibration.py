@@ -17,11 +17,12 @@ and ``a_dp`` each one constant for its collective inside a node and another acro
 (a family measured in one node keeps the default for the links it never used, rather than
 carrying its intra-node fit to the network). Groups across
 nodes reduce hierarchically, as NCCL does with a network card per device
-(:func:`~paratune.models.features.group_seconds_per_byte`): the analytical estimate the
-learned correction multiplies prices every byte of them at the inter-node bandwidth, 6-8x
-the hierarchical time for a group over two 8-device nodes, which is what made a family
-measured in one node predict its tensor-parallel groups across nodes several times too
-slow. The constants are
+(:func:`~paratune.models.features.group_seconds_per_byte`): the bare analytical estimate
+prices every byte of them at the inter-node bandwidth, 6-8x the hierarchical time for a
+group over two 8-device nodes, which is what made a family measured in one node predict its
+tensor-parallel groups across nodes several times too slow when the learned correction
+multiplied it. The learned correction of a measured family is now a residual of this core
+(its features the core's shares of the step, :func:`core_shares`). The constants are
 fitted per family on the log step time with a soft-L1 loss (robust to the pathological runs
 public sweeps hold), within physical bounds (no faster than the peak). Because they multiply
 the physics, a larger model or cluster moves the prediction the way the physics does.
@@ -49,7 +50,7 @@ import numpy as np
 from paratune.models import features as F
 
 __all__ = ["CONSTANT_NAMES", "DEFAULT_CONSTANTS", "FEW_SHOT_MIN_ROWS", "core_parts",
-           "default_constants", "few_shot_parts", "fit_constants", "fit_few_shot",
+           "core_shares", "default_constants", "few_shot_parts", "fit_constants", "fit_few_shot",
            "predict_core"]
 
 CONSTANT_NAMES = ("compute", "elementwise", "loss", "tp_intra", "tp_inter", "pp_intra",
@@ -82,6 +83,7 @@ _LOWER = np.log([1.0, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.3, 0.3, 1e-7, 1e-5])
 _UPPER = np.log([10.0, 50.0, 50.0, 50.0, 200.0, 50.0, 50.0, 50.0, 50.0, 0.1, 10.0])
 MIN_ROWS = 20
 """Timed rows a family needs for its own constants (else the defaults)."""
+_DP_INTRA, _DP_INTER = CONSTANT_NAMES.index("dp_intra"), CONSTANT_NAMES.index("dp_inter")
 
 
 def core_parts(c: F.Columns, analytical: dict[str, np.ndarray],
@@ -91,7 +93,28 @@ def core_parts(c: F.Columns, analytical: dict[str, np.ndarray],
     The ``well_tuned`` rows (a family without measurements, predicted with
     :data:`DEFAULT_CONSTANTS`) reduce their gradients in a well-tuned framework's buckets,
     which grow with the data-parallel group (see :func:`~paratune.models.features.dp_latency_s`);
-    a measured family's constants are fitted to the fixed buckets' latency."""
+    a measured family's constants are fitted to the fixed buckets' latency.
+
+    ``analytical`` from :func:`~paratune.models.features.compute_features` carries them
+    (``core_parts``, ``core_dp_well_tuned``), computed once per frame."""
+    parts = analytical.get("core_parts")
+    if parts is None:
+        parts = _parts(c, analytical)
+    if well_tuned is None or not np.any(well_tuned):
+        return parts
+    dp = analytical.get("core_dp_well_tuned")
+    dp = F.hierarchical_dp_s(c, well_tuned=True) if dp is None else dp
+    cross = F.dp_crosses_nodes(c) > 0
+    parts = parts.copy()
+    for column, across in ((_DP_INTRA, False), (_DP_INTER, True)):
+        mine = well_tuned & (cross == across)
+        parts[:, column] = np.where(mine, dp, np.where(well_tuned, 0.0, parts[:, column]))
+    return parts
+
+
+
+def _parts(c: F.Columns, analytical: dict[str, np.ndarray]) -> np.ndarray:
+    """:func:`core_parts` of a measured family (fixed gradient buckets)."""
     n_micro = F.num_microbatches(c)
     slots = n_micro + F._warmup_slots(c)
     # the context-parallel exchange, which the analytical tp part holds, goes in the tp
@@ -110,8 +133,6 @@ def core_parts(c: F.Columns, analytical: dict[str, np.ndarray],
     loss = F.loss_s_per_microbatch(c) * slots
     pp_cross = F.pp_crosses_nodes(c) > 0
     dp, dp_cross = F.hierarchical_dp_s(c), F.dp_crosses_nodes(c) > 0
-    if well_tuned is not None and np.any(well_tuned):
-        dp = np.where(well_tuned, F.hierarchical_dp_s(c, well_tuned=True), dp)
 
     def split(part: np.ndarray, across: np.ndarray) -> list[np.ndarray]:
         return [np.where(across, 0.0, part), np.where(across, part, 0.0)]
@@ -121,6 +142,20 @@ def core_parts(c: F.Columns, analytical: dict[str, np.ndarray],
     return np.column_stack([compute, elementwise, loss, tp_intra, tp_inter,
                             *split(pp, pp_cross), *split(dp, dp_cross),
                             slots * c.layers_per_stage, np.ones(c.n)])
+
+
+def core_shares(c: F.Columns, analytical: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The shares of the step a well-tuned framework's core (:func:`core_parts` at
+    :func:`default_constants`) spends in the matrix products (``compute``) and in each
+    parallelism's traffic (``tp``, ``pp``, ``dp``, inside and across nodes together): the
+    learned correction's features (see :data:`~paratune.models.features.FEATURE_NAMES`)."""
+    parts = core_parts(c, analytical, np.ones(c.n, dtype=bool)) * default_constants(c)
+    names = list(CONSTANT_NAMES)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        total = parts.sum(axis=1)
+        return {kind: sum(parts[:, names.index(n)] for n in names
+                          if n == kind or n.startswith(f"{kind}_")) / total
+                for kind in ("compute", "tp", "pp", "dp")}
 
 
 def default_constants(c: F.Columns) -> np.ndarray:

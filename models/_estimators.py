@@ -92,11 +92,27 @@ _MEMORY_MONOTONE = "({})".format(",".join(str(F.MEMORY_MONOTONE.get(name, 0))
                                           for name in F.MEMORY_FEATURE_NAMES))
 
 class PerformanceModel(_Persistence, _StallRegime, _Ranges, _Base):
-    """XGBoost on analytical features, predicting measured / analytical ratios.
+    """XGBoost on analytical features, predicting measured step times as residuals of
+    the calibrated analytical core.
 
-    * step time: ``analytical * exp(g(x))``, ``g`` fitted to ``log(measured / analytical)``:
-      half the trees with an absolute-error objective (the median ratio, robust to the
-      pathological runs public sweeps contain), then half with a squared-error objective on
+    * step time: ``core * exp(g(x))``, ``g`` fitted to ``log(measured / core)``, ``core`` the
+      calibrated analytical core of the row's measurement family
+      (:mod:`paratune.models._calibration`: the physics with a few efficiency constants
+      fitted per family, collectives across nodes reduced hierarchically, a fixed cost per
+      layer pass), so the trees learn what the physics misses rather than the physics
+      itself, and a larger model or cluster moves the prediction the way the core does; a
+      row of a family without measurements on the overall model's route goes to the
+      cross-family model, fitted to ``log(measured / analytical)`` (the analytical estimate
+      at peak: what carries across frameworks is a correction of the bare physics, not of
+      another framework's fitted constants). Fitted on the bare analytical estimate, the
+      trees had to learn each family's fixed cost per layer pass as a ratio: from
+      Ultra-Scale's 1B, a 16-way tensor-parallel group over two nodes at 3x the estimate,
+      carried to its 8B, which has twice the layer passes but four times the estimate's
+      traffic, 1.7x too slow. Ultra-Scale 1B -> 8B, median APE over seeds 0-4: 26.7% ->
+      21.1% (with the core's shares as features, see
+      :data:`~paratune.models.features.FEATURE_NAMES`). ``g``: half the trees with an
+      absolute-error objective (the median ratio, robust to the pathological runs public
+      sweeps contain), then half with a squared-error objective on
       the remaining residuals clipped to ``refine_clip`` (a Huber-like refinement that fits
       clean data closely without chasing outliers); 10th / 90th percentile models beside;
       fitted on all rows and, where the data mixes measurement families (sources of one
@@ -288,19 +304,26 @@ class PerformanceModel(_Persistence, _StallRegime, _Ranges, _Base):
         timed = usable & np.isfinite(step)
         if not timed.any():
             raise DatasetError("no successful measurement with a step time on known hardware")
-        y = np.log(step / analytical["step_time_s"])
         keys = F.model_keys(c)
         families = source_family(frame)
         hardware = _catalogue_names(frame["hardware"])
         # the runs of the normal regime (the timed ones, less the stalled where it is learned)
         has_time = self._fit_stall_regime(c, X, step, timed, families, hardware)
+        # the learned correction is a residual of each row's family's calibrated core; for a
+        # family without measurements, of the analytical estimate (see _learned_base)
+        self._fit_core(c, analytical, families, has_time, step)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            y = np.log(step / self._core_step(frame, c, analytical, families))
+            y_cross = np.log(step / analytical["step_time_s"])
+        has_time &= np.isfinite(y)
         self.step_time_ = FamilyRouter(
             estimator=StepTimeEstimator(params=self._booster_params(),
                                         aux_params=self._booster_params(aux=True),
                                         refine_clip=self.refine_clip, quantiles=self.quantiles),
             transfer_columns=_TRANSFER_COLUMNS, min_family_rows=self.min_family_rows,
         ).fit(X[has_time], y[has_time], keys=keys[has_time], families=families[has_time],
-              hardware=hardware[has_time], seen_models=np.unique(keys[timed]))
+              hardware=hardware[has_time], seen_models=np.unique(keys[timed]),
+              y_cross=y_cross[has_time])
         has_mem = self._fit_memory(frame, X, analytical, usable)
         table = self._fit_feasibility(frame, usable)
         self.num_train_rows_ = len(frame)
@@ -312,7 +335,6 @@ class PerformanceModel(_Persistence, _StallRegime, _Ranges, _Base):
         sources = frame["source"].astype(str) if "source" in frame.columns else None
         self.sources_ = sorted(sources.unique().tolist()) if sources is not None else []
         self.family_offsets_ = {}
-        self._fit_core(c, analytical, families, has_time, step)
         self._fit_widening(frame, families, timed, step)
         return self
 
@@ -365,7 +387,6 @@ class PerformanceModel(_Persistence, _StallRegime, _Ranges, _Base):
     # ------------------------------------------------------------------ predict
     def _predict_arrays(self, frame: pd.DataFrame, c: F.Columns, X: np.ndarray,
                         analytical: dict[str, Any]) -> dict[str, np.ndarray]:
-        base = analytical["step_time_s"]
         # a model of one family, with none held free of stalls, goes by neither
         router = self.step_time_
         origin = (self._origin(frame) if router.families_ or self.stall_free_families_
@@ -376,8 +397,10 @@ class PerformanceModel(_Persistence, _StallRegime, _Ranges, _Base):
         seen = router.seen(keys)
         # each row's family and doublings beyond the training ranges, once
         where = self._distance(frame, c)
-        ratio, bounds = router.predict(X, keys, router.route(len(X), *origin), seen,
-                                       unmeasured=where[2])
+        route = router.route(len(X), *origin)
+        ratio, bounds = router.predict(X, keys, route, seen, unmeasured=where[2])
+        cross = router.cross(route, where[2])
+        base = self._learned_base(frame, c, analytical, where[0], route, cross)
         # the learned ratio knows no physics: no step on an accelerator is faster than its
         # model FLOPs at the device's peak (100% MFU), neither the point (far from the data,
         # e.g. a model too large for its devices, the ratio can put it there) nor the bound
@@ -395,13 +418,23 @@ class PerformanceModel(_Persistence, _StallRegime, _Ranges, _Base):
                 c, X, seen, self._stall_free(*origin, unmeasured=where[2]), step, lo, hi,
                 where)
         times, distance, warning = self._extrapolate(
-            frame, c, analytical, _StepTimes(step, lo, hi, expected), prob, where)
+            frame, c, analytical, _StepTimes(step, lo, hi, expected), prob, where, cross)
         memory = self._memory_gb(X, analytical)
         return {"step": times.step, "step_lo": times.lo, "step_hi": times.hi,
                 "step_expected": times.expected,
                 "stall_prob": prob, "memory": memory,
                 "feasible": self._feasible(X, memory, c.memory_gb),
                 "distance": distance, "warning": warning}
+
+    def _learned_base(self, frame: pd.DataFrame, c: F.Columns, analytical: dict[str, Any],
+                      families: np.ndarray, route: np.ndarray, cross: np.ndarray
+                      ) -> np.ndarray:
+        """The step time each row's learned ratio multiplies: the calibrated core of the
+        family whose model predicts it (its route, else its own family), or, for a row of a
+        family without measurements on the overall route (``cross``), the analytical
+        estimate."""
+        core = self._core_step(frame, c, analytical, np.where(route != "", route, families))
+        return np.where(cross, analytical["step_time_s"], core)
 
     def _feasible(self, X: np.ndarray, memory: np.ndarray, capacity: np.ndarray
                   ) -> np.ndarray:

@@ -102,9 +102,13 @@ class _Ranges:
             pred = inner.predict(test)
             _, per_axis, unknown = inner._distance(test)
             c_test = F.Columns(test)
-            _, analytical_test = F.compute_features(c_test)
+            X_test, analytical_test = F.compute_features(c_test)
             core = inner._core_step(test, c_test, analytical_test)
             prob = pred[PRED_STALL_PROB].to_numpy(float)
+            # the cross-family model's interval for the same rows (on the analytical
+            # estimate): how it extrapolates is not how the family's own models do
+            ratio, bounds = inner.step_time_.cross_family_.predict(X_test)
+            base = analytical_test["step_time_s"]
             tokens = (test["global_batch_size"].to_numpy(float)
                       * test["seq_len"].to_numpy(float))
             world = np.asarray(F.Columns(test).world)
@@ -113,6 +117,8 @@ class _Ranges:
                         "step_lo": tokens / (pred[upper].to_numpy(float) * world),
                         "unknown_family": unknown,
                         "step": pred["pred_step_time_s"].to_numpy(float), "core": core,
+                        "step_hi_cross": base * np.exp(np.maximum(bounds[:, -1], ratio)),
+                        "step_lo_cross": base * np.exp(np.minimum(bounds[:, 0], ratio)),
                         "blendable": ~(prob > 0.5),
                         **{f"distance_{axis}": per_axis[axis] for axis in AXES}}
 
@@ -239,11 +245,12 @@ class _Ranges:
 
     def _extrapolate(self, frame: pd.DataFrame, c: F.Columns, analytical: dict[str, Any],
                      times: _StepTimes, prob: np.ndarray,
-                     where: tuple[np.ndarray, dict[str, np.ndarray], np.ndarray]
-                     ) -> tuple[_StepTimes, np.ndarray, np.ndarray]:
+                     where: tuple[np.ndarray, dict[str, np.ndarray], np.ndarray],
+                     cross: np.ndarray) -> tuple[_StepTimes, np.ndarray, np.ndarray]:
         """Each row's distance from the training ranges; the learned prediction shrunk
         toward the calibrated core with it, its family's few-shot factor, and the interval
-        widened by the calibrated margins (see :meth:`_fit_widening`).
+        widened by the calibrated margins (see :meth:`_fit_widening`; the ``cross`` rows,
+        those of the cross-family model, by that model's own margins per doubling).
 
         Returns:
             The step times, the doublings beyond the training ranges and a warning per row.
@@ -280,6 +287,12 @@ class _Ranges:
             entry = self.interval_widening_.get(str(family), self.interval_widening_[""])
             for key, values in margins.items():
                 values[rows] = entry[key]
+        # rows of the cross-family model: its own margins per doubling
+        pooled = self.interval_widening_[""]
+        for key in keys:
+            side, axis = key.split("_", 1)
+            margins[key] = np.where(cross, pooled.get(f"{side}_cross_{axis}", pooled[key]),
+                                    margins[key])
         # the margin per doubling of each axis, times the doublings beyond its range
         beyond = {side: sum(margins[f"{side}_{axis}"] * d for axis, d in per_axis.items())
                   for side in ("hi", "lo")}

@@ -129,6 +129,79 @@ def test_interval_widens_and_warns_beyond_the_fitted_clusters(small_cluster_mode
     assert (inside[PRED_EXTRAPOLATION] == 0).all() and (inside[PRED_WARNING] == "").all()
 
 
+def test_a_family_without_measurements_widens_by_the_cross_family_models_own_margins(
+        small_cluster_model, synthetic):
+    """The nested splits measure how the cross-family model extrapolates on the same rows as
+    the family's own models (it predicts on the analytical estimate, they on the core), and
+    a row of a family without measurements widens by its margins per doubling, not theirs."""
+    import copy
+
+    pooled = small_cluster_model.interval_widening_[""]
+    assert {"hi_cross_world_size", "lo_cross_world_size"} <= set(pooled)
+    far = synthetic[(synthetic["world_size"] >= 128) & (synthetic["status"] == "ok")]
+    other = far.assign(source="othersim_runs")
+    lo, hi = "pred_tokens_per_sec_per_gpu_q10", "pred_tokens_per_sec_per_gpu_q90"
+    wider = copy.deepcopy(small_cluster_model)
+    wider.interval_widening_[""]["hi_cross_world_size"] = pooled["hi_cross_world_size"] + 0.5
+    for frame, moves in ((other, True), (far, False)):
+        before, after = small_cluster_model.predict(frame), wider.predict(frame)
+        np.testing.assert_allclose(after["pred_step_time_s"], before["pred_step_time_s"])
+        ratio = (before[lo] / after[lo]).to_numpy()
+        if moves:  # the slow end, 0.5 more per doubling beyond the fitted clusters
+            doublings = np.log2(frame["world_size"].to_numpy() / 32)
+            np.testing.assert_allclose(ratio, np.exp(0.5 * doublings), rtol=1e-6)
+        else:
+            np.testing.assert_allclose(ratio, 1.0)
+        np.testing.assert_allclose(after[hi], before[hi])
+
+
+def test_nested_margins_are_the_cross_family_models_own_and_never_below_the_floor():
+    from paratune.models._extrapolation import AXES, MIN_MARGIN_PER_DOUBLING, _all_margins
+
+    rng = np.random.default_rng(0)
+    n = 400
+    d = np.full(n, 1.0)
+    part = {**{f"d_{a}": (d if a == "world_size" else np.zeros(n)) for a in AXES},
+            "unknown": np.zeros(n, dtype=bool), "family": np.full(n, "f", dtype=object),
+            # the family's models miss nothing; the cross-family model misses by ~0.3
+            "over": np.full(n, -1.0), "under": np.full(n, -1.0),
+            "over_cross": np.abs(rng.normal(0, 0.3, n)), "under_cross": np.full(n, -1.0)}
+    margins = _all_margins([part], ["f"], 0.8)
+    assert margins["f"]["hi_world_size"] == MIN_MARGIN_PER_DOUBLING
+    assert margins[""]["hi_world_size"] == MIN_MARGIN_PER_DOUBLING
+    cross = margins[""]["hi_cross_world_size"]
+    assert cross == pytest.approx(np.quantile(part["over_cross"], 0.9))
+    assert margins[""]["lo_cross_world_size"] == MIN_MARGIN_PER_DOUBLING
+    # an axis no nested row went beyond: the other models' margin (here the prior)
+    assert margins[""]["hi_cross_model_params"] == margins[""]["hi_model_params"]
+
+
+def test_the_cross_family_model_learns_its_own_target():
+    """The family models learn the ratio to their core, the cross-family model the ratio
+    to the analytical estimate: one router, two targets."""
+    from paratune.models._components import FamilyRouter, StepTimeEstimator
+
+    params = {"n_estimators": 20, "max_depth": 2, "learning_rate": 0.3, "n_jobs": 1,
+              "random_state": 0}
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(300, 3))
+    y = 0.1 * X[:, 0]
+    keys = np.full(300, "m", dtype=object)
+    families = np.where(np.arange(300) < 150, "a", "b").astype(object)
+    router = FamilyRouter(estimator=StepTimeEstimator(params=params, aux_params=params),
+                          transfer_columns=[0, 1], min_family_rows=100).fit(
+        X, y, keys=keys, families=families, hardware=np.full(300, "H100-80GB", dtype=object),
+        y_cross=y + 1.0)
+    route = np.full(300, "", dtype=object)
+    unmeasured = np.arange(300) % 2 == 0
+    ratio, _ = router.predict(X, keys, route, unmeasured=unmeasured)
+    assert np.all(router.cross(route, unmeasured) == unmeasured)
+    assert np.abs(np.median(ratio[unmeasured] - y[unmeasured]) - 1.0) < 0.1
+    assert np.abs(np.median(ratio[~unmeasured] - y[~unmeasured])) < 0.1
+    # on a family's route no row is the cross-family model's
+    assert not router.cross(np.full(300, "a", dtype=object), unmeasured).any()
+
+
 def test_a_family_without_measurements_is_flagged(small_cluster_model, synthetic):
     other = synthetic.head(5).assign(source="othersim_runs")
     pred = small_cluster_model.predict(other)

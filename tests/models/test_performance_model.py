@@ -209,6 +209,15 @@ def test_each_measurement_family_gets_its_own_step_time_model(synthetic, tmp_pat
                                pred["pred_step_time_s"].to_numpy(), rtol=1e-6)
 
 
+def _core(model: PerformanceModel, frame: pd.DataFrame) -> np.ndarray:
+    """The calibrated core's step time per row: what the model's learned ratio multiplies
+    for a row of a measured family."""
+    from paratune.models import features as F
+
+    c = F.Columns(frame)
+    return model._core_step(frame, c, F.compute_features(c)[1])
+
+
 def test_a_family_is_named_fit_for_files_and_rows_without_a_source_go_by_hardware(
         synthetic, tmp_path):
     """A source may hold any text; a row whose source is empty is of no known family (not of
@@ -242,7 +251,7 @@ def test_a_family_is_named_fit_for_files_and_rows_without_a_source_go_by_hardwar
     # moves toward the calibrated core)
     inside = (pred["pred_extrapolation_doublings"] == 0).to_numpy()
     assert inside.sum() > len(inside) / 2
-    np.testing.assert_allclose((pred["pred_step_time_s"] / pred["analytical_step_time_s"])[inside],
+    np.testing.assert_allclose((pred["pred_step_time_s"] / _core(back, shape))[inside],
                                np.exp(median.predict(transfer) + refine.predict(transfer))[inside],
                                rtol=1e-5)
 
@@ -254,7 +263,7 @@ def test_a_model_not_in_the_training_data_uses_the_transfer_features(fitted, syn
     configs = synthetic.loc[synthetic["status"] == "ok", list(CONFIG_COLUMNS)]
     bigger = configs.assign(model_name="twice-as-deep", num_layers=configs["num_layers"] * 2)
     pred = fitted.predict(bigger)
-    ratio = (pred["pred_step_time_s"] / pred["analytical_step_time_s"]).to_numpy()
+    ratio = (pred["pred_step_time_s"] / _core(fitted, bigger)).to_numpy()
     X, _ = F.compute_features(bigger)
     transfer = X[:, [F.FEATURE_NAMES.index(n) for n in F.TRANSFER_FEATURE_NAMES]]
     median, refine, _ = fitted.transfer_
@@ -269,8 +278,8 @@ def test_a_model_not_in_the_training_data_uses_the_transfer_features(fitted, syn
     seen = fitted.predict(configs)
     X, _ = F.compute_features(configs)
     full = np.exp(fitted.throughput_.predict(X) + fitted.refine_.predict(X))
-    np.testing.assert_allclose((seen["pred_step_time_s"] / seen["analytical_step_time_s"]
-                                ).to_numpy(), full, rtol=1e-5)
+    np.testing.assert_allclose((seen["pred_step_time_s"] / _core(fitted, configs)).to_numpy(),
+                               full, rtol=1e-5)
     renamed = fitted.predict(configs.assign(model_name="another-name"))
     np.testing.assert_allclose(renamed["pred_step_time_s"], seen["pred_step_time_s"])
     # the transfer models and the list of seen models survive a save / load
@@ -376,14 +385,16 @@ def test_a_family_whose_pipelines_never_stalled_is_not_given_the_stalled_regime(
     assert (here[PRED_STALL_PROB] == 0).all()
     # the normal regime's time: near the family's ratio to the analytical estimate where
     # its data-parallel groups stay in a node as they did in its runs (across nodes the
-    # prediction moves toward the calibrated core), far below the stalled regime's
+    # prediction moves toward the calibrated core), far below the stalled regime's; its
+    # pipelines now cross nodes, a link its one-node runs never priced, which the core
+    # prices at the default constant (up to 1.6x the ratio here)
     calm_ok = calm[calm["status"] == "ok"]
     learned = np.median(calm_ok["step_time_s"]
                         / F.analytical_step_time(calm_ok)["step_time_s"])
     ratio = here["pred_step_time_s"] / here["analytical_step_time_s"]
     in_node = F.dp_nodes(deep) == 1
     assert in_node.sum() >= 5
-    assert ratio[in_node].between(learned / 1.5, learned * 1.5).all()
+    assert ratio[in_node].between(learned / 1.5, learned * 2).all()
     a100 = deep.assign(hardware="A100-80GB")
     assert (here["pred_step_time_s"] < F.stall_floor_s(a100)).all()
     np.testing.assert_allclose(here["pred_tokens_per_sec_per_gpu_expected"],
