@@ -311,7 +311,7 @@ class PerformanceModel(_Persistence, _StallRegime, _Ranges, _Base):
         has_time = self._fit_stall_regime(c, X, step, timed, families, hardware)
         # the learned correction is a residual of each row's family's calibrated core; for a
         # family without measurements, of the analytical estimate (see _learned_base)
-        self._fit_core(c, analytical, families, has_time, step)
+        self._fit_core(c, analytical, families, has_time, step, hardware)
         with np.errstate(divide="ignore", invalid="ignore"):
             y = np.log(step / self._core_step(frame, c, analytical, families))
             y_cross = np.log(step / analytical["step_time_s"])
@@ -398,9 +398,14 @@ class PerformanceModel(_Persistence, _StallRegime, _Ranges, _Base):
         # each row's family and doublings beyond the training ranges, once
         where = self._distance(frame, c)
         route = router.route(len(X), *origin)
-        ratio, bounds = router.predict(X, keys, route, seen, unmeasured=where[2])
-        cross = router.cross(route, where[2])
-        base = self._learned_base(frame, c, analytical, where[0], route, cross)
+        # the family whose core the learned ratio multiplies: its route's, else its own; a
+        # row of no known family on the overall route is the cross-family model's, like one
+        # of a family without measurements (no core of its framework to correct)
+        core_family = self._core_families(frame, np.where(route != "", route, where[0]))
+        cross = router.cross(route, where[2] | (core_family == ""))
+        ratio, bounds = router.predict(X, keys, route, seen, unmeasured=cross)
+        base = np.where(cross, analytical["step_time_s"],
+                        self._core_step(frame, c, analytical, core_family))
         # the learned ratio knows no physics: no step on an accelerator is faster than its
         # model FLOPs at the device's peak (100% MFU), neither the point (far from the data,
         # e.g. a model too large for its devices, the ratio can put it there) nor the bound
@@ -425,16 +430,6 @@ class PerformanceModel(_Persistence, _StallRegime, _Ranges, _Base):
                 "stall_prob": prob, "memory": memory,
                 "feasible": self._feasible(X, memory, c.memory_gb),
                 "distance": distance, "warning": warning}
-
-    def _learned_base(self, frame: pd.DataFrame, c: F.Columns, analytical: dict[str, Any],
-                      families: np.ndarray, route: np.ndarray, cross: np.ndarray
-                      ) -> np.ndarray:
-        """The step time each row's learned ratio multiplies: the calibrated core of the
-        family whose model predicts it (its route, else its own family), or, for a row of a
-        family without measurements on the overall route (``cross``), the analytical
-        estimate."""
-        core = self._core_step(frame, c, analytical, np.where(route != "", route, families))
-        return np.where(cross, analytical["step_time_s"], core)
 
     def _feasible(self, X: np.ndarray, memory: np.ndarray, capacity: np.ndarray
                   ) -> np.ndarray:

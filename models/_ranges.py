@@ -45,9 +45,10 @@ class _Ranges:
     of :class:`~paratune.models.PerformanceModel`)."""
 
     def _fit_core(self, c: F.Columns, analytical: dict[str, Any], families: np.ndarray,
-                  rows: np.ndarray, step: np.ndarray) -> None:
+                  rows: np.ndarray, step: np.ndarray, hardware: np.ndarray) -> None:
         """The calibrated analytical core's constants per family with enough ``rows`` (see
-        :mod:`paratune.models._calibration`)."""
+        :mod:`paratune.models._calibration`), and the one such family each hardware
+        (catalogue spelling) was measured in, where one."""
         from paratune.models._calibration import MIN_ROWS, core_parts, fit_constants
 
         parts = core_parts(c, analytical)
@@ -58,19 +59,34 @@ class _Ranges:
             if sel.sum() >= MIN_ROWS:
                 self.core_constants_[str(family)] = [
                     float(v) for v in fit_constants(parts[sel], step[sel])]
+        self.core_hardware_family_ = {}
+        for name in np.unique(hardware[rows]):
+            seen = np.unique(families[rows & (hardware == name)])
+            if len(seen) == 1 and str(seen[0]) in self.core_constants_:
+                self.core_hardware_family_[str(name)] = str(seen[0])
+
+    def _core_families(self, frame: pd.DataFrame, families: np.ndarray) -> np.ndarray:
+        """Each row's family for the calibrated core: its own; for a row of no family
+        (``""``) the one family a model was fitted on, else the one family with constants
+        measured on its hardware, else still ``""`` (a well-tuned framework's defaults)."""
+        if len(self.core_constants_) == 1:
+            (only,) = self.core_constants_
+            return np.where(families == "", only, families)
+        if (families == "").any() and "hardware" in frame.columns:
+            by_hardware = _family_by_hardware(_catalogue_names(frame["hardware"]),
+                                              self.core_hardware_family_)
+            families = np.where(families == "", by_hardware, families)
+        return families
 
     def _core_step(self, frame: pd.DataFrame, c: F.Columns, analytical: dict[str, Any],
                    families: np.ndarray | None = None) -> np.ndarray:
-        """The calibrated core's step time per row: its family's constants, the defaults of
-        a well-tuned framework for a family without them. A row of no family (``""``) takes
-        the constants of the one family a model was fitted on, as its learned prediction
-        comes from that family's rows alone."""
+        """The calibrated core's step time per row: its family's constants (see
+        :meth:`_core_families` for a row of no family), the defaults of a well-tuned
+        framework for a family without them."""
         from paratune.models._calibration import core_parts, default_constants, predict_core
 
         families = self._families(frame) if families is None else families
-        if len(self.core_constants_) == 1:
-            (only,) = self.core_constants_
-            families = np.where(families == "", only, families)
+        families = self._core_families(frame, families)
         constants = default_constants(c)
         for family, values in self.core_constants_.items():
             constants[families == family] = values

@@ -202,6 +202,38 @@ def test_the_cross_family_model_learns_its_own_target():
     assert not router.cross(np.full(300, "a", dtype=object), unmeasured).any()
 
 
+def test_a_row_of_no_family_takes_the_core_of_the_family_measured_on_its_hardware(synthetic):
+    """The tuner's configurations carry no source: on hardware one family measured they
+    are corrected from that family's core (even where the family has too few rows for a
+    step-time model of its own), and on hardware no family measured they go to the
+    cross-family model on the analytical estimate, as a family without measurements
+    does (a ratio learned against some framework's core, on a well-tuned one's, would
+    predict them faster than any measured framework runs)."""
+    from paratune.models import features as F
+    from paratune.predictor import CONFIG_COLUMNS
+
+    ok = synthetic[synthetic["status"] == "ok"]
+    lab = ok.head(60).assign(hardware="A100-80GB", source="otherlab_runs")
+    model = PerformanceModel(**SMALL, min_family_rows=100, nested_intervals=False).fit(
+        pd.concat([synthetic, lab], ignore_index=True))
+    assert "otherlab" not in model.step_time_.families_
+    assert {"otherlab", "synthetic"} <= set(model.core_constants_)
+    bare = lab[list(CONFIG_COLUMNS)]
+    assert "source" not in bare.columns
+    np.testing.assert_array_equal(
+        model._core_families(bare, np.full(len(bare), "", dtype=object)), "otherlab")
+    unknown_hw = ok[list(CONFIG_COLUMNS)].assign(hardware="H200-141GB")
+    assert (model._core_families(unknown_hw, np.full(len(unknown_hw), "", dtype=object))
+            == "").all()
+    pred = model.predict(unknown_hw)
+    X, analytical = F.compute_features(F.Columns(unknown_hw))
+    cross, _ = model.step_time_.cross_family_.predict(X)
+    inside = pred[PRED_EXTRAPOLATION].to_numpy() == 0
+    assert inside.sum() > len(inside) / 2
+    np.testing.assert_allclose(pred["pred_step_time_s"].to_numpy()[inside],
+                               (analytical["step_time_s"] * np.exp(cross))[inside], rtol=1e-5)
+
+
 def test_a_family_without_measurements_is_flagged(small_cluster_model, synthetic):
     other = synthetic.head(5).assign(source="othersim_runs")
     pred = small_cluster_model.predict(other)
