@@ -21,7 +21,7 @@ nodes reduce hierarchically, as NCCL does with a network card per device
 prices every byte of them at the inter-node bandwidth, 6-8x the hierarchical time for a
 group over two 8-device nodes, which is what made a family measured in one node predict its
 tensor-parallel groups across nodes several times too slow when the learned correction
-multiplied it. The learned correction of a measured family is now a residual of this core
+multiplied it. The learned correction of a measured family is a residual of this core
 (its features the core's shares of the step, :func:`core_shares`). The constants are
 fitted per family on the log step time with a soft-L1 loss (robust to the pathological runs
 public sweeps hold), within physical bounds (no faster than the peak). Because they multiply
@@ -110,7 +110,6 @@ def core_parts(c: F.Columns, analytical: dict[str, np.ndarray],
         mine = well_tuned & (cross == across)
         parts[:, column] = np.where(mine, dp, np.where(well_tuned, 0.0, parts[:, column]))
     return parts
-
 
 
 def _parts(c: F.Columns, analytical: dict[str, np.ndarray]) -> np.ndarray:

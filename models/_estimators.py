@@ -309,8 +309,8 @@ class PerformanceModel(_Persistence, _StallRegime, _Ranges, _Base):
         hardware = _catalogue_names(frame["hardware"])
         # the runs of the normal regime (the timed ones, less the stalled where it is learned)
         has_time = self._fit_stall_regime(c, X, step, timed, families, hardware)
-        # the learned correction is a residual of each row's family's calibrated core; for a
-        # family without measurements, of the analytical estimate (see _learned_base)
+        # the learned correction is a residual of each row's family's calibrated core; the
+        # cross-family model's, of the analytical estimate (see _predict_arrays)
         self._fit_core(c, analytical, families, has_time, step, hardware)
         with np.errstate(divide="ignore", invalid="ignore"):
             y = np.log(step / self._core_step(frame, c, analytical, families))
