@@ -336,9 +336,12 @@ def test_a_layout_whose_best_needs_less_than_the_most_sharding_is_found(public_d
     does not fit at the sharding of the sampler's best (ZeRO-1) and looks slow at ZeRO-3,
     which gathers every micro-batch. A probe that does not fit is followed by the same config
     a sharding level up, so the local search starts from that layout (this seed stopped 24%
-    short of the best without). Which layout is best moves with the model (dp128 tp2 pp4
-    before the stalled regime of unseen models came from compute per device); that it needs
-    ZeRO-2, less than the most sharding, is what the test is about."""
+    short of the best without, when the model's best needed ZeRO-2). Which layout is best,
+    and at which sharding, moves with the model: with the correction a residual of the
+    calibrated core, ZeRO-1 and ZeRO-2 tie at the best and this seed finds it without the
+    follow-up too, so the test now holds the search to the exhaustive best at less than
+    the most sharding (the follow-up itself: ``test_space.py``'s
+    ``test_more_sharding_is_the_same_config_one_level_up``)."""
     from paratune.models import PerformanceModel, load_measurements
 
     model = PerformanceModel(n_jobs=1).fit(load_measurements(
@@ -353,5 +356,5 @@ def test_a_layout_whose_best_needs_less_than_the_most_sharding_is_found(public_d
     best = exhaustive(model, space, objective).ranked.iloc[0]
     found, _ = optuna_search(model, space, objective, SearchOptions(n_trials=200, seed=3))
     assert found.ranked.iloc[0]["objective"] == pytest.approx(best["objective"], rel=1e-9)
-    assert best["sharding"] == "zero2"
-    assert found.ranked.iloc[0]["sharding"] == "zero2"
+    assert best["sharding"] in ("zero1", "zero2")
+    assert found.ranked.iloc[0]["sharding"] in ("zero1", "zero2")
