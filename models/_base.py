@@ -49,6 +49,18 @@ OUTPUT_COLUMNS = (*PREDICTION_COLUMNS, PRED_TOKENS_Q10, PRED_TOKENS_Q90, PRED_TO
                   PRED_ERROR)
 
 
+def hardware_families(hardware: np.ndarray, families: np.ndarray, known: Any
+                      ) -> dict[str, str]:
+    """Each hardware name (catalogue spelling) measured in one family only, of those in
+    ``known``, mapped to that family."""
+    out: dict[str, str] = {}
+    for name in np.unique(hardware):
+        seen = np.unique(families[hardware == name])
+        if len(seen) == 1 and str(seen[0]) in known:
+            out[str(name)] = str(seen[0])
+    return out
+
+
 def _family_by_hardware(hardware: Any, hardware_family: dict[str, str]) -> np.ndarray:
     """Each hardware name's one measured family (``hardware_family``), ``""`` for the others
     (an object array; a plain ``fillna("")`` would fill the float column an empty mapping

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 from sklearn.base import BaseEstimator
 
-from paratune.models._base import _family_by_hardware, _xgb_regressor
+from paratune.models._base import _family_by_hardware, _xgb_regressor, hardware_families
 
 __all__ = ["FamilyRouter", "FeasibilityEstimator", "MemoryEstimator", "StallRegimeEstimator",
            "StepTimeEstimator", "classifier_params"]
@@ -267,11 +267,7 @@ class FamilyRouter(BaseEstimator):
                     self.family_seen_[str(family)] = sorted(
                         str(k) for k in np.unique(keys[rows]))
                     self.family_transfer_[str(family)] = transfer
-        self.hardware_family_: dict[str, str] = {}
-        for name in np.unique(hardware):
-            seen = np.unique(families[hardware == name])
-            if len(seen) == 1 and str(seen[0]) in self.families_:
-                self.hardware_family_[str(name)] = str(seen[0])
+        self.hardware_family_ = hardware_families(hardware, families, self.families_)
         return self
 
     def seen(self, keys: np.ndarray, family: str = "") -> np.ndarray:

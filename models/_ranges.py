@@ -16,6 +16,7 @@ from paratune.models._base import (
     PRED_STALL_PROB,
     _catalogue_names,
     _family_by_hardware,
+    hardware_families,
     source_family,
 )
 from paratune.models._data import measured_step_time
@@ -59,11 +60,8 @@ class _Ranges:
             if sel.sum() >= MIN_ROWS:
                 self.core_constants_[str(family)] = [
                     float(v) for v in fit_constants(parts[sel], step[sel])]
-        self.core_hardware_family_ = {}
-        for name in np.unique(hardware[rows]):
-            seen = np.unique(families[rows & (hardware == name)])
-            if len(seen) == 1 and str(seen[0]) in self.core_constants_:
-                self.core_hardware_family_[str(name)] = str(seen[0])
+        self.core_hardware_family_ = hardware_families(hardware[rows], families[rows],
+                                                       self.core_constants_)
 
     def _core_families(self, frame: pd.DataFrame, families: np.ndarray) -> np.ndarray:
         """Each row's family for the calibrated core: its own; for a row of no family
@@ -127,7 +125,7 @@ class _Ranges:
             base = analytical_test["step_time_s"]
             tokens = (test["global_batch_size"].to_numpy(float)
                       * test["seq_len"].to_numpy(float))
-            world = np.asarray(F.Columns(test).world)
+            world = np.asarray(c_test.world)
             with np.errstate(divide="ignore", invalid="ignore"):
                 return {"step_hi": tokens / (pred[lower].to_numpy(float) * world),
                         "step_lo": tokens / (pred[upper].to_numpy(float) * world),
