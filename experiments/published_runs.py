@@ -45,7 +45,10 @@ def score(predictions) -> list[dict]:
     figures of :func:`paratune.models.metrics`: rows, median APE and MAPE of tokens/s per
     device (percent), median predicted / measured throughput, q10-q90 coverage (percent)
     and ``targets_met`` (the ratio within :data:`RATIO_TARGET` and the median APE at most
-    :data:`MDAPE_TARGET`)."""
+    :data:`MDAPE_TARGET`), ``feasible_right`` (percent of the source's runs whose outcome,
+    ran or out of memory, the feasibility probability calls right at 0.5), ``false_fits``
+    (failed runs called feasible) and ``mdape_mem`` (median APE of the peak memory, percent,
+    NaN where the source reports none)."""
     from paratune.models import metrics
 
     out = []
@@ -54,9 +57,14 @@ def score(predictions) -> list[dict]:
         m = metrics(rows, rows)
         met = (RATIO_TARGET[0] <= m["ratio_median"] <= RATIO_TARGET[1]
                and 100 * m["mdape"] <= MDAPE_TARGET)
+        failed = rows["status"].astype(str) != "ok"
+        called = rows["pred_feasible_prob"].to_numpy(float) >= 0.5
         out.append({"source": source, "rows": int(m["n"]), "mdape": 100 * m["mdape"],
                     "mape": 100 * m["mape"], "ratio_median": m["ratio_median"],
-                    "coverage": 100 * m["coverage"], "targets_met": bool(met)})
+                    "coverage": 100 * m["coverage"], "targets_met": bool(met),
+                    "feasible_right": 100 * float((called != failed.to_numpy()).mean()),
+                    "false_fits": int((called & failed.to_numpy()).sum()),
+                    "mdape_mem": 100 * m["mdape_mem"]})
     return out
 
 
@@ -89,9 +97,11 @@ def main() -> None:
     scores = score(predictions)
     shown = [{**row, "targets": "met" if row["targets_met"] else "MISSED"} for row in scores]
     table = format_table(shown, ["source", "rows", "mdape", "mape", "ratio_median", "coverage",
-                                 "targets"],
+                                 "feasible_right", "false_fits", "mdape_mem", "targets"],
                          headers={"mdape": "MdAPE%", "mape": "MAPE%",
                                   "ratio_median": "pred/meas", "coverage": "q10-q90 cover%",
+                                  "feasible_right": "ran/OOM right%", "false_fits": "false fits",
+                                  "mdape_mem": "memory MdAPE%",
                                   "targets": f"pred/meas in {list(RATIO_TARGET)}, "
                                              f"MdAPE <= {MDAPE_TARGET:g}%"},
                          floatfmt=".3g", title="Published runs of frameworks with no "

@@ -402,7 +402,8 @@ class PerformanceModel(_Persistence, _StallRegime, _Ranges, _Base):
         # row of no known family on the overall route is the cross-family model's, like one
         # of a family without measurements (no core of its framework to correct)
         core_family = self._core_families(frame, np.where(route != "", route, where[0]))
-        cross = router.cross(route, where[2] | (core_family == ""))
+        unmeasured = where[2] | (core_family == "")
+        cross = router.cross(route, unmeasured)
         ratio, bounds = router.predict(X, keys, route, seen, unmeasured=cross)
         base = np.where(cross, analytical["step_time_s"],
                         self._core_step(frame, c, analytical, core_family))
@@ -425,10 +426,17 @@ class PerformanceModel(_Persistence, _StallRegime, _Ranges, _Base):
         times, distance, warning = self._extrapolate(
             frame, c, analytical, _StepTimes(step, lo, hi, expected), prob, where, cross)
         memory = self._memory_gb(X, analytical)
+        feasible = self._feasible(X, memory, c.memory_gb)
+        # a framework without measurements is priced as a well-tuned one in memory too: the
+        # analytical estimate, and whether it fits by the memory rule, not the overheads and
+        # failures of the frameworks measured (learned from nanotron and Megatron-DeepSpeed,
+        # they called 143 of llm-foundry's 191 published runs out of memory)
+        memory = np.where(unmeasured, analytical["memory_gb"], memory)
+        feasible = np.where(unmeasured, _memory_rule(memory, c.memory_gb), feasible)
         return {"step": times.step, "step_lo": times.lo, "step_hi": times.hi,
                 "step_expected": times.expected,
                 "stall_prob": prob, "memory": memory,
-                "feasible": self._feasible(X, memory, c.memory_gb),
+                "feasible": feasible,
                 "distance": distance, "warning": warning}
 
     def _feasible(self, X: np.ndarray, memory: np.ndarray, capacity: np.ndarray

@@ -386,8 +386,9 @@ def _extrapolation_warnings(dist: np.ndarray, fresh: np.ndarray, families: np.nd
             families[fresh],
             lambda f: "" if f is None else (
                 f"no measurement of family {f}: predicted from other families' runs "
-                "moved toward a well-tuned framework on its hardware, interval widened "
-                "(`paratune calibrate` on a few of its runs moves it)"), dtype=object)
+                "moved toward a well-tuned framework on its hardware (`paratune calibrate` "
+                "on a few of its runs moves it), interval widened, memory and whether it "
+                "fits by the analytical estimate"), dtype=object)
         # both where both hold: the family first, then how far beyond the fitted runs
         warning[fresh] = [f"{f}; {w}" if w else f
                           for f, w in zip(family, warning[fresh], strict=True)]

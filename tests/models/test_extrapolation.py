@@ -241,6 +241,38 @@ def test_a_family_without_measurements_is_flagged(small_cluster_model, synthetic
     assert np.isfinite(pred["pred_step_time_s"]).all()
 
 
+def test_a_family_without_measurements_is_priced_in_memory_as_a_well_tuned_framework(
+        synthetic):
+    """A measured framework that needs 1.3x the analytical memory, and so fails from 62 GB
+    of it on 80 GB devices, does not lend those overheads to a framework without
+    measurements: its rows get the analytical estimate and the memory rule's probability
+    (published runs of well-tuned frameworks fit up to their estimate), while the measured
+    family's own rows keep its learned memory and failures."""
+    from paratune.models import features as F
+    from paratune.models._base import _memory_rule
+
+    heavy = synthetic.copy()
+    analytical = F.analytical_memory_gb(F.Columns(heavy))
+    fails = (heavy["status"] == "ok").to_numpy() & (1.3 * analytical > 80.0)
+    assert fails.sum() >= 5
+    heavy.loc[fails, ["status", "error"]] = ["oom", "CUDA out of memory"]
+    heavy.loc[fails, ["step_time_s", "tokens_per_s"]] = np.nan
+    heavy["peak_mem_reserved_gb"] = np.where(heavy["status"] == "ok", 1.3 * analytical, np.nan)
+    model = PerformanceModel(**SMALL, nested_intervals=False).fit(heavy)
+    near = synthetic[(analytical > 65.0) & (analytical < 75.0)]
+    assert len(near) >= 3
+    own = model.predict(near)
+    other = model.predict(near.assign(source="othersim_runs"))
+    expected = F.analytical_memory_gb(F.Columns(near))
+    np.testing.assert_allclose(other["pred_peak_mem_gb"], expected, rtol=1e-6)
+    np.testing.assert_allclose(other["pred_feasible_prob"],
+                               _memory_rule(expected, np.full(len(near), 80.0)), rtol=1e-6)
+    assert (other["pred_feasible_prob"] > 0.5).all()
+    # the measured framework itself: its overheads and its failures
+    assert (own["pred_peak_mem_gb"] > 1.15 * expected).all()
+    assert (own["pred_feasible_prob"] < 0.5).all()
+
+
 def test_a_family_without_measurements_reduces_in_a_well_tuned_frameworks_buckets(
         small_cluster_model, synthetic):
     """The calibrated core of an unmeasured family pays the latency of buckets that grow
