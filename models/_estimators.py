@@ -91,6 +91,11 @@ _MEMORY_COLUMNS = [F.FEATURE_NAMES.index(name) for name in F.MEMORY_FEATURE_NAME
 _MEMORY_MONOTONE = "({})".format(",".join(str(F.MEMORY_MONOTONE.get(name, 0))
                                           for name in F.MEMORY_FEATURE_NAMES))
 
+MIN_FEASIBILITY_CONFIGS = 5
+"""Configurations that ran and that failed a measurement family needs, each, for the
+feasibility classifier to decide for its rows (else the memory threshold decides)."""
+
+
 class PerformanceModel(_Persistence, _StallRegime, _Ranges, _Base):
     """XGBoost on analytical features, predicting measured step times as residuals of
     the calibrated analytical core.
@@ -163,7 +168,13 @@ class PerformanceModel(_Persistence, _StallRegime, _Ranges, _Base):
       :meth:`calibrate` refits a family's efficiency factor from a few of its runs;
     * feasibility: an XGBoost classifier on the features and the predicted memory fraction,
       trained on successful and failed runs (a configuration that ran at least once is
-      feasible); without failed runs in the data, a soft threshold on predicted memory.
+      feasible), for the rows of a family that showed both outcomes
+      (:data:`MIN_FEASIBILITY_CONFIGS` configurations of each, ``feasibility_families_``);
+      a soft threshold on predicted memory for the others (a family without failed runs,
+      or with a handful: two failed verification runs of a new family had the classifier
+      call its configurations that run infeasible by their hardware alone). A family
+      without measurements is priced as a well-tuned framework: the analytical memory
+      estimate and the threshold.
 
     Args:
         n_estimators: Trees of the step-time model (half median, half refinement).
@@ -358,10 +369,16 @@ class PerformanceModel(_Persistence, _StallRegime, _Ranges, _Base):
         table = feasibility_table(frame[usable].reset_index(drop=True))
         labels = table["feasible"].to_numpy()
         self.feasibility_ = None
+        self.feasibility_families_ = []
         if len(np.unique(labels)) == 2:
             Xf = self._feasibility_matrix(table)
             self.feasibility_ = FeasibilityEstimator(
                 params=self._booster_params(aux=True)).fit(Xf, labels)
+            families = source_family(table)
+            self.feasibility_families_ = sorted(
+                str(f) for f in np.unique(families)
+                if min((labels[families == f] == 1).sum(), (labels[families == f] == 0).sum())
+                >= MIN_FEASIBILITY_CONFIGS)
         return table
 
     def _memory_gb(self, X: np.ndarray, analytical: dict[str, Any]) -> np.ndarray:
@@ -427,6 +444,11 @@ class PerformanceModel(_Persistence, _StallRegime, _Ranges, _Base):
             frame, c, analytical, _StepTimes(step, lo, hi, expected), prob, where, cross)
         memory = self._memory_gb(X, analytical)
         feasible = self._feasible(X, memory, c.memory_gb)
+        # the classifier decides for a family that showed it both outcomes, the memory
+        # threshold for the others
+        own = np.where(where[0] != "", where[0], core_family)
+        feasible = np.where(np.isin(own, self.feasibility_families_), feasible,
+                            _memory_rule(memory, c.memory_gb))
         # a framework without measurements is priced as a well-tuned one in memory too: the
         # analytical estimate, and whether it fits by the memory rule, not the overheads and
         # failures of the frameworks measured (learned from nanotron and Megatron-DeepSpeed,

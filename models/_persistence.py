@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 
 __all__ = ["SCHEMA_VERSION"]
 
-SCHEMA_VERSION = 21
+SCHEMA_VERSION = 22
 """Version of the saved-model directory format; loading another version fails (2: the
 layer-passes feature; 3: the data-parallel ring latency in the analytical estimate; 4: the
 step-time models for models not in the training data; 5: the stalled-pipeline regime; 6:
@@ -57,7 +57,8 @@ data-parallel regime as a distance axis of the training ranges; 18: the loss's e
 work over the vocabulary, a constant of the calibrated core; 19: the nodes a data-parallel
 group spans as a distance axis; 20: the context-parallel degree in the analytical estimate
 and as a distance axis; 21: the step-time corrections as residuals of each family's
-calibrated core, on its shares of the step, and the cross-family model's own margins). A
+calibrated core, on its shares of the step, and the cross-family model's own margins; 22:
+the families the feasibility classifier decides for). A
 model learns corrections to the analytical estimate and its core, so one fitted on another
 version's would apply them to a different baseline."""
 _MANIFEST = "model.json"

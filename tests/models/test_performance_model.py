@@ -209,6 +209,44 @@ def test_each_measurement_family_gets_its_own_step_time_model(synthetic, tmp_pat
                                pred["pred_step_time_s"].to_numpy(), rtol=1e-6)
 
 
+def test_the_feasibility_classifier_decides_only_for_families_that_showed_both_outcomes(
+        synthetic, tmp_path):
+    """A family's first failed runs (two verification runs that crashed) are too few to
+    teach the classifier its boundary: trained on them beside another family's many
+    failures, it could call every configuration of the new family's hardware infeasible.
+    Its rows take the memory threshold until it has shown five configurations of each
+    outcome; the family with its own failures keeps the classifier, also after a save."""
+    from paratune.models._base import _memory_rule
+
+    ok = synthetic[synthetic["status"] == "ok"]
+    lab = ok.drop_duplicates(list(CONFIG_COLUMNS)).head(30).assign(
+        hardware="A100-80GB", source="otherlab_cluster")
+    crashed = lab.index[:2]
+    lab.loc[crashed, ["status", "error"]] = ["error", "NCCL watchdog timeout"]
+    lab.loc[crashed, ["step_time_s", "tokens_per_s"]] = np.nan
+    model = PerformanceModel(n_estimators=40, aux_estimators=10, n_jobs=1).fit(
+        pd.concat([synthetic, lab], ignore_index=True))
+    assert model.feasibility_families_ == ["synthetic"]
+    pred = model.predict(lab)
+    capacity = np.full(len(lab), 80.0)
+    np.testing.assert_allclose(pred["pred_feasible_prob"],
+                               _memory_rule(pred["pred_peak_mem_gb"].to_numpy(), capacity))
+    # the same configurations as the measured family's: the classifier's
+    classifier = model.feasibility_.predict_proba(model._feasibility_matrix(synthetic))
+    mine = model.predict(synthetic)["pred_feasible_prob"].to_numpy()
+    np.testing.assert_allclose(mine, classifier, rtol=1e-6)
+    back = load_model(model.save(tmp_path / "m"))
+    assert back.feasibility_families_ == ["synthetic"]
+    # five of each outcome, and the classifier decides for the family too
+    more = lab.copy()
+    failed = more.index[:5]
+    more.loc[failed, ["status", "error"]] = ["error", "NCCL watchdog timeout"]
+    more.loc[failed, ["step_time_s", "tokens_per_s"]] = np.nan
+    model = PerformanceModel(n_estimators=40, aux_estimators=10, n_jobs=1).fit(
+        pd.concat([synthetic, more], ignore_index=True))
+    assert model.feasibility_families_ == ["otherlab", "synthetic"]
+
+
 def _core(model: PerformanceModel, frame: pd.DataFrame) -> np.ndarray:
     """The calibrated core's step time per row: what the model's learned ratio multiplies
     for a row of a measured family."""
