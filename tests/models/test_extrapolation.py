@@ -477,6 +477,40 @@ def test_few_shot_runs_of_an_unmeasured_family_fit_its_efficiency_and_cost_per_p
     pd.testing.assert_frame_equal(loaded.predict(rest), model.predict(rest))
 
 
+def test_a_handful_of_a_new_frameworks_runs_is_calibrated_on_not_fitted_on(synthetic):
+    """Six runs of another framework beside a measured family's (a verification's, refitted
+    on): too few for constants of its own, they would make it a measured family predicted by
+    the other's learned correction on a default core. ``fit`` fits on the measured family and
+    calibrates on them: the same model as fitting without them and calling ``calibrate``,
+    which recovers the framework's efficiency and cost per layer pass, while the model still
+    names every row it was given."""
+    from paratune.models import features as F
+    from paratune.models._calibration import MIN_ROWS, few_shot_parts
+    from paratune.models._data import training_fingerprint
+
+    ok = synthetic[synthetic["status"] == "ok"]
+    other = ok.assign(source="launchbound_runs")
+    c = F.Columns(other)
+    other["step_time_s"] = few_shot_parts(c, F.compute_features(c)[1]) @ [1.7, 2e-3]
+    shots, rest = other.iloc[:6], other.iloc[6:]
+    assert len(shots) < MIN_ROWS
+    both = pd.concat([synthetic, shots], ignore_index=True)
+    refit = PerformanceModel(**SMALL).fit(both)
+    assert refit.family_offsets_["launchbound"]["efficiency"] == pytest.approx(1.7, rel=0.05)
+    assert "launchbound" not in refit.core_constants_
+    assert refit.num_train_rows_ == len(both)
+    assert refit.fingerprint_ == training_fingerprint(both)
+    assert "launchbound_runs" in refit.sources_
+    explicit = PerformanceModel(**SMALL).fit(synthetic).calibrate(shots)
+    pd.testing.assert_frame_equal(refit.predict(rest), explicit.predict(rest))
+    pred = refit.predict(rest)["pred_step_time_s"].to_numpy()
+    assert np.median(np.abs(pred / rest["step_time_s"].to_numpy() - 1)) < 0.02
+    # with runs enough of its own, the family is fitted on
+    many = pd.concat([synthetic, other.iloc[:MIN_ROWS + 5]], ignore_index=True)
+    fitted = PerformanceModel(**SMALL, nested_intervals=False).fit(many)
+    assert "launchbound" in fitted.core_constants_ and not fitted.family_offsets_
+
+
 def test_core_constants_are_recovered_and_move_with_the_physics(synthetic):
     from paratune.models import features as F
     from paratune.models._calibration import (
