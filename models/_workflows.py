@@ -16,6 +16,7 @@ from paratune.errors import ConfigError
 from paratune.models._data import check_distinct, load_measurements, measured_step_time
 from paratune.models._estimators import PerformanceModel, estimator_factories
 from paratune.models._evaluate import EvaluationResult, cross_validate, plot_predictions
+from paratune.models._calibration import MIN_ROWS
 from paratune.models._persistence import _LOCK_FILE, _MANIFEST
 
 __all__ = ["EvaluationSpec", "calibrate_model", "evaluate_model", "fit_model", "plot_path"]
@@ -83,6 +84,11 @@ def fit_model(data: Sequence[str | Path], out: str | Path, *, n_estimators: int 
                    f"in-sample median APE {100 * fit_metrics['train_mdape']:.1f}% "
                    f"(cross-validate with `paratune evaluate`)\n"
                    f"training-data fingerprint {model.fingerprint_[:16]}")
+        if model.family_offsets_:
+            # families with a handful of runs beside measured ones: calibrated on
+            summary += "".join(
+                f"\ncalibrated on, too few runs to fit on (fewer than {MIN_ROWS}): {line}"
+                for line in _calibrations(model, sorted(model.family_offsets_)))
         if run is not None:
             run.log_metrics(fit_metrics)
             # the model's files: not its lock, nor temporaries of a save killed there before
@@ -118,8 +124,14 @@ def calibrate_model(data: Sequence[str | Path], model_dir: str | Path) -> str:
     frame = load_measurements(data)
     model.calibrate(frame)
     model.save(model_dir)
+    families = sorted(set(model._families(frame)) & set(model.family_offsets_))
+    return "\n".join(f"{line} -> {model_dir}" for line in _calibrations(model, families))
+
+
+def _calibrations(model: PerformanceModel, families: Sequence[str]) -> list[str]:
+    """One line per calibrated family of ``families``: its runs and what they set."""
     lines = []
-    for family in sorted(set(model._families(frame)) & set(model.family_offsets_)):
+    for family in families:
         entry = model.family_offsets_[family]
         if "efficiency" in entry:
             what = (f"its own constants: {entry['efficiency']:.3g}x the analytical step time "
@@ -128,8 +140,8 @@ def calibrate_model(data: Sequence[str | Path], model_dir: str | Path) -> str:
             what = f"a factor of {np.exp(entry['log_factor']):.3g} on the step time"
         name = family or "runs of no known family"
         lines.append(f"{name}: {entry['rows']} runs -> {what}; interval margin "
-                     f"+/-{100 * (np.exp(entry['margin']) - 1):.0f}% -> {model_dir}")
-    return "\n".join(lines)
+                     f"+/-{100 * (np.exp(entry['margin']) - 1):.0f}%")
+    return lines
 
 
 def _check_out(out: Path, *, force: bool) -> None:

@@ -595,6 +595,14 @@ def test_calibrate_moves_a_saved_model_toward_a_new_familys_runs(model_dir, synt
     out = capsys.readouterr().out
     assert "otherfw: 8 runs -> its own constants" in out and "ms per layer pass" in out
     assert mdape() < 0.2 < before
+    # fitted with the measured family's runs, the same eight are calibrated on and said so
+    data = tmp_path / "data.csv"
+    synthetic.to_csv(data, index=False)
+    assert main(["fit", str(data), str(shots), "--out", str(tmp_path / "refit"),
+                 "--no-mlflow"]) == 0
+    out = capsys.readouterr().out
+    assert ("calibrated on, too few runs to fit on (fewer than 20): otherfw: 8 runs -> "
+            "its own constants") in out, out
     # a model directory without a model is refused with its path
     assert main(["calibrate", str(shots), "--model", str(tmp_path / "none")]) == 2
     assert str(tmp_path / "none") in capsys.readouterr().err
