@@ -13,10 +13,10 @@ from pathlib import Path
 import numpy as np
 
 from paratune.errors import ConfigError
+from paratune.models._calibration import MIN_ROWS
 from paratune.models._data import check_distinct, load_measurements, measured_step_time
 from paratune.models._estimators import PerformanceModel, estimator_factories
 from paratune.models._evaluate import EvaluationResult, cross_validate, plot_predictions
-from paratune.models._calibration import MIN_ROWS
 from paratune.models._persistence import _LOCK_FILE, _MANIFEST
 
 __all__ = ["EvaluationSpec", "calibrate_model", "evaluate_model", "fit_model", "plot_path"]

@@ -220,9 +220,9 @@ def test_the_elementwise_share_falls_as_the_model_widens():
 def test_published_runs_of_an_unmeasured_framework_are_predicted_within_target(public_dir):
     """Each source but DeepSpeed's within the targets (median predicted / measured in
     [0.8, 1.25], median APE <= 20%), every row predicted, q10-q90 covering 80% of all the
-    runs together, and called feasible. DeepSpeed's ZeRO-3 runs are predicted too fast, the more so the more
-    GPUs, and MT-NLG's Megatron-DeepSpeed runs a third too fast (read blind), both inside
-    their interval."""
+    runs together, and called feasible. DeepSpeed's ZeRO-3 runs are predicted too fast, the
+    more so the more GPUs, and MT-NLG's Megatron-DeepSpeed runs a third too fast (read
+    blind), both inside their interval."""
     import sys
 
     sys.path.insert(0, str(REPO / "experiments"))
