@@ -57,13 +57,13 @@ def score(predictions) -> list[dict]:
         m = metrics(rows, rows)
         met = (RATIO_TARGET[0] <= m["ratio_median"] <= RATIO_TARGET[1]
                and 100 * m["mdape"] <= MDAPE_TARGET)
-        failed = rows["status"].astype(str) != "ok"
+        failed = (rows["status"].astype(str) != "ok").to_numpy()
         called = rows["pred_feasible_prob"].to_numpy(float) >= 0.5
         out.append({"source": source, "rows": int(m["n"]), "mdape": 100 * m["mdape"],
                     "mape": 100 * m["mape"], "ratio_median": m["ratio_median"],
                     "coverage": 100 * m["coverage"], "targets_met": bool(met),
-                    "feasible_right": 100 * float((called != failed.to_numpy()).mean()),
-                    "false_fits": int((called & failed.to_numpy()).sum()),
+                    "feasible_right": 100 * float((called != failed).mean()),
+                    "false_fits": int((called & failed).sum()),
                     "mdape_mem": 100 * m["mdape_mem"]})
     return out
 

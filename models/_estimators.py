@@ -96,21 +96,20 @@ MIN_FEASIBILITY_CONFIGS = 5
 feasibility classifier to decide for its rows (else the memory threshold decides)."""
 
 
-def _few_shot_rows(frame: pd.DataFrame) -> np.ndarray:
+def _few_shot_rows(families: np.ndarray, timed: np.ndarray) -> np.ndarray:
     """The rows of a family with fewer timed runs than its own core constants need
     (:data:`~paratune.models._calibration.MIN_ROWS`), where another family has them: a
     handful of a new framework's runs beside the measured frameworks'. Fitted on, they made
     their family a measured one, predicted by the others' learned correction on a
     well-tuned framework's core (two of vTrain's runs beside Ultra-Scale's read its other
     runs 2.3x too slow, median APE 126%); calibrated on, their family is predicted as a
-    well-tuned framework moved by them (15.1%)."""
+    well-tuned framework moved by them (15.1%). ``families``: each row's
+    (:func:`source_family`); ``timed``: whether it has a measured step time."""
     from paratune.models._calibration import MIN_ROWS
 
-    families = source_family(frame)
-    timed = np.isfinite(measured_step_time(frame))
     counts = {f: int((timed & (families == f)).sum()) for f in np.unique(families)}
     if max(counts.values(), default=0) < MIN_ROWS:
-        return np.zeros(len(frame), dtype=bool)
+        return np.zeros(len(families), dtype=bool)
     return np.isin(families, [f for f, n in counts.items() if n < MIN_ROWS])
 
 
@@ -330,17 +329,18 @@ class PerformanceModel(_Persistence, _StallRegime, _Ranges, _Base):
         """
         self._check_quantiles()
         frame = canonical_order(frame)
-        few = _few_shot_rows(frame)
+        timed = np.isfinite(measured_step_time(frame))
+        few = _few_shot_rows(source_family(frame), timed)
         self._fit_rows(frame[~few].reset_index(drop=True) if few.any() else frame)
-        if few.any():
+        # the model names every row it was given, the calibrated ones too
+        self.num_train_rows_ = len(frame)
+        self.fingerprint_ = training_fingerprint(frame)
+        self.sources_ = (sorted(frame["source"].astype(str).unique().tolist())
+                         if "source" in frame.columns else [])
+        if (few & timed).any():
             # a handful of a new framework's runs beside the measured frameworks' (a
             # verification's): calibrated on, as `calibrate` does, not fitted on
-            self.num_train_rows_ = len(frame)
-            self.fingerprint_ = training_fingerprint(frame)
-            self.sources_ = sorted(frame["source"].astype(str).unique().tolist())
-            shots = frame[few & np.isfinite(measured_step_time(frame))]
-            if len(shots):
-                self.calibrate(shots)
+            self.calibrate(frame[few & timed])
         return self
 
     def _fit_rows(self, frame: pd.DataFrame) -> None:
@@ -375,14 +375,10 @@ class PerformanceModel(_Persistence, _StallRegime, _Ranges, _Base):
               y_cross=y_cross[has_time])
         has_mem = self._fit_memory(frame, X, analytical, usable)
         table = self._fit_feasibility(frame, usable)
-        self.num_train_rows_ = len(frame)
         self.num_time_rows_ = int(has_time.sum()) + self.num_stall_rows_
         self.num_memory_rows_ = int(has_mem.sum())
         self.num_feasibility_rows_ = len(table)
-        self.fingerprint_ = training_fingerprint(frame)
         self.training_ranges_ = training_ranges(frame, c.world)
-        sources = frame["source"].astype(str) if "source" in frame.columns else None
-        self.sources_ = sorted(sources.unique().tolist()) if sources is not None else []
         self.family_offsets_ = {}
         self._fit_widening(frame, families, timed, step)
 
@@ -479,37 +475,32 @@ class PerformanceModel(_Persistence, _StallRegime, _Ranges, _Base):
                 where)
         times, distance, warning = self._extrapolate(
             frame, c, analytical, _StepTimes(step, lo, hi, expected), prob, where, cross)
-        memory = self._memory_gb(X, analytical)
-        feasible = self._feasible(X, memory, c.memory_gb)
-        # the classifier decides for a family that showed it both outcomes, the memory
-        # threshold for the others
-        own = np.where(where[0] != "", where[0], core_family)
-        feasible = np.where(np.isin(own, self.feasibility_families_), feasible,
-                            _memory_rule(memory, c.memory_gb))
         # a framework without measurements is priced as a well-tuned one in memory too: the
         # analytical estimate, and whether it fits by the memory rule, not the overheads and
         # failures of the frameworks measured (learned from nanotron and Megatron-DeepSpeed,
         # they called 143 of llm-foundry's 191 published runs out of memory)
-        memory = np.where(unmeasured, analytical["memory_gb"], memory)
-        feasible = np.where(unmeasured, _memory_rule(memory, c.memory_gb), feasible)
+        memory = np.where(unmeasured, analytical["memory_gb"], self._memory_gb(X, analytical))
+        feasible = _memory_rule(memory, c.memory_gb)
+        # the classifier decides for a measured family that showed it both outcomes
+        own = np.where(where[0] != "", where[0], core_family)
+        learned = ~unmeasured & np.isin(own, self.feasibility_families_)
+        if learned.any():
+            feasible[learned] = self._classified(X[learned], memory[learned],
+                                                 np.asarray(c.memory_gb)[learned])
         return {"step": times.step, "step_lo": times.lo, "step_hi": times.hi,
                 "step_expected": times.expected,
                 "stall_prob": prob, "memory": memory,
                 "feasible": feasible,
                 "distance": distance, "warning": warning}
 
-    def _feasible(self, X: np.ndarray, memory: np.ndarray, capacity: np.ndarray
-                  ) -> np.ndarray:
-        """The probability that each configuration runs (fits in memory)."""
+    def _classified(self, X: np.ndarray, memory: np.ndarray, capacity: np.ndarray
+                    ) -> np.ndarray:
+        """The feasibility classifier's probability that each configuration runs."""
         known = np.isfinite(capacity) & (capacity > 0)
-        if self.feasibility_ is not None:
-            # the classifier learned from devices with a memory size; where none is
-            # catalogued (the CPU) no memory limit is known, as without a classifier
-            learned = self.feasibility_.predict_proba(self._augment(X, memory, capacity))
-            return np.where(known, learned, 1.0)
-        # no failed runs to learn from: the memory estimate alone; no memory limit is
-        # known for uncatalogued device memory (the CPU)
-        return np.where(known, _memory_rule(memory, capacity), 1.0)
+        # the classifier learned from devices with a memory size; where none is catalogued
+        # (the CPU) no memory limit is known, as by the memory rule
+        learned = self.feasibility_.predict_proba(self._augment(X, memory, capacity))
+        return np.where(known, learned, 1.0)
 
 def load_model(path: str | Path) -> PerformanceModel:
     """Load a :class:`PerformanceModel` saved with :meth:`PerformanceModel.save`."""
