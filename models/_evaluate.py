@@ -22,7 +22,6 @@ configurations (a configuration that ran at least once is feasible).
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -45,7 +44,7 @@ from paratune.models._evaluate_report import (
     summary_table,
 )
 from paratune.models._splits import EXTRAPOLATION_SPLITS, extrapolation_split
-from paratune.predictor import PRED_TOKENS_EXPECTED
+from paratune.predictor import PRED_TOKENS_EXPECTED, throughput_quantile_columns
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -244,12 +243,6 @@ def _error_figures(step: np.ndarray, pred_step: np.ndarray) -> dict[str, float]:
             "mdape_step": float(np.median(ape_step)) if some else np.nan}
 
 
-def _throughput_quantile_columns(predictions: pd.DataFrame) -> list[str]:
-    """The predicted throughput quantile columns, lowest first (q10, q90 by default)."""
-    return sorted(c for c in predictions.columns
-                  if re.fullmatch(r"pred_tokens_per_sec_per_gpu_q\d\d", str(c)))
-
-
 def _choice_figures(frame: pd.DataFrame, predictions: pd.DataFrame, ok: np.ndarray,
                     measured_tps: np.ndarray, predicted_tps: np.ndarray
                     ) -> tuple[dict[str, float], list[float]]:
@@ -266,7 +259,7 @@ def _choice_figures(frame: pd.DataFrame, predictions: pd.DataFrame, ok: np.ndarr
         ranked = np.asarray(predictions[PRED_TOKENS_EXPECTED], dtype=float)[ok]
         p_ok = np.where(np.isfinite(ranked), ranked, p_ok)
     # the lower throughput quantile, whatever the model's quantiles (q10 by default)
-    lower = _throughput_quantile_columns(predictions)
+    lower = throughput_quantile_columns(predictions.columns)
     cautious = (np.asarray(predictions[lower[0]], dtype=float)[ok] if lower else None)
     regrets, rhos = [], []
     cautious_regrets, top5_regrets, risk_regrets, risk_top5 = [], [], [], []
@@ -307,7 +300,7 @@ def _choice_figures(frame: pd.DataFrame, predictions: pd.DataFrame, ok: np.ndarr
 def _coverage(predictions: pd.DataFrame, ok: np.ndarray, m_ok: np.ndarray) -> float:
     """The share of timed runs whose throughput lies between the lowest and highest predicted
     quantile (NaN without two quantiles)."""
-    quantiles = _throughput_quantile_columns(predictions)
+    quantiles = throughput_quantile_columns(predictions.columns)
     if len(quantiles) < 2 or not ok.any():
         return np.nan
     lo_q = np.asarray(predictions[quantiles[0]], dtype=float)[ok]

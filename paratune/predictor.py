@@ -9,8 +9,9 @@ order, holding the :data:`PREDICTION_COLUMNS`.
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from paratune.hardware import HardwareSpec
 from paratune.parallel import ParallelConfig
@@ -31,6 +32,7 @@ __all__ = [
     "PRED_TOKENS_PER_SEC_PER_GPU",
     "Predictor",
     "config_frame",
+    "throughput_quantile_columns",
 ]
 
 MODEL_COLUMNS: tuple[str, ...] = ("model_name",) + tuple(
@@ -49,6 +51,14 @@ PRED_TOKENS_EXPECTED = f"{PRED_TOKENS_PER_SEC_PER_GPU}_expected"
 regime (e.g. a stalled pipeline); the tuner ranks by it when a predictor gives it."""
 PREDICTION_COLUMNS = (PRED_STEP_TIME_S, PRED_TOKENS_PER_SEC_PER_GPU, PRED_FEASIBLE_PROB,
                       PRED_PEAK_MEM_GB)
+
+
+def throughput_quantile_columns(columns: Iterable[Any]) -> list[str]:
+    """The predicted throughput quantiles among ``columns``
+    (``pred_tokens_per_sec_per_gpu_qNN``), lowest first: ``_q10`` and ``_q90`` from a
+    model with the default quantiles, others from one fitted with other quantiles."""
+    pattern = re.compile(rf"{PRED_TOKENS_PER_SEC_PER_GPU}_q\d\d")
+    return sorted(str(c) for c in columns if pattern.fullmatch(str(c)))
 
 
 @runtime_checkable

@@ -29,7 +29,7 @@ import numpy as np
 from paratune.batch import ConfigBatch
 from paratune.errors import ConfigError
 from paratune.parallel import ParallelConfig
-from paratune.predictor import PRED_TOKENS_PER_SEC_PER_GPU, Predictor
+from paratune.predictor import Predictor, throughput_quantile_columns
 from paratune.table import format_table
 from paratune.tuner._efficiency import lr_scale
 from paratune.tuner._objective import Objective
@@ -79,7 +79,8 @@ def _interp_loss(trajectory: Trajectory, tokens: float) -> float:
     known = np.isfinite(loss)
     if not known.any():
         return math.nan
-    return float(np.interp(tokens, trajectory.tokens[known], loss[known]))
+    return float(np.interp(tokens, np.asarray(trajectory.tokens, dtype=float)[known],
+                           loss[known]))
 
 
 
@@ -238,13 +239,14 @@ def config_times(ranked: pd.DataFrame, segments: list[Segment], *, seq_len: int
     b_noise = np.array([s.b_noise for s in segments])[:, None]
     steps = e_min * (1.0 + batch[None, :] / b_noise) / batch[None, :]
     quantile_times = {}
-    for q in ("q10", "q90"):
-        column = f"{PRED_TOKENS_PER_SEC_PER_GPU}_{q}"
-        if column in ranked.columns:
-            q_tps = ranked[column].to_numpy(dtype=float) * ranked["world_size"].to_numpy(float)
-            with np.errstate(divide="ignore", invalid="ignore"):
-                q_step = np.where(q_tps > 0, batch * seq_len / q_tps, np.nan)
-            quantile_times[q] = steps * q_step[None, :]
+    # the lowest and highest throughput quantiles the predictor gives (q10, q90 by default)
+    quantiles = throughput_quantile_columns(ranked.columns)
+    for q, column in zip(("q10", "q90"), (quantiles[0], quantiles[-1])
+                         if len(quantiles) > 1 else (), strict=False):
+        q_tps = ranked[column].to_numpy(dtype=float) * ranked["world_size"].to_numpy(float)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            q_step = np.where(q_tps > 0, batch * seq_len / q_tps, np.nan)
+        quantile_times[q] = steps * q_step[None, :]
     configs = ConfigBatch.from_frame(ranked).configs()
     return ConfigTimes(configs=configs, layouts=[layout_key(c) for c in configs], batch=batch,
                        throughput=throughput, step=step, times=steps * step[None, :],
@@ -321,8 +323,9 @@ def plan_phases(predictor: Predictor, space: SearchSpace, trajectory: Trajectory
         switch_total = sum(sw["cost_s"] for sw in switches)
         interval = tuple(float(sum(ct.quantile_times[q][i, c] for i, c in enumerate(choice))
                                + switch_total) for q in ("q10", "q90"))
-    assert math.isclose(total, sum(p["time_s"] for p in phases)
-                        + sum(sw["cost_s"] for sw in switches), rel_tol=1e-9)
+    if not math.isclose(total, sum(p["time_s"] for p in phases)
+                        + sum(sw["cost_s"] for sw in switches), rel_tol=1e-9):
+        raise RuntimeError("the plan's phases and switches do not add up to its total time")
     return Plan(phases=phases, total_time_s=total, num_switches=len(switches),
                 baselines=_baselines(ct, segments, batch_change_cost_s=batch_change_cost_s),
                 segments=segments, reconfig_cost_s=reconfig_cost_s,

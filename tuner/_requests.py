@@ -37,13 +37,14 @@ def option(default: Any = MISSING, *, help: str, flag: str | None = None,
     """A request field: its default, help text and command-line flag.
 
     Args:
-        default: The library default (a flag without its own ``cli_default`` has it too).
+        default: The library default, which the flag has too unless :func:`add_flags` is
+            given another (its ``defaults``).
         help: What the field means, shown by ``--help``.
         flag: The flag (``None``: the field is the library's only, e.g. a callback).
         param: Its MLflow param name (``True``: the field's name; ``False``: not logged).
         **cli: More ``add_argument`` keywords (``type``, ``choices``, ``metavar``,
-            ``action``, ``aliases``, ``required``), and ``cli_default`` and ``from_cli``
-            (the field's value from the flag's).
+            ``action``, ``aliases``, ``required``), and ``from_cli`` (the field's value
+            from the flag's).
     """
     return field(default=default, metadata={"help": help, "flag": flag, "param": param,
                                             "cli": cli})

@@ -139,16 +139,17 @@ def tune(job: TuneJob | ModelSpec | str, *args: Any, search: SearchOptions | Non
             that is not a positive integer.
     """
     if not isinstance(job, TuneJob):
-        if isinstance(search, str):  # the keyword spelling's search mode
-            keywords["search"] = search
-        elif search is not None or output is not None:
+        if output is not None or not (search is None or isinstance(search, str)):
             raise TypeError("tune(model, gpus, gpu, ...) takes its options as keywords; "
                             "give a TuneJob to pass requests")
+        if search is not None:  # the keyword spelling's search mode
+            keywords["search"] = search
         if predictor is not None:
             keywords["predictor"] = predictor
         job, search, output, predictor = requests_from(job, *args, **keywords)
-    elif args or keywords:
-        raise TypeError("tune(job, ...) takes its options as search= and output= requests")
+    elif args or keywords or not (search is None or isinstance(search, SearchOptions)):
+        raise TypeError("tune(job, ...) takes its options as search= and output= requests "
+                        "(SearchOptions, OutputOptions)")
     search = search if search is not None else SearchOptions()
     output = output if output is not None else OutputOptions()
     if predictor is None:
@@ -334,7 +335,8 @@ def _search(problem: _Problem, predictor: Predictor, study: optuna.Study | None
 
 def _extrapolates(ranked: pd.DataFrame) -> bool:
     """Whether the model predicts any ranked config beyond the ranges it was fitted on
-    (a larger model, more devices, more tokens per step: ``pred_extrapolation_doublings``)."""
+    (a larger model, more devices, more tokens per step, groups over more nodes, another
+    data-parallel regime: ``pred_extrapolation_doublings``)."""
     column = "pred_extrapolation_doublings"
     return column in ranked.columns and bool((ranked[column].fillna(0.0) > 0).any())
 

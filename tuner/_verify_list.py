@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from paratune.errors import ConfigError
 from paratune.parallel import ParallelConfig
+from paratune.predictor import throughput_quantile_columns
 from paratune.tuner._efficiency import positive_int
 
 if TYPE_CHECKING:
@@ -46,10 +47,11 @@ LAYOUT_DISCOUNT = 0.95
 0.9, 0.95 and 1 (no diversity)."""
 
 RISK_QUANTILE = "q10"
-"""The lower throughput quantile of the risk-aware ranking (:func:`risk_aware_ranking`)."""
+"""The lower throughput quantile of the risk-aware ranking (:func:`risk_aware_ranking`) with
+the performance model's default quantiles; one fitted with others ranks by its lowest."""
 
 
-def risk_aware_ranking(ranked: pd.DataFrame, *, quantile: str = RISK_QUANTILE
+def risk_aware_ranking(ranked: pd.DataFrame, *, quantile: str | None = None
                        ) -> pd.DataFrame:
     """Re-rank by the risk-aware expectation, for a search where the model extrapolates.
 
@@ -68,7 +70,8 @@ def risk_aware_ranking(ranked: pd.DataFrame, *, quantile: str = RISK_QUANTILE
     Args:
         ranked: A ranking with ``objective``, ``ranked_tokens_per_s``, ``world_size``,
             ``feasible`` and the predictor's ``pred_tokens_per_sec_per_gpu_<quantile>``.
-        quantile: The lower quantile (``q10``).
+        quantile: The lower quantile (``q10``); ``None``: the lowest the predictor gives
+            (:data:`RISK_QUANTILE` from a model with the default quantiles).
 
     Returns:
         The re-ranked frame (unchanged where the predictor gives no such quantile): its
@@ -80,7 +83,11 @@ def risk_aware_ranking(ranked: pd.DataFrame, *, quantile: str = RISK_QUANTILE
     from paratune.models import risk_aware_candidates, risk_aware_throughput
     from paratune.tuner._search import rank
 
-    column = f"pred_tokens_per_sec_per_gpu_{quantile}"
+    if quantile is None:
+        lowest = throughput_quantile_columns(ranked.columns)[:1]
+        column = lowest[0] if lowest else ""
+    else:
+        column = f"pred_tokens_per_sec_per_gpu_{quantile}"
     if ranked.empty or column not in ranked.columns:
         return ranked
     low = ranked[column].to_numpy(dtype=float) * ranked["world_size"].to_numpy(dtype=float)
