@@ -31,17 +31,19 @@ from paratune.predictor import (
 if TYPE_CHECKING:
     import pandas as pd
 
-__all__ = ["OUTPUT_COLUMNS", "PRED_ERROR", "PRED_EXTRAPOLATION", "PRED_STALL_PROB",
-           "PRED_TOKENS_Q10", "PRED_TOKENS_Q90", "PRED_WARNING", "source_family",
-           "training_ranges"]
+__all__ = ["MEMORY_RULE_THRESHOLD", "MEMORY_RULE_WIDTH", "OUTPUT_COLUMNS", "PRED_ERROR",
+           "PRED_EXTRAPOLATION", "PRED_STALL_PROB", "PRED_TOKENS_Q10", "PRED_TOKENS_Q90",
+           "PRED_WARNING", "memory_threshold", "source_family", "training_ranges"]
 
 PRED_TOKENS_Q10 = f"{PRED_TOKENS_PER_SEC_PER_GPU}_q10"
 PRED_TOKENS_Q90 = f"{PRED_TOKENS_PER_SEC_PER_GPU}_q90"
 PRED_STALL_PROB = "pred_stall_prob"
 PRED_ERROR = "pred_error"
 PRED_EXTRAPOLATION = "pred_extrapolation_doublings"
-"""How many doublings of model size, cluster size and tokens per step (summed) a row lies
-outside the ranges the model was fitted on (0 inside; NaN from predictors that do not say)."""
+"""How many doublings (summed over model size, cluster size, tokens per step, the nodes its
+groups span, its data-parallel regime and its context-parallel degree: see
+:data:`paratune.models._extrapolation.AXES`) a row lies outside the ranges the model was
+fitted on (0 inside; NaN from predictors that do not say)."""
 PRED_WARNING = "pred_warning"
 """Why a prediction is less sure than the model's in-range ones (empty where it is not)."""
 OUTPUT_COLUMNS = (*PREDICTION_COLUMNS, PRED_TOKENS_Q10, PRED_TOKENS_Q90, PRED_TOKENS_EXPECTED,
@@ -125,8 +127,19 @@ def source_family(frame: pd.DataFrame, *, missing: str = "paratune") -> np.ndarr
     return np.asarray(family, dtype=object)[codes]
 
 
-def _memory_rule(mem_gb: np.ndarray, capacity_gb: np.ndarray) -> np.ndarray:
-    """Probability of fitting in memory from a memory estimate alone (a soft threshold).
+MEMORY_RULE_THRESHOLD = 0.95
+"""The share of device memory at which the memory rule (:func:`_memory_rule`) gives even odds
+of fitting, where a family's own out-of-memory runs have not moved it (see
+:func:`memory_threshold`)."""
+MEMORY_RULE_WIDTH = 0.03
+"""How sharp the memory rule is: the odds of fitting fall by e per this share of device
+memory past the threshold."""
+
+
+def _memory_rule(mem_gb: np.ndarray, capacity_gb: np.ndarray,
+                 threshold: np.ndarray | float = MEMORY_RULE_THRESHOLD) -> np.ndarray:
+    """Probability of fitting in memory from a memory estimate alone (a soft threshold at
+    ``threshold`` of the device memory, per row or one for all).
 
     Hardware without a catalogued capacity (the CPU: 0 GB) sets no limit: probability 1.
     """
@@ -135,8 +148,29 @@ def _memory_rule(mem_gb: np.ndarray, capacity_gb: np.ndarray) -> np.ndarray:
     known = capacity_gb > 0
     fraction = np.divide(mem_gb, capacity_gb, out=np.zeros_like(mem_gb), where=known)
     with np.errstate(over="ignore", invalid="ignore"):
-        prob = 1.0 / (1.0 + np.exp((fraction - 0.95) / 0.03))
+        prob = 1.0 / (1.0 + np.exp((fraction - threshold) / MEMORY_RULE_WIDTH))
     return np.where(known, prob, 1.0)
+
+
+def memory_threshold(ran: np.ndarray, out_of_memory: np.ndarray) -> float:
+    """The memory rule's threshold (a share of device memory) that a family's own runs
+    say: the one that puts the fewest of them on the wrong side (a run that ran at or
+    above it, one out of memory below it), of :data:`MEMORY_RULE_THRESHOLD`, the midpoints
+    between their shares and just past each (by :data:`MEMORY_RULE_WIDTH`), the nearest to
+    :data:`MEMORY_RULE_THRESHOLD` among equals: a family that ran out of memory at 85% of
+    it is told so from 82%, not from halfway to the runs that fit.
+
+    Args:
+        ran: The predicted memory shares of its runs that ran.
+        out_of_memory: Those of its runs that ran out of memory.
+    """
+    ran, oom = np.asarray(ran, dtype=float), np.asarray(out_of_memory, dtype=float)
+    shares = np.sort(np.concatenate([ran, oom]))
+    candidates = np.concatenate([[MEMORY_RULE_THRESHOLD], (shares[1:] + shares[:-1]) / 2,
+                                 oom - MEMORY_RULE_WIDTH, ran + MEMORY_RULE_WIDTH])
+    wrong = np.array([(ran >= t).sum() + (oom < t).sum() for t in candidates])
+    best = candidates[wrong == wrong.min()]
+    return float(best[np.argmin(np.abs(best - MEMORY_RULE_THRESHOLD))])
 
 
 class _Base(BaseEstimator):

@@ -24,8 +24,11 @@ tensor-parallel groups across nodes several times too slow when the learned corr
 multiplied it. The learned correction of a measured family is a residual of this core
 (its features the core's shares of the step, :func:`core_shares`). The constants are
 fitted per family on the log step time with a soft-L1 loss (robust to the pathological runs
-public sweeps hold), within physical bounds (no faster than the peak). Because they multiply
-the physics, a larger model or cluster moves the prediction the way the physics does.
+public sweeps hold), within bounds: the matrix products no faster than the peak, a transfer
+or the memory-bound work down to half its time at its link's or the memory's bandwidth
+(overlapped in part), the data-parallel reduction down to 0.3 of it (hidden behind the
+backward pass). Because they multiply the physics, a larger model or cluster moves the
+prediction the way the physics does.
 
 A family with no measurement gets :data:`DEFAULT_CONSTANTS`, a well-tuned framework's: its
 matrix products at the share of peak its hardware sustains in training

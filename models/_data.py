@@ -16,8 +16,9 @@ from paratune.predictor import CONFIG_COLUMNS
 if TYPE_CHECKING:
     import pandas as pd
 
-__all__ = ["canonical_order", "check_distinct", "config_identity", "feasibility_table",
-           "load_measurements", "measured_memory_gb", "measured_step_time", "training_fingerprint"]
+__all__ = ["calibrated_fingerprint", "canonical_order", "check_distinct", "config_identity",
+           "feasibility_table", "load_measurements", "measured_memory_gb", "measured_step_time",
+           "training_fingerprint"]
 
 logger = logging.getLogger(__name__)
 
@@ -193,9 +194,18 @@ _IDENTITY = (*CONFIG_COLUMNS, "status", "step_time_s", "peak_mem_reserved_gb",
 
 
 def training_fingerprint(frame: pd.DataFrame) -> str:
-    """SHA-256 of the configuration columns and outcomes a model was fitted on."""
-    cols = [c for c in _IDENTITY if c in frame.columns]
+    """SHA-256 of the configuration columns, outcomes and sources a model was fitted on (the
+    source names a row's family, which the model predicts it by)."""
+    cols = [c for c in (*_IDENTITY, "source") if c in frame.columns]
     text = frame[cols].astype(str).sort_values(cols).to_csv(index=False)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def calibrated_fingerprint(fingerprint: str, frame: pd.DataFrame) -> str:
+    """The fingerprint of a model fitted on data of ``fingerprint`` and then calibrated on
+    ``frame``: another model's values, so another study's (see
+    :func:`paratune.tuner.predictor_identity`)."""
+    text = f"{fingerprint}\ncalibrated on\n{training_fingerprint(frame)}"
     return hashlib.sha256(text.encode()).hexdigest()
 
 

@@ -19,8 +19,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from paratune.errors import DatasetError
+from paratune.measurement import Status
 from paratune.models import features as F
 from paratune.models._base import (
+    MEMORY_RULE_THRESHOLD,
     OUTPUT_COLUMNS,
     PRED_ERROR,
     PRED_EXTRAPOLATION,
@@ -260,11 +262,10 @@ class PerformanceModel(_Persistence, _StallRegime, _Ranges, _Base):
             raise ConfigError("quantiles", q, "must be two probabilities lower < 0.5 < upper "
                                               "in whole percent, e.g. (0.1, 0.9)")
 
-    def _booster_params(self, *, aux: bool = False, rate: float | None = None
-                        ) -> dict[str, Any]:
+    def _booster_params(self, *, aux: bool = False) -> dict[str, Any]:
         return {"n_estimators": self.aux_estimators if aux else max(self.n_estimators // 2, 1),
                 "max_depth": self.max_depth,
-                "learning_rate": rate or (self.aux_learning_rate if aux else self.learning_rate),
+                "learning_rate": self.aux_learning_rate if aux else self.learning_rate,
                 "subsample": self.subsample,
                 "colsample_bytree": self.colsample_bytree,
                 "min_child_weight": self.min_child_weight, "n_jobs": self.n_jobs,
@@ -330,17 +331,25 @@ class PerformanceModel(_Persistence, _StallRegime, _Ranges, _Base):
         self._check_quantiles()
         frame = canonical_order(frame)
         timed = np.isfinite(measured_step_time(frame))
-        few = _few_shot_rows(source_family(frame), timed)
+        families = source_family(frame)
+        few = _few_shot_rows(families, timed)
         self._fit_rows(frame[~few].reset_index(drop=True) if few.any() else frame)
         # the model names every row it was given, the calibrated ones too
         self.num_train_rows_ = len(frame)
-        self.fingerprint_ = training_fingerprint(frame)
-        self.sources_ = (sorted(frame["source"].astype(str).unique().tolist())
+        self.sources_ = (sorted(frame["source"].dropna().astype(str).unique().tolist())
                          if "source" in frame.columns else [])
-        if (few & timed).any():
+        self.fingerprint_ = training_fingerprint(frame)
+        status = (frame["status"].astype(str).to_numpy() if "status" in frame.columns
+                  else np.full(len(frame), Status.OK.value))
+        shots = few & (timed | (status == Status.OOM.value))
+        if shots.any():
             # a handful of a new framework's runs beside the measured frameworks' (a
-            # verification's): calibrated on, as `calibrate` does, not fitted on
-            self.calibrate(frame[few & timed])
+            # verification's): calibrated on, as `calibrate` does, not fitted on, its runs
+            # out of memory too; under the family fit gave them (a run without a source is
+            # paratune's own, where `calibrate`, like `predict`, would take it for its
+            # hardware's family)
+            self.calibrate(frame[shots].assign(source=families[shots]))
+            self.fingerprint_ = training_fingerprint(frame)  # the rows given, as any fit
         return self
 
     def _fit_rows(self, frame: pd.DataFrame) -> None:
@@ -380,6 +389,7 @@ class PerformanceModel(_Persistence, _StallRegime, _Ranges, _Base):
         self.num_feasibility_rows_ = len(table)
         self.training_ranges_ = training_ranges(frame, c.world)
         self.family_offsets_ = {}
+        self.memory_thresholds_ = {}
         self._fit_widening(frame, families, timed, step)
 
     def _fit_memory(self, frame: pd.DataFrame, X: np.ndarray, analytical: dict[str, Any],
@@ -453,6 +463,9 @@ class PerformanceModel(_Persistence, _StallRegime, _Ranges, _Base):
         # of a family without measurements (no core of its framework to correct)
         core_family = self._core_families(frame, np.where(route != "", route, where[0]))
         unmeasured = where[2] | (core_family == "")
+        # a row of no family on hardware no family was measured on is such a row too: its
+        # interval widened and its warning given as for a family without measurements
+        where = (where[0], where[1], unmeasured)
         cross = router.cross(route, unmeasured)
         ratio, bounds = router.predict(X, keys, route, seen, unmeasured=cross)
         base = np.where(cross, analytical["step_time_s"],
@@ -471,7 +484,7 @@ class PerformanceModel(_Persistence, _StallRegime, _Ranges, _Base):
         prob = np.full(len(X), np.nan)
         if self.stall_ is not None:
             prob, step, lo, hi, expected = self._blend_stall(
-                c, X, seen, self._stall_free(*origin, unmeasured=where[2]), step, lo, hi,
+                c, X, seen, self._stall_free(*origin, unmeasured=unmeasured), step, lo, hi,
                 where)
         times, distance, warning = self._extrapolate(
             frame, c, analytical, _StepTimes(step, lo, hi, expected), prob, where, cross)
@@ -480,7 +493,11 @@ class PerformanceModel(_Persistence, _StallRegime, _Ranges, _Base):
         # failures of the frameworks measured (learned from nanotron and Megatron-DeepSpeed,
         # they called 143 of llm-foundry's 191 published runs out of memory)
         memory = np.where(unmeasured, analytical["memory_gb"], self._memory_gb(X, analytical))
-        feasible = _memory_rule(memory, c.memory_gb)
+        # at the family's own threshold where its out-of-memory runs set one (calibrate)
+        threshold = np.full(len(X), MEMORY_RULE_THRESHOLD)
+        for family, value in self.memory_thresholds_.items():
+            threshold[where[0] == family] = value
+        feasible = _memory_rule(memory, c.memory_gb, threshold)
         # the classifier decides for a measured family that showed it both outcomes
         own = np.where(where[0] != "", where[0], core_family)
         learned = ~unmeasured & np.isin(own, self.feasibility_families_)

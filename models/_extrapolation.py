@@ -1,9 +1,11 @@
 """How far a configuration lies outside what a model was fitted on, and what that costs.
 
-The distance of a row from the training data is the sum, over model size (parameters),
-cluster size (``world_size``) and tokens per step, of how many doublings the row lies
-outside the range its measurement family was fitted on (0 inside). A row of a family the
-model has no measurement of is measured against all the training rows and flagged.
+The distance of a row from the training data is the sum, over the axes of :data:`AXES` (model
+size in parameters, cluster size, tokens per step, the nodes its tensor- and data-parallel
+groups span, its data-parallel regime and its context-parallel degree), of how many doublings
+the row lies outside the range its measurement family was fitted on (0 inside). A row of a
+family the model has no measurement of is measured against all the training rows and
+flagged.
 
 The learned intervals know nothing of that distance: fitted on one corner of the data they
 are as narrow far outside it as inside. :func:`calibrate_widening` measures how much wider

@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 
 __all__ = ["SCHEMA_VERSION"]
 
-SCHEMA_VERSION = 22
+SCHEMA_VERSION = 23
 """Version of the saved-model directory format; loading another version fails (2: the
 layer-passes feature; 3: the data-parallel ring latency in the analytical estimate; 4: the
 step-time models for models not in the training data; 5: the stalled-pipeline regime; 6:
@@ -49,8 +49,10 @@ each family's step-time model has seen, and family names fit for file names; 11:
 training ranges per family, the interval's widening with distance from them and the
 few-shot calibration of families; 12: the stall classifier for models not in the
 training data on the regime's physics, see :func:`~paratune.models.features.stall_features`;
-14: the model saved as a tree of small estimators by the generic component store, each
-booster file named by its attribute path; 15: the calibrated core's collectives across nodes
+13: a family without measurements predicted as a well-tuned framework from physics (the
+device memory's bandwidth in the element-wise work); 14: the model saved as a tree of
+small estimators by the generic component store, each booster file named by its attribute
+path; 15: the calibrated core's collectives across nodes
 reduced hierarchically, and the nodes a tensor-parallel group spans as a distance axis;
 16: the step-time model for families without measurements, ``cross_family_``; 17: the
 data-parallel regime as a distance axis of the training ranges; 18: the loss's element-wise
@@ -58,7 +60,8 @@ work over the vocabulary, a constant of the calibrated core; 19: the nodes a dat
 group spans as a distance axis; 20: the context-parallel degree in the analytical estimate
 and as a distance axis; 21: the step-time corrections as residuals of each family's
 calibrated core, on its shares of the step, and the cross-family model's own margins; 22:
-the families the feasibility classifier decides for). A
+the families the feasibility classifier decides for; 23: a family's memory threshold from
+its runs out of memory, and the sources in the training fingerprint). A
 model learns corrections to the analytical estimate and its core, so one fitted on another
 version's would apply them to a different baseline."""
 _MANIFEST = "model.json"
@@ -133,12 +136,9 @@ class _Persistence:
             "kind": _KIND,
             "schema_version": SCHEMA_VERSION,
             "paratune_version": __version__,
-            "feature_names": list(F.FEATURE_NAMES),
-            "feasibility_feature_names": [*F.FEATURE_NAMES, "log2_pred_mem_fraction"],
-            "transfer_feature_names": list(F.TRANSFER_FEATURE_NAMES),
-            "stall_transfer_feature_names": list(F.STALL_FEATURE_NAMES),
-            "memory_feature_names": list(F.MEMORY_FEATURE_NAMES),
-            "target": "log(measured_step_time_s / analytical_step_time_s)",
+            **_feature_names(),
+            "target": "log(measured_step_time_s / calibrated core step time) per family; "
+                      "log(measured_step_time_s / analytical_step_time_s) across families",
             "stall_target": "log(measured_step_time_s / num_microbatches) of stalled runs",
             "params": tree["params"],
             "state": tree["state"],
@@ -205,11 +205,10 @@ class _Persistence:
         if version != SCHEMA_VERSION:
             raise ModelFormatError(f"{manifest_path}: schema_version={version!r} but this "
                                    f"paratune reads schema_version={SCHEMA_VERSION}; refit it")
-        if (manifest.get("feature_names") != list(F.FEATURE_NAMES)
-                or manifest.get("transfer_feature_names") != list(F.TRANSFER_FEATURE_NAMES)
-                or manifest.get("memory_feature_names") != list(F.MEMORY_FEATURE_NAMES)):
-            raise ModelFormatError(f"{manifest_path}: feature_names differ from this paratune's "
-                                   "features; refit the model")
+        differ = [key for key, names in _feature_names().items() if manifest.get(key) != names]
+        if differ:
+            raise ModelFormatError(f"{manifest_path}: {', '.join(differ)} differ from this "
+                                   "paratune's features; refit the model")
         try:
             return cls._from_manifest(path, manifest)
         except ModelFormatError:
@@ -231,6 +230,16 @@ class _Persistence:
         if manifest["training"]["fingerprint_sha256"] != model.fingerprint_:
             raise ValueError("'training' (its fingerprint is not the model's)")
         return model
+
+
+def _feature_names() -> dict[str, list[str]]:
+    """The columns each booster of a saved model reads, by manifest key: written on save,
+    and on load each must be this paratune's."""
+    return {"feature_names": list(F.FEATURE_NAMES),
+            "feasibility_feature_names": [*F.FEATURE_NAMES, "log2_pred_mem_fraction"],
+            "transfer_feature_names": list(F.TRANSFER_FEATURE_NAMES),
+            "stall_transfer_feature_names": list(F.STALL_FEATURE_NAMES),
+            "memory_feature_names": list(F.MEMORY_FEATURE_NAMES)}
 
 
 def _component_pattern(state: dict[str, Any]) -> re.Pattern[str]:

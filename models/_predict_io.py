@@ -293,22 +293,15 @@ def _placeholder_parts() -> tuple[Any, Any, Any]:
     return get_model("tiny"), ParallelConfig(), "cpu"
 
 
-def _missing(value: Any) -> bool:
-    """True for a missing cell (None or NaN)."""
-    return value is None or (isinstance(value, float) and np.isnan(value))
-
-
 def _fill_placeholders(configs: pd.DataFrame, errors: np.ndarray) -> pd.DataFrame:
     """Rows that could not be read get a harmless placeholder (their predictions are blanked)."""
     from paratune.predictor import config_frame
-    from paratune.spec import get_model
 
     bad = errors != ""
     if not bad.any():
         return configs.reset_index(drop=True)
-    from paratune.parallel import ParallelConfig
-
-    placeholder = config_frame(get_model("tiny"), [ParallelConfig()], "cpu").iloc[0]
+    model, layout, hardware = _placeholder_parts()
+    placeholder = config_frame(model, [layout], hardware).iloc[0]
     configs = configs.reset_index(drop=True).copy()
     for column in configs.columns:
         configs[column] = configs[column].astype(object)

@@ -11,16 +11,19 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from paratune.errors import DatasetError
+from paratune.measurement import Status
 from paratune.models import features as F
 from paratune.models._base import (
     PRED_STALL_PROB,
     _catalogue_names,
     _family_by_hardware,
     hardware_families,
+    memory_threshold,
     source_family,
 )
-from paratune.models._data import measured_step_time
+from paratune.models._data import calibrated_fingerprint, measured_step_time
 from paratune.models._feature_columns import _lookup
+from paratune.predictor import PRED_PEAK_MEM_GB
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -159,17 +162,23 @@ class _Ranges:
 
         The family's interval margin becomes the spread of its rows around the calibrated
         prediction (the 90th percentile of the absolute log residual), in place of the
-        margin of a family without measurements. Calibrating again with more rows of a
-        family replaces its calibration.
+        margin of a family without measurements. A family whose runs ran out of memory, and
+        whose feasibility the memory rule decides (not the feasibility classifier), gets the
+        rule's threshold where its runs that ran and that ran out of memory part at the
+        predicted memory (:func:`~paratune.models._base.memory_threshold`): configurations
+        like the ones a verification saw fail are not recommended again. Calibrating again
+        with more rows of a family replaces its calibration.
 
         Args:
-            frame: Measurement rows; those without a measured step time are not used.
+            frame: Measurement rows; those with neither a measured step time nor the status
+                ``oom`` are not used.
 
         Returns:
             ``self``.
 
         Raises:
-            DatasetError: no row of ``frame`` has a measured step time and a prediction.
+            DatasetError: no row of ``frame`` has a measured step time and a prediction, nor
+                ran out of memory.
         """
         from paratune.models._calibration import (
             FEW_SHOT_MIN_ROWS,
@@ -181,19 +190,27 @@ class _Ranges:
         self._check_fitted()
         step = measured_step_time(frame)
         families = self._families(frame)  # as predict tells them apart
+        timed_families = set(families[np.isfinite(step)])
         saved, self.family_offsets_ = self.family_offsets_, {
-            f: v for f, v in self.family_offsets_.items() if f not in set(families)}
+            f: v for f, v in self.family_offsets_.items() if f not in timed_families}
         try:
-            pred = self.predict(frame)["pred_step_time_s"].to_numpy(float)
+            predicted = self.predict(frame)
         except BaseException:
             self.family_offsets_ = saved
             raise
+        pred = predicted["pred_step_time_s"].to_numpy(float)
         with np.errstate(divide="ignore", invalid="ignore"):
             log_ratio = np.log(step / pred)
         usable = np.isfinite(log_ratio)
-        if not usable.any():
+        thresholds = self._memory_thresholds(frame, families, predicted)
+        if not usable.any() and not thresholds:
             self.family_offsets_ = saved
-            raise DatasetError("calibrate: no row with a measured step time and a prediction")
+            raise DatasetError("calibrate: no row with a measured step time and a prediction, "
+                               "nor one that ran out of memory")
+        # a family's runs replace its threshold (without an out-of-memory run: the default)
+        self.memory_thresholds_ = {
+            **{f: v for f, v in self.memory_thresholds_.items() if f not in set(families)},
+            **thresholds}
         c = F.Columns(frame)
         _, analytical = F.compute_features(c)
         parts = few_shot_parts(c, analytical)
@@ -216,7 +233,30 @@ class _Ranges:
             spread = float(np.quantile(np.abs(r - offset), 0.9)) if n > 1 else abs(offset)
             self.family_offsets_[str(family)] = {"log_factor": offset, "margin": spread,
                                                  "rows": n}
+        # another model's values than the fitted one's, whatever the rows fitted on
+        self.fingerprint_ = calibrated_fingerprint(self.fingerprint_, frame)
         return self
+
+    def _memory_thresholds(self, frame: pd.DataFrame, families: np.ndarray,
+                           predicted: pd.DataFrame) -> dict[str, float]:
+        """The memory rule's threshold per family of ``frame`` that ran out of memory there
+        and that the rule decides for (not the feasibility classifier): where its runs that
+        ran and ran out of memory part at the predicted memory (:func:`memory_threshold`)."""
+        if "status" not in frame.columns:
+            return {}
+        status = frame["status"].astype(str).to_numpy()
+        capacity = np.asarray(F.Columns(frame).memory_gb, dtype=float)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            share = predicted[PRED_PEAK_MEM_GB].to_numpy(float) / capacity
+        known = np.isfinite(share) & (capacity > 0)
+        out = {}
+        for family in np.unique(families):
+            rows = known & (families == family)
+            oom = rows & (status == Status.OOM.value)
+            if oom.any() and str(family) not in self.feasibility_families_:
+                out[str(family)] = memory_threshold(share[rows & (status == Status.OK.value)],
+                                                    share[oom])
+        return out
 
     def _distance(self, frame: pd.DataFrame, c: F.Columns | None = None
                   ) -> tuple[np.ndarray, dict[str, np.ndarray], np.ndarray]:
@@ -385,7 +425,8 @@ def _extrapolation_warnings(dist: np.ndarray, fresh: np.ndarray, families: np.nd
         family = _lookup(
             families[fresh],
             lambda f: "" if f is None else (
-                f"no measurement of family {f}: predicted from other families' runs "
+                f"no measurement of {f'family {f}' if f else 'any family on its hardware'}: "
+                "predicted from other families' runs "
                 "moved toward a well-tuned framework on its hardware (`paratune calibrate` "
                 "on a few of its runs moves it), interval widened, memory and whether it "
                 "fits by the analytical estimate"), dtype=object)

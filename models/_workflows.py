@@ -84,11 +84,12 @@ def fit_model(data: Sequence[str | Path], out: str | Path, *, n_estimators: int 
                    f"in-sample median APE {100 * fit_metrics['train_mdape']:.1f}% "
                    f"(cross-validate with `paratune evaluate`)\n"
                    f"training-data fingerprint {model.fingerprint_[:16]}")
-        if model.family_offsets_:
+        calibrated = sorted({*model.family_offsets_, *model.memory_thresholds_})
+        if calibrated:
             # families with a handful of runs beside measured ones: calibrated on
             summary += "".join(
                 f"\ncalibrated on, too few runs to fit on (fewer than {MIN_ROWS}): {line}"
-                for line in _calibrations(model, sorted(model.family_offsets_)))
+                for line in _calibrations(model, calibrated))
         if run is not None:
             run.log_metrics(fit_metrics)
             # the model's files: not its lock, nor temporaries of a save killed there before
@@ -115,7 +116,8 @@ def calibrate_model(data: Sequence[str | Path], model_dir: str | Path) -> str:
     Raises:
         ModelFormatError: ``model_dir`` holds no model this paratune reads.
         FileNotFoundError, PermissionError: a ``data`` path is missing or unreadable.
-        DatasetError: no run has a measured step time and a prediction.
+        DatasetError: no run has a measured step time and a prediction, nor ran out of
+            memory.
     """
     from paratune.models._estimators import load_model
 
@@ -124,23 +126,33 @@ def calibrate_model(data: Sequence[str | Path], model_dir: str | Path) -> str:
     frame = load_measurements(data)
     model.calibrate(frame)
     model.save(model_dir)
-    families = sorted(set(model._families(frame)) & set(model.family_offsets_))
+    families = sorted(set(model._families(frame))
+                      & {*model.family_offsets_, *model.memory_thresholds_})
     return "\n".join(f"{line} -> {model_dir}" for line in _calibrations(model, families))
 
 
 def _calibrations(model: PerformanceModel, families: Sequence[str]) -> list[str]:
-    """One line per calibrated family of ``families``: its runs and what they set."""
+    """One line per calibrated family of ``families``: its runs and what they set (its step
+    time, its memory threshold or both)."""
+    from paratune.models._base import MEMORY_RULE_THRESHOLD
+
     lines = []
     for family in families:
-        entry = model.family_offsets_[family]
-        if "efficiency" in entry:
-            what = (f"its own constants: {entry['efficiency']:.3g}x the analytical step time "
-                    f"+ {1e3 * entry['layer_pass_s']:.3g} ms per layer pass")
-        else:
-            what = f"a factor of {np.exp(entry['log_factor']):.3g} on the step time"
-        name = family or "runs of no known family"
-        lines.append(f"{name}: {entry['rows']} runs -> {what}; interval margin "
-                     f"+/-{100 * (np.exp(entry['margin']) - 1):.0f}%")
+        said = []
+        entry = model.family_offsets_.get(family)
+        if entry is not None:
+            if "efficiency" in entry:
+                what = (f"its own constants: {entry['efficiency']:.3g}x the analytical step "
+                        f"time + {1e3 * entry['layer_pass_s']:.3g} ms per layer pass")
+            else:
+                what = f"a factor of {np.exp(entry['log_factor']):.3g} on the step time"
+            said.append(f"{entry['rows']} runs -> {what}; interval margin "
+                        f"+/-{100 * (np.exp(entry['margin']) - 1):.0f}%")
+        threshold = model.memory_thresholds_.get(family)
+        if threshold is not None:
+            said.append(f"runs out of memory -> out of memory from {100 * threshold:.0f}% of "
+                        f"device memory as predicted (else {100 * MEMORY_RULE_THRESHOLD:.0f}%)")
+        lines.append(f"{family or 'runs of no known family'}: {'; '.join(said)}")
     return lines
 
 

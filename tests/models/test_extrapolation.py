@@ -511,6 +511,57 @@ def test_a_handful_of_a_new_frameworks_runs_is_calibrated_on_not_fitted_on(synth
     assert "launchbound" in fitted.core_constants_ and not fitted.family_offsets_
 
 
+def test_a_familys_runs_out_of_memory_move_its_memory_threshold(synthetic, tmp_path):
+    """A framework without measurements is read at the analytical memory and the memory
+    rule, which calls it fitting up to 95% of device memory. Verified runs that ran out of
+    memory from 70% of it on (its buffers, a fragmenting allocator) move its threshold to
+    where its runs part, so a refit after a verification does not recommend them again:
+    its configurations from there on are called out of memory, those below still fit, and
+    the other family's predictions do not move. A refit on the measured rows and these runs
+    calibrates on them the same way, and a saved model keeps it."""
+    from paratune.models import features as F
+    from paratune.models._base import MEMORY_RULE_THRESHOLD
+
+    ok = synthetic[synthetic["status"] == "ok"].reset_index(drop=True)
+    share = F.analytical_memory_gb(F.Columns(ok)) / 80.0
+    other = ok.assign(source="tightfw_runs")
+    low, high = other[share < 0.55], other[(share > 0.7) & (share < 0.9)]
+    assert len(low) >= 10 and len(high) >= 6
+    shots = pd.concat([low.iloc[:5], high.iloc[:3].assign(
+        status="oom", error="CUDA out of memory", step_time_s=np.nan, tokens_per_s=np.nan)])
+    model = PerformanceModel(**SMALL, nested_intervals=False).fit(synthetic)
+    before = model.predict(high.iloc[3:])["pred_feasible_prob"]
+    assert (before > 0.5).all()
+    own = model.predict(synthetic)
+    model.calibrate(shots)
+    threshold = model.memory_thresholds_["tightfw"]
+    assert 0.55 < threshold < min(share[high.index[:3]]) < MEMORY_RULE_THRESHOLD
+    assert (model.predict(high)["pred_feasible_prob"] < 0.5).all()
+    assert (model.predict(low)["pred_feasible_prob"] > 0.5).all()
+    pd.testing.assert_frame_equal(model.predict(synthetic), own)
+    loaded = load_model(model.save(tmp_path / "m"))
+    pd.testing.assert_frame_equal(loaded.predict(high), model.predict(high))
+    # refitted with the runs: calibrated on, out-of-memory runs too
+    refit = PerformanceModel(**SMALL, nested_intervals=False).fit(
+        pd.concat([synthetic, shots], ignore_index=True))
+    assert refit.memory_thresholds_ == pytest.approx({"tightfw": threshold})
+    assert (refit.predict(high)["pred_feasible_prob"] < 0.5).all()
+
+
+def test_the_memory_threshold_parts_a_familys_runs_nearest_the_default():
+    """The threshold a family's runs say: just below its first run out of memory where
+    nothing ran near it, between the two where they are close, the default where every run
+    out of memory lies above it, and the fewest runs on the wrong side where they overlap."""
+    from paratune.models._base import MEMORY_RULE_THRESHOLD, MEMORY_RULE_WIDTH, memory_threshold
+
+    assert memory_threshold([0.4, 0.5], [0.85, 0.9]) == pytest.approx(0.85 - MEMORY_RULE_WIDTH)
+    assert memory_threshold([0.4, 0.84], [0.85]) == pytest.approx(0.845)
+    assert memory_threshold([0.4], [0.97, 1.1]) == pytest.approx(MEMORY_RULE_THRESHOLD)
+    assert memory_threshold([], [0.7]) == pytest.approx(0.7 - MEMORY_RULE_WIDTH)
+    # one run out of memory below one that ran: the threshold keeps the other two right
+    assert 0.6 < memory_threshold([0.5, 0.8], [0.65, 0.9]) < 0.9
+
+
 def test_core_constants_are_recovered_and_move_with_the_physics(synthetic):
     from paratune.models import features as F
     from paratune.models._calibration import (
