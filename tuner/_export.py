@@ -164,6 +164,16 @@ _LAUNCH_FILES = {"torchrun": "torchrun.sh", "torchtitan_sh": "torchtitan.sh",
 """Launch files by the kind :func:`write_recommendation` returns their paths under."""
 
 
+def _titan_with_overrides(launch: dict[str, Any]) -> str:
+    """The torchtitan 0.3 command with the script's own arguments (``"$@"``) before its last
+    one, the activation-checkpointing subcommand (``activation-checkpoint:none``): the
+    parser takes what follows a subcommand as that subcommand's, and refuses the rest."""
+    command, policy = launch["torchtitan"], launch["torchtitan_args"][-1]
+    if policy.startswith("activation-checkpoint:") and command.endswith(f" {policy}"):
+        return f'{command[:-len(policy)]}"$@" {policy}'
+    return f'{command} "$@"'
+
+
 def write_recommendation(rec: dict[str, Any], directory: str | Path, *,
                          allow_infeasible: bool = False) -> dict[str, Path]:
     """Write ``recommendation.json``/``.yaml`` and the launch files into ``directory``
@@ -198,7 +208,7 @@ def write_recommendation(rec: dict[str, Any], directory: str | Path, *,
             path_line = ('export PYTHONPATH="$(dirname "$0")${PYTHONPATH:+:$PYTHONPATH}"\n'
                          if launch.get("torchtitan_config_module") else "")
             texts["torchtitan_sh"] = ("#!/bin/sh\n# torchtitan 0.3\n" + header + path_line
-                                   + launch["torchtitan"] + ' "$@"\n')
+                                   + _titan_with_overrides(launch) + "\n")
         if launch.get("torchtitan_config_module"):
             texts["torchtitan_config"] = header + launch["torchtitan_config_module"]
         texts["torchtitan"] = header + launch["torchtitan_toml"]

@@ -265,6 +265,32 @@ def test_torchtitan_loads_and_splits_every_export(name, config, hardware, tmp_pa
     check(model, config, hw, tmp_path, monkeypatch)
 
 
+def test_torchtitan_sh_takes_the_users_overrides(tmp_path):
+    """``torchtitan.sh --training.steps 10 ...`` reaches torchtitan 0.3's parser as options
+    of the job: the script puts its own arguments before the activation-checkpointing
+    subcommand, after which the parser takes every option as the subcommand's and refuses
+    them. The script's command line, overrides substituted for ``"$@"``, parses with them."""
+    import shlex
+
+    if _torchtitan_version() < (0, 3):
+        pytest.skip("torchtitan 0.2.x is launched by its TOML")
+    from torchtitan.config.manager import ConfigManager
+
+    model, hw = get_model("llama3-8b"), get_hardware("H100")
+    config = ParallelConfig(dp=4, tp=2, micro_batch_size=1, global_batch_size=32,
+                            recompute="full")
+    paths = write_recommendation(recommendation(model, config, hw), tmp_path)
+    line = paths["torchtitan_sh"].read_text().splitlines()[-1]
+    words = shlex.split(line.replace('"$@"', "--training.steps 10 --hf_assets_path /tmp/hf"))
+    args = words[words.index("torchtitan.train") + 1:]
+    assert args[-1] == "activation-checkpoint:full"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        job = ConfigManager().parse_args(args)
+    assert job.training.steps == 10 and job.hf_assets_path == "/tmp/hf"
+    assert job.parallelism.tensor_parallel_degree == 2
+
+
 # ----------------------------------------------------------------------------- Megatron-LM
 
 
