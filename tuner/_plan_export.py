@@ -93,6 +93,11 @@ def _tokens_text(tokens: float) -> str:
     return str(value)
 
 
+def _flag_value(args: list[str], flag: str) -> str:
+    """The value after ``flag`` in a flat argument list."""
+    return args[args.index(flag) + 1]
+
+
 def megatron_step_schedule(entries: list[tuple[float, int]], *, seq_len: int) -> str:
     """``--step-batch-size-schedule`` text from ``(run tokens, global batch)`` pairs.
 
@@ -250,10 +255,19 @@ def _phase_launches(plan: Plan, model: ModelSpec, checkpoint_dir: str) -> list[d
     return phases
 
 
+_SINGLE_LAUNCH = ("torchtitan.sh beside this file launches the same job on 0.3 with "
+                  "--module/--config and command-line overrides")
+_PHASE_LAUNCH = ("for 0.3, `paratune tune` at this phase's batch writes its layout's "
+                 "torchtitan.sh, which takes this phase's --training.steps, --optimizer.lr and "
+                 "--checkpoint.* settings as command-line overrides")
+
+
 def _phase_toml(model: ModelSpec, span: _PhaseSpan, *, checkpoint_dir: str) -> str:
     """The phase's torchtitan TOML: the config's, with its dump folder, last step, learning
     rate and checkpoint (resumed from the previous phase's last step)."""
     toml = torchtitan_toml(model, span.config)
+    # no torchtitan.sh beside a phase's TOML: where torchtitan 0.3 finds this job instead
+    toml = toml.replace(_SINGLE_LAUNCH, _PHASE_LAUNCH)
     toml = _toml_set(toml, "job", {"dump_folder": f"outputs/phase_{span.index + 1:02d}"})
     toml = _toml_set(toml, "training", {"steps": span.end_step})
     toml = _toml_set(toml, "optimizer", {"lr": span.lr})
@@ -352,8 +366,11 @@ def _readme(launch: dict[str, Any]) -> str:
     for i, layout in enumerate(launch["layouts"], 1):
         where = ("start" if i == 1 else
                  f"reconfigure at {layout['start_tokens']:.6g} tokens")
-        lines.append(f"megatron_layout_{i:02d} ({where}): phases {layout['phases']}, "
-                     f"--step-batch-size-schedule \"{layout['step_batch_size_schedule']}\"")
+        args = layout["megatron_args"]
+        batch = (f"--step-batch-size-schedule \"{layout['step_batch_size_schedule']}\""
+                 if "--step-batch-size-schedule" in args else
+                 f"--global-batch-size {_flag_value(args, '--global-batch-size')}")
+        lines.append(f"megatron_layout_{i:02d} ({where}): phases {layout['phases']}, {batch}")
     if launch.get("trainer_command"):
         lines += ["", "paratune's own trainer, the whole plan in one launch (run_plan.sh):",
                   launch["trainer_command"]]

@@ -64,7 +64,18 @@ def test_every_phase_gets_a_torchtitan_config_that_resumes_the_last(closed_form,
         assert (phase["steps"] == steps - sum(p["steps"] for p in plan.phases[:i - 1]))
     launch = json.loads(files["launch.json"].read_text())
     assert [p["end_step"] for p in launch["phases"]][-1] == steps
-    assert "phase 01" in files["README"].read_text()
+    readme = files["README"].read_text()
+    assert "phase 01" in readme
+    # each layout's line names the batch flag its arguments hold, and no phase's TOML
+    # points at a torchtitan.sh its folder does not have
+    for i, layout in enumerate(launch["layouts"], 1):
+        flag = ("--step-batch-size-schedule" if "--step-batch-size-schedule"
+                in layout["megatron_args"] else "--global-batch-size")
+        line = next(x for x in readme.splitlines() if x.startswith(f"megatron_layout_{i:02d}"))
+        assert flag in line
+    for i in range(1, len(plan.phases) + 1):
+        if f"phase_{i:02d}/torchtitan.sh" not in files:
+            assert "beside this file" not in files[f"phase_{i:02d}/torchtitan.toml"].read_text()
     # paratune's trainer takes the whole plan in one launch (its own test trains one)
     script = files["run_plan.sh"].read_text()
     assert "-m paratune.profiler.train" in script and "--plan launch.json" in script
