@@ -102,12 +102,22 @@ def read_config_csv(path: str | Path) -> tuple[pd.DataFrame, pd.DataFrame, np.nd
     """
     import pandas as pd
 
-    from paratune.datasets.importers import missing_public_columns, public_header_problem
+    from paratune.datasets.importers import (
+        PUBLIC_REQUIRED,
+        missing_public_columns,
+        public_header_problem,
+    )
 
     path = Path(path)
     raw, errors = _read_raw(path)
     # the header as read above (is_public_csv would read the file again)
     if not missing_public_columns(list(raw.columns)):
+        # a column every row needs for a prediction (all the format requires but the
+        # model's name) is the file's problem, told once, as import and fit tell theirs
+        lacking = [c for c in PUBLIC_REQUIRED if c != "model" and c not in raw.columns]
+        if lacking:
+            raise DatasetError(f"{path}: the public measurement format without columns "
+                               f"{', '.join(lacking)}, which every row needs for a prediction")
         configs = _public_configs(raw, errors)
         return raw, _fill_placeholders(configs, errors), errors
     missing = [c for c in _OWN_REQUIRED if c not in raw.columns]

@@ -537,6 +537,30 @@ def test_predict_names_the_missing_public_columns(model_dir, tmp_path, capsys, d
     assert "num_layers" not in err
 
 
+def _public_without(columns: tuple[str, ...], path) -> None:
+    names = PUBLIC_HEADER.split(",")
+    keep = [i for i, name in enumerate(names) if name not in columns]
+    path.write_text("\n".join(",".join(line.split(",")[i] for i in keep)
+                              for line in [PUBLIC_HEADER, *PUBLIC_ROWS[:2]]) + "\n")
+
+
+def test_predict_refuses_a_public_file_without_a_column_every_row_needs(model_dir, tmp_path,
+                                                                       capsys):
+    """A public file without ``heads`` (or ``seq_len``, ``gpu``...) has no row to predict:
+    the file is refused with the columns named, as import and fit refuse it, not written as
+    every row's ``pred_error`` with exit 0. Without the model's name, which no prediction
+    needs, every row is predicted."""
+    src, out = tmp_path / "in.csv", tmp_path / "o.csv"
+    _public_without(("heads", "seq_len"), src)
+    assert main(["predict", "--model", str(model_dir), str(src), "--out", str(out)]) == 2
+    assert "without columns heads, seq_len" in capsys.readouterr().err
+    assert not out.exists()
+    _public_without(("model",), src)
+    assert main(["predict", "--model", str(model_dir), str(src), "--out", str(out)]) == 0
+    # the second row's degrees contradict its GPU count: that row's own problem
+    assert "predicted 1 of 2 rows" in capsys.readouterr().out
+
+
 def test_predict_reads_vendor_gpu_names_and_names_the_gpu_column(model_dir, tmp_path):
     def with_gpu(name: str) -> str:
         return PUBLIC_ROWS[0].replace(",H100-80GB,", f",{name},")
