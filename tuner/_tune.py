@@ -370,10 +370,12 @@ def _rerank(problem: _Problem, result: SearchResult, *, risk_aware: bool | None,
 def _write(problem: _Problem, result: SearchResult, study: optuna.Study | None) -> TuneResult:
     """The recommendation of the winner, written where the output says."""
     best, top_k = result.best_row, problem.output.top_k
+    # the point prediction, the throughput ranked by (expected, a quantile or risk-aware)
+    # and, where risk-aware, the expected one it was moved from
     predicted = {k: _plain(best[k]) for k in (
-        "tokens_per_s", "ranked_tokens_per_s", "step_time_s", "peak_mem_gb",
-        "feasible_prob", "efficiency", "goodput", "objective", "feasible",
-        "pred_stall_prob") if k in best}
+        "tokens_per_s", "ranked_tokens_per_s", "expected_tokens_per_s", "step_time_s",
+        "peak_mem_gb", "feasible_prob", "efficiency", "goodput", "goodput_expected",
+        "objective", "feasible", "pred_stall_prob") if k in best}
     space = problem.space
     if space.framework:  # whose runs the figures are of
         predicted["framework"] = space.framework

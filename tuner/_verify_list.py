@@ -75,8 +75,9 @@ def risk_aware_ranking(ranked: pd.DataFrame, *, quantile: str | None = None
 
     Returns:
         The re-ranked frame (unchanged where the predictor gives no such quantile): its
-        ``objective`` and ``ranked_tokens_per_s`` are the risk-aware ones,
-        ``objective_expected`` and ``expected_tokens_per_s`` the ones before.
+        ``objective``, ``ranked_tokens_per_s`` and ``goodput`` are the risk-aware ones,
+        ``objective_expected``, ``expected_tokens_per_s`` and ``goodput_expected`` the ones
+        before.
     """
     import numpy as np
 
@@ -103,6 +104,9 @@ def risk_aware_ranking(ranked: pd.DataFrame, *, quantile: str | None = None
         objective_expected=objective, objective=objective * factor,
         expected_tokens_per_s=expected, ranked_tokens_per_s=expected * factor,
         risk_candidate=candidate)
+    if "goodput" in out.columns:  # the ranked throughput's: shown and recorded with it
+        goodput = ranked["goodput"].to_numpy(dtype=float)
+        out = out.assign(goodput_expected=goodput, goodput=goodput * factor)
     return rank(out)
 
 

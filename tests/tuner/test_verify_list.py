@@ -51,6 +51,12 @@ def test_risk_aware_ranking_puts_an_uncertain_config_below_a_sure_one():
     assert out["objective"].tolist() == pytest.approx([(90 * 80) ** 0.5, (100 * 30) ** 0.5])
     assert out["objective_expected"].tolist() == [90.0, 100.0]
     assert list(out["rank"]) == [1, 2] and out["vs_best"].iloc[0] == 1.0
+    # under the goodput objective its column follows the ranked throughput, so the table
+    # and the recommendation show what was ranked
+    halved = risk_aware_ranking(ranked.assign(goodput=ranked["objective"] * 0.5,
+                                              objective=ranked["objective"] * 0.5))
+    assert halved["goodput"].tolist() == pytest.approx(halved["objective"].tolist())
+    assert halved["goodput_expected"].tolist() == [45.0, 50.0]
     # a predictor without the quantile: the ranking stands
     assert risk_aware_ranking(ranked.drop(columns="pred_tokens_per_sec_per_gpu_q10")) is not None
     assert list(risk_aware_ranking(ranked.drop(
