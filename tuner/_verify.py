@@ -14,6 +14,8 @@ refitting (:mod:`~paratune.tuner._verify_refit`), the cluster's launch files
 from __future__ import annotations
 
 import logging
+import math
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -182,9 +184,9 @@ def verify_top_k(result: TuneResult, k: int, options: VerifyOptions | None = Non
     picked = verify_positions(result.search.ranked, ranked_configs, space.model, k)
     configs = [ranked_configs[i] for i in picked]
     ranked = result.search.ranked.iloc[picked]  # each verified config's own prediction
-    runs = options.runs
     frames = []
-    for cfg in configs:
+    for cfg, step_s in zip(configs, ranked["step_time_s"].to_numpy(dtype=float), strict=True):
+        runs = _runs_for(options.runs, cfg, step_s)
         target = base / cfg.key()
         resume = (target / "campaign.json").exists()
         campaign = run_campaign(runs.campaign(space, cfg, device=device), target,
@@ -194,6 +196,19 @@ def verify_top_k(result: TuneResult, k: int, options: VerifyOptions | None = Non
     refit_path = Path(options.refit_dir) if options.refit_dir is not None else base / "refit"
     return refit_and_compare(result, configs, frames, predicted, dataset=options.dataset,
                              refit_path=refit_path, model_factory=options.model_factory)
+
+
+def _runs_for(runs: VerifyRuns, config: ParallelConfig, step_s: float) -> VerifyRuns:
+    """How ``config`` is measured: with a timeout of at least twice the predicted time of its
+    steps (``step_s`` each), so a config predicted slow is measured, not killed as hung."""
+    predicted = step_s * (runs.warmup_steps + runs.measured_steps)
+    if not (math.isfinite(predicted) and 2 * predicted > runs.timeout_s):
+        return runs
+    timeout = math.ceil(2 * predicted + 60)
+    logger.warning("%s: predicted %.0f s for its %d steps; its timeout raised from %.0f s to "
+                   "%d s", config.key(), predicted, runs.warmup_steps + runs.measured_steps,
+                   runs.timeout_s, timeout)
+    return replace(runs, timeout_s=float(timeout))
 
 
 VERIFY_ON = ("auto", "here", "cluster")

@@ -121,18 +121,24 @@ def refit_and_compare(result: TuneResult, configs: list[ParallelConfig],
     import pandas as pd
 
     measured = pd.concat(frames, ignore_index=True)
-    after = _refit(result, configs, measured, dataset=dataset, refit_path=refit_path,
-                   model_factory=model_factory)
+    after, refitted = _refit(result, configs, measured, dataset=dataset,
+                             refit_path=refit_path, model_factory=model_factory)
     rows = [_comparison(cfg, own, predicted[i], float(after.iloc[i]))
             for i, (cfg, own) in enumerate(zip(configs, frames))]
-    logger.info("verified %d configs; refitted model saved to %s", len(rows), refit_path)
+    statuses = pd.Series([row["status"] for row in rows]).value_counts()
+    ran = int(statuses.get("ok", 0))
+    failed = ", ".join(f"{n} {s}" for s, n in statuses.items() if s != "ok")
+    logger.info("measured %d configs: %d ran%s; %s", len(rows), ran,
+                f", {failed}" if failed else "",
+                f"refitted model saved to {refit_path}" if refitted else "not refitted")
     return pd.DataFrame(rows)
 
 
 def _refit(result: TuneResult, configs: list[ParallelConfig], measured: pd.DataFrame, *,
            dataset: str | Path | Sequence[str | Path] | None, refit_path: Path,
-           model_factory: Any) -> pd.Series:
-    """The refitted model's throughput of each of ``configs`` (NaN where nothing ran)."""
+           model_factory: Any) -> tuple[pd.Series, bool]:
+    """The refitted model's throughput of each of ``configs`` (NaN where nothing ran), and
+    whether a refit was saved."""
     import pandas as pd
 
     from paratune.models import load_measurements
@@ -150,11 +156,13 @@ def _refit(result: TuneResult, configs: list[ParallelConfig], measured: pd.DataF
     if not (frame["status"] == "ok").any():
         logger.warning("no verified config ran (statuses: %s); nothing to refit on",
                        ", ".join(measured["status"].astype(str)))
-        return pd.Series([math.nan] * len(configs))
+        return pd.Series([math.nan] * len(configs)), False
     refit = model_factory().fit(frame)
-    if hasattr(refit, "save"):
+    saved = hasattr(refit, "save")
+    if saved:
         refit.save(refit_path)
-    return evaluate(refit, result.search.space, configs, result.search.objective)["tokens_per_s"]
+    return (evaluate(refit, result.search.space, configs,
+                     result.search.objective)["tokens_per_s"], saved)
 
 
 def _comparison(cfg: ParallelConfig, own: pd.DataFrame, pred: float, new: float

@@ -50,6 +50,23 @@ def test_verify_profiles_refits_and_reports(closed_form, tmp_path):
     assert (tmp_path / "out" / "verify" / "refit").is_dir()
 
 
+def test_a_config_predicted_slow_gets_time_enough_to_be_measured(caplog):
+    """A verified config whose predicted steps take longer than half the per-config timeout
+    gets twice their time and a minute: killed at the default it would be recorded as a
+    timeout, a hung run, and teach the refit nothing. A quick one keeps the timeout."""
+    from paratune.tuner._verify import VerifyRuns, _runs_for
+
+    runs = VerifyRuns(warmup_steps=2, measured_steps=5, timeout_s=300.0)
+    config = ParallelConfig(dp=2, micro_batch_size=1, global_batch_size=8192)
+    with caplog.at_level("WARNING", logger="paratune.tuner._verify"):
+        slow = _runs_for(runs, config, 71.4)
+    assert slow.timeout_s == math.ceil(2 * 71.4 * 7 + 60)
+    assert (slow.warmup_steps, slow.measured_steps) == (2, 5)
+    assert "predicted 500 s for its 7 steps" in caplog.text
+    assert _runs_for(runs, config, 1.0) is runs
+    assert _runs_for(runs, config, math.nan) is runs
+
+
 def test_verify_here_needs_the_hardware_here(closed_form):
     # (verify_on="auto", the default, verifies such a job on its cluster instead)
     with pytest.raises(ConfigError, match="verify"):
