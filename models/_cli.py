@@ -40,7 +40,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Calibrate a saved model on a handful of runs (a framework's or cluster's "
                     "one-node campaign, 5-10 runs): a family it has no measurement of gets "
                     "two constants of its own from 3 runs on (an efficiency and a cost per "
-                    "layer pass), else one efficiency factor; the model is saved back.")
+                    "layer pass), else one efficiency factor; runs out of memory move its "
+                    "memory threshold; the model is saved back.")
     calibrate.add_argument("data", nargs="+", metavar="DATA",
                            help="paratune dataset directories or public measurement CSVs")
     calibrate.add_argument("--model", required=True, metavar="MODEL_DIR",
@@ -65,9 +66,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     evaluate = subparsers.add_parser(
         "evaluate", help="cross-validate the performance model (and baselines)",
-        description="Grouped cross-validation: random configurations, the largest cluster "
-                    "size held out, or each model held out. Prints MAPE, median APE, Spearman, "
-                    "top-1 regret and feasibility accuracy; writes a predicted-vs-measured plot.")
+        description="Grouped cross-validation (random configurations, the largest cluster "
+                    "size held out, or each model held out) or an extrapolation split (fit on "
+                    "the smallest models, on a quarter of the largest cluster, without a "
+                    "measurement family, or on one node; predict beyond). Prints MAPE, median "
+                    "APE, Spearman, top-1 and top-5 regret (also risk-aware), q10-q90 "
+                    "coverage and feasibility accuracy; writes a predicted-vs-measured plot.")
     evaluate.add_argument("data", nargs="+", metavar="DATA",
                           help="paratune dataset directories or public measurement CSVs")
     evaluate.add_argument("--split", choices=SPLIT_NAMES, default="random",

@@ -371,7 +371,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     with sigterm_as_exit():
-        return _run(args, argv, flags=_command_flags(parser, args))
+        try:
+            code = _run(args, argv, flags=_command_flags(parser, args))
+            sys.stdout.flush()  # here, not at exit, where a closed pipe prints a traceback
+            return code
+        except BrokenPipeError:
+            # the output's reader left (`| head`): the rest of it is not wanted
+            with contextlib.suppress(OSError, ValueError):
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return 141  # as a shell reports a command ended by SIGPIPE
 
 
 def _error(args: argparse.Namespace, message: str) -> None:

@@ -157,8 +157,8 @@ def megatron_notes(model: ModelSpec, config: ParallelConfig,
     if config.tp_enabled:
         notes.append(f"Megatron-LM runs tensor parallelism (tp={config.tp}) with sequence "
                      f"parallelism (--sequence-parallel), as the memory model's activation "
-                     f"term assumes; paratune's trainer measured it without, so activation "
-                     f"memory per GPU will be lower than measured.")
+                     f"term assumes; paratune's own trainer runs it without, so activation "
+                     f"memory per GPU will be lower than in paratune's own runs of it.")
     if _megatron_fsdp(config):
         notes.append("Megatron-FSDP (--use-megatron-fsdp) needs CUDA_DEVICE_MAX_CONNECTIONS "
                      "unset or above 1, and saves and loads checkpoints only as fsdp_dtensor.")

@@ -135,9 +135,9 @@ def torchtitan_notes(model: ModelSpec, config: ParallelConfig, *,
     if config.tp_enabled:
         notes.append(f"torchtitan's tensor parallelism (tp={config.tp}) adds sequence "
                      f"parallelism (norms and dropout split over the sequence), as the "
-                     f"memory model's activation term assumes; paratune's trainer measured "
+                     f"memory model's activation term assumes; paratune's own trainer runs "
                      f"tensor parallelism without it, so activation memory per GPU will be "
-                     f"lower than measured")
+                     f"lower than in paratune's own runs of it")
     if config.recompute is Recompute.SELECTIVE:
         notes.append("selective recompute: paratune recomputes the attention half of each "
                      "block (norm, QKV, rotary, attention, output projection) and keeps the "

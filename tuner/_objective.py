@@ -24,6 +24,7 @@ from paratune.predictor import (
     PRED_STEP_TIME_S,
     PRED_TOKENS_EXPECTED,
     PRED_TOKENS_PER_SEC_PER_GPU,
+    throughput_quantile_columns,
 )
 from paratune.tuner._efficiency import _positive, pollux_efficiency
 
@@ -145,8 +146,10 @@ class Objective:
         if self.risk_quantile:
             column = f"{PRED_TOKENS_PER_SEC_PER_GPU}_{self.risk_quantile}"
             if column not in out.columns:
+                given = [c.rsplit("_", 1)[-1] for c in throughput_quantile_columns(out.columns)]
                 raise ConfigError("risk_quantile", self.risk_quantile,
-                                  f"the predictor gives no {column} column")
+                                  f"the predictor gives no {column} column (its quantiles: "
+                                  f"{', '.join(given) or 'none'})")
             out["ranked_tokens_per_s"] = out[column].to_numpy(dtype=float) * world
         elif PRED_TOKENS_EXPECTED in out.columns:
             # the throughput of the expected step time: a configuration likely to stall is

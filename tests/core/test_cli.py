@@ -324,3 +324,21 @@ def test_a_misspelt_command_keeps_the_usage(capsys):
         main(["tune", "--search", "foo"])
     assert capsys.readouterr().err == ("paratune tune: error: argument --search: invalid "
                                        "choice: 'foo' (choose from 'optuna', 'exhaustive')\n")
+
+
+def test_output_into_a_closed_pipe_ends_quietly(tmp_path):
+    """``paratune datasets show DIR | head -1``: the reader leaves before the output is
+    written; the command ends with the shell's SIGPIPE status, no traceback on stderr."""
+    csv = tmp_path / "runs.csv"
+    csv.write_text(
+        "source,model,params_b,layers,hidden,heads,seq_len,gpu,num_gpus,tp,pp,dp,micro_batch,"
+        "global_batch,step_time_s,status\n"
+        "mine_h100,1B,1.2,16,2048,32,4096,H100-80GB,8,1,1,8,1,256,2.5,ok\n")
+    assert main(["datasets", "import", str(csv), "--out", str(tmp_path / "ds")]) == 0
+    process = subprocess.Popen([sys.executable, "-m", "paratune", "datasets", "show",
+                                str(tmp_path / "ds")], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE)
+    process.stdout.close()  # long before the interpreter has started and written
+    stderr = process.stderr.read().decode()
+    assert process.wait(timeout=120) == 141
+    assert "Traceback" not in stderr and "Exception ignored" not in stderr, stderr
