@@ -144,7 +144,8 @@ def export_public_csv(datasets: Sequence[str | Path] | str | Path, out: str | Pa
     if out.is_dir():
         raise DatasetError(f"{out}: is a directory, not a file")
     if out.exists() and not replace:
-        raise DatasetError(f"{out}: already exists; refused to replace it")
+        raise DatasetError(f"{out}: already exists; refused to replace it (replace=True, "
+                           "or --force on the command line, replaces it)")
     if "\n" in provenance or "\r" in provenance:
         raise DatasetError("export: the provenance must be one line")
     rows: list[dict[str, str]] = []

@@ -123,7 +123,7 @@ def hardware_columns(names: Any) -> dict[str, np.ndarray]:
     specs: list[HardwareSpec | None] = []
     errors: list[str] = []
     for name in [*uniques, None]:
-        if name is None:
+        if name is None or not str(name).strip() or str(name).strip().lower() == "nan":
             specs.append(None)
             errors.append("hardware is missing")
             continue

@@ -236,8 +236,9 @@ def _derive_counts(configs: pd.DataFrame, raw: pd.DataFrame, errors: np.ndarray)
         configs["dp"] * configs["micro_batch_size"])
     uneven = configs["num_microbatches"] % 1 != 0
     for i in np.flatnonzero(uneven.to_numpy() & (errors == "")):
+        dp, micro = int(configs["dp"].iloc[i]), int(configs["micro_batch_size"].iloc[i])
         errors[i] = (f"global_batch_size={raw['global_batch_size'].iloc[i]} is not a multiple "
-                     "of dp*micro_batch_size")
+                     f"of dp*micro_batch_size = {dp}*{micro} = {dp * micro}")
     if "num_microbatches" in raw.columns:
         stated = pd.to_numeric(raw["num_microbatches"], errors="coerce")
         clash = stated.notna() & (stated != configs["num_microbatches"])

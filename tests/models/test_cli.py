@@ -111,6 +111,9 @@ def test_predict_own_format_with_only_the_required_columns(model_dir, synthetic,
     ("virtual_stages", -3, "virtual_stages='-3' must be a positive integer"),
     ("virtual_stages", 4, "virtual_stages=4: must be 1 unless schedule=interleaved_1f1b"),
     ("schedule", "interleaved_1f1b", "interleaved_1f1b needs pp >= 2"),
+    ("hardware", "", "hardware is missing"),
+    ("global_batch_size", 1001, "global_batch_size=1001 is not a multiple of "
+                                "dp*micro_batch_size = "),
 ])
 def test_predict_own_format_checks_each_layout(model_dir, synthetic, tmp_path, column, value,
                                                message):
