@@ -5,10 +5,12 @@ it beyond its training runs."""
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from paratune.errors import ConfigError
+from paratune.measurement import family_of
 from paratune.predictor import Predictor
 from paratune.spec import ModelSpec
 from paratune.tuner._space import check_gpus
@@ -67,11 +69,17 @@ def extrapolation_warnings(predictor: Predictor, space: SearchSpace, *,
     out = []
     known = getattr(predictor, "measured_families_", None)
     if space.framework and known is not None and space.framework not in known:
+        # a family whose source names the framework (ultrascale_playbook_nanotron: nanotron)
+        named = sorted({family_of(source) for source in getattr(predictor, "sources_", [])
+                        if space.framework in re.split(r"[^a-z0-9.-]+", str(source).lower())}
+                       & set(known))
+        hint = (f"; the source of its {' and '.join(named)} runs names {space.framework}: "
+                f"--framework {named[0]} predicts from them" if named else "")
         out.append(f"the performance model has no measurement of framework "
                    f"{space.framework} (it measured {', '.join(known) or 'none'}): its configs "
                    f"are predicted as a well-tuned framework on {hardware}, from the other "
                    "families' runs without their stalled pipelines, with a wider interval "
-                   "(paratune calibrate with a few of its runs calibrates it)")
+                   f"(paratune calibrate with a few of its runs calibrates it){hint}")
     ranges = getattr(predictor, "training_ranges_", None)
     if not ranges:
         return out

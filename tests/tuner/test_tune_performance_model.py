@@ -223,3 +223,24 @@ def test_sharded_regimes_the_model_never_measured_are_ranked_risk_aware(saved_mo
     assert np.array_equal(feasible["risk_candidate"].to_numpy(),
                           feasible["objective_expected"].to_numpy()
                           >= (1 - RISK_AWARE_WITHIN) * best_expected)
+
+
+def test_a_framework_named_in_a_measured_source_is_pointed_to_its_family():
+    """``--framework nanotron`` with a model fitted on the Ultra-Scale sweep: the family is
+    named after the source's first word (ultrascale), and the source names nanotron; the
+    warning says which family to name. A framework no source names gets no such hint."""
+    from types import SimpleNamespace
+
+    from paratune.tuner._tune_inputs import extrapolation_warnings
+
+    fitted = SimpleNamespace(measured_families_=["ultrascale", "vtrain"],
+                             sources_=["ultrascale_playbook_nanotron",
+                                       "vtrain_ground_truth_single_node"])
+    spec = get_model("llama3-8b", seq_len=4096)
+    for framework, hint in (("nanotron", "--framework ultrascale predicts from them"),
+                            ("megatron-lm", None)):
+        space = SearchSpace.build(spec, 64, "H100", space=ConfigSpace(), framework=framework)
+        (warning,) = extrapolation_warnings(fitted, space)
+        assert warning.startswith(f"the performance model has no measurement of framework "
+                                  f"{framework}")
+        assert (hint in warning) if hint else ("--framework" not in warning)
