@@ -243,9 +243,28 @@ class SearchSpace:
         return labels
 
     def enumerate(self) -> SpaceEnumeration:
-        """Every valid config (and every skipped one with its rule), via ``ConfigSpace``."""
-        return self.space.enumerate(self.model, self.world_size,
-                                    devices_per_node=self.devices_per_node)
+        """Every valid config (and every skipped one with its rule), via ``ConfigSpace``,
+        less those the :attr:`framework` does not run (:meth:`framework_rule`)."""
+        found = self.space.enumerate(self.model, self.world_size,
+                                     devices_per_node=self.devices_per_node)
+        if not self.framework:
+            return found
+        rules = [(cfg, self.framework_rule(cfg)) for cfg in found.valid]
+        return SpaceEnumeration(valid=[cfg for cfg, rule in rules if rule is None],
+                                skipped=[*found.skipped,
+                                         *((cfg, rule) for cfg, rule in rules if rule)])
+
+    def framework_rule(self, config: ParallelConfig) -> str | None:
+        """Why the :attr:`framework` does not run ``config``, or ``None``: Megatron-LM
+        (a framework named ``megatron...``) shards gradients and parameters (ZeRO-2/3) only
+        with Megatron-FSDP, which runs no pipeline parallelism."""
+        if (self.framework.startswith("megatron") and config.pp_enabled
+                and config.dp_group_size > 1
+                and config.sharding in (Sharding.ZERO2, Sharding.ZERO3)):
+            return (f"sharding={config.sharding.value} with pp={config.pp}: Megatron-LM shards "
+                    "gradients and parameters only with Megatron-FSDP, which runs no pipeline "
+                    "parallelism")
+        return None
 
     # ------------------------------------------------------------------ sampling
     def degree_choices(self) -> tuple[list[int], list[int]]:
@@ -308,7 +327,8 @@ class SearchSpace:
             cfg.validate(self.model, self.world_size)
         except ConfigError as exc:
             return None, str(exc)
-        return cfg, ""
+        rule = self.framework_rule(cfg)
+        return (None, rule) if rule else (cfg, "")
 
     def shardings(self) -> list[Sharding]:
         """Allowed sharding levels, by stage (less memory per rank as the index grows)."""

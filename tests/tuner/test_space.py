@@ -275,3 +275,31 @@ def test_more_sharding_is_the_same_config_one_level_up():
         assert space.suggest(optuna.trial.FixedTrial(params))[0] == cfg
         levels.append(cfg.sharding)
     assert levels == [Sharding.ZERO1, Sharding.ZERO2, Sharding.ZERO3]
+
+
+def test_megatron_lm_is_searched_without_sharding_under_a_pipeline():
+    """Megatron-LM shards gradients and parameters (ZeRO-2/3) only with Megatron-FSDP, which
+    runs no pipeline: with ``framework="megatron-lm"`` neither the enumeration nor a sampled
+    trial holds ZeRO-2/3 with pp > 1 (the rule names why), while ZeRO-1 (its distributed
+    optimizer) under a pipeline and ZeRO-3 without one stay; another framework keeps them."""
+    model = get_model("llama3-8b")
+    shardings = ConfigSpace(shardings=("zero1", "zero2", "zero3"), micro_batch_sizes=(1, 2))
+    spaces = {name: SearchSpace.build(model, 64, "H100", global_batch_sizes=256,
+                                      space=shardings, framework=name)
+              for name in ("megatron-lm", None)}
+
+    def barred(cfg):
+        return cfg.pp > 1 and cfg.sharding.value in ("zero2", "zero3")
+
+    megatron = spaces["megatron-lm"].enumerate()
+    assert not any(barred(cfg) for cfg in megatron.valid)
+    assert any(cfg.pp > 1 and cfg.sharding.value == "zero1" for cfg in megatron.valid)
+    assert any(cfg.pp == 1 and cfg.sharding.value == "zero3" for cfg in megatron.valid)
+    valid_elsewhere = {cfg for cfg in spaces[None].enumerate().valid if barred(cfg)}
+    rules = [rule for cfg, rule in megatron.skipped if cfg in valid_elsewhere]
+    assert len(rules) == len(valid_elsewhere) > 0
+    assert all("Megatron-FSDP" in rule for rule in rules)
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    for _ in range(200):
+        cfg, _ = spaces["megatron-lm"].suggest(study.ask())
+        assert cfg is None or not barred(cfg), cfg
