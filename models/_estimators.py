@@ -390,6 +390,7 @@ class PerformanceModel(_Persistence, _StallRegime, _Ranges, _Base):
         self.training_ranges_ = training_ranges(frame, c.world)
         self.family_offsets_ = {}
         self.memory_thresholds_ = {}
+        self.calibrated_hardware_ = {}
         self._fit_widening(frame, families, timed, step)
 
     def _fit_memory(self, frame: pd.DataFrame, X: np.ndarray, analytical: dict[str, Any],

@@ -211,6 +211,13 @@ class _Ranges:
         self.memory_thresholds_ = {
             **{f: v for f, v in self.memory_thresholds_.items() if f not in set(families)},
             **thresholds}
+        # and the devices it ran on, which a row of no family on them is then predicted as
+        hardware = _catalogue_names(frame["hardware"]) if "hardware" in frame.columns else None
+        calibrated = set(families[usable]) | set(thresholds)
+        self.calibrated_hardware_ = {
+            **{f: v for f, v in self.calibrated_hardware_.items() if f not in calibrated},
+            **{str(f): sorted({str(h) for h in hardware[families == f]})
+               for f in calibrated if hardware is not None}}
         c = F.Columns(frame)
         _, analytical = F.compute_features(c)
         parts = few_shot_parts(c, analytical)
@@ -293,9 +300,22 @@ class _Ranges:
                     else np.full(len(frame), "", dtype=object))
         if "hardware" in frame.columns and (families == "").any():
             by_hardware = _family_by_hardware(_catalogue_names(frame["hardware"]),
-                                              self.hardware_family_)
+                                              self._source_less_families())
             families = np.where(families == "", by_hardware, families)
         return families
+
+    def _source_less_families(self) -> dict[str, str]:
+        """The family a row without a source is predicted as, by its hardware: the one
+        family fitted on it (:attr:`hardware_family_`); on hardware no fitted run was on,
+        the one family calibrated on it (a verification's runs on the target cluster)."""
+        fitted = set(getattr(self, "training_ranges_", {}) or {})
+        calibrated: dict[str, set[str]] = {}
+        for family, names in self.calibrated_hardware_.items():
+            for name in names:
+                calibrated.setdefault(name, set()).add(family)
+        return {**{name: next(iter(fams)) for name, fams in calibrated.items()
+                   if len(fams) == 1 and name not in fitted},
+                **self.hardware_family_}
 
     def _extrapolate(self, frame: pd.DataFrame, c: F.Columns, analytical: dict[str, Any],
                      times: _StepTimes, prob: np.ndarray,
