@@ -128,8 +128,8 @@ def refit_and_compare(result: TuneResult, configs: list[ParallelConfig],
     statuses = pd.Series([row["status"] for row in rows]).value_counts()
     ran = int(statuses.get("ok", 0))
     failed = ", ".join(f"{n} {s}" for s, n in statuses.items() if s != "ok")
-    logger.info("measured %d configs: %d ran%s; %s", len(rows), ran,
-                f", {failed}" if failed else "",
+    logger.info("measured %d config%s: %d ran%s; %s", len(rows), "" if len(rows) == 1 else "s",
+                ran, f", {failed}" if failed else "",
                 f"refitted model saved to {refit_path}" if refitted else "not refitted")
     return pd.DataFrame(rows)
 

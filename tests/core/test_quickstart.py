@@ -36,7 +36,8 @@ def test_quickstart_runs_the_whole_loop_and_resumes(tmp_path, monkeypatch):
     # read top to bottom: the tuning table, then the verification stage and what it logs
     step3 = next(i for i, line in enumerate(lines) if line.startswith("[3/4]"))
     step4 = next(i for i, line in enumerate(lines) if line.startswith("[4/4]"))
-    verified = next(i for i, line in enumerate(lines) if line.startswith("verified 1 config"))
+    verified = next(i for i, line in enumerate(lines)
+                    if line.startswith("measured 1 config: 1 ran; refitted model saved"))
     assert step3 + 1 < step4 < verified and "vs_best" in lines[step3 + 1]
     measured = result.campaign.dataset.frame
     assert (measured["status"] == "ok").all() and len(measured) >= 10
