@@ -130,7 +130,7 @@ def refit_and_compare(result: TuneResult, configs: list[ParallelConfig],
     failed = ", ".join(f"{n} {s}" for s, n in statuses.items() if s != "ok")
     logger.info("measured %d config%s: %d ran%s; %s", len(rows), "" if len(rows) == 1 else "s",
                 ran, f", {failed}" if failed else "",
-                f"refitted model saved to {refit_path}" if refitted else "not refitted")
+                f"refitted model saved to {refit_path}" if refitted else "no refit saved")
     return pd.DataFrame(rows)
 
 
