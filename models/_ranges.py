@@ -305,17 +305,17 @@ class _Ranges:
         return families
 
     def _source_less_families(self) -> dict[str, str]:
-        """The family a row without a source is predicted as, by its hardware: the one
-        family fitted on it (:attr:`hardware_family_`); on hardware no fitted run was on,
-        the one family calibrated on it (a verification's runs on the target cluster)."""
-        fitted = set(getattr(self, "training_ranges_", {}) or {})
+        """The family a row without a source (a config ``tune`` ranks) is predicted as, by
+        its hardware: the one family calibrated on it, whose runs are of the cluster at
+        hand (a verification's, of paratune's trainer on the target cluster), else the one
+        family fitted on it (:attr:`hardware_family_`)."""
         calibrated: dict[str, set[str]] = {}
         for family, names in self.calibrated_hardware_.items():
             for name in names:
                 calibrated.setdefault(name, set()).add(family)
-        return {**{name: next(iter(fams)) for name, fams in calibrated.items()
-                   if len(fams) == 1 and name not in fitted},
-                **self.hardware_family_}
+        return {**self.hardware_family_,
+                **{name: next(iter(fams)) for name, fams in calibrated.items()
+                   if len(fams) == 1}}
 
     def _extrapolate(self, frame: pd.DataFrame, c: F.Columns, analytical: dict[str, Any],
                      times: _StepTimes, prob: np.ndarray,

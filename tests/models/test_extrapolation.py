@@ -511,32 +511,39 @@ def test_a_handful_of_a_new_frameworks_runs_is_calibrated_on_not_fitted_on(synth
     assert "launchbound" in fitted.core_constants_ and not fitted.family_offsets_
 
 
+@pytest.mark.parametrize("devices", ["A100-80GB", "H100-80GB"])
 def test_a_verifications_runs_are_what_a_row_of_no_family_on_their_devices_is_predicted_as(
-        synthetic, tmp_path):
+        synthetic, tmp_path, devices):
     """A verification profiles a few configs on the target cluster with paratune's own
-    trainer (source ``paratune``) and refits beside a measured family's runs on other
-    devices; too few to fit on, the runs are calibrated on. The configs ``tune`` then ranks
-    carry no source: on the verified devices, where no fitted run was, they are predicted
-    as the calibrated family (else the verification would change nothing), and on the
-    measured family's devices as that family; a saved model keeps it."""
+    trainer (source ``paratune``) and refits beside a measured family's runs; too few to fit
+    on, the runs are calibrated on. The configs ``tune`` then ranks carry no source: on the
+    verified devices they are predicted as the calibrated family, the runs of the cluster at
+    hand, whether a fitted family measured those devices too (H100) or not (A100); else the
+    verification changes nothing there. Elsewhere they stay the fitted family's, and a saved
+    model keeps it."""
     from paratune.models import features as F
     from paratune.models._calibration import few_shot_parts
 
     ok = synthetic[synthetic["status"] == "ok"]
-    verified = ok.assign(source="paratune", hardware="A100-80GB")
+    verified = ok.assign(source="paratune", hardware=devices)
     c = F.Columns(verified)
     verified["step_time_s"] = few_shot_parts(c, F.compute_features(c)[1]) @ [1.7, 2e-3]
     shots, rest = verified.iloc[:6], verified.iloc[6:]
     model = PerformanceModel(**SMALL, nested_intervals=False).fit(
         pd.concat([synthetic, shots], ignore_index=True))
     assert model.family_offsets_["paratune"]["efficiency"] == pytest.approx(1.7, rel=0.05)
-    assert model.calibrated_hardware_ == {"paratune": ["A100-80GB"]}
+    assert model.calibrated_hardware_ == {"paratune": [devices]}
     bare = rest.drop(columns="source")
     pd.testing.assert_frame_equal(model.predict(bare), model.predict(rest))
     pred = model.predict(bare)["pred_step_time_s"].to_numpy()
     assert np.median(np.abs(pred / rest["step_time_s"].to_numpy() - 1)) < 0.02
-    own = ok.drop(columns="source")
-    pd.testing.assert_frame_equal(model.predict(own), model.predict(ok))
+    # the measured family's devices, where the verification did not run: still its own
+    elsewhere = ok.assign(hardware="H200") if devices == "H100-80GB" else ok
+    fitted = PerformanceModel(**SMALL, nested_intervals=False).fit(synthetic)
+    pd.testing.assert_frame_equal(model.predict(elsewhere.drop(columns="source"))
+                                  [["pred_step_time_s"]],
+                                  fitted.predict(elsewhere.drop(columns="source"))
+                                  [["pred_step_time_s"]])
     loaded = load_model(model.save(tmp_path / "m"))
     pd.testing.assert_frame_equal(loaded.predict(bare), model.predict(bare))
 
