@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 __all__ = ["calibrated_fingerprint", "canonical_order", "check_distinct", "config_identity",
            "feasibility_table", "load_measurements", "measured_memory_gb", "measured_step_time",
-           "training_fingerprint"]
+           "run_status", "training_fingerprint"]
 
 logger = logging.getLogger(__name__)
 
@@ -156,11 +156,15 @@ def config_identity(frame: pd.DataFrame) -> pd.Series:
     return out
 
 
+def run_status(frame: pd.DataFrame) -> np.ndarray:
+    """Each run's status as text (:class:`paratune.measurement.Status`: ``ok``, ``oom``...)."""
+    return frame["status"].astype(str).to_numpy()
+
+
 def measured_step_time(frame: pd.DataFrame) -> np.ndarray:
     """Measured step time in seconds; NaN where the run did not succeed."""
     step = np.asarray(frame["step_time_s"], dtype=float)
-    ok = np.asarray(frame["status"].astype(str) == "ok")
-    return np.where(ok & (step > 0), step, np.nan)
+    return np.where((run_status(frame) == "ok") & (step > 0), step, np.nan)
 
 
 def measured_memory_gb(frame: pd.DataFrame) -> np.ndarray:
@@ -170,9 +174,8 @@ def measured_memory_gb(frame: pd.DataFrame) -> np.ndarray:
         if column in frame.columns:
             values = np.asarray(frame[column], dtype=float)
             out = np.where(np.isfinite(values) & (values > 0), values, out)
-    ok = np.asarray(frame["status"].astype(str) == "ok")
     hardware = frame["hardware"].astype(str).str.lower()
-    return np.where(ok & np.asarray(hardware != "cpu"), out, np.nan)
+    return np.where((run_status(frame) == "ok") & np.asarray(hardware != "cpu"), out, np.nan)
 
 
 def feasibility_table(frame: pd.DataFrame) -> pd.DataFrame:

@@ -52,6 +52,7 @@ from paratune.models._data import (
     feasibility_table,
     measured_memory_gb,
     measured_step_time,
+    run_status,
     training_fingerprint,
 )
 from paratune.models._persistence import SCHEMA_VERSION, _Persistence
@@ -339,9 +340,7 @@ class PerformanceModel(_Persistence, _StallRegime, _Ranges, _Base):
         self.sources_ = (sorted(frame["source"].dropna().astype(str).unique().tolist())
                          if "source" in frame.columns else [])
         self.fingerprint_ = training_fingerprint(frame)
-        status = (frame["status"].astype(str).to_numpy() if "status" in frame.columns
-                  else np.full(len(frame), Status.OK.value))
-        shots = few & (timed | (status == Status.OOM.value))
+        shots = few & (timed | (run_status(frame) == Status.OOM.value))
         if shots.any():
             # a handful of a new framework's runs beside the measured frameworks' (a
             # verification's): calibrated on, as `calibrate` does, not fitted on, its runs

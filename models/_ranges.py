@@ -21,7 +21,7 @@ from paratune.models._base import (
     memory_threshold,
     source_family,
 )
-from paratune.models._data import calibrated_fingerprint, measured_step_time
+from paratune.models._data import calibrated_fingerprint, measured_step_time, run_status
 from paratune.models._feature_columns import _lookup
 from paratune.predictor import PRED_PEAK_MEM_GB
 
@@ -202,7 +202,8 @@ class _Ranges:
         with np.errstate(divide="ignore", invalid="ignore"):
             log_ratio = np.log(step / pred)
         usable = np.isfinite(log_ratio)
-        thresholds = self._memory_thresholds(frame, families, predicted)
+        c = F.Columns(frame)
+        thresholds = self._memory_thresholds(frame, c, families, predicted)
         if not usable.any() and not thresholds:
             self.family_offsets_ = saved
             raise DatasetError("calibrate: no row with a measured step time and a prediction, "
@@ -212,13 +213,11 @@ class _Ranges:
             **{f: v for f, v in self.memory_thresholds_.items() if f not in set(families)},
             **thresholds}
         # and the devices it ran on, which a row of no family on them is then predicted as
-        hardware = _catalogue_names(frame["hardware"]) if "hardware" in frame.columns else None
+        hardware = _catalogue_names(frame["hardware"])
         calibrated = set(families[usable]) | set(thresholds)
         self.calibrated_hardware_ = {
             **{f: v for f, v in self.calibrated_hardware_.items() if f not in calibrated},
-            **{str(f): sorted({str(h) for h in hardware[families == f]})
-               for f in calibrated if hardware is not None}}
-        c = F.Columns(frame)
+            **{str(f): sorted({str(h) for h in hardware[families == f]}) for f in calibrated}}
         _, analytical = F.compute_features(c)
         parts = few_shot_parts(c, analytical)
         values = axis_values(frame, c)
@@ -244,15 +243,14 @@ class _Ranges:
         self.fingerprint_ = calibrated_fingerprint(self.fingerprint_, frame)
         return self
 
-    def _memory_thresholds(self, frame: pd.DataFrame, families: np.ndarray,
+    def _memory_thresholds(self, frame: pd.DataFrame, c: F.Columns, families: np.ndarray,
                            predicted: pd.DataFrame) -> dict[str, float]:
-        """The memory rule's threshold per family of ``frame`` that ran out of memory there
-        and that the rule decides for (not the feasibility classifier): where its runs that
-        ran and ran out of memory part at the predicted memory (:func:`memory_threshold`)."""
-        if "status" not in frame.columns:
-            return {}
-        status = frame["status"].astype(str).to_numpy()
-        capacity = np.asarray(F.Columns(frame).memory_gb, dtype=float)
+        """The memory rule's threshold per family of ``frame`` (columns ``c``) that ran out
+        of memory there and that the rule decides for (not the feasibility classifier): where
+        its runs that ran and ran out of memory part at the predicted memory
+        (:func:`memory_threshold`)."""
+        status = run_status(frame)
+        capacity = np.asarray(c.memory_gb, dtype=float)
         with np.errstate(divide="ignore", invalid="ignore"):
             share = predicted[PRED_PEAK_MEM_GB].to_numpy(float) / capacity
         known = np.isfinite(share) & (capacity > 0)
