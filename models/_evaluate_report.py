@@ -53,8 +53,11 @@ def extrapolation_table(rows: list[dict[str, Any]], *, title: str) -> str:
                 100.0 * value if key in _FRACTIONS else value)
         shown.append(item)
     columns = [k for k in ("split", "estimator", "held_out") if any(k in r for r in rows)]
+    # percentages to a tenth of a point, ratios to three decimals: "0.0404" beside "0" read
+    # as different precisions of the same figure
+    formats = {key: ".1f" if key in _FRACTIONS else ".3f" for key in EXTRAPOLATION_COLUMNS}
     return format_table(shown, [*columns, *EXTRAPOLATION_COLUMNS],
-                        headers=dict(EXTRAPOLATION_COLUMNS), floatfmt=".3g", title=title)
+                        headers=dict(EXTRAPOLATION_COLUMNS), floatfmt=formats, title=title)
 
 
 def summary_table(result: EvaluationResult) -> str:

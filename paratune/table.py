@@ -25,7 +25,8 @@ def _cell(value: Any, floatfmt: str) -> str:
 
 
 def format_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str] | None = None, *,
-                 headers: Mapping[str, str] | None = None, floatfmt: str = ".4g",
+                 headers: Mapping[str, str] | None = None,
+                 floatfmt: str | Mapping[str, str] = ".4g",
                  title: str | None = None) -> str:
     """Align ``rows`` (dicts) into columns; numbers right-aligned.
 
@@ -33,14 +34,17 @@ def format_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str] | Non
         rows: One mapping per row.
         columns: Keys to show, in order; defaults to the first row's keys.
         headers: Display names for some columns.
-        floatfmt: ``format`` spec for floats.
+        floatfmt: ``format`` spec for floats, or one per column (``".4g"`` for a column
+            it does not name).
         title: A line printed above the table.
     """
     if columns is None:
         columns = list(rows[0]) if rows else []
     headers = dict(headers or {})
     names = [headers.get(c, c) for c in columns]
-    cells = [[_cell(row.get(c), floatfmt) for c in columns] for row in rows]
+    formats = ({c: floatfmt.get(c, ".4g") for c in columns} if isinstance(floatfmt, Mapping)
+               else dict.fromkeys(columns, floatfmt))
+    cells = [[_cell(row.get(c), formats[c]) for c in columns] for row in rows]
     numeric = [all(_is_number(row.get(c)) for row in rows) and bool(rows) for c in columns]
     widths = [max([len(n)] + [len(r[i]) for r in cells]) for i, n in enumerate(names)]
 

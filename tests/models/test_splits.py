@@ -246,3 +246,14 @@ def test_an_extrapolation_plot_draws_each_fold_with_its_stalled_runs_apart(make_
     assert path.stat().st_size > 1000
     (fig,) = closed
     assert sum(ax.get_visible() for ax in fig.axes) == 2
+
+
+def test_extrapolation_table_prints_percentages_to_a_tenth_and_ratios_to_a_thousandth():
+    row = {"estimator": "m", "held_out": "f", "n": 12, "mdape": 0.2071, "mape": 2.44,
+           "spearman_group": 0.66812, "regret_mean": 0.125, "regret_top5_mean": 0.0,
+           "regret_risk_mean": 0.000404, "regret_risk_top5_mean": np.nan,
+           "coverage": 0.985, "ratio_median": 1.1396, "feasibility_accuracy": 0.908}
+    table = extrapolation_table([row], title="t")
+    cells = table.splitlines()[-1].split()
+    assert cells == ["m", "f", "12", "20.7", "244.0", "0.668", "12.5", "0.0", "0.0",
+                     "98.5", "1.140", "90.8"]
