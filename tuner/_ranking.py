@@ -141,6 +141,9 @@ class SearchResult:
                         else f"{self.objective.risk_quantile} tok/s"
                         if self.objective.risk_quantile
                         else "exp tok/s" if self._expected_differs() else None)
+        # a CPU run's ranks are processes on a host's cores, not GPUs
+        per_device = ("tok/s/gpu" if self.space.hardware.device_type == "cuda"
+                      else f"tok/s/{self.space.hardware.device_type}")
         infeasible = False
         for _, row in self.top(k).iterrows():
             feasible = bool(row["feasible"])
@@ -154,7 +157,7 @@ class SearchResult:
                 "sharding": row["sharding"], "recompute": row["recompute"],
                 "tok/s": float(row["tokens_per_s"]),
                 **({ranked_label: float(row["ranked_tokens_per_s"])} if ranked_label else {}),
-                "tok/s/gpu": float(row["tokens_per_s"]) / float(row["world_size"]),
+                per_device: float(row["tokens_per_s"]) / float(row["world_size"]),
                 "step_s": float(row["step_time_s"]), "mem_gb": float(row["peak_mem_gb"]),
                 "p_ok": float(row["feasible_prob"]),
                 **({"p_stall": float(row["pred_stall_prob"])} if stall else {}),

@@ -307,7 +307,7 @@ def test_the_table_labels_columns_for_what_they_hold(closed_form):
     space = SearchSpace.build(model, 16, "H100", global_batch_sizes=[32, 64])
     good = exhaustive(closed_form, space, Objective(kind="goodput", b_noise=40))
     header, body = _table_rows(good.table(5))
-    assert "goodput" in header and "eff" in header
+    assert "goodput" in header and "eff" in header and "tok/s/gpu" in header
     for row in body:
         tok, eff, goodput = (float(row[header.index(c)]) for c in ("tok/s", "eff", "goodput"))
         assert goodput == pytest.approx(tok * eff, rel=1e-3)
@@ -358,3 +358,9 @@ def test_a_layout_whose_best_needs_less_than_the_most_sharding_is_found(public_d
     assert found.ranked.iloc[0]["objective"] == pytest.approx(best["objective"], rel=1e-9)
     assert best["sharding"] in ("zero1", "zero2")
     assert found.ranked.iloc[0]["sharding"] in ("zero1", "zero2")
+
+
+def test_a_cpu_ranking_counts_throughput_per_cpu_rank_not_per_gpu(closed_form):
+    space = SearchSpace.build(get_model("tiny"), 4, "cpu", global_batch_sizes=[8])
+    header, body = _table_rows(exhaustive(closed_form, space, Objective()).table(3))
+    assert "tok/s/cpu" in header and "tok/s/gpu" not in header and body
