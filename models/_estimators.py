@@ -488,6 +488,9 @@ class PerformanceModel(_Persistence, _StallRegime, _Ranges, _Base):
                 where)
         times, distance, warning = self._extrapolate(
             frame, c, analytical, _StepTimes(step, lo, hi, expected), prob, where, cross)
+        own = np.where(where[0] != "", where[0], core_family)
+        times.hi = self._unmeasured_pipeline_slow_end(c, own, unmeasured, times.step,
+                                                      times.hi)
         # a framework without measurements is priced as a well-tuned one in memory too: the
         # analytical estimate, and whether it fits by the memory rule, not the overheads and
         # failures of the frameworks measured (learned from nanotron and Megatron-DeepSpeed,
@@ -499,7 +502,6 @@ class PerformanceModel(_Persistence, _StallRegime, _Ranges, _Base):
             threshold[where[0] == family] = value
         feasible = _memory_rule(memory, c.memory_gb, threshold)
         # the classifier decides for a measured family that showed it both outcomes
-        own = np.where(where[0] != "", where[0], core_family)
         learned = ~unmeasured & np.isin(own, self.feasibility_families_)
         if learned.any():
             feasible[learned] = self._classified(X[learned], memory[learned],

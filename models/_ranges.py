@@ -186,6 +186,7 @@ class _Ranges:
             fit_few_shot,
         )
         from paratune.models._extrapolation import axis_values, fit_ranges
+        from paratune.models._stall_regime import _node_pipeline_families
 
         self._check_fitted()
         step = measured_step_time(frame)
@@ -218,6 +219,11 @@ class _Ranges:
         self.calibrated_hardware_ = {
             **{f: v for f, v in self.calibrated_hardware_.items() if f not in calibrated},
             **{str(f): sorted({str(h) for h in hardware[families == f]}) for f in calibrated}}
+        # and whether its pipelines ran across nodes (see _unmeasured_pipeline_slow_end)
+        self.node_pipeline_families_ = sorted({*self.node_pipeline_families_,
+                                               *_node_pipeline_families(
+                                                   c, usable & (c.pp > 1) & c.accelerator,
+                                                   families)})
         _, analytical = F.compute_features(c)
         parts = few_shot_parts(c, analytical)
         values = axis_values(frame, c)

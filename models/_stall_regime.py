@@ -107,6 +107,7 @@ class _StallRegime:
             ).fit(F.stall_features(c), per_micro, pipeline=pipeline, stalled=stalled)
             has_time = timed & ~stalled
         self.num_stall_rows_ = int(stalled.sum()) if self.stall_ is not None else 0
+        self.node_pipeline_families_ = _node_pipeline_families(c, pipeline, families)
         # Stalling is a property of how a framework runs its pipelines (of nanotron's in the
         # public H100 sweep), not of pipelines as such: a family (see :func:`source_family`)
         # with enough pipeline runs and not one stalled does not show the regime, and its
@@ -123,6 +124,28 @@ class _StallRegime:
             str(name) for name in np.unique(hardware[timed])
             if np.isin(families[timed & (hardware == name)], self.stall_free_families_).all())
         return has_time
+
+    def _unmeasured_pipeline_slow_end(self, c: F.Columns, families: np.ndarray,
+                                      unmeasured: np.ndarray, step: np.ndarray,
+                                      hi: np.ndarray) -> np.ndarray:
+        """The interval's slow end with the stalled regime's threshold for a pipeline that
+        leaves the node where its family ran every pipeline measured (``families``: each
+        row's measured family; ``unmeasured``: rows of a family without measurements,
+        predicted as a well-tuned framework, kept as they are).
+
+        Nothing measured says whether such a family's pipelines stall across nodes: in the
+        public H100 sweep a third of nanotron's pipelines on more than one node did (a
+        second or so per micro-batch), and not one of its 33 one-node pipeline runs, so
+        fitted on those the model ranked a two-node pipeline of 8B first that ran 8.6x
+        slower than predicted. The point and the expected time stay the normal regime's,
+        which is all a family's runs have shown; the slow end holds the least a stalled run
+        takes (:func:`~paratune.models.features.stall_floor_s`), so that the risk-aware
+        ranking, and the verification's list, weigh it."""
+        new = (c.accelerator & (c.pp > 1) & (F.pp_crosses_nodes(c) > 0) & ~unmeasured
+               & ~np.isin(families, self.node_pipeline_families_))
+        if not new.any():
+            return hi
+        return np.where(new, np.maximum(hi, np.maximum(F.stall_floor_s(c), step)), hi)
 
     def _blend_stall(self, c: F.Columns, X: np.ndarray, seen: np.ndarray,
                      stall_free: np.ndarray, step: np.ndarray, lo: np.ndarray,
@@ -160,3 +183,11 @@ class _StallRegime:
         step = np.where(prob > 0.5, stall, step)
         lo, hi = np.minimum(lo, step), np.maximum(hi, step)
         return prob, step, lo, hi, expected
+
+
+def _node_pipeline_families(c: F.Columns, pipeline: np.ndarray, families: np.ndarray
+                            ) -> list[str]:
+    """The families with a timed pipeline run (``pipeline``) whose stages sat in more than
+    one node: those whose pipelines across nodes have been measured."""
+    crossing = pipeline & (F.pp_crosses_nodes(c) > 0)
+    return sorted({str(f) for f in families[crossing]})

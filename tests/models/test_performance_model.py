@@ -466,6 +466,53 @@ def test_a_family_whose_pipelines_never_stalled_is_not_given_the_stalled_regime(
     assert (cautious.predict(deep.assign(hardware="A100-80GB"))[PRED_STALL_PROB] > 0).any()
 
 
+def test_pipelines_across_nodes_a_family_never_ran_keep_the_stall_in_their_slow_end(
+        make_synthetic, tmp_path):
+    """Fitted on one node's runs, a pipeline whose stages sit in two nodes may stall, which
+    nothing measured says: its interval's slow end holds the stall threshold, its point and
+    expected time stay the normal regime's; the rows of a family that ran pipelines across
+    nodes, the layouts in one node and a family without measurements are untouched."""
+    from paratune.models import features as F
+
+    frame = make_synthetic(seed=4, n_per_model=90)
+    one_node = frame[frame["world_size"] <= 8]
+    model = PerformanceModel(n_estimators=20, aux_estimators=10, n_jobs=1).fit(one_node)
+    assert model.stall_ is None and model.node_pipeline_families_ == []
+    rows = make_synthetic(seed=5, n_per_model=60)
+    rows = rows[rows["world_size"] > 8][list(CONFIG_COLUMNS)].reset_index(drop=True)
+    crossing = ((rows["pp"] > 1) & (F.pp_crosses_nodes(rows) > 0)).to_numpy()
+    assert crossing.sum() >= 5 and (~crossing).sum() >= 5
+    new = model.predict(rows.assign(source="synthetic"))
+    told = PerformanceModel.load(model.save(tmp_path / "m"))
+    assert told.node_pipeline_families_ == []
+    told.node_pipeline_families_ = ["synthetic"]  # as if its pipelines had crossed nodes
+    known = told.predict(rows.assign(source="synthetic"))
+    for column in ("pred_step_time_s", "pred_tokens_per_sec_per_gpu_expected",
+                   "pred_tokens_per_sec_per_gpu_q90"):
+        np.testing.assert_allclose(new[column], known[column], rtol=1e-6)
+    q10 = "pred_tokens_per_sec_per_gpu_q10"
+    np.testing.assert_allclose(new[q10][~crossing], known[q10][~crossing], rtol=1e-6)
+    floor = F.stall_floor_s(rows)
+    tokens = rows["global_batch_size"] * rows["seq_len"] / rows["world_size"]
+    assert (new[q10][crossing] <= tokens[crossing] / floor[crossing] * (1 + 1e-6)).all()
+    assert (new[q10][crossing] < known[q10][crossing]).mean() > 0.5
+    # a framework without measurements is predicted as a well-tuned one, which does not stall
+    np.testing.assert_allclose(model.predict(rows.assign(source="newlab_cluster"))[q10],
+                               told.predict(rows.assign(source="newlab_cluster"))[q10],
+                               rtol=1e-6)
+    # fitted on pipelines across nodes, or calibrated on them, the family has measured them
+    assert PerformanceModel(n_estimators=20, aux_estimators=10, n_jobs=1).fit(
+        frame).node_pipeline_families_ == ["synthetic"]
+    ran = make_synthetic(seed=6, n_per_model=40)
+    ran = ran[(ran["status"] == "ok") & (ran["pp"] > 1) & (F.pp_crosses_nodes(ran) > 0)]
+    model.calibrate(ran.head(3))
+    assert model.node_pipeline_families_ == ["synthetic"]
+    calibrated = model.predict(rows.assign(source="synthetic"))[q10]
+    model.node_pipeline_families_ = []
+    unsure = model.predict(rows.assign(source="synthetic"))[q10]
+    assert (unsure[crossing] < calibrated[crossing]).mean() > 0.5
+
+
 def test_unknown_option_value_gets_error_naming_the_field(fitted, synthetic):
     frame = synthetic[list(CONFIG_COLUMNS)].head(3).copy()
     frame.loc[frame.index[0], "sharding"] = "zero-1"
