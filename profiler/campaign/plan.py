@@ -110,6 +110,11 @@ def prepare_campaign(spec: CampaignSpec, out: str | Path, *, resume: bool = Fals
         if paths.campaign.exists() or paths.journals():
             raise ConfigError("out", str(out), "already holds a campaign; pass --resume to "
                               "continue it, or choose another directory")
+        from paratune.datasets._store import holds_data
+
+        if holds_data(paths.root):  # the campaign's dataset would replace it
+            raise ConfigError("out", str(out), "already holds a dataset that is not a "
+                              "campaign's; choose another directory")
         meta = {"campaign_id": f"{spec.model.name}-{time.strftime('%Y%m%dT%H%M%S')}-"
                                f"{uuid.uuid4().hex[:6]}",
                 "created": time.time(), "identity": identity}

@@ -90,6 +90,25 @@ def test_prepare_writes_plans_and_refuses_to_mix_campaigns(tmp_path):
     assert again["campaign_id"] == meta["campaign_id"]
 
 
+def test_a_campaign_is_not_started_over_a_dataset_it_would_replace(tmp_path):
+    from paratune.datasets import write_dataset
+
+    imported = write_dataset(tmp_path / "d", _imported_rows())
+    spec = _spec(world_sizes=(1,), space=ConfigSpace(micro_batch_sizes=[4]))
+    with pytest.raises(ConfigError, match=r"out=.*already holds a dataset"):
+        prepare_campaign(spec, tmp_path / "d")
+    assert len(read_dataset(tmp_path / "d").frame) == len(imported.frame) > 0
+    assert not (tmp_path / "d" / "campaign.json").exists()
+
+
+def _imported_rows():
+    from paratune.measurement import Measurement
+
+    return [Measurement(model=TINY, config=ParallelConfig(dp=1, micro_batch_size=4,
+                                                          global_batch_size=4),
+                        hardware="cpu", source="imported", step_time_s=0.1).to_row()]
+
+
 @pytest.mark.parametrize(("measured", "resumed"), [("text", "synthetic"),
                                                    ("synthetic", "text")])
 def test_a_resume_on_other_tokens_is_refused(tmp_path, measured, resumed):
