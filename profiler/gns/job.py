@@ -109,7 +109,7 @@ def _job_fingerprint(job: GNSJob) -> dict[str, Any]:
                        weight_decay=job.weight_decay, mode=meter.mode,
                        num_small_batches=meter.num_small_batches,
                        precondition=job.precondition, beta=job.beta,
-                       corpus_bytes=job.corpus_bytes)
+                       measure_every=job.measure_every, corpus_bytes=job.corpus_bytes)
     # The numerics: the same checkpoint continued on another device would change them.
     device = resolved_device(job.device)
     fingerprint.update(device=device, precision=_precision(device))
@@ -149,24 +149,32 @@ def _check_fingerprint(job: GNSJob, saved: dict[str, Any], found: Path) -> None:
 
 
 def _check_rows_match(job: GNSJob, step: int, tokens: int, found: Path) -> None:
-    """Refuse a checkpoint at ``step`` whose trajectory rows up to it are not exactly steps
-    ``1..step`` of this run (missing, gapped or spliced rows, another sequence length)."""
+    """Refuse a checkpoint at ``step`` whose trajectory rows up to it are not exactly the
+    measured steps of ``1..step`` of this run (every ``measure_every``-th from step 1;
+    missing, gapped or spliced rows, another sequence length)."""
     header, rows = _read_trajectory(job.out)
     if header and header not in (TRAJECTORY_COLUMNS, _LEGACY_TRAJECTORY_COLUMNS):
         raise ConfigError("out", job.out, f"has columns {','.join(header)}, not a trajectory's")
     kept = [fields for fields in rows if int(fields[0]) <= step]
     steps = [int(fields[0]) for fields in kept]
-    if steps != list(range(1, step + 1)):
+    expected = list(range(1, step + 1, job.measure_every))
+    if steps != expected:
         last = steps[-1] if steps else None
+        which = (f"steps 1..{step}" if job.measure_every == 1 else
+                 f"steps 1, {1 + job.measure_every}, ... up to {expected[-1]} (every "
+                 f"{job.measure_every}th)")
         raise ConfigError("resume", True, f"the checkpoint {found} is at step {step} but "
                           f"{job.out} holds {len(steps)} rows up to it (last step {last}), not "
-                          f"steps 1..{step}: they are not the same run. Nothing was changed; "
+                          f"{which}: they are not the same run. Nothing was changed; "
                           "run without resume to start a new trajectory")
     if steps:
         where = dict(zip(header, kept[-1]))
-        if int(where["tokens"]) != tokens:
+        # every step takes the same tokens: the last row's share of the checkpoint's
+        at_row = tokens * steps[-1] // step
+        if int(where["tokens"]) != at_row:
             raise ConfigError("resume", True, f"{job.out} has {where['tokens']} tokens at step "
-                              f"{step}, the checkpoint {found} {tokens}: not the same run")
+                              f"{steps[-1]}, the checkpoint {found} {at_row} there: not the "
+                              "same run")
         seq_lens = {int(float(fields[-1])) for fields in kept} if "seq_len" in header else set()
         if seq_lens - {job.model.seq_len}:
             raise ConfigError("model.seq_len", job.model.seq_len, f"differs from seq_len "

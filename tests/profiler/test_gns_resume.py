@@ -167,6 +167,29 @@ def test_gns_command_checkpoints_by_default_so_resume_can_continue(tmp_path):
     assert json.loads((find_checkpoint(ckpt) / RUN_STATE_FILE).read_text())["step"] == 3
 
 
+@pytest.mark.slow
+def test_a_run_measuring_every_other_step_resumes(tmp_path, capsys):
+    """With --measure-every 2 the rows are steps 1, 3, ...: a resume took them for lost
+    rows (it wanted steps 1..4) and refused every such run."""
+    from paratune.cli import main
+
+    out = tmp_path / "t.csv"
+    base = ["gns", "--model", "tiny", "--seq-len", "32", "--corpus-mb", "0.25",
+            "--config", "mb=2,gb=4", "--device", "cpu", "--no-track", "--no-progress",
+            "--measure-every", "2", "--checkpoint-every", "2", "--out", str(out)]
+    assert main([*base, "--steps", "4"]) == 0
+    assert _steps(out) == [1, 3]
+    first = out.read_text()
+    assert main([*base, "--steps", "6", "--resume"]) == 0
+    assert _steps(out) == [1, 3, 5] and out.read_text().startswith(first)
+    # another measuring period is another run: its checkpoint does not continue this one
+    capsys.readouterr()
+    assert main([*base[:-6], "--measure-every", "3", "--checkpoint-every", "2", "--out",
+                 str(out), "--steps", "8", "--resume"]) == 2
+    assert "--measure-every=3: differs from 2" in capsys.readouterr().err
+    assert _steps(out) == [1, 3, 5]
+
+
 def test_gns_command_saves_no_checkpoint_when_told_or_when_the_layout_cannot(tmp_path,
                                                                            monkeypatch,
                                                                            capsys):
