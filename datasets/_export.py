@@ -31,8 +31,8 @@ __all__ = ["PUBLIC_EXPORT_COLUMNS", "export_public_csv", "public_row"]
 PUBLIC_EXPORT_COLUMNS = (
     "source", "model", "params_b", "layers", "hidden", "heads", "num_kv_heads",
     "ffn_hidden_size", "vocab_size", "mlp", "tie_embeddings", "seq_len", "gpu", "num_gpus",
-    "tp", "pp", "dp", "cp", "micro_batch", "global_batch", "grad_accum", "schedule",
-    "virtual_stages", "zero_stage", "recompute",
+    "gpus_per_node", "tp", "pp", "dp", "cp", "micro_batch", "global_batch", "grad_accum",
+    "schedule", "virtual_stages", "zero_stage", "recompute",
     "precision", "status", "step_time_s", "tokens_per_sec", "tokens_per_sec_per_gpu", "mfu",
     "gpu_mem_gb", "gpu_mem_allocated_gb", "notes")
 """The columns :func:`export_public_csv` writes, in order."""
@@ -86,6 +86,7 @@ def public_row(m: Measurement, *, source: str | None = None, precision: str = ""
         "seq_len": str(model.seq_len),
         "gpu": gpu,
         "num_gpus": str(config.world_size),
+        "gpus_per_node": str(m.devices_per_node),
         "tp": str(config.tp),
         "pp": str(config.pp),
         "dp": str(config.dp),

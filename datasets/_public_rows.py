@@ -17,7 +17,8 @@ from paratune.scalars import plain
 from paratune.spec import ModelSpec
 
 __all__ = ["GPT_DEFAULT", "MODEL_FAMILIES", "SHAPE_COLUMNS", "config_from_public",
-           "model_spec_from_public", "public_row_config", "public_row_layout"]
+           "model_spec_from_public", "public_row_config", "public_row_devices_per_node",
+           "public_row_layout"]
 
 _STATUS_WORDS = {"ok": Status.OK, "success": Status.OK, "oom": Status.OOM,
                  "failed": Status.ERROR, "error": Status.ERROR, "crashed": Status.ERROR,
@@ -397,13 +398,34 @@ def public_row_layout(raw: dict[str, str]) -> tuple[ModelSpec, ParallelConfig, H
     except ConfigError as exc:
         raise ValueError(f"gpu={raw.get('gpu', '')!r} {exc.rule}") from None
     try:
-        nodes = _integer(raw, "nodes", required=False)
+        _devices_per_node(raw, hardware, config.world_size)
     except _Unmappable as exc:
         raise ValueError(str(exc)) from None
-    if nodes is not None and hardware.num_nodes(config.world_size) != nodes:
-        raise ValueError(f"nodes={nodes} contradicts num_gpus={config.world_size} on "
-                         f"{hardware.devices_per_node}-GPU nodes")
     return model, config, hardware
+
+
+def public_row_devices_per_node(raw: dict[str, str]) -> int | None:
+    """The row's ``gpus_per_node`` where it states one (``None``: the catalogue's node size
+    of its ``gpu``); :func:`public_row_layout` checks it.
+
+    Raises:
+        ValueError: the cell is not a positive integer.
+    """
+    try:
+        return _integer(raw, "gpus_per_node", required=False)
+    except _Unmappable as exc:
+        raise ValueError(str(exc)) from None
+
+
+def _devices_per_node(raw: dict[str, str], hardware: HardwareSpec, num_gpus: int) -> int:
+    """Devices per node of a row: its ``gpus_per_node``, else its device's in the catalogue;
+    a stated ``nodes`` must agree with ``num_gpus`` on nodes of that size."""
+    per_node = _integer(raw, "gpus_per_node", required=False) or hardware.devices_per_node
+    nodes = _integer(raw, "nodes", required=False)
+    if nodes is not None and -(-num_gpus // per_node) != nodes:
+        raise _Unmappable(f"nodes={nodes} contradicts num_gpus={num_gpus} on "
+                          f"{per_node}-GPU nodes")
+    return per_node
 
 
 def public_row_config(raw: dict[str, str]) -> dict[str, Any]:
@@ -415,7 +437,8 @@ def public_row_config(raw: dict[str, str]) -> dict[str, Any]:
     from paratune.batch import ConfigBatch
 
     model, config, hardware = public_row_layout(raw)
-    frame = ConfigBatch.from_configs(model, [config], hardware).to_frame()
+    frame = ConfigBatch.from_configs(model, [config], hardware, devices_per_node=[
+        public_row_devices_per_node(raw)]).to_frame()
     return {k: plain(v) for k, v in frame.iloc[0].items()}
 
 
@@ -428,11 +451,7 @@ def _row_to_measurement(raw: dict[str, str]) -> Measurement:
         hardware = get_hardware(raw["gpu"])
     except ConfigError:
         raise _Unmappable(f"gpu={raw['gpu']!r} is not a known device") from None
-    nodes = _integer(raw, "nodes", required=False)
-    per_node = hardware.devices_per_node
-    if nodes is not None and hardware.num_nodes(num_gpus) != nodes:
-        raise _Unmappable(f"nodes={nodes} contradicts num_gpus={num_gpus} on "
-                          f"{per_node}-GPU nodes")
+    per_node = _devices_per_node(raw, hardware, num_gpus)
     if flag:
         raise _Unmappable(f"the source flags contradictory values (FLAG={flag.group(1)})")
     _check_metrics(raw)

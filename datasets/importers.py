@@ -42,6 +42,7 @@ from paratune.datasets._public_rows import (
     config_from_public,
     model_spec_from_public,
     public_row_config,
+    public_row_devices_per_node,
     public_row_layout,
 )
 from paratune.errors import ConfigError, DatasetError
@@ -66,6 +67,7 @@ __all__ = [
     "parse_public_csv",
     "public_header_problem",
     "public_row_config",
+    "public_row_devices_per_node",
     "public_row_layout",
     "read_public_csv",
 ]

@@ -154,19 +154,22 @@ def _public_configs(raw: pd.DataFrame, errors: np.ndarray) -> pd.DataFrame:
     """The config frame of rows in the public measurement format (placeholders where a row
     could not be read; its message goes into ``errors``)."""
     from paratune.batch import ConfigBatch
-    from paratune.datasets.importers import public_row_layout
+    from paratune.datasets.importers import public_row_devices_per_node, public_row_layout
 
-    parts = []
+    parts, per_node = [], []
     for i, cells in enumerate(raw.to_dict("records")):
         if not errors[i]:
+            row = {k: str(v).strip() for k, v in cells.items()}
             try:
-                parts.append(public_row_layout({k: str(v).strip() for k, v in cells.items()}))
+                parts.append(public_row_layout(row))
+                per_node.append(public_row_devices_per_node(row))
                 continue
             except ValueError as exc:
                 errors[i] = str(exc)
         parts.append(_placeholder_parts())
+        per_node.append(None)
     batch = ConfigBatch.from_configs([p[0] for p in parts], [p[1] for p in parts],
-                                     [p[2] for p in parts])
+                                     [p[2] for p in parts], devices_per_node=per_node)
     configs = batch.to_frame()
     configs["source"] = raw["source"].to_numpy() if "source" in raw.columns else ""
     return configs

@@ -58,6 +58,7 @@ def test_an_exported_dataset_imports_back_to_the_same_configs_and_metrics(tmp_pa
         assert b.model == dataclasses.replace(a.model, rope_theta=b.model.rope_theta,
                                               norm_eps=b.model.norm_eps)
         assert b.config == a.config and b.hardware == a.hardware and b.status == a.status
+        assert b.devices_per_node == a.devices_per_node
         assert b.source == a.source == "paratune"
         for name in ("step_time_s", "tokens_per_s", "mfu", "peak_mem_reserved_gb"):
             assert getattr(b, name) == pytest.approx(getattr(a, name), rel=1e-5, nan_ok=True)
@@ -90,6 +91,39 @@ def test_a_row_the_format_cannot_express_is_refused_and_nothing_written(tmp_path
     with pytest.raises(DatasetError, match=f"row 1 .*{reason}"):
         export_public_csv(tmp_path / "ds", tmp_path / "out.csv")
     assert not (tmp_path / "out.csv").exists()
+
+
+def test_rows_of_nodes_smaller_than_the_catalogues_keep_their_node_size(tmp_path):
+    """Exported without it, a campaign's rows on 4-GPU nodes read back on the catalogue's
+    8-GPU nodes: a tensor-parallel group of 8 that crossed two nodes then sat in one."""
+    from paratune.datasets.importers import public_row_config
+    from paratune.models import features as F
+
+    record = Measurement(model=dataclasses.replace(get_model("tiny"), num_kv_heads=8),
+                         config=ParallelConfig(tp=8, global_batch_size=8),
+                         hardware="H100-80GB", devices_per_node=4, step_times_s=[0.2])
+    _dataset(tmp_path, [record])
+    export_public_csv(tmp_path / "ds", tmp_path / "out.csv")
+    back = read_dataset(import_files([tmp_path / "out.csv"], tmp_path / "back").out_dir)
+    assert [m.devices_per_node for m in back.measurements()] == [4]
+    assert F.tp_crosses_nodes(back.frame).tolist() == [1.0]
+    row = {"gpu": "H100", "num_gpus": "8", "tp": "8", "pp": "1", "dp": "1", "layers": "2",
+           "hidden": "64", "heads": "8", "seq_len": "32", "micro_batch": "1",
+           "global_batch": "8"}
+    assert public_row_config(row)["devices_per_node"] == 8
+    assert public_row_config({**row, "gpus_per_node": "4"})["devices_per_node"] == 4
+    assert public_row_config({**row, "gpus_per_node": "4", "nodes": "2"})
+    # as `paratune predict` reads a public file
+    from paratune.models._predict_io import read_config_csv
+
+    (tmp_path / "rows.csv").write_text(",".join(row) + ",gpus_per_node\n"
+                                       + ",".join(row.values()) + ",4\n")
+    configs = read_config_csv(tmp_path / "rows.csv")[1]
+    assert configs["devices_per_node"].tolist() == [4]
+    with pytest.raises(ValueError, match=r"nodes=1 contradicts num_gpus=8 on 4-GPU nodes"):
+        public_row_config({**row, "gpus_per_node": "4", "nodes": "1"})
+    with pytest.raises(ValueError, match=r"gpus_per_node='0' must be a positive integer"):
+        public_row_config({**row, "gpus_per_node": "0"})
 
 
 def test_pipeline_schedules_and_their_virtual_stages_export_and_import_back(tmp_path):
