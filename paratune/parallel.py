@@ -13,8 +13,9 @@ from paratune.errors import ConfigError
 if TYPE_CHECKING:
     from paratune.spec import ModelSpec
 
-__all__ = ["MAX_DEVICES", "MAX_GLOBAL_BATCH", "MeshAxis", "ParallelConfig", "Recompute",
-           "Schedule", "Sharding", "check_magnitude", "degrees_product", "layout_key",
+__all__ = ["MAX_DEVICES", "MAX_GLOBAL_BATCH", "SEED_LIMIT", "MeshAxis", "ParallelConfig",
+           "Recompute", "Schedule", "Sharding", "check_magnitude", "check_seed",
+           "degrees_product", "layout_key",
            "max_stage_layers", "stage_layer_counts"]
 
 MAX_DEVICES = 1 << 20
@@ -34,6 +35,22 @@ def check_magnitude(field: str, value: int, limit: int) -> int:
     if value > limit:
         raise ConfigError(field, value, f"is beyond the plausible range (at most {limit}): "
                           "check the value")
+    return value
+
+
+SEED_LIMIT = 2**32
+"""Seeds are below this: the profiler's data seed per step is ``seed * 1_000_003 + step``,
+which a larger seed pushes past the 64 bits torch's generators take."""
+
+
+def check_seed(field: str, value: Any) -> int:
+    """``value`` when it is an integer in ``[0, SEED_LIMIT)``.
+
+    Raises:
+        ConfigError: naming ``field`` and the rule.
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < SEED_LIMIT:
+        raise ConfigError(field, value, f"must be an integer from 0 to {SEED_LIMIT - 1}")
     return value
 
 

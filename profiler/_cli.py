@@ -134,24 +134,39 @@ def build_spec(args: argparse.Namespace):  # -> CampaignSpec (heavy import kept 
         # NaN, 0 and negatives are refused by the campaign itself
         raise ConfigError("timeout_s", timeout_s, "must be a finite positive number of "
                           "seconds (a config that hangs must be stopped)")
-    return CampaignSpec(
-        model=model, space=space,
-        world_sizes=tuple(pick(args.world_sizes, "world_sizes", (1, 2, 4))),
-        warmup_steps=pick(args.warmup, "warmup_steps", 3),
-        measured_steps=pick(args.steps, "measured_steps", 10),
-        # The timeout is not part of the identity (it may be changed on resume) but is kept
-        # in campaign.json beside it.
-        timeout_s=timeout_s,
-        seed=pick(args.seed, "seed", 0), device=device,
-        hardware=hardware,
-        devices_per_node=pick(args.devices_per_node or args.nproc_per_node, "devices_per_node",
-                              None),
-        data=pick(args.data, "data", "synthetic"))
+    try:
+        return CampaignSpec(
+            model=model, space=space,
+            world_sizes=tuple(pick(args.world_sizes, "world_sizes", (1, 2, 4))),
+            warmup_steps=pick(args.warmup, "warmup_steps", 3),
+            measured_steps=pick(args.steps, "measured_steps", 10),
+            # The timeout is not part of the identity (it may be changed on resume) but is
+            # kept in campaign.json beside it.
+            timeout_s=timeout_s,
+            seed=pick(args.seed, "seed", 0), device=device,
+            hardware=hardware,
+            devices_per_node=pick(args.devices_per_node or args.nproc_per_node,
+                                  "devices_per_node", None),
+            data=pick(args.data, "data", "synthetic"))
+    except ConfigError as exc:
+        # a node size given as --nproc-per-node is named so
+        if (exc.field == "devices_per_node" and args.devices_per_node is None
+                and args.nproc_per_node):
+            raise ConfigError("nproc_per_node", exc.value, exc.rule) from None
+        raise
 
 
 def _profile(args: argparse.Namespace) -> int:
+    from paratune.errors import ConfigError
     from paratune.profiler.campaign import LaunchOptions, run_campaign, torchrun_commands
 
+    if not args.print_command:  # a cluster's flags, given for a run here, would do nothing
+        for flag, value in (("--slurm", args.slurm or None), ("--nnodes", args.nnodes),
+                            ("--rdzv-endpoint", args.rdzv_endpoint)):
+            if value is not None:
+                raise ConfigError(flag, value, "only goes with --print-command, which "
+                                  "prepares the campaign for a cluster; without it the "
+                                  "campaign runs here")
     spec = build_spec(args)
     out = Path(args.out or f"runs/profile-{spec.model.name}")
     if args.print_command:

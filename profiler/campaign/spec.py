@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from paratune.errors import ConfigError, ParatuneError
-from paratune.parallel import MAX_DEVICES, check_magnitude
+from paratune.parallel import MAX_DEVICES, check_magnitude, check_seed
 from paratune.space import ConfigSpace, SpaceEnumeration
 from paratune.spec import ModelSpec
 
@@ -136,10 +136,25 @@ class CampaignSpec:
             raise ConfigError("data", self.data, f"real text is byte-level: it needs "
                               f"vocab_size >= 256 (model {self.model.name} has "
                               f"{self.model.vocab_size})")
-        self.hardware = get_hardware(self.hardware).name
-        if self.devices_per_node is not None and self.devices_per_node < 1:
-            raise ConfigError("devices_per_node", self.devices_per_node,
-                              "must be a positive integer")
+        hardware = get_hardware(self.hardware)
+        if hardware.device_type != self.device:
+            # a CPU's timings recorded as an H100's would be fitted as the H100's
+            raise ConfigError("hardware", self.hardware, f"is a {hardware.device_type} device "
+                              f"and the campaign runs on {self.device}: name the hardware it "
+                              f"runs on")
+        self.hardware = hardware.name
+        check_seed("seed", self.seed)
+        if self.devices_per_node is not None:
+            if (isinstance(self.devices_per_node, bool) or not isinstance(self.devices_per_node,
+                                                                           int)
+                    or self.devices_per_node < 1):
+                raise ConfigError("devices_per_node", self.devices_per_node,
+                                  "must be a positive integer")
+            for size in self.world_sizes:
+                # a world of a few devices sits in one node; a larger one fills whole nodes
+                if size > self.devices_per_node and size % self.devices_per_node:
+                    raise ConfigError("devices_per_node", self.devices_per_node,
+                                      f"must divide the world size {size}")
 
     def identity(self) -> dict[str, Any]:
         """The fields that decide what is measured (a resumed campaign must match them)."""

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from paratune.errors import ConfigError
+from paratune.parallel import check_seed
 from paratune.profiler.gns.meter import NoiseScaleMeter
 from paratune.profiler.gns.trajectory import (
     _LEGACY_TRAJECTORY_COLUMNS,
@@ -68,6 +69,8 @@ class GNSJob:
         """
         if self.steps < 1:
             raise ConfigError("steps", self.steps, "must be >= 1")
+        check_seed("seed", self.seed)
+        check_seed("data_seed", self.data_seed)
         if Path(self.out).is_dir():
             raise ConfigError("out", str(self.out), "is a directory; give the trajectory's "
                               "file path, such as gns.csv")

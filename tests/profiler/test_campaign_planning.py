@@ -390,3 +390,41 @@ def test_restart_resolution_from_events(tmp_path):
     assert KEYS_WS2[4] not in records
     assert journal_keys(journal) == set(KEYS_WS2[:4])
     assert resolve_unfinished(paths, plan) == []  # idempotent
+
+
+@pytest.mark.parametrize(("changes", "message"), [
+    # a CPU's timings recorded as an H100's would be fitted as the H100's
+    (dict(hardware="H100-80GB"), r"^hardware='H100-80GB': is a cuda device and the campaign "
+                                 r"runs on cpu"),
+    (dict(seed=-1), r"^seed=-1: must be an integer from 0 to 4294967295$"),
+    (dict(seed=10**14), r"^seed=100000000000000: must be an integer from 0"),
+    (dict(world_sizes=(2, 4), devices_per_node=3), r"^devices_per_node=3: must divide the "
+                                                   r"world size 4$"),
+])
+def test_a_campaign_that_would_record_wrong_rows_is_refused(changes, message):
+    with pytest.raises(ConfigError, match=message):
+        _spec(**{"device": "cpu", "hardware": "cpu", **changes})
+
+
+def test_a_world_smaller_than_the_node_size_sits_in_one_node():
+    assert _spec(device="cpu", hardware="cpu", world_sizes=(1, 2, 8),
+                 devices_per_node=4).world_sizes == (1, 2, 8)
+
+
+@pytest.mark.parametrize("flags", [["--slurm"], ["--nnodes", "2"],
+                                   ["--rdzv-endpoint", "host:29500"]])
+def test_cluster_flags_without_print_command_are_refused(tmp_path, capsys, flags):
+    assert main(["profile", "--world-sizes", "1", "--out", str(tmp_path / "c"), "--device",
+                 "cpu", "--no-track", *flags]) == 2
+    err = capsys.readouterr().err
+    assert f"error: {flags[0]}" in err and "only goes with --print-command" in err
+    assert not (tmp_path / "c").exists()
+
+
+def test_a_gns_seed_out_of_range_is_refused_before_a_process_starts(tmp_path):
+    from paratune.profiler.gns import GNSJob
+
+    job = GNSJob(model=get_model("tiny"), config=ParallelConfig(global_batch_size=8),
+                 steps=2, out=str(tmp_path / "t.csv"), seed=-1, device="cpu")
+    with pytest.raises(ConfigError, match=r"^seed=-1: must be an integer from 0"):
+        job.validate()
