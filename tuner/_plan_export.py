@@ -32,10 +32,12 @@ points (layout changes) are where one layout's launch ends and the next starts.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import re
 import shlex
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -43,7 +45,12 @@ from typing import TYPE_CHECKING, Any
 from paratune.errors import ConfigError
 from paratune.fileio import atomic_write_text
 from paratune.parallel import ParallelConfig
-from paratune.tuner._export import megatron_args, torchrun_command, torchtitan_toml
+from paratune.tuner._export import (
+    megatron_args,
+    megatron_env,
+    torchrun_command,
+    torchtitan_toml,
+)
 from paratune.tuner._plan_schedule import layout_of
 
 if TYPE_CHECKING:
@@ -184,14 +191,24 @@ def plan_launch(plan: Plan, model: ModelSpec, hardware: HardwareSpec, *,
     """
     phases = _phase_launches(plan, model, checkpoint_dir)
     layouts, notes = _layout_launches(phases, seq_len=model.seq_len, lr_rule=plan.lr_rule)
+    for item in (*phases, *layouts):  # a layout's: its first phase's
+        config = ParallelConfig.from_dict((phases[item["phases"][0] - 1] if "layout" in item
+                                           else item)["config"])
+        item["megatron_env"] = megatron_env(config, hardware)
+    notes += _checkpoint_format_notes(phases)
     if any(p["config"]["dp"] != phases[0]["config"]["dp"] for p in phases):
         notes.append("the data-parallel degree changes between phases: torchtitan resumes "
                      "without the data loader's state (exclude_from_loading), so each phase "
                      "reads its data from the start of its loader unless the dataset is "
                      "offset by the samples already consumed")
-    trainer = _trainer_command(model, ParallelConfig.from_dict(phases[0]["config"]), hardware,
-                               devices_per_node=devices_per_node)
-    if trainer is None:
+    refused = _trainer_refusal(model, [ParallelConfig.from_dict(p["config"]) for p in phases])
+    trainer = None if refused else _trainer_command(
+        model, ParallelConfig.from_dict(phases[0]["config"]), hardware,
+        devices_per_node=devices_per_node)
+    if refused:
+        notes.append(f"paratune's trainer cannot run this plan ({refused}): no whole-plan "
+                     "launch is written for it")
+    elif trainer is None:
         notes.append("paratune's trainer cannot build this model (neither a preset nor read "
                      "from a config.json): no whole-plan launch is written for it")
     return {"model": model.name, "hardware": hardware.name, "seq_len": model.seq_len,
@@ -258,8 +275,8 @@ def _phase_launches(plan: Plan, model: ModelSpec, checkpoint_dir: str) -> list[d
 _SINGLE_LAUNCH = ("torchtitan.sh beside this file launches the same job on 0.3 with "
                   "--module/--config and command-line overrides")
 _PHASE_LAUNCH = ("for 0.3, `paratune tune` at this phase's batch writes its layout's "
-                 "torchtitan.sh, which takes this phase's --training.steps, --optimizer.lr and "
-                 "--checkpoint.* settings as command-line overrides")
+                 "torchtitan.sh, which takes this phase's --training.steps, --optimizer.lr, "
+                 "--lr_scheduler.* and --checkpoint.* settings as command-line overrides")
 
 
 def _phase_toml(model: ModelSpec, span: _PhaseSpan, *, checkpoint_dir: str) -> str:
@@ -271,14 +288,18 @@ def _phase_toml(model: ModelSpec, span: _PhaseSpan, *, checkpoint_dir: str) -> s
     toml = _toml_set(toml, "job", {"dump_folder": f"outputs/phase_{span.index + 1:02d}"})
     toml = _toml_set(toml, "training", {"steps": span.end_step})
     toml = _toml_set(toml, "optimizer", {"lr": span.lr})
+    # the phase's learning rate throughout: torchtitan's default schedule warms up over 200
+    # steps and decays to 0 by the last step
+    toml = _toml_set(toml, "lr_scheduler", {"warmup_steps": 0, "decay_ratio": 0.0})
     checkpoint: dict[str, Any] = {"enable": True, "folder": checkpoint_dir,
                                   "interval": max(1, span.num_steps),
                                   "last_save_model_only": False}
     if span.previous is not None:
+        # not the scheduler either: its state holds the previous phase's learning rate
         checkpoint.update({"initial_load_path": f"outputs/{span.previous}/{checkpoint_dir}"
                                                 f"/step-{span.start_step}",
                            "initial_load_model_only": False,
-                           "exclude_from_loading": ["dataloader"]})
+                           "exclude_from_loading": ["dataloader", "lr_scheduler"]})
     return _toml_set(toml, "checkpoint", checkpoint)
 
 
@@ -288,7 +309,9 @@ def _phase_megatron_args(model: ModelSpec, span: _PhaseSpan, checkpoint_dir: str
     args = _drop(_flat(megatron_args(model, span.config)), "--global-batch-size")
     args += ["--global-batch-size", str(span.config.global_batch_size),
              "--train-samples", str(span.end_samples),
-             "--lr", f"{span.lr:.6g}", "--save", checkpoint_dir, "--load", checkpoint_dir,
+             # the phase's learning rate throughout (Megatron-LM decays linearly by default)
+             "--lr", f"{span.lr:.6g}", "--lr-decay-style", "constant",
+             "--save", checkpoint_dir, "--load", checkpoint_dir,
              # Megatron-LM refuses --save without an interval; the phase's last step saves
              "--save-interval", str(max(1, span.num_steps))]
     if not _has(args, "--ckpt-format"):
@@ -334,6 +357,35 @@ def _layout_launches(phases: list[dict[str, Any]], *, seq_len: int, lr_rule: str
     return layouts, notes
 
 
+def _trainer_refusal(model: ModelSpec, configs: list[ParallelConfig]) -> str | None:
+    """Why paratune's trainer cannot run these phases in one launch (a layout it cannot run,
+    or, between phases, one whose state the hand-over cannot reshard), or ``None``."""
+    from paratune.profiler.reconfigure import _check_supported
+
+    for i, config in enumerate(configs, 1):
+        try:
+            config.check_trainer(model)
+            if len(configs) > 1:
+                _check_supported(config)
+        except ConfigError as exc:
+            return f"phase {i}: {exc}"
+    return None
+
+
+def _checkpoint_format_notes(phases: list[dict[str, Any]]) -> list[str]:
+    """Where a phase's Megatron-LM checkpoint format differs from the previous phase's."""
+    notes = []
+    for before, after in itertools.pairwise(phases):
+        saved = _flag_value(before["megatron_args"], "--ckpt-format")
+        loaded = _flag_value(after["megatron_args"], "--ckpt-format")
+        if saved != loaded:
+            notes.append(f"Megatron-LM: phase {before['phase']} saves {saved} checkpoints and "
+                         f"phase {after['phase']} loads {loaded} ones, which Megatron-LM does "
+                         "not convert between: convert the checkpoint, or keep both phases on "
+                         "one format")
+    return notes
+
+
 def _trainer_command(model: ModelSpec, config: ParallelConfig, hardware: HardwareSpec, *,
                      devices_per_node: int | None = None) -> str | None:
     """``torchrun ... -m paratune.profiler.train ... --plan launch.json``: paratune's own
@@ -361,8 +413,12 @@ def _readme(launch: dict[str, Any]) -> str:
         lines.append(f"phase {phase['phase']:02d}: batch {phase['global_batch_size']}, "
                      f"dp{cfg['dp']}-tp{cfg['tp']}-pp{cfg['pp']}, lr {phase['lr']:.4g}, steps "
                      f"{phase['start_step'] + 1}-{phase['end_step']}, samples to "
-                     f"{phase['end_samples']}")
-    lines.append("")
+                     f"{phase['end_samples']}"
+                     + "".join(f"; Megatron-LM with {k}={v}"
+                               for k, v in phase["megatron_env"].items()))
+    lines += ["", "Each phase runs at its learning rate throughout (no warm-up, no decay): "
+                  "add a warm-up to the first phase where the run starts from scratch, and a "
+                  "decay to the last.", ""]
     for i, layout in enumerate(launch["layouts"], 1):
         where = ("start" if i == 1 else
                  f"reconfigure at {layout['start_tokens']:.6g} tokens")
@@ -370,7 +426,8 @@ def _readme(launch: dict[str, Any]) -> str:
         batch = (f"--step-batch-size-schedule \"{layout['step_batch_size_schedule']}\""
                  if "--step-batch-size-schedule" in args else
                  f"--global-batch-size {_flag_value(args, '--global-batch-size')}")
-        lines.append(f"megatron_layout_{i:02d} ({where}): phases {layout['phases']}, {batch}")
+        lines.append(f"megatron_layout_{i:02d} ({where}): phases {layout['phases']}, {batch}"
+                     + "".join(f", with {k}={v}" for k, v in layout["megatron_env"].items()))
     if launch.get("trainer_command"):
         lines += ["", "paratune's own trainer, the whole plan in one launch (run_plan.sh):",
                   launch["trainer_command"]]
@@ -396,6 +453,15 @@ def write_plan_launch(plan: Plan, model: ModelSpec, hardware: HardwareSpec,
     launch = plan_launch(plan, model, hardware, devices_per_node=devices_per_node)
     directory = Path(directory)
     written: dict[str, Path] = {}
+    # the folders of an earlier, longer plan written here would be run as this one's
+    for stale in [*directory.glob("phase_[0-9][0-9]"),
+                  *directory.glob("megatron_layout_[0-9][0-9]")]:
+        index = int(stale.name[-2:])
+        count = len(launch["phases"] if stale.name.startswith("phase") else launch["layouts"])
+        if index > count and stale.is_dir():
+            shutil.rmtree(stale)
+    if not launch.get("trainer_command"):
+        (directory / "run_plan.sh").unlink(missing_ok=True)
 
     def put(name: str, text: str) -> None:
         path = directory / name

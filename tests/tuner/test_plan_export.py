@@ -5,6 +5,7 @@ installs."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.metadata
 import importlib.util
 import io
@@ -26,13 +27,13 @@ MODEL = get_model("llama3-8b")
 SEQ = MODEL.seq_len
 
 
-def _plan(closed_form, **options):
+def _plan(closed_form, shardings=("none", "zero1"), **options):
     step = np.arange(200, dtype=float) * 100
     traj = Trajectory(step=step, tokens=step * 256 * SEQ, b_noise=np.geomspace(40, 4000, 200),
                       loss=np.linspace(4.0, 2.0, 200), seq_len=SEQ)
     space = SearchSpace.build(MODEL, 64, "H100", global_batch_sizes="64:4096",
                               space=ConfigSpace(micro_batch_sizes=(1, 2),
-                                                shardings=("none", "zero1"),
+                                                shardings=shardings,
                                                 recomputes=("none",), schedules=("1f1b",)))
     return plan_phases(closed_form, space, traj, reconfig_cost_s=60, threshold=0.0,
                        **options), space
@@ -58,7 +59,9 @@ def test_every_phase_gets_a_torchtitan_config_that_resumes_the_last(closed_form,
         else:
             assert toml["checkpoint"]["initial_load_path"] == (
                 f"{previous_dump}/checkpoints/step-{steps}")
-            assert toml["checkpoint"]["exclude_from_loading"] == ["dataloader"]
+            # nor the scheduler's state, which holds the previous phase's learning rate
+            assert toml["checkpoint"]["exclude_from_loading"] == ["dataloader", "lr_scheduler"]
+        _check_constant_lr(toml, phase["steps"])
         steps = toml["training"]["steps"]
         previous_dump = toml["job"]["dump_folder"]
         assert (phase["steps"] == steps - sum(p["steps"] for p in plan.phases[:i - 1]))
@@ -76,10 +79,45 @@ def test_every_phase_gets_a_torchtitan_config_that_resumes_the_last(closed_form,
     for i in range(1, len(plan.phases) + 1):
         if f"phase_{i:02d}/torchtitan.sh" not in files:
             assert "beside this file" not in files[f"phase_{i:02d}/torchtitan.toml"].read_text()
-    # paratune's trainer takes the whole plan in one launch (its own test trains one)
+    # paratune's trainer takes the whole plan in one launch where it can hand each phase's
+    # state over to the next (its own test trains one); ZeRO-1's it cannot reshard
+    zero1 = [p["phase"] for p in launch["phases"]
+             if p["config"]["sharding"] == "zero1" and p["config"]["dp"] > 1]
+    assert zero1, "the plan has no ZeRO-1 phase"
+    assert "run_plan.sh" not in files and not (tmp_path / "run_plan.sh").exists()
+    assert any(note.startswith(f"paratune's trainer cannot run this plan (phase {zero1[0]}: "
+                               "sharding='zero1'") for note in launch["notes"])
+    unsharded, space = _plan(closed_form, shardings=("none",))
+    files = write_plan_launch(unsharded, MODEL, space.hardware, tmp_path)
     script = files["run_plan.sh"].read_text()
     assert "-m paratune.profiler.train" in script and "--plan launch.json" in script
     assert "--nproc-per-node=8" in script and "--nnodes=8" in script  # 64 H100s
+    # a later plan written over it: the folders of phases it does not have are gone
+    one_phase = dataclasses.replace(unsharded, phases=unsharded.phases[:1])
+    files = write_plan_launch(one_phase, MODEL, space.hardware, tmp_path)
+    assert sorted(p.name for p in tmp_path.glob("phase_*")) == ["phase_01"]
+    assert sorted(p.name for p in tmp_path.glob("megatron_layout_*")) == ["megatron_layout_01"]
+    assert "a 1-phase plan" in files["README"].read_text()
+
+
+def _check_constant_lr(toml: dict, steps: int) -> None:
+    """The phase's learning rate at its first, middle and last step, by torchtitan's own
+    scheduler built from the TOML's [lr_scheduler] (its default warms up over 200 steps and
+    decays to 0 by the last)."""
+    import torch
+    from torchtitan.components.optimizer.lr_scheduler import LRSchedulersContainer
+
+    lr = toml["optimizer"]["lr"]
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=lr)
+    schedulers = LRSchedulersContainer.Config(**toml["lr_scheduler"]).build(
+        optimizers=[optimizer], training_steps=toml["training"]["steps"])
+    seen = []
+    for step in range(steps):
+        if step in (0, steps // 2, steps - 1):
+            seen.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        schedulers.step()
+    assert seen == pytest.approx([lr] * len(seen), rel=1e-9)
 
 
 def test_megatron_phases_count_samples_over_the_run_and_carry_the_lr(closed_form, tmp_path):
@@ -163,10 +201,13 @@ def test_megatron_parses_a_phase_with_its_own_parser(closed_form, monkeypatch):
                         lambda: CUDA_MAJOR[space.hardware.name])
     monkeypatch.setenv("RANK", "0")
 
-    def parse(argv, world_size, *, validate):
+    def parse(argv, world_size, *, validate, env):
         monkeypatch.setattr("sys.argv", ["pretrain_gpt.py", *argv, *extra])
         monkeypatch.setenv("WORLD_SIZE", str(world_size))
-        monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+        # the environment the plan names for the launch, and nothing else
+        monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
         with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             args = arguments.parse_args()
@@ -178,7 +219,8 @@ def test_megatron_parses_a_phase_with_its_own_parser(closed_form, monkeypatch):
         config = phase["config"]
         world = config["dp"] * config["tp"] * config["pp"]
         assert "--num-layers" in phase["megatron_args"]  # a complete model shape
-        args = parse(phase["megatron_args"], world, validate=True)
+        args = parse(phase["megatron_args"], world, validate=True, env=phase["megatron_env"])
+        assert args.lr_decay_style == "constant"
         assert args.global_batch_size == phase["global_batch_size"]
         assert args.train_samples == phase["end_samples"]
         assert args.lr == pytest.approx(phase["lr"], rel=1e-5)
@@ -187,7 +229,7 @@ def test_megatron_parses_a_phase_with_its_own_parser(closed_form, monkeypatch):
     for layout in launch["layouts"]:
         config = layout["layout"]
         args = parse(layout["megatron_args"], config["dp"] * config["tp"] * config["pp"],
-                     validate=True)
+                     validate=True, env=layout["megatron_env"])
         assert args.num_layers == MODEL.num_layers
         if "--step-batch-size-schedule" in layout["megatron_args"]:
             steps_checked += 1
