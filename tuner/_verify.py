@@ -187,7 +187,7 @@ def verify_top_k(result: TuneResult, k: int, options: VerifyOptions | None = Non
     frames = []
     for cfg, step_s in zip(configs, ranked["step_time_s"].to_numpy(dtype=float), strict=True):
         runs = _runs_for(options.runs, cfg, step_s)
-        target = base / cfg.key()
+        target = base / runs.directory_name(space, cfg)
         resume = (target / "campaign.json").exists()
         campaign = run_campaign(runs.campaign(space, cfg, device=device), target,
                                 resume=resume, track=False, progress=False)

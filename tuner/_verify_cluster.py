@@ -127,15 +127,19 @@ def verify_on_cluster(result: TuneResult, k: int, options: VerifyOptions | None 
 
 def _chosen_configs(result: TuneResult, k: int, listing: Path) -> list[ParallelConfig]:
     """The ``k`` configs to verify: those ``listing`` names where an earlier call chose them
-    for the same job, else the first of the verification order (kept in ``listing``)."""
+    for the same job (model with its sequence length, devices, hardware) among the configs
+    this search ranked, else the first of the verification order (kept in ``listing``)."""
     space = result.search.space
-    identity = {"model": space.model.name, "world_size": space.world_size,
-                "hardware": space.hardware.name}
+    identity = {"model": space.model.to_dict(), "world_size": space.world_size,
+                "hardware": space.hardware.name, "devices_per_node": space.devices_per_node}
     stored = json.loads(listing.read_text()) if listing.exists() else None
-    if stored and stored.get("identity") == identity and len(stored["configs"]) >= k:
-        # a later call verifies exactly the configs the first one named
-        return [ParallelConfig.from_dict(c) for c in stored["configs"][:k]]
     ranked_configs = result.search.configs()
+    if stored and stored.get("identity") == identity and len(stored["configs"]) >= k:
+        named = [ParallelConfig.from_dict(c) for c in stored["configs"][:k]]
+        # a later call verifies exactly the configs the first one named, where this search
+        # ranked them too (not after another batch or space was asked for)
+        if all(config in ranked_configs for config in named):
+            return named
     picked = verify_positions(result.search.ranked, ranked_configs, space.model, k)
     configs = [ranked_configs[i] for i in picked]
     atomic_write_text(listing, json.dumps({"identity": identity, "configs": [
@@ -150,10 +154,10 @@ def _prepare_campaign(plan: ClusterVerification, space: SearchSpace, cfg: Parall
     from paratune.profiler.campaign import campaign_progress, torchrun_commands
 
     gpu = space.hardware.name.lower() != "cpu"
-    per_node = min(space.devices_per_node, space.world_size)
-    nodes = max(1, space.world_size // per_node)
     spec = runs.campaign(space, cfg, device="cuda" if gpu else "cpu")
-    target = (base / cfg.key()).resolve()
+    per_node = spec.devices_per_node  # as torchrun starts them (launch_shape)
+    nodes = space.world_size // per_node
+    target = (base / runs.directory_name(space, cfg)).resolve()
     (command,) = torchrun_commands(spec, target, nproc_per_node=per_node)
     (srun,) = torchrun_commands(spec, target, nproc_per_node=per_node, slurm=True)
     script = target / "verify.sbatch"

@@ -51,16 +51,27 @@ class VerifyRuns:
     timeout_s: float = 300.0
     """Per-config timeout."""
 
+    @staticmethod
+    def directory_name(space: SearchSpace, config: ParallelConfig) -> str:
+        """The folder of ``config``'s campaign: its key and the sequence length, so that a
+        verification of the same layout at another length is a campaign of its own, not a
+        resume refused for the length."""
+        return f"{config.key()}-seq{space.model.seq_len}"
+
     def campaign(self, space: SearchSpace, config: ParallelConfig, *,
                  device: str) -> CampaignSpec:
-        """The one-config profiling campaign that measures ``config`` of ``space``'s job."""
+        """The one-config profiling campaign that measures ``config`` of ``space``'s job,
+        with the ranks per node torchrun starts (12 devices of 8-device nodes: 6 on each
+        of 2)."""
         from paratune.profiler.campaign import CampaignSpec
+        from paratune.tuner._export_torchrun import launch_shape
 
+        per_node = launch_shape(config.world_size, space.devices_per_node)[1]
         return CampaignSpec(model=space.model, world_sizes=(config.world_size,),
                             space=pinned_space(config), warmup_steps=self.warmup_steps,
                             measured_steps=self.measured_steps, timeout_s=self.timeout_s,
                             device=device, hardware=space.hardware.name,
-                            devices_per_node=space.devices_per_node)
+                            devices_per_node=per_node)
 
 
 _RUN_FIELDS = ("warmup_steps", "measured_steps", "timeout_s")

@@ -94,7 +94,7 @@ def test_each_verified_config_gets_its_own_measurement(closed_form, tmp_path):
     table = result.verification
     assert list(table["config"]) == [c.key() for c in configs]
     for cfg, (_, row) in zip(configs, table.iterrows()):
-        own = load_measurements([tmp_path / "out" / "verify" / cfg.key()])
+        own = load_measurements([tmp_path / "out" / "verify" / f"{cfg.key()}-seq128"])
         own = own[own["sharding"] == cfg.sharding.value]
         assert len(own) == 1 and row["status"] == own["status"].iloc[0] == "ok"
         assert row["measured_tokens_per_s"] == pytest.approx(float(own["tokens_per_s"].iloc[0]))
@@ -190,7 +190,7 @@ def test_verify_on_a_cluster_writes_torchrun_and_slurm_commands_for_exactly_the_
     assert len({(c.tp, c.pp) for c in plan.configs}) > 1  # not one layout's variants
     for cfg, directory, command, script in zip(plan.configs, plan.directories, plan.torchrun,
                                                plan.sbatch):
-        assert directory == (tmp_path / "out" / "verify" / cfg.key()).resolve()
+        assert directory == (tmp_path / "out" / "verify" / f"{cfg.key()}-seq8192").resolve()
         plan_file = directory / "plan-ws16.json"
         assert plan_file.exists() and str(plan_file) in command
         assert command.startswith("torchrun --nnodes=2 --nproc-per-node=8 ")
@@ -201,6 +201,37 @@ def test_verify_on_a_cluster_writes_torchrun_and_slurm_commands_for_exactly_the_
     # a later call names the same configs (kept in verify.json), even when asked for fewer
     again = _cluster_job(closed_form, tmp_path / "out", k=2).cluster_verification
     assert again.configs == plan.configs[:2] and again.directories == plan.directories[:2]
+
+
+def test_verify_on_a_cluster_of_part_filled_nodes_starts_the_ranks_torchrun_does(
+        closed_form, tmp_path, monkeypatch):
+    """12 devices of 8-device nodes run as 6 on each of 2, as the exports launch them: the
+    verification's commands asked for 8 per node and were refused."""
+    monkeypatch.setattr("paratune.tuner._verify._local_hardware", lambda: ("cpu", "cpu"))
+    result = tune("llama3-8b", 12, "H100", closed_form, search="exhaustive",
+                  global_batch_sizes=[48], track=False, verify=1, output_dir=tmp_path / "out",
+                  space=ConfigSpace(recomputes=("none",), micro_batch_sizes=(1,)))
+    plan = result.cluster_verification
+    assert plan.torchrun[0].startswith("torchrun --nnodes=2 --nproc-per-node=6 ")
+    text = plan.sbatch[0].read_text()
+    assert "#SBATCH --nodes=2" in text and "#SBATCH --gpus-per-node=6" in text
+
+
+def test_a_later_verification_of_another_batch_or_sequence_picks_its_own_configs(
+        closed_form, tmp_path, monkeypatch):
+    monkeypatch.setattr("paratune.tuner._verify._local_hardware", lambda: ("cpu", "cpu"))
+    first = _cluster_job(closed_form, tmp_path / "out", k=2).cluster_verification
+    assert {c.global_batch_size for c in first.configs} == {64}
+    other = tune("llama3-8b", 16, "H100", closed_form, search="exhaustive",
+                 global_batch_sizes=[128], track=False, verify=2, output_dir=tmp_path / "out",
+                 space=ConfigSpace(recomputes=("none",), micro_batch_sizes=(1, 2)))
+    assert {c.global_batch_size for c in other.cluster_verification.configs} == {128}
+    longer = tune("llama3-8b", 16, "H100", closed_form, search="exhaustive",
+                  global_batch_sizes=[128], track=False, verify=2, seq_len=4096,
+                  output_dir=tmp_path / "out",
+                  space=ConfigSpace(recomputes=("none",), micro_batch_sizes=(1, 2)))
+    # at another sequence length the same layouts are campaigns of their own
+    assert all(d.name.endswith("-seq4096") for d in longer.cluster_verification.directories)
 
 
 def test_verify_on_a_cluster_needs_an_output_directory(closed_form, monkeypatch):
