@@ -131,6 +131,8 @@ class SearchResult:
         ``vs_best`` (the ranked quantity as a share of rank 1's) only for configs predicted
         feasible, since the others rank below every feasible config whatever their value.
         """
+        import numpy as np
+
         rows = []
         # the probability of a stalled pipeline, where the predictor learned that regime
         stall = ("pred_stall_prob" in self.ranked.columns
@@ -141,6 +143,12 @@ class SearchResult:
                         else f"{self.objective.risk_quantile} tok/s"
                         if self.objective.risk_quantile
                         else "exp tok/s" if self._expected_differs() else None)
+        # under the risk-aware ranking the expected throughput decides which configs rank
+        # first (those within RISK_AWARE_WITHIN of the best): shown where it is not tok/s
+        expected = (self.risk_aware and "expected_tokens_per_s" in self.ranked.columns
+                    and not np.allclose(self.ranked["expected_tokens_per_s"].to_numpy(float),
+                                        self.ranked["tokens_per_s"].to_numpy(float),
+                                        rtol=1e-9, equal_nan=True))
         # a CPU run's ranks are processes on a host's cores, not GPUs
         per_device = ("tok/s/gpu" if self.space.hardware.device_type == "cuda"
                       else f"tok/s/{self.space.hardware.device_type}")
@@ -156,6 +164,7 @@ class SearchResult:
                 + (f"/v{int(row['virtual_stages'])}" if row["virtual_stages"] > 1 else ""),
                 "sharding": row["sharding"], "recompute": row["recompute"],
                 "tok/s": float(row["tokens_per_s"]),
+                **({"exp tok/s": float(row["expected_tokens_per_s"])} if expected else {}),
                 **({ranked_label: float(row["ranked_tokens_per_s"])} if ranked_label else {}),
                 per_device: float(row["tokens_per_s"]) / float(row["world_size"]),
                 "step_s": float(row["step_time_s"]), "mem_gb": float(row["peak_mem_gb"]),

@@ -3,6 +3,7 @@ configs to verify on the target cluster."""
 
 from __future__ import annotations
 
+import numpy as np
 import pandas as pd
 import pytest
 
@@ -130,6 +131,24 @@ def test_tune_ranks_by_the_risk_aware_expectation_where_the_model_extrapolates(c
     risky = job()  # 16 devices, fitted on 1-2: extrapolating, so risk-aware
     assert risky.search.risk_aware and risky.best.tp == 1
     assert "risk tok/s" in risky.table(3)
+    # where the expected throughput is not the point's, it is shown: it decides which
+    # configs rank first (within RISK_AWARE_WITHIN of its best)
+    assert "exp tok/s" not in risky.table(3)
+
+    class Stalling(_UnsureOfTensorParallelism):
+        def predict(self, frame):
+            out = super().predict(frame)
+            point = out["pred_tokens_per_sec_per_gpu"].to_numpy()
+            out["pred_tokens_per_sec_per_gpu_expected"] = np.where(
+                frame["pp"].to_numpy() >= 2, point / 2, point)
+            return out
+
+    stalling = tune("llama3-8b", 16, "H100", Stalling(closed_form), search="exhaustive",
+                    global_batch_sizes=[64], track=False,
+                    space=ConfigSpace(recomputes=("none",), micro_batch_sizes=(1, 2)))
+    header = stalling.table(20).splitlines()[1].split("  ")
+    names = [h.strip() for h in header if h.strip()]
+    assert names.index("tok/s") < names.index("exp tok/s") < names.index("risk tok/s")
     ranked = risky.ranked
     assert ranked["objective"].is_monotonic_decreasing or not ranked["feasible"].all()
     # a quantile asked for by name is the ranking, not the risk-aware one
