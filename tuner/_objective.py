@@ -87,9 +87,8 @@ class Objective:
         if not 0.0 <= self.min_feasible_prob <= 1.0:
             raise ConfigError("min_feasible_prob", self.min_feasible_prob,
                               "must be a probability in [0, 1]")
-        if self.risk_quantile is not None and not self.risk_quantile.startswith("q"):
-            raise ConfigError("risk_quantile", self.risk_quantile,
-                              "must name a predicted quantile such as q10")
+        if self.risk_quantile is not None:
+            object.__setattr__(self, "risk_quantile", _lower_quantile(self.risk_quantile))
         if not 0.0 < self.memory_fraction <= 1.0:
             raise ConfigError("memory_fraction", self.memory_fraction, "must be in (0, 1]")
         if self.memory_limit_gb is not None and not (
@@ -201,3 +200,23 @@ class Objective:
                 "min_feasible_prob": self.min_feasible_prob,
                 "memory_limit_gb": self.memory_limit_gb,
                 "memory_fraction": self.memory_fraction}
+
+
+def _lower_quantile(value: Any) -> str:
+    """The name of a lower quantile of the predicted throughput (``q10``, ``q05``: the
+    predictor's spelling) from such a name or a fraction (``0.1``).
+
+    Raises:
+        ConfigError: neither a quantile's name nor a fraction, or not below the median (an
+            upper quantile would rank by the most optimistic throughput).
+    """
+    text = str(value).strip().lower()
+    try:
+        share = float(text[1:]) / 100 if text.startswith("q") else float(text)
+    except ValueError:
+        share = math.nan
+    if not 0.0 < share < 0.5:
+        raise ConfigError("risk_quantile", value, "must name a lower quantile of the "
+                          "predicted throughput, such as q10 (or 0.1): below the median, "
+                          "which ranks by the slow end")
+    return f"q{round(share * 100):02d}"

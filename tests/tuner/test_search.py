@@ -106,6 +106,9 @@ def test_risk_aware_ranking_uses_the_lower_quantile(closed_form):
     assert np.allclose(scored["objective"], expected)
     with pytest.raises(ConfigError, match="risk_quantile"):
         evaluate(closed_form, space, configs, Objective(risk_quantile="q05"))
+    # the quantile as a fraction, as the docs first spelled it
+    assert Objective(risk_quantile="0.1").risk_quantile == "q10"
+    assert Objective(risk_quantile=0.05).risk_quantile == "q05"
 
 
 def test_ranking_uses_the_expected_throughput_where_predicted(closed_form):
