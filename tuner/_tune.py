@@ -195,6 +195,11 @@ class _Problem:
         b_noise = resolve_gns(search.gns, seq_len=spec.seq_len,
                               trajectory_seq_len=search.trajectory_seq_len,
                               num_params=spec.num_params)
+        if b_noise is not None and search.objective != "goodput":
+            logger.warning("the gradient noise scale (--gns) weighs nothing under the %s "
+                           "objective: it ranks one batch's configs by tokens/s; "
+                           "--objective goodput trades them against the batch's statistical "
+                           "efficiency", search.objective)
         options = job.config_space()
         batches = job.global_batch_sizes
         if batches is None and not (options is not None and options.global_batch_sizes_given):

@@ -196,6 +196,22 @@ def test_a_value_not_from_the_flag_keeps_the_library_name(job, closed_form, tmp_
         tune("llama3-8b", 64, "H100", closed_form, global_batch_sizes="256:1024", track=False)
 
 
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--tokens", "1e9:1e10"], "--tokens='1e9:1e10': only goes with a law"),
+    (["--loss-curve", "curve.csv"], "--loss-curve='curve.csv': only goes with a law"),
+])
+def test_plan_options_of_the_other_trajectory_source_are_refused(job, tmp_path, capsys, flags,
+                                                                 message):
+    """A law's options beside a trajectory file (and the reverse) changed nothing."""
+    assert main(job("plan", *flags)) == 2
+    assert capsys.readouterr().err.startswith(f"paratune plan: error: {message}")
+    law = [a for a in job("plan") if a not in ("--trajectory", "trajectory.csv")]
+    assert main([*law, "--law", "kaplan2020", "--smooth", "5"]) == 2
+    assert capsys.readouterr().err.startswith("paratune plan: error: --smooth=5: only goes "
+                                              "with a trajectory")
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize(("command", "flag", "value", "minimum"), [
     ("tune", "--top-k", "0", 1),
     ("tune", "--devices-per-node", "0", 1),

@@ -86,7 +86,7 @@ def test_gpus_must_be_a_positive_integer(closed_form, gpus):
         SearchSpace.build(get_model("llama3-8b"), gpus, "H100")
 
 
-def test_goodput_without_batches_searches_around_b_noise(closed_form):
+def test_goodput_without_batches_searches_around_b_noise(closed_form, caplog):
     from paratune.tuner._tune import default_global_batch, goodput_global_batches
 
     model = get_model("llama3-8b")
@@ -105,8 +105,11 @@ def test_goodput_without_batches_searches_around_b_noise(closed_form):
     assert result.best.global_batch_size == wide.best.global_batch_size
     assert searched[0] < result.best.global_batch_size < searched[-1]
     # the throughput objective keeps one batch of about 2**20 tokens
-    plain = tune(model, 64, "H100", closed_form, gns=2000, search="exhaustive", track=False)
+    with caplog.at_level("WARNING", logger="paratune.tuner._tune"):
+        plain = tune(model, 64, "H100", closed_form, gns=2000, search="exhaustive",
+                     track=False)
     assert plain.search.space.global_batch_sizes == (128,)
+    assert "--gns) weighs nothing under the throughput objective" in caplog.text
     with pytest.raises(ConfigError, match=r"gns=-1: must be a positive number"):
         goodput_global_batches(model, 64, -1)
 
