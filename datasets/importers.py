@@ -430,9 +430,16 @@ def import_files(paths: Sequence[str | Path] | Iterable[str | Path],
         from paratune.datasets import write_dataset
 
         sources = sorted({m.source for m in records})
+        # what each row's model took for what the row did not state, with its rows
+        taken: dict[str, int] = {}
+        for m in records:
+            note = m.model.extra.get("assumptions", "")
+            if note:
+                taken[note] = taken.get(note, 0) + 1
         card = {"source": ",".join(sources) or "public", "campaign_id": "import",
                 "notes": {"provenance": report.sources,
-                          "assumptions": {k: v.note for k, v in MODEL_FAMILIES.items()},
+                          "assumptions": dict(sorted(taken.items(), key=lambda kv: -kv[1])),
+                          "family_assumptions": {k: v.note for k, v in MODEL_FAMILIES.items()},
                           "status_counts": report.status_counts,
                           "duplicates_ok_and_failed": report.duplicates,
                           "rows_not_imported": [str(p) for p in report.problems]}}

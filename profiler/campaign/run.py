@@ -239,8 +239,10 @@ def _launch_world_sizes(spec: CampaignSpec, paths: CampaignPaths, meta: dict[str
     if settings.progress:
         from paratune.progress import progress_bar
 
+        # named after the first world size with configs left (a resume skips the others)
+        first = next((ws for ws in spec.world_sizes if ws in left), spec.world_sizes[0])
         bar = progress_bar(total=total, unit="config", enabled=True,
-                           desc=f"profiling ws={spec.world_sizes[0]}")
+                           desc=f"profiling ws={first}")
     state = _Progress(bar=bar)
     try:
         for world_size in spec.world_sizes:

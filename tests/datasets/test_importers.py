@@ -392,6 +392,12 @@ def test_a_params_b_too_small_for_the_family_vocabulary_takes_the_gpt_style_defa
             spec.num_kv_heads) == ("gelu", 4 * 768, 51200, True, 12)
     assert "GPT-style default" in spec.extra["assumptions"]
     assert spec.num_params == pytest.approx(0.125e9, rel=0.01)
+    # the dataset's card says so, with the rows that took it
+    from paratune.datasets import read_dataset
+
+    import_files([_write(tmp_path, SMALL)], tmp_path / "ds")
+    taken = read_dataset(tmp_path / "ds").card.notes["assumptions"]
+    assert taken == {spec.extra["assumptions"]: 1}
 
 
 @pytest.mark.parametrize(("cells", "expect"), [
