@@ -168,7 +168,9 @@ class PerformanceModel(_Persistence, _StallRegime, _Ranges, _Base):
       framework runs its pipelines: a measurement family with at least ``min_stall_rows``
       pipeline runs, none of them stalled, keeps a stall probability of 0
       (``stall_free_families_``, by a row's source, else by its hardware) also on layouts
-      it was not measured on;
+      it was not measured on. A pipeline across nodes of a family none of whose measured
+      pipelines crossed one (``node_pipeline_families_``) keeps the stall threshold in its
+      interval's slow end: a regime the family never ran;
     * peak memory: ``analytical * exp(m(x))`` where memory was measured, ``m`` on the
       features of :data:`~paratune.models.features.MEMORY_FEATURE_NAMES` and held to the
       directions of :data:`~paratune.models.features.MEMORY_MONOTONE` (a larger micro-batch
