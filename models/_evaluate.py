@@ -14,7 +14,8 @@ Figures, per source and per held-out group: MAPE and median absolute percentage 
 tokens per second per device (= of step time inverted; both are reported), Spearman rank
 correlation, top-1 regret per (model, cluster) group (the share of the measured best's
 throughput that the predicted-best held-out configuration loses, among the same held-out
-configurations of that group and fold: :func:`throughput_regret`), top-5 regret (the same
+configurations of that group and fold: :func:`throughput_regret`; the predicted best of those
+predicted to run, as ``paratune tune`` recommends), top-5 regret (the same
 for the best measured among the five predicted best), the share of runs whose throughput
 lies between the predicted 10th and 90th percentiles, and feasibility accuracy over
 configurations (a configuration that ran at least once is feasible).
@@ -44,7 +45,12 @@ from paratune.models._evaluate_report import (
     summary_table,
 )
 from paratune.models._splits import EXTRAPOLATION_SPLITS, extrapolation_split
-from paratune.predictor import PRED_TOKENS_EXPECTED, throughput_quantile_columns
+from paratune.predictor import (
+    MIN_FEASIBLE_PROB,
+    PRED_FEASIBLE_PROB,
+    PRED_TOKENS_EXPECTED,
+    throughput_quantile_columns,
+)
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -191,7 +197,9 @@ def metrics(frame: pd.DataFrame, predictions: pd.DataFrame) -> dict[str, float]:
         ``regret_max`` / ``regret_median`` (top-1 regret over (model, cluster) groups,
         within each fold where the rows carry a ``fold`` column; the choice is by
         ``pred_tokens_per_sec_per_gpu_expected`` where predicted, else by
-        ``pred_tokens_per_sec_per_gpu``), ``regret_within_5pct``
+        ``pred_tokens_per_sec_per_gpu``, among the configs predicted to run
+        (``pred_feasible_prob`` at least :data:`~paratune.predictor.MIN_FEASIBLE_PROB`)
+        before the others, as ``paratune tune`` ranks), ``regret_within_5pct``
         (the share of those groups whose choice is within 5% of their best),
         ``regret_q10_mean`` (the same for the choice by the 10th-percentile throughput,
         where predicted), ``regret_top5_mean`` (the best measured among the five predicted
@@ -261,23 +269,32 @@ def _choice_figures(frame: pd.DataFrame, predictions: pd.DataFrame, ok: np.ndarr
     # the lower throughput quantile, whatever the model's quantiles (q10 by default)
     lower = throughput_quantile_columns(predictions.columns)
     cautious = (np.asarray(predictions[lower[0]], dtype=float)[ok] if lower else None)
+    # as `tune` chooses: the configs predicted to run first (probability of running at
+    # least MIN_FEASIBLE_PROB), then by the ranked throughput
+    runs = np.ones(int(ok.sum()), dtype=bool)
+    if PRED_FEASIBLE_PROB in predictions.columns:
+        prob = np.asarray(predictions[PRED_FEASIBLE_PROB], dtype=float)[ok]
+        runs = ~(prob < MIN_FEASIBLE_PROB)  # no probability: nothing said against it
     regrets, rhos = [], []
     cautious_regrets, top5_regrets, risk_regrets, risk_top5 = [], [], [], []
     for key in np.unique(keys):
         sel = keys == key
         if sel.sum() < 2:
             continue
-        m, p = m_ok[sel], p_ok[sel]
+        m, p, first = m_ok[sel], p_ok[sel], runs[sel]
         best = m.max()
-        regrets.append(throughput_regret(best, m[int(np.argmax(p))]))
-        top5 = np.argsort(-p, kind="stable")[:5]
-        top5_regrets.append(throughput_regret(best, m[top5].max()))
+        order = _feasible_first(np.argsort(-p, kind="stable"), first)
+        regrets.append(throughput_regret(best, m[order[0]]))
+        top5_regrets.append(throughput_regret(best, m[order[:5]].max()))
         rhos.append(_spearman(m, p))
         if cautious is not None:
             low = cautious[sel]
-            chosen = m[int(np.argmax(np.nan_to_num(low, nan=-np.inf)))]
-            cautious_regrets.append(throughput_regret(best, chosen))
-            order = risk_aware_order(p, low)
+            safest = _feasible_first(np.argsort(-np.nan_to_num(low, nan=-np.inf),
+                                                kind="stable"), first)
+            cautious_regrets.append(throughput_regret(best, m[safest[0]]))
+            # the risk-aware ranking among the configs predicted to run, as tune ranks
+            pool = np.flatnonzero(first) if first.any() else np.arange(len(m))
+            order = pool[risk_aware_order(p[pool], low[pool])]
             risk_regrets.append(throughput_regret(best, m[order[0]]))
             risk_top5.append(throughput_regret(best, m[order[:5]].max()))
     out: dict[str, float] = {}
@@ -295,6 +312,11 @@ def _choice_figures(frame: pd.DataFrame, predictions: pd.DataFrame, ok: np.ndarr
     out["regret_risk_mean"] = float(np.mean(risk_regrets)) if risk_regrets else np.nan
     out["regret_risk_top5_mean"] = float(np.mean(risk_top5)) if risk_top5 else np.nan
     return out, rhos
+
+
+def _feasible_first(order: np.ndarray, runs: np.ndarray) -> np.ndarray:
+    """``order`` (positions) with the ones predicted to run first, each part in its order."""
+    return np.concatenate([order[runs[order]], order[~runs[order]]])
 
 
 def _coverage(predictions: pd.DataFrame, ok: np.ndarray, m_ok: np.ndarray) -> float:

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CONFIG_COLUMNS",
+    "MIN_FEASIBLE_PROB",
     "MODEL_COLUMNS",
     "PARALLEL_COLUMNS",
     "PREDICTION_COLUMNS",
@@ -45,6 +46,9 @@ CONFIG_COLUMNS: tuple[str, ...] = (MODEL_COLUMNS + PARALLEL_COLUMNS
 PRED_STEP_TIME_S = "pred_step_time_s"
 PRED_TOKENS_PER_SEC_PER_GPU = "pred_tokens_per_sec_per_gpu"
 PRED_FEASIBLE_PROB = "pred_feasible_prob"
+MIN_FEASIBLE_PROB = 0.5
+"""The predicted probability of running from which a config counts as feasible: the tuner's
+default, which ranks such configs before the others; ``evaluate`` chooses as it does."""
 PRED_PEAK_MEM_GB = "pred_peak_mem_gb"
 PRED_TOKENS_EXPECTED = f"{PRED_TOKENS_PER_SEC_PER_GPU}_expected"
 """Optional: the throughput of the expected step time where a run may fall into more than one

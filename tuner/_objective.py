@@ -19,6 +19,7 @@ import numpy as np
 
 from paratune.errors import ConfigError
 from paratune.predictor import (
+    MIN_FEASIBLE_PROB,
     PRED_FEASIBLE_PROB,
     PRED_PEAK_MEM_GB,
     PRED_STEP_TIME_S,
@@ -63,7 +64,7 @@ class Objective:
     ``pred_tokens_per_sec_per_gpu_q10``) instead of the expected throughput (the column
     ``pred_tokens_per_sec_per_gpu_expected`` where the predictor gives it, else its point
     prediction): risk-averse choices."""
-    min_feasible_prob: float = 0.5
+    min_feasible_prob: float = MIN_FEASIBLE_PROB
     """Smallest predicted probability of running (not OOM) for a config to be feasible."""
     memory_limit_gb: float | None = None
     """Largest predicted peak memory per device; defaults to ``memory_fraction`` of the

@@ -257,3 +257,31 @@ def test_extrapolation_table_prints_percentages_to_a_tenth_and_ratios_to_a_thous
     cells = table.splitlines()[-1].split()
     assert cells == ["m", "f", "12", "20.7", "244.0", "0.668", "12.5", "0.0", "0.0",
                      "98.5", "1.140", "90.8"]
+
+
+def test_the_choice_is_among_configs_predicted_to_run_as_tune_ranks(synthetic):
+    """A group's fastest prediction that the model says will not run (probability of
+    running under MIN_FEASIBLE_PROB) is not what `tune` recommends: the top-1 and top-5
+    regret, by the expectation and risk-aware, are of the configs predicted to run."""
+    from paratune.predictor import MIN_FEASIBLE_PROB
+
+    frame = synthetic[synthetic["status"] == "ok"].reset_index(drop=True)
+    step = frame["step_time_s"].to_numpy(dtype=float)
+    tps = (frame["global_batch_size"] * frame["seq_len"] / (step * frame["world_size"])
+           ).to_numpy()
+    pred = pd.DataFrame({"pred_step_time_s": step, "pred_feasible_prob": 0.9,
+                         "pred_tokens_per_sec_per_gpu_q10": tps * 0.9,
+                         "pred_tokens_per_sec_per_gpu_q90": tps * 1.1})
+    # the slowest run of each group predicted twice as fast as the best, and not to run
+    group = frame.assign(t=tps).groupby(["model_name", "world_size"])["t"]
+    slowest = (tps == group.transform("min").to_numpy()) & (group.transform("size") > 5)
+    pred.loc[slowest, "pred_step_time_s"] = step[slowest] * tps[slowest] / (
+        2 * group.transform("max").to_numpy()[slowest])
+    pred.loc[slowest, "pred_tokens_per_sec_per_gpu_q10"] = 2 * group.transform(
+        "max").to_numpy()[slowest]
+    assert metrics(frame, pred)["regret_mean"] > 0.1  # chosen where it may run
+    pred.loc[slowest, "pred_feasible_prob"] = MIN_FEASIBLE_PROB / 2
+    figures = metrics(frame, pred)
+    for name in ("regret_mean", "regret_top5_mean", "regret_risk_mean",
+                 "regret_risk_top5_mean", "regret_q10_mean"):
+        assert figures[name] == pytest.approx(0.0), name
