@@ -249,8 +249,13 @@ def top1_choices(predictions) -> list[dict]:
     layout, whether its run stalled and its predicted / measured throughput."""
     import numpy as np
 
+    from paratune.models import (
+        choice_orders,
+        measured_step_time,
+        predicted_to_run_rows,
+        throughput_regret,
+    )
     from paratune.models import features as F
-    from paratune.models import measured_step_time, risk_aware_order, throughput_regret
 
     step = measured_step_time(predictions)
     ok = np.isfinite(step) & np.isfinite(predictions["pred_step_time_s"].to_numpy(float))
@@ -263,8 +268,10 @@ def top1_choices(predictions) -> list[dict]:
     stalled = F.stalled_pipeline(part, step)
     expected = part["pred_tokens_per_sec_per_gpu_expected"].to_numpy(float)
     lower = part["pred_tokens_per_sec_per_gpu_q10"].to_numpy(float)
-    rules = {"expected": lambda sel: int(np.argmax(np.nan_to_num(expected[sel], nan=-np.inf))),
-             "risk-aware": lambda sel: int(risk_aware_order(expected[sel], lower[sel])[0])}
+    runs = predicted_to_run_rows(part, part)  # as tune ranks and `evaluate` chooses
+    rules = {rule: (lambda sel, rule=rule: int(choice_orders(expected[sel], lower[sel],
+                                                               runs[sel])[rule][0]))
+             for rule in ("expected", "risk-aware")}
     keys = part[["fold", "model_name", "world_size"]].astype(str).agg("|".join, axis=1)
     out = []
     for key in dict.fromkeys(keys):

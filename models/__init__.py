@@ -17,6 +17,7 @@ __all__ = [
     "PerformanceModel",
     "RawConfigBaseline",
     "Split",
+    "choice_orders",
     "config_identity",
     "cross_validate",
     "cv_folds",
@@ -32,6 +33,7 @@ __all__ = [
     "measured_step_time",
     "metrics",
     "plot_predictions",
+    "predicted_to_run_rows",
     "risk_aware_candidates",
     "risk_aware_order",
     "risk_aware_throughput",
@@ -41,6 +43,8 @@ __all__ = [
 
 _LAZY = {
     "cv_folds": "paratune.models._evaluate",
+    "choice_orders": "paratune.models._evaluate",
+    "predicted_to_run_rows": "paratune.models._evaluate",
     "feasibility_table": "paratune.models._data",
     "measured_memory_gb": "paratune.models._data",
     "config_identity": "paratune.models._data",

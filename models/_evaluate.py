@@ -46,9 +46,11 @@ from paratune.models._evaluate_report import (
 )
 from paratune.models._splits import EXTRAPOLATION_SPLITS, extrapolation_split
 from paratune.predictor import (
-    MIN_FEASIBLE_PROB,
+    MEMORY_FRACTION,
     PRED_FEASIBLE_PROB,
+    PRED_PEAK_MEM_GB,
     PRED_TOKENS_EXPECTED,
+    predicted_to_run,
     throughput_quantile_columns,
 )
 
@@ -56,9 +58,10 @@ if TYPE_CHECKING:
     import pandas as pd
 
 __all__ = ["ANATOMY_GROUPS", "EXTRAPOLATION_COLUMNS", "RISK_AWARE_WITHIN", "SPLITS",
-           "EvaluationResult", "cross_validate", "error_anatomy", "extrapolation_table",
-           "metrics", "plot_predictions", "risk_aware_candidates", "risk_aware_order",
-           "risk_aware_throughput", "throughput_regret"]
+           "EvaluationResult", "choice_orders", "cross_validate", "error_anatomy",
+           "extrapolation_table", "metrics", "plot_predictions", "predicted_to_run_rows",
+           "risk_aware_candidates", "risk_aware_order", "risk_aware_throughput",
+           "throughput_regret"]
 
 SPLITS = ("random", "cluster", "model", *EXTRAPOLATION_SPLITS)
 _GROUP = ("model_name", "world_size", "hardware")
@@ -269,34 +272,23 @@ def _choice_figures(frame: pd.DataFrame, predictions: pd.DataFrame, ok: np.ndarr
     # the lower throughput quantile, whatever the model's quantiles (q10 by default)
     lower = throughput_quantile_columns(predictions.columns)
     cautious = (np.asarray(predictions[lower[0]], dtype=float)[ok] if lower else None)
-    # as `tune` chooses: the configs predicted to run first (probability of running at
-    # least MIN_FEASIBLE_PROB), then by the ranked throughput
-    runs = np.ones(int(ok.sum()), dtype=bool)
-    if PRED_FEASIBLE_PROB in predictions.columns:
-        prob = np.asarray(predictions[PRED_FEASIBLE_PROB], dtype=float)[ok]
-        runs = ~(prob < MIN_FEASIBLE_PROB)  # no probability: nothing said against it
+    runs = predicted_to_run_rows(frame, predictions)[ok]
     regrets, rhos = [], []
     cautious_regrets, top5_regrets, risk_regrets, risk_top5 = [], [], [], []
     for key in np.unique(keys):
         sel = keys == key
         if sel.sum() < 2:
             continue
-        m, p, first = m_ok[sel], p_ok[sel], runs[sel]
+        m, p = m_ok[sel], p_ok[sel]
         best = m.max()
-        order = _feasible_first(np.argsort(-p, kind="stable"), first)
-        regrets.append(throughput_regret(best, m[order[0]]))
-        top5_regrets.append(throughput_regret(best, m[order[:5]].max()))
+        orders = choice_orders(p, None if cautious is None else cautious[sel], runs[sel])
+        regrets.append(throughput_regret(best, m[orders["expected"][0]]))
+        top5_regrets.append(throughput_regret(best, m[orders["expected"][:5]].max()))
         rhos.append(_spearman(m, p))
         if cautious is not None:
-            low = cautious[sel]
-            safest = _feasible_first(np.argsort(-np.nan_to_num(low, nan=-np.inf),
-                                                kind="stable"), first)
-            cautious_regrets.append(throughput_regret(best, m[safest[0]]))
-            # the risk-aware ranking among the configs predicted to run, as tune ranks
-            pool = np.flatnonzero(first) if first.any() else np.arange(len(m))
-            order = pool[risk_aware_order(p[pool], low[pool])]
-            risk_regrets.append(throughput_regret(best, m[order[0]]))
-            risk_top5.append(throughput_regret(best, m[order[:5]].max()))
+            cautious_regrets.append(throughput_regret(best, m[orders["lower"][0]]))
+            risk_regrets.append(throughput_regret(best, m[orders["risk-aware"][0]]))
+            risk_top5.append(throughput_regret(best, m[orders["risk-aware"][:5]].max()))
     out: dict[str, float] = {}
     out["regret_mean"] = float(np.mean(regrets)) if regrets else np.nan
     out["regret_max"] = float(np.max(regrets)) if regrets else np.nan
@@ -314,9 +306,49 @@ def _choice_figures(frame: pd.DataFrame, predictions: pd.DataFrame, ok: np.ndarr
     return out, rhos
 
 
-def _feasible_first(order: np.ndarray, runs: np.ndarray) -> np.ndarray:
-    """``order`` (positions) with the ones predicted to run first, each part in its order."""
-    return np.concatenate([order[runs[order]], order[~runs[order]]])
+def predicted_to_run_rows(frame: pd.DataFrame, predictions: pd.DataFrame) -> np.ndarray:
+    """Which rows the predictions call feasible, by the rule ``tune`` ranks by
+    (:func:`~paratune.predictor.predicted_to_run`: a probability of running of at least
+    :data:`~paratune.predictor.MIN_FEASIBLE_PROB`, and a peak memory within
+    :data:`~paratune.predictor.MEMORY_FRACTION` of the device's); all rows where the
+    predictor gives no probability."""
+    if PRED_FEASIBLE_PROB not in predictions.columns:
+        return np.ones(len(frame), dtype=bool)
+    memory = None
+    limit = np.inf
+    if PRED_PEAK_MEM_GB in predictions.columns and "hardware" in frame.columns:
+        from paratune.hardware import get_hardware
+
+        memory = np.asarray(predictions[PRED_PEAK_MEM_GB], dtype=float)
+        sizes = {}
+        for name in frame["hardware"].astype(str).unique():
+            try:
+                sizes[name] = get_hardware(name).memory_gb
+            except ConfigError:  # a device the catalogue does not know: no limit
+                sizes[name] = 0.0
+        device = frame["hardware"].astype(str).map(sizes).to_numpy(dtype=float)
+        limit = np.where(device > 0, MEMORY_FRACTION * device, np.inf)
+    return predicted_to_run(np.asarray(predictions[PRED_FEASIBLE_PROB], dtype=float), memory,
+                            limit)
+
+
+def choice_orders(expected: np.ndarray, lower: np.ndarray | None, runs: np.ndarray
+                  ) -> dict[str, np.ndarray]:
+    """The orders in which ``paratune tune`` would rank one job's configs (positions, best
+    first): those predicted to run (``runs``) before the others, each part by ``expected``
+    (the expected throughput), by ``lower`` (its lower quantile) and by the risk-aware
+    expectation of the two (:func:`risk_aware_order`); the last two only with ``lower``."""
+    def first(order: np.ndarray) -> np.ndarray:
+        return np.concatenate([order[runs[order]], order[~runs[order]]])
+
+    out = {"expected": first(np.argsort(-np.nan_to_num(expected, nan=-np.inf),
+                                        kind="stable"))}
+    if lower is not None:
+        out["lower"] = first(np.argsort(-np.nan_to_num(lower, nan=-np.inf), kind="stable"))
+        out["risk-aware"] = np.concatenate([
+            pool[risk_aware_order(expected[pool], lower[pool])]
+            for pool in (np.flatnonzero(runs), np.flatnonzero(~runs)) if len(pool)])
+    return out
 
 
 def _coverage(predictions: pd.DataFrame, ok: np.ndarray, m_ok: np.ndarray) -> float:

@@ -9,6 +9,7 @@ order, holding the :data:`PREDICTION_COLUMNS`.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -22,6 +23,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CONFIG_COLUMNS",
+    "MEMORY_FRACTION",
     "MIN_FEASIBLE_PROB",
     "MODEL_COLUMNS",
     "PARALLEL_COLUMNS",
@@ -33,6 +35,7 @@ __all__ = [
     "PRED_TOKENS_PER_SEC_PER_GPU",
     "Predictor",
     "config_frame",
+    "predicted_to_run",
     "throughput_quantile_columns",
 ]
 
@@ -49,6 +52,9 @@ PRED_FEASIBLE_PROB = "pred_feasible_prob"
 MIN_FEASIBLE_PROB = 0.5
 """The predicted probability of running from which a config counts as feasible: the tuner's
 default, which ranks such configs before the others; ``evaluate`` chooses as it does."""
+MEMORY_FRACTION = 0.95
+"""The share of device memory a config's predicted peak may take to count as feasible (the
+tuner's default where no memory limit is given)."""
 PRED_PEAK_MEM_GB = "pred_peak_mem_gb"
 PRED_TOKENS_EXPECTED = f"{PRED_TOKENS_PER_SEC_PER_GPU}_expected"
 """Optional: the throughput of the expected step time where a run may fall into more than one
@@ -93,3 +99,22 @@ def config_frame(model: ModelSpec, configs: Iterable[ParallelConfig],
 
     return ConfigBatch.from_configs(model, configs, hardware,
                                     devices_per_node=devices_per_node).to_frame()
+
+
+def predicted_to_run(prob: Any, peak_mem_gb: Any = None, limit_gb: Any = math.inf, *,
+                     min_prob: float = MIN_FEASIBLE_PROB) -> Any:
+    """Which configs a prediction calls feasible, the rule the tuner ranks by: a probability
+    of running that is a number of at least ``min_prob`` and, under a finite memory limit
+    (per config or one for all), a predicted peak memory that is a number within it
+    (``peak_mem_gb`` ``None``: a predictor without memory is not held to the limit); a
+    boolean array."""
+    import numpy as np
+
+    prob = np.asarray(prob, dtype=float)
+    runs = np.isfinite(prob) & (prob >= min_prob)
+    if peak_mem_gb is None:
+        return runs
+    mem = np.asarray(peak_mem_gb, dtype=float)
+    limit = np.broadcast_to(np.asarray(limit_gb, dtype=float), mem.shape)
+    bounded = np.isfinite(limit)
+    return runs & (~bounded | (np.isfinite(mem) & (mem <= np.where(bounded, limit, 0.0))))

@@ -19,12 +19,14 @@ import numpy as np
 
 from paratune.errors import ConfigError
 from paratune.predictor import (
+    MEMORY_FRACTION,
     MIN_FEASIBLE_PROB,
     PRED_FEASIBLE_PROB,
     PRED_PEAK_MEM_GB,
     PRED_STEP_TIME_S,
     PRED_TOKENS_EXPECTED,
     PRED_TOKENS_PER_SEC_PER_GPU,
+    predicted_to_run,
     throughput_quantile_columns,
 )
 from paratune.tuner._efficiency import _positive, pollux_efficiency
@@ -69,7 +71,7 @@ class Objective:
     memory_limit_gb: float | None = None
     """Largest predicted peak memory per device; defaults to ``memory_fraction`` of the
     device's memory (no limit where the catalogue gives none, e.g. CPU)."""
-    memory_fraction: float = 0.95
+    memory_fraction: float = MEMORY_FRACTION
     """Share of device memory usable when ``memory_limit_gb`` is not given."""
 
     def __post_init__(self) -> None:
@@ -185,14 +187,11 @@ class Objective:
         out["violation_feasible"] = np.where(
             predicted, np.nan_to_num(self.min_feasible_prob - prob, nan=1.0), 1.0)
         limit = self.memory_limit(space)
-        if math.isfinite(limit) and PRED_PEAK_MEM_GB in out.columns:
-            out["violation_memory"] = np.nan_to_num((mem - limit) / limit, nan=1.0)
-            fits = np.isfinite(mem) & (mem <= limit)
-        else:
-            out["violation_memory"] = 0.0
-            fits = np.ones(len(out), dtype=bool)
-        out["feasible"] = (np.isfinite(prob) & (prob >= self.min_feasible_prob) & fits
-                           & predicted)
+        held = math.isfinite(limit) and PRED_PEAK_MEM_GB in out.columns
+        out["violation_memory"] = (np.nan_to_num((mem - limit) / limit, nan=1.0) if held
+                                   else 0.0)
+        out["feasible"] = predicted_to_run(prob, mem if held else None, limit,
+                                           min_prob=self.min_feasible_prob) & predicted
         return out
 
     def to_dict(self) -> dict[str, Any]:
@@ -213,11 +212,13 @@ def _lower_quantile(value: Any) -> str:
     """
     text = str(value).strip().lower()
     try:
-        share = float(text[1:]) / 100 if text.startswith("q") else float(text)
+        percent = float(text[1:]) if text.startswith("q") else 100 * float(text)
     except ValueError:
-        share = math.nan
-    if not 0.0 < share < 0.5:
+        percent = math.nan
+    # a whole percent from 1 to 49: the predictor's quantiles are named so
+    if not (math.isfinite(percent) and abs(percent - round(percent)) < 1e-6
+            and 1 <= round(percent) <= 49):
         raise ConfigError("risk_quantile", value, "must name a lower quantile of the "
-                          "predicted throughput, such as q10 (or 0.1): below the median, "
-                          "which ranks by the slow end")
-    return f"q{round(share * 100):02d}"
+                          "predicted throughput, such as q10 (or 0.1): a whole percent below "
+                          "the median, which ranks by the slow end")
+    return f"q{round(percent):02d}"

@@ -280,8 +280,25 @@ def test_the_choice_is_among_configs_predicted_to_run_as_tune_ranks(synthetic):
     pred.loc[slowest, "pred_tokens_per_sec_per_gpu_q10"] = 2 * group.transform(
         "max").to_numpy()[slowest]
     assert metrics(frame, pred)["regret_mean"] > 0.1  # chosen where it may run
-    pred.loc[slowest, "pred_feasible_prob"] = MIN_FEASIBLE_PROB / 2
-    figures = metrics(frame, pred)
-    for name in ("regret_mean", "regret_top5_mean", "regret_risk_mean",
-                 "regret_risk_top5_mean", "regret_q10_mean"):
-        assert figures[name] == pytest.approx(0.0), name
+    # not expected to run: a probability under the threshold, none at all (a failed
+    # prediction), or a peak memory over 95% of the device's
+    for prob, memory in ((MIN_FEASIBLE_PROB / 2, 10.0), (np.nan, 10.0), (0.9, 79.0)):
+        pred.loc[slowest, "pred_feasible_prob"] = prob
+        pred["pred_peak_mem_gb"] = np.where(slowest, memory, 10.0)
+        figures = metrics(frame, pred)
+        for name in ("regret_mean", "regret_top5_mean", "regret_risk_mean",
+                     "regret_risk_top5_mean", "regret_q10_mean"):
+            assert figures[name] == pytest.approx(0.0), (name, prob, memory)
+
+
+def test_tune_ranks_the_configs_predicted_to_run_first_then_the_others():
+    from paratune.models import choice_orders
+
+    expected = np.array([60.0, 50.0, 100.0, 90.0, 80.0, 70.0])
+    lower = expected * 0.9
+    runs = np.array([True, True, False, False, False, False])
+    orders = choice_orders(expected, lower, runs)
+    assert list(orders["expected"]) == [0, 1, 2, 3, 4, 5]
+    assert list(orders["lower"]) == [0, 1, 2, 3, 4, 5]
+    # the risk-aware ranking keeps the others after the two, in their own order
+    assert list(orders["risk-aware"]) == [0, 1, 2, 3, 4, 5]

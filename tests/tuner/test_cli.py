@@ -155,7 +155,8 @@ def job(saved_model, tmp_path, monkeypatch):
     ("tune", ["--trials", "0"], "--trials=0: must be a positive integer"),
     ("tune", ["--risk", "median"], "--risk='median': must name a lower quantile"),
     ("tune", ["--risk", "q90"], "--risk='q90': must name a lower quantile of the predicted "
-                                "throughput, such as q10 (or 0.1): below the median"),
+                                "throughput, such as q10 (or 0.1): a whole percent below "
+                                "the median"),
     ("tune", ["--global-batch", "abc"], "--global-batch='abc': must be integers"),
     ("plan", ["--global-batch", "0"], "--global-batch='0': batch sizes must be positive"),
     ("tune", ["--space", "nosuch.yaml"], "--space='nosuch.yaml': no such file"),

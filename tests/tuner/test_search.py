@@ -109,6 +109,9 @@ def test_risk_aware_ranking_uses_the_lower_quantile(closed_form):
     # the quantile as a fraction, as the docs first spelled it
     assert Objective(risk_quantile="0.1").risk_quantile == "q10"
     assert Objective(risk_quantile=0.05).risk_quantile == "q05"
+    for value in ("0.499", "q49.6", "0.025", "0.004", "q50", "q0"):
+        with pytest.raises(ConfigError, match=r"a whole percent below the median"):
+            Objective(risk_quantile=value)
 
 
 def test_ranking_uses_the_expected_throughput_where_predicted(closed_form):
