@@ -203,11 +203,12 @@ class SearchSpace:
         elif (isinstance(devices_per_node, bool) or not isinstance(devices_per_node, numbers.Real)
               or not float(devices_per_node).is_integer() or devices_per_node < 1):
             raise ConfigError("devices_per_node", devices_per_node, "must be a positive integer")
+        devices_per_node = _launched_per_node(world_size, int(devices_per_node))
         space = space or ConfigSpace()
         if global_batch_sizes is not None:
             space = space.replace(global_batch_sizes=parse_batch_sizes(global_batch_sizes))
         return cls(model=model, world_size=world_size, hardware=hw, space=space,
-                   devices_per_node=int(devices_per_node), framework=framework or "")
+                   devices_per_node=devices_per_node, framework=framework or "")
 
     # ------------------------------------------------------------------ structure
     @property
@@ -383,3 +384,14 @@ class SearchSpace:
         """A short hash of everything that defines the space (names default studies)."""
         text = json.dumps(self.to_dict(), sort_keys=True, default=str)
         return hashlib.sha256(text.encode()).hexdigest()[:10]
+
+
+def _launched_per_node(world_size: int, devices_per_node: int) -> int:
+    """The devices per node a job of ``world_size`` runs with: ``devices_per_node`` where it
+    fills whole nodes or one, else what torchrun starts on each of the nodes that hold it
+    (the same number on every node: 12 devices of 8-device nodes run 6 on each of 2), so
+    that configs are predicted, exported and verified on one placement."""
+    nodes = -(-world_size // devices_per_node)
+    if nodes > 1 and world_size % devices_per_node and world_size % nodes == 0:
+        return world_size // nodes
+    return devices_per_node

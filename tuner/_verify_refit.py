@@ -53,10 +53,15 @@ class VerifyRuns:
 
     @staticmethod
     def directory_name(space: SearchSpace, config: ParallelConfig) -> str:
-        """The folder of ``config``'s campaign: its key and the sequence length, so that a
-        verification of the same layout at another length is a campaign of its own, not a
-        resume refused for the length."""
-        return f"{config.key()}-seq{space.model.seq_len}"
+        """The folder of ``config``'s campaign: its key and a digest of the job (the model
+        with its sequence length, the hardware, the devices per node), so that the same
+        layout of another job is a campaign of its own, not a resume refused for the job."""
+        import hashlib
+        import json
+
+        job = json.dumps([space.model.to_dict(), space.hardware.name, space.devices_per_node],
+                         sort_keys=True, default=str)
+        return f"{config.key()}-{hashlib.sha256(job.encode()).hexdigest()[:8]}"
 
     def campaign(self, space: SearchSpace, config: ParallelConfig, *,
                  device: str) -> CampaignSpec:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -10,6 +11,7 @@ from paratune import ConfigError, ParallelConfig, get_model
 from paratune.space import ConfigSpace
 from paratune.tuner import tune
 from paratune.tuner._verify import pinned_space
+from paratune.tuner._verify_refit import VerifyRuns
 
 
 def test_pinned_space_holds_exactly_the_config():
@@ -94,7 +96,8 @@ def test_each_verified_config_gets_its_own_measurement(closed_form, tmp_path):
     table = result.verification
     assert list(table["config"]) == [c.key() for c in configs]
     for cfg, (_, row) in zip(configs, table.iterrows()):
-        own = load_measurements([tmp_path / "out" / "verify" / f"{cfg.key()}-seq128"])
+        own = load_measurements([tmp_path / "out" / "verify" / VerifyRuns.directory_name(
+            result.search.space, cfg)])
         own = own[own["sharding"] == cfg.sharding.value]
         assert len(own) == 1 and row["status"] == own["status"].iloc[0] == "ok"
         assert row["measured_tokens_per_s"] == pytest.approx(float(own["tokens_per_s"].iloc[0]))
@@ -190,7 +193,8 @@ def test_verify_on_a_cluster_writes_torchrun_and_slurm_commands_for_exactly_the_
     assert len({(c.tp, c.pp) for c in plan.configs}) > 1  # not one layout's variants
     for cfg, directory, command, script in zip(plan.configs, plan.directories, plan.torchrun,
                                                plan.sbatch):
-        assert directory == (tmp_path / "out" / "verify" / f"{cfg.key()}-seq8192").resolve()
+        assert directory == (tmp_path / "out" / "verify" / VerifyRuns.directory_name(
+            result.search.space, cfg)).resolve() and directory.name.startswith(cfg.key())
         plan_file = directory / "plan-ws16.json"
         assert plan_file.exists() and str(plan_file) in command
         assert command.startswith("torchrun --nnodes=2 --nproc-per-node=8 ")
@@ -212,7 +216,12 @@ def test_verify_on_a_cluster_of_part_filled_nodes_starts_the_ranks_torchrun_does
                   global_batch_sizes=[48], track=False, verify=1, output_dir=tmp_path / "out",
                   space=ConfigSpace(recomputes=("none",), micro_batch_sizes=(1,)))
     plan = result.cluster_verification
+    # ranked, launched and measured on one placement: 6 ranks on each of 2 nodes
+    assert result.search.space.devices_per_node == 6
+    assert result.recommendation["launch"]["torchrun"].count("--nproc-per-node=6") == 1
     assert plan.torchrun[0].startswith("torchrun --nnodes=2 --nproc-per-node=6 ")
+    assert json.loads((plan.directories[0] / "plan-ws12.json").read_text())[
+        "devices_per_node"] == 6
     text = plan.sbatch[0].read_text()
     assert "#SBATCH --nodes=2" in text and "#SBATCH --gpus-per-node=6" in text
 
@@ -231,7 +240,8 @@ def test_a_later_verification_of_another_batch_or_sequence_picks_its_own_configs
                   output_dir=tmp_path / "out",
                   space=ConfigSpace(recomputes=("none",), micro_batch_sizes=(1, 2)))
     # at another sequence length the same layouts are campaigns of their own
-    assert all(d.name.endswith("-seq4096") for d in longer.cluster_verification.directories)
+    assert not ({d.name for d in longer.cluster_verification.directories}
+                & {d.name for d in other.cluster_verification.directories})
 
 
 def test_verify_on_a_cluster_needs_an_output_directory(closed_form, monkeypatch):
