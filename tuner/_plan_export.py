@@ -32,12 +32,12 @@ points (layout changes) are where one layout's launch ends and the next starts.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import math
 import re
 import shlex
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -436,6 +436,10 @@ def _readme(launch: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+_PLAN_FILES = ("torchtitan.toml", "megatron_args.txt", "megatron_args.json")
+"""The files :func:`write_plan_launch` writes into a phase's or a layout's folder."""
+
+
 def write_plan_launch(plan: Plan, model: ModelSpec, hardware: HardwareSpec,
                       directory: str | Path, *, devices_per_node: int | None = None
                       ) -> dict[str, Path]:
@@ -453,13 +457,17 @@ def write_plan_launch(plan: Plan, model: ModelSpec, hardware: HardwareSpec,
     launch = plan_launch(plan, model, hardware, devices_per_node=devices_per_node)
     directory = Path(directory)
     written: dict[str, Path] = {}
-    # the folders of an earlier, longer plan written here would be run as this one's
+    # the files of an earlier, longer plan written here would be run as this one's: they
+    # go (only those paratune writes; a folder is removed only where that leaves it empty)
     for stale in [*directory.glob("phase_[0-9][0-9]"),
                   *directory.glob("megatron_layout_[0-9][0-9]")]:
         index = int(stale.name[-2:])
         count = len(launch["phases"] if stale.name.startswith("phase") else launch["layouts"])
         if index > count and stale.is_dir():
-            shutil.rmtree(stale)
+            for name in _PLAN_FILES:
+                (stale / name).unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                stale.rmdir()
     if not launch.get("trainer_command"):
         (directory / "run_plan.sh").unlink(missing_ok=True)
 

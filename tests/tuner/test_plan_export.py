@@ -92,10 +92,14 @@ def test_every_phase_gets_a_torchtitan_config_that_resumes_the_last(closed_form,
     script = files["run_plan.sh"].read_text()
     assert "-m paratune.profiler.train" in script and "--plan launch.json" in script
     assert "--nproc-per-node=8" in script and "--nnodes=8" in script  # 64 H100s
-    # a later plan written over it: the folders of phases it does not have are gone
+    # a later plan written over it: the files of phases it does not have are gone, and
+    # their folders where nothing else is in them (a run's outputs there stay)
+    assert len(unsharded.phases) >= 2
+    (tmp_path / "phase_02" / "outputs").mkdir()
     one_phase = dataclasses.replace(unsharded, phases=unsharded.phases[:1])
     files = write_plan_launch(one_phase, MODEL, space.hardware, tmp_path)
-    assert sorted(p.name for p in tmp_path.glob("phase_*")) == ["phase_01"]
+    assert sorted(p.name for p in tmp_path.glob("phase_*")) == ["phase_01", "phase_02"]
+    assert [p.name for p in (tmp_path / "phase_02").iterdir()] == ["outputs"]
     assert sorted(p.name for p in tmp_path.glob("megatron_layout_*")) == ["megatron_layout_01"]
     assert "a 1-phase plan" in files["README"].read_text()
 
