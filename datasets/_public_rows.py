@@ -189,7 +189,8 @@ def model_spec_from_public(raw: dict[str, str]) -> ModelSpec:
     :data:`MODEL_FAMILIES`: a known shape's MLP width, else the MLP width solved from
     ``params_b``, else (no ``params_b``, or one too small for the family's vocabulary) the
     GPT-style default: 4x hidden GeLU MLP, vocabulary 51200, tied embeddings. The assumptions
-    taken are named in the spec's ``extra["assumptions"]``.
+    taken are named in the spec's ``extra["assumptions"]`` (empty where the row states every
+    shape column).
 
     Raises:
         _Unmappable: a shape cell is missing or breaks its column's rule.
@@ -230,7 +231,9 @@ def model_spec_from_public(raw: dict[str, str]) -> ModelSpec:
                 "51200, tied embeddings, multi-head attention, for what the row does not state")
     if ffn is None:
         ffn = solved
-    if stated:
+    if set(SHAPE_COLUMNS) <= stated.keys():
+        note = ""  # the row states the whole shape: nothing was assumed of it
+    elif stated:
         note += "; stated by the row: " + ", ".join(f"{k}={v}" for k, v in stated.items())
     name = label if family_name == "ultrascale" else f"{label}-{layers}L-{hidden}H"
     return ModelSpec(name=name, num_layers=layers, hidden_size=hidden, num_heads=heads,

@@ -4,9 +4,10 @@ The public format (one file per source) is a ``# source:`` comment line (optiona
 and one row per measured or failed configuration with the columns ``source, model, params_b,
 layers, hidden, heads, seq_len, gpu, num_gpus, tp, pp, dp, cp, micro_batch, global_batch,
 zero_stage, recompute, tflops_per_gpu, mfu, tokens_per_sec, step_time_s,
-tokens_per_sec_per_gpu, precision, notes`` and optionally ``nodes, grad_accum, gpu_mem_gb,
-status``. Empty cells (or ``nan``, ``none``, ``null``) are values the source does not
-state; a UTF-8 byte-order mark and CRLF line endings are accepted.
+tokens_per_sec_per_gpu, precision, notes`` and optionally ``gpus_per_node, nodes, grad_accum,
+gpu_mem_gb, status`` (and the shape columns of ``docs/public-format.md``). Empty cells (or
+``nan``, ``none``, ``null``) are values the source does not state; a UTF-8 byte-order mark
+and CRLF line endings are accepted.
 
 Every row either becomes a record or is reported with its line number and the reason; nothing
 is silently dropped or guessed. Line numbers count every line of the file, comment and header
@@ -362,7 +363,7 @@ def first_problems(problems: Sequence[ImportProblem], shown: int = 3) -> str:
 
 
 def _config_identity(m: Measurement) -> tuple[Any, ...]:
-    return (m.source, m.model.name, m.hardware, m.config.key())
+    return (m.source, m.model.name, m.hardware, m.devices_per_node, m.config.key())
 
 
 def import_files(paths: Sequence[str | Path] | Iterable[str | Path],
@@ -418,7 +419,7 @@ def import_files(paths: Sequence[str | Path] | Iterable[str | Path],
     for m in records:
         by_identity.setdefault(_config_identity(m), set()).add(m.status.value)
         report.status_counts[m.status.value] = report.status_counts.get(m.status.value, 0) + 1
-    report.duplicates = sorted(f"{k[1]} {k[3]}" for k, v in by_identity.items()
+    report.duplicates = sorted(f"{k[1]} {k[4]}" for k, v in by_identity.items()
                                if "ok" in v and len(v) > 1)
     report.num_records = len(records)
     if out_dir is not None and not records:

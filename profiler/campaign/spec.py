@@ -140,8 +140,9 @@ class CampaignSpec:
         if hardware.device_type != self.device:
             # a CPU's timings recorded as an H100's would be fitted as the H100's
             raise ConfigError("hardware", self.hardware, f"is a {hardware.device_type} device "
-                              f"and the campaign runs on {self.device}: name the hardware it "
-                              f"runs on")
+                              f"and the campaign runs on {self.device}: give the device it "
+                              f"runs on (--device {hardware.device_type}, e.g. on a login "
+                              f"node preparing a GPU campaign) or the hardware it is")
         self.hardware = hardware.name
         check_seed("seed", self.seed)
         if self.devices_per_node is not None:

@@ -87,15 +87,16 @@ def run_gns(job: GNSJob, *, progress: bool = False) -> Path:
     """Train ``job.model`` on the standard-library text and write its ``B_noise`` trajectory.
 
     Starts ``job.config.world_size`` processes on this machine (gloo on CPU, NCCL on CUDA).
-    Rank 0 appends one row per step to ``job.out`` (columns :data:`TRAJECTORY_COLUMNS`) and
+    Rank 0 appends one row per measured step (every ``job.measure_every``-th from step 1) to
+    ``job.out`` (columns :data:`TRAJECTORY_COLUMNS`) and
     fsyncs it, so a killed run keeps every row measured; with ``checkpoint_dir`` and
     ``resume`` a rerun continues from the last complete checkpoint (rows past it are
     re-measured). Each checkpoint holds the job's fingerprint (model, config, seeds, lr,
-    weight decay, small batches, preconditioner, beta, corpus size, device and precision);
-    a resume whose settings differ, or whose rows up to the checkpoint's step are not steps
-    ``1..step`` of that run, is refused before any process starts, as is resuming where
-    ``job.out`` has rows but no complete checkpoint exists (the rows are kept); resuming
-    with neither starts from step 0.
+    weight decay, small batches, preconditioner, beta, measuring period, corpus size,
+    device and precision); a resume whose settings differ, or whose rows up to the
+    checkpoint's step are not the measured steps of ``1..step`` of that run, is refused
+    before any process starts, as is resuming where ``job.out`` has rows but no complete
+    checkpoint exists (the rows are kept); resuming with neither starts from step 0.
     A run starting from step 0 deletes ``job.out`` and any checkpoint left in
     ``checkpoint_dir``, so a later resume cannot continue another run's weights.
     While it runs, this process holds an exclusive lock on ``<out>.lock`` (released when it

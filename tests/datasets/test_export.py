@@ -50,6 +50,8 @@ def test_an_exported_dataset_imports_back_to_the_same_configs_and_metrics(tmp_pa
     assert (tmp_path / "out.csv").read_text().startswith("# source: test rows, measured here\n")
     report = import_files([tmp_path / "out.csv"], tmp_path / "back")
     assert report.problems == [] and report.num_records == len(original)
+    # the export states the whole shape: the card names no assumption taken
+    assert read_dataset(tmp_path / "back").card.notes["assumptions"] == {}
     assert report.sources == {"out.csv": "source: test rows, measured here"}
     back = read_dataset(tmp_path / "back").measurements()
     for a, b in zip(original, back, strict=True):
