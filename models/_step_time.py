@@ -93,10 +93,12 @@ def bubble_fraction(frame: pd.DataFrame | Columns) -> np.ndarray:
 def tp_crosses_nodes(frame: pd.DataFrame | Columns) -> np.ndarray:
     """Whether a tensor-parallel group spans more than one node (1.0 / 0.0): groups of
     consecutive ranks stay inside nodes only when ``tp`` divides the node size (tp=6 on
-    8-device nodes puts its second group across two)."""
+    8-device nodes puts its second group across two), or when the whole job sits in one
+    node (tp=3 of a 6-device job)."""
     c = _cols(frame)
     with np.errstate(invalid="ignore", divide="ignore"):
-        crosses = (c.per_node > 0) & (np.mod(c.per_node, c.tp) != 0)
+        crosses = ((c.per_node > 0) & (np.mod(c.per_node, c.tp) != 0)
+                   & (c.world > c.per_node))
     return crosses.astype(float)
 
 

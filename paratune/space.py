@@ -170,8 +170,10 @@ class ConfigSpace:
                 reason = f"tp={tp} is not in tp_degrees={list(self.tp_degrees)}"
             elif self.pp_degrees is not None and pp not in self.pp_degrees:
                 reason = f"pp={pp} is not in pp_degrees={list(self.pp_degrees)}"
-            elif self.tp_within_node and devices_per_node and devices_per_node % tp:
+            elif (self.tp_within_node and devices_per_node and world_size > devices_per_node
+                  and devices_per_node % tp):
                 # not just tp <= node size: tp=6 on 8-device nodes puts a group across two
+                # (a job in one node keeps every group there: tp=3 of 6 devices)
                 reason = (f"tp={tp} must divide devices_per_node={devices_per_node} "
                           f"(tp_within_node: every tensor-parallel group inside one node)")
             yield (dp, tp, pp), reason

@@ -110,7 +110,7 @@ class SearchSpace:
         n, node = self.world_size, self.devices_per_node
         if n % degree:
             return f"{name}={degree} does not divide {n} devices"
-        if name == "tp" and self.space.tp_within_node and node % degree:
+        if name == "tp" and self.space.tp_within_node and n > node and node % degree:
             return (f"tp={degree} does not divide devices_per_node={node} (tp_within_node: "
                     f"every tensor-parallel group inside one node)")
         rules = []
@@ -165,7 +165,7 @@ class SearchSpace:
                                f"(dp in {sorted({dp for dp, _, _ in shaped})}) with "
                                f"micro_batch_sizes={list(self.space.micro_batch_sizes)} does")
         node_rule = (f", tp must divide devices_per_node={node} (tp_within_node)"
-                     if self.space.tp_within_node else "")
+                     if self.space.tp_within_node and n > node else "")
         return ConfigError("gpus", n,
                            f"no (dp, tp, pp) layout of {n} devices is valid for "
                            f"{self.model.name} with global_batch_sizes={batches} (tp must "

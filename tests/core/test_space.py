@@ -60,6 +60,16 @@ def test_tp_within_node_needs_tp_to_divide_the_node():
                    for _, reason in result.skipped)
     loose = space.replace(tp_within_node=False).enumerate(model, 12, devices_per_node=8)
     assert {c.tp for c in loose.valid} >= {3, 6}
+    # a job in one node keeps every group in it: 6 of 8 devices run tp=3 and tp=6
+    small = space.replace(global_batch_sizes=[12]).enumerate(model, 6, devices_per_node=8)
+    assert {c.tp for c in small.valid} == {1, 2, 3, 6}
+    from paratune.models import features as F
+    from paratune.predictor import config_frame
+
+    frame = config_frame(model, [c for c in small.valid if c.tp in (3, 6)], "H100")
+    assert (F.tp_crosses_nodes(frame) == 0).all()
+    assert (F.tp_crosses_nodes(config_frame(model, [c for c in loose.valid if c.tp == 6],
+                                            "H100")) == 1).all()
 
 
 def test_space_from_yaml_and_bad_values(tmp_path):
