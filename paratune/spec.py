@@ -80,6 +80,15 @@ class ModelSpec:
                               f"must divide num_heads={self.num_heads}")
         if self.mlp not in _MLP_KINDS:
             raise ConfigError("mlp", self.mlp, f"must be one of {', '.join(_MLP_KINDS)}")
+        if not isinstance(self.tie_embeddings, bool):
+            raise ConfigError("tie_embeddings", self.tie_embeddings, "must be true or false")
+        for name in ("rope_theta", "norm_eps"):
+            value = getattr(self, name)
+            if (isinstance(value, bool) or not isinstance(value, (int, float))
+                    or not math.isfinite(value) or value <= 0):
+                raise ConfigError(name, value, "must be a positive, finite number")
+        if not isinstance(self.name, str) or not self.name:
+            raise ConfigError("name", self.name, "must be a non-empty text")
         if (self.hidden_size // self.num_heads) % 2:
             raise ConfigError("hidden_size", self.hidden_size,
                               "head_dim = hidden_size / num_heads must be even (rotary embeddings)")
@@ -152,6 +161,12 @@ class ModelSpec:
         unknown = sorted(set(data) - names)
         if unknown:
             raise ConfigError(unknown[0], data[unknown[0]], "is not a ModelSpec field")
+        missing = [f.name for f in dataclasses.fields(cls) if f.name not in data
+                   and f.default is dataclasses.MISSING
+                   and f.default_factory is dataclasses.MISSING]
+        if missing:
+            raise ConfigError(missing[0], None, "is missing: a model needs "
+                              f"{', '.join(missing)}")
         return cls(**data)
 
     def replace(self, **changes: Any) -> ModelSpec:
@@ -213,13 +228,18 @@ class ModelSpec:
                               f"num_attention_heads = {hidden}/{heads}: paratune's attention "
                               f"projects the hidden size onto the heads")
         model_type = str(cfg.get("model_type") or "")
-        gpt_like = model_type in {"gpt2", "gpt_neox", "gptj", "opt"} or "n_embd" in cfg
+        mlp = _hf_mlp(cfg, model_type, path)
         ffn_key = next((k for k in ("intermediate_size", "n_inner", "ffn_dim") if cfg.get(k)),
                        None)
         kv_key = find("num_key_value_heads")
         tie = cfg.get("tie_word_embeddings")
         if tie is None:
-            tie = gpt_like
+            # the default of the model's own config class, which the file leaves out
+            tie = model_type in _HF_TIED or (model_type not in _HF_UNTIED and "n_embd" in cfg)
+            if model_type not in _HF_TIED | _HF_UNTIED:
+                logger.warning("%s states no tie_word_embeddings: taken as %s for model_type "
+                               "%r; state it to count the output matrix right", path,
+                               "tied" if tie else "untied", model_type)
         elif not isinstance(tie, bool):
             raise ConfigError("tie_word_embeddings", tie,
                               f"must be true or false (a JSON boolean) in {path}")
@@ -239,7 +259,7 @@ class ModelSpec:
             vocab_size=integer(need("vocab_size")),
             seq_len=int(seq_len),
             tie_embeddings=tie,
-            mlp="gelu" if gpt_like else "swiglu",
+            mlp=mlp,
             rope_theta=real(("rope_theta",), 500000.0),
             norm_eps=real(("rms_norm_eps", "layer_norm_epsilon"), 1e-5),
             extra={"hf_config": str(path)},
@@ -312,6 +332,39 @@ def _hf_float(key: str, value: Any, path: Path) -> float:
 
 
 _MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+_HF_GATED = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3",
+                       "gemma3_text", "phi3", "olmo", "olmo2", "stablelm", "cohere", "granite",
+                       "internlm2"})
+"""``model_type`` values whose MLP is gated (three matrices: SwiGLU, or GeGLU in Gemma, which
+costs the same), whatever ``hidden_act`` names."""
+_HF_UNGATED = frozenset({"gpt2", "gpt_neox", "gptj", "gpt_neo", "opt", "phi", "bloom",
+                         "falcon", "gpt_bigcode", "starcoder2", "mpt", "codegen"})
+"""``model_type`` values whose MLP is two matrices around the activation (GeLU or ReLU)."""
+_HF_TIED = frozenset({"gpt2", "gpt_neo", "opt", "bloom", "falcon", "gpt_bigcode", "mpt",
+                      "starcoder2", "gemma", "gemma2", "gemma3", "gemma3_text"})
+"""``model_type`` values whose config class ties the embeddings unless the file says not."""
+_HF_UNTIED = frozenset({"llama", "mistral", "qwen2", "qwen3", "gpt_neox", "gptj", "phi",
+                        "phi3", "olmo", "olmo2", "stablelm", "cohere", "granite", "internlm2",
+                        "codegen"})
+"""``model_type`` values whose config class unties them unless the file says so."""
+
+
+def _hf_mlp(cfg: dict[str, Any], model_type: str, path: Path) -> str:
+    """``swiglu`` (a gated MLP, three matrices) or ``gelu`` (two) for a Hugging Face config:
+    by its ``model_type`` where known, else by its activation (``silu`` and ``swish`` come
+    gated; GeLU and ReLU variants not), else gated, with a warning."""
+    if model_type in _HF_GATED:
+        return "swiglu"
+    if model_type in _HF_UNGATED:
+        return "gelu"
+    act = str(cfg.get("hidden_act") or cfg.get("activation_function") or "").lower()
+    if act in ("silu", "swish"):
+        return "swiglu"
+    if act.startswith(("gelu", "relu")) or "n_embd" in cfg:
+        return "gelu"
+    logger.warning("%s: model_type %r and activation %r do not say whether the MLP is gated: "
+                   "taken as SwiGLU (three matrices)", path, model_type, act)
+    return "swiglu"
 
 
 MODEL_PRESETS: dict[str, ModelSpec] = {

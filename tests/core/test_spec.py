@@ -219,3 +219,54 @@ def test_a_config_json_that_is_not_an_object_is_named(tmp_path):
     with pytest.raises(ConfigError, match="must hold a JSON object") as info:
         get_model(tmp_path / "config.json")
     assert info.value.field == "path"
+
+
+@pytest.mark.parametrize(("cfg", "mlp", "tied", "published"), [
+    # phi-2: GeLU MLP (two matrices), untied
+    ({"model_type": "phi", "hidden_size": 2560, "num_hidden_layers": 32,
+      "num_attention_heads": 32, "intermediate_size": 10240, "vocab_size": 51200,
+      "hidden_act": "gelu_new", "tie_word_embeddings": False}, "gelu", False, 2.78e9),
+    # gemma-2b: a gated MLP whatever its GeLU, and tied embeddings its file does not state
+    ({"model_type": "gemma", "hidden_size": 2048, "num_hidden_layers": 18,
+      "num_attention_heads": 8, "num_key_value_heads": 1, "head_dim": 256,
+      "intermediate_size": 16384, "vocab_size": 256000, "hidden_act": "gelu"},
+     "swiglu", True, 2.506e9),
+    # bloom-560m: 4h GeLU MLP, tied
+    ({"model_type": "bloom", "hidden_size": 1024, "n_layer": 24, "num_attention_heads": 16,
+      "vocab_size": 250880}, "gelu", True, 0.559e9),
+])
+def test_hf_configs_are_read_as_their_released_models(tmp_path, cfg, mlp, tied, published):
+    """The MLP by the model type (then the activation), the tie by the config class's
+    default: phi-2 read as SwiGLU counted 3.6B, bloom-560m 0.92B, gemma-2b untied 3.0B."""
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 2048,
+                                                      **cfg}))
+    spec = ModelSpec.from_hf_config(tmp_path)
+    assert (spec.mlp, spec.tie_embeddings) == (mlp, tied)
+    assert spec.num_params == pytest.approx(published, rel=0.01)
+
+
+def test_an_unknown_model_type_goes_by_its_activation_and_says_what_it_took(tmp_path,
+                                                                            caplog):
+    path = _hf_config(tmp_path / "config.json", model_type="newarch", hidden_act="relu")
+    with caplog.at_level("WARNING", logger="paratune.spec"):
+        spec = ModelSpec.from_hf_config(path, seq_len=128)
+    assert spec.mlp == "gelu" and spec.tie_embeddings is False
+    assert "states no tie_word_embeddings: taken as untied for model_type 'newarch'" in (
+        caplog.text)
+
+
+@pytest.mark.parametrize(("field", "value", "rule"), [
+    ("tie_embeddings", "false", "must be true or false"),
+    ("tie_embeddings", 2, "must be true or false"),
+    ("rope_theta", float("nan"), "must be a positive, finite number"),
+    ("norm_eps", "x", "must be a positive, finite number"),
+    ("name", "", "must be a non-empty text"),
+])
+def test_every_model_field_is_checked(field, value, rule):
+    """A text 'false' was read as tied by the batch arithmetic and as a TypeError by the
+    parameter count; a missing field of a stored model was a TypeError too."""
+    with pytest.raises(ConfigError, match=f"^{field}=.*: {rule}"):
+        get_model("tiny").replace(**{field: value})
+    with pytest.raises(ConfigError, match=r"^hidden_size=None: is missing: a model needs "
+                                          r"hidden_size, num_heads"):
+        ModelSpec.from_dict({"num_layers": 2})
