@@ -80,6 +80,11 @@ class QuickstartOptions:
         if gpus not in self.world_sizes and verify:
             raise ConfigError("gpus", gpus, f"must be one of the profiled world sizes "
                               f"{list(self.world_sizes)} to verify the recommendation here")
+        if self.goodput and any(batch % gpus for batch in GOODPUT_BATCHES):
+            # the goodput stage's batches and its noise-scale run (one sequence per rank of a
+            # batch of 8) split over the gpus data-parallel ranks; found out minutes later
+            raise ConfigError("gpus", gpus, f"must divide the goodput stage's global batches "
+                              f"{list(GOODPUT_BATCHES)} (or give --no-goodput)")
 
 
 def quickstart(out: str | Path = "paratune-quickstart",
@@ -215,7 +220,8 @@ def _goodput_stage(result: QuickstartResult, spec: Any, *, gpus: int, gns_steps:
                  progress=progress)
     gns_path = out / "gns.csv"
     if not gns_path.exists() or len(gns_path.read_text().splitlines()) < gns_steps + 1:
-        config = ParallelConfig(dp=gpus, micro_batch_size=1, global_batch_size=8)
+        config = ParallelConfig(dp=gpus, micro_batch_size=1,
+                                global_batch_size=GOODPUT_BATCHES[0])
         run_gns(GNSJob(model=model, config=config, steps=gns_steps, out=str(gns_path),
                        corpus_bytes=1 << 20, measure_every=1), progress=progress)
     model_dir = out / "model-goodput"

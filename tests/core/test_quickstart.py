@@ -85,3 +85,13 @@ def test_quickstart_rejects_unverifiable_job(tmp_path):
     with pytest.raises(ConfigError, match="gpus=8"):
         quickstart(tmp_path, QuickstartOptions(world_sizes=(1, 2), gpus=8, verify=1),
                    track=False)
+
+
+def test_a_gpus_the_goodput_stage_cannot_split_is_refused_before_any_minute(tmp_path):
+    """Its noise-scale run splits a batch of 8 over the gpus ranks: --gpus 3 ran every stage
+    before failing there, naming a batch the user never gave."""
+    with pytest.raises(ConfigError, match=r"^gpus=3: must divide the goodput stage's global "
+                                          r"batches \[8, 16, 32\] \(or give --no-goodput\)$"):
+        QuickstartOptions(world_sizes=(1, 2, 3), gpus=3)
+    assert QuickstartOptions(world_sizes=(1, 2, 3), gpus=3, goodput=False).gpus == 3
+    assert not list(tmp_path.iterdir())
