@@ -121,7 +121,8 @@ class ConfigSpace:
     """Allowed pipeline degrees (stored sorted); ``None`` allows every divisor of the world
     size."""
     tp_within_node: bool = True
-    """Keep every tensor-parallel group inside one node (tp divides the devices per node)."""
+    """Keep every tensor-parallel group inside one node (tp divides the devices per node,
+    where the job spans more than one)."""
     global_batch_sizes_given: bool = field(default=True, init=False, compare=False, repr=False)
     """Whether ``global_batch_sizes`` was given (as an argument, or as a key of a space file
     or mapping) rather than left to its default; set by the constructor."""
