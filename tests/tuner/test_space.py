@@ -57,9 +57,16 @@ def test_layouts_respect_model_shape_and_batch():
 
 
 def test_impossible_job_is_a_clear_error():
-    # 7 devices of tiny (8 heads, 4 layers): tp=7 and pp=7 break its shape, dp=7 the batch
-    with pytest.raises(ConfigError, match=r"^gpus=7: .*tp must divide devices_per_node=8"):
+    # 7 devices of tiny (8 heads, 4 layers): tp=7 and pp=7 break its shape, dp=7 the batch;
+    # in one node the node size rules nothing out, and the message does not name it
+    with pytest.raises(ConfigError, match=r"^gpus=7: .*\(tp must divide the head counts, "
+                                          r"pp\*virtual stages <= layers") as info:
         SearchSpace.build(get_model("tiny"), 7, "H100", global_batch_sizes=[4],
+                          space=ConfigSpace(micro_batch_sizes=(1,)))
+    assert "devices_per_node" not in str(info.value)
+    # over two nodes it does: 14 devices, tp=7 would cross them
+    with pytest.raises(ConfigError, match=r"^gpus=14: .*tp must divide devices_per_node=7"):
+        SearchSpace.build(get_model("tiny"), 14, "H100", global_batch_sizes=[4],
                           space=ConfigSpace(micro_batch_sizes=(1,)))
     # with pipelines allowed, llama3-8b on 7 devices has a layout: the space's pp_degrees
     # rules it out, and is named
