@@ -317,16 +317,11 @@ def predicted_to_run_rows(frame: pd.DataFrame, predictions: pd.DataFrame) -> np.
     memory = None
     limit = np.inf
     if PRED_PEAK_MEM_GB in predictions.columns and "hardware" in frame.columns:
-        from paratune.hardware import get_hardware
+        from paratune.models._feature_columns import hardware_columns
 
         memory = np.asarray(predictions[PRED_PEAK_MEM_GB], dtype=float)
-        sizes = {}
-        for name in frame["hardware"].astype(str).unique():
-            try:
-                sizes[name] = get_hardware(name).memory_gb
-            except ConfigError:  # a device the catalogue does not know: no limit
-                sizes[name] = 0.0
-        device = frame["hardware"].astype(str).map(sizes).to_numpy(dtype=float)
+        # no memory in the catalogue (the CPU), or a device it does not know: no limit
+        device = hardware_columns(frame["hardware"])["memory_gb"]
         limit = np.where(device > 0, MEMORY_FRACTION * device, np.inf)
     return predicted_to_run(np.asarray(predictions[PRED_FEASIBLE_PROB], dtype=float), memory,
                             limit)

@@ -115,6 +115,6 @@ def predicted_to_run(prob: Any, peak_mem_gb: Any = None, limit_gb: Any = math.in
     if peak_mem_gb is None:
         return runs
     mem = np.asarray(peak_mem_gb, dtype=float)
-    limit = np.broadcast_to(np.asarray(limit_gb, dtype=float), mem.shape)
-    bounded = np.isfinite(limit)
-    return runs & (~bounded | (np.isfinite(mem) & (mem <= np.where(bounded, limit, 0.0))))
+    limit = np.asarray(limit_gb, dtype=float)
+    # a NaN peak is within no finite limit
+    return runs & ((mem <= limit) | ~np.isfinite(limit))

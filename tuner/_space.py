@@ -388,10 +388,15 @@ class SearchSpace:
 
 def _launched_per_node(world_size: int, devices_per_node: int) -> int:
     """The devices per node a job of ``world_size`` runs with: ``devices_per_node`` where it
-    fills whole nodes or one, else what torchrun starts on each of the nodes that hold it
-    (the same number on every node: 12 devices of 8-device nodes run 6 on each of 2), so
-    that configs are predicted, exported and verified on one placement."""
-    nodes = -(-world_size // devices_per_node)
-    if nodes > 1 and world_size % devices_per_node and world_size % nodes == 0:
-        return world_size // nodes
-    return devices_per_node
+    sits in one node (or no launch spreads it evenly), else what torchrun starts on each of
+    the nodes that hold it (:func:`~paratune.tuner._export_torchrun.launch_shape`: 12
+    devices of 8-device nodes run 6 on each of 2), so that configs are predicted, exported
+    and verified on one placement."""
+    from paratune.tuner._export_torchrun import launch_shape
+
+    if world_size <= devices_per_node:
+        return devices_per_node
+    try:
+        return launch_shape(world_size, devices_per_node)[1]
+    except ConfigError:  # 13 devices: refused where a launch is written, with the reason
+        return devices_per_node

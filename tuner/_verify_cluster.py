@@ -152,11 +152,11 @@ def _prepare_campaign(plan: ClusterVerification, space: SearchSpace, cfg: Parall
     """Write ``cfg``'s campaign directory and batch script; add them, its torchrun command
     and whether it is measured already to ``plan``."""
     from paratune.profiler.campaign import campaign_progress, torchrun_commands
+    from paratune.tuner._export_torchrun import launch_shape
 
     gpu = space.hardware.name.lower() != "cpu"
     spec = runs.campaign(space, cfg, device="cuda" if gpu else "cpu")
-    per_node = spec.devices_per_node  # as torchrun starts them (launch_shape)
-    nodes = space.world_size // per_node
+    nodes, per_node = launch_shape(space.world_size, space.devices_per_node)
     target = (base / runs.directory_name(space, cfg)).resolve()
     (command,) = torchrun_commands(spec, target, nproc_per_node=per_node)
     (srun,) = torchrun_commands(spec, target, nproc_per_node=per_node, slurm=True)

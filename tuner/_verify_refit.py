@@ -65,18 +65,16 @@ class VerifyRuns:
 
     def campaign(self, space: SearchSpace, config: ParallelConfig, *,
                  device: str) -> CampaignSpec:
-        """The one-config profiling campaign that measures ``config`` of ``space``'s job,
-        with the ranks per node torchrun starts (12 devices of 8-device nodes: 6 on each
-        of 2)."""
+        """The one-config profiling campaign that measures ``config`` of ``space``'s job, on
+        the space's devices per node (those torchrun starts where the job spreads over
+        nodes it does not fill, see :meth:`SearchSpace.build`)."""
         from paratune.profiler.campaign import CampaignSpec
-        from paratune.tuner._export_torchrun import launch_shape
 
-        per_node = launch_shape(config.world_size, space.devices_per_node)[1]
         return CampaignSpec(model=space.model, world_sizes=(config.world_size,),
                             space=pinned_space(config), warmup_steps=self.warmup_steps,
                             measured_steps=self.measured_steps, timeout_s=self.timeout_s,
                             device=device, hardware=space.hardware.name,
-                            devices_per_node=per_node)
+                            devices_per_node=space.devices_per_node)
 
 
 _RUN_FIELDS = ("warmup_steps", "measured_steps", "timeout_s")
