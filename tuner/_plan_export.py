@@ -191,10 +191,11 @@ def plan_launch(plan: Plan, model: ModelSpec, hardware: HardwareSpec, *,
     """
     phases = _phase_launches(plan, model, checkpoint_dir)
     layouts, notes = _layout_launches(phases, seq_len=model.seq_len, lr_rule=plan.lr_rule)
-    for item in (*phases, *layouts):  # a layout's: its first phase's
-        config = ParallelConfig.from_dict((phases[item["phases"][0] - 1] if "layout" in item
-                                           else item)["config"])
-        item["megatron_env"] = megatron_env(config, hardware)
+    for phase in phases:
+        phase["megatron_env"] = megatron_env(ParallelConfig.from_dict(phase["config"]),
+                                             hardware)
+    for layout in layouts:  # its first phase's
+        layout["megatron_env"] = phases[layout["phases"][0] - 1]["megatron_env"]
     notes += _checkpoint_format_notes(phases)
     if any(p["config"]["dp"] != phases[0]["config"]["dp"] for p in phases):
         notes.append("the data-parallel degree changes between phases: torchtitan resumes "

@@ -92,21 +92,18 @@ class PlanOptions:
         if (self.trajectory is None) == (self.law is None):
             raise ConfigError("trajectory", self.trajectory,
                               "give either a trajectory file or a critical-batch law")
-        # each source's own options, refused beside the other source (they would do nothing)
-        own = {"law": [("loss_curve", self.loss_curve, "chinchilla"),
-                       ("tokens", self.tokens, "2e8:2e11")],
-               "trajectory": [("smooth", self.smooth, 1),
-                              ("trajectory_seq_len", self.trajectory_seq_len, None)]}
-        why = {"law": "shapes a critical-batch law's trajectory (--law), and this plan reads "
-                      "a trajectory file",
-               "trajectory": "reads a trajectory file (--trajectory), and this plan follows "
-                             "a critical-batch law"}
-        for source, options in own.items():
-            if getattr(self, source) is None:
-                for name, value, default in options:
-                    if value != default:
-                        raise ConfigError(name, value, f"only goes with a {source}: it "
-                                          f"{why[source]}")
+        # each source's own options, refused off their defaults beside the other source
+        # (they would do nothing)
+        defaults = {item.name: item.default for item in fields(self)}
+        own = {"law": (("loss_curve", "tokens"), "shapes a critical-batch law's trajectory "
+                       "(--law), and this plan reads a trajectory file"),
+               "trajectory": (("smooth", "trajectory_seq_len"), "reads a trajectory file "
+                              "(--trajectory), and this plan follows a critical-batch law")}
+        for source, (names, why) in own.items():
+            given = [name for name in names if getattr(self, name) != defaults[name]]
+            if getattr(self, source) is None and given:
+                raise ConfigError(given[0], getattr(self, given[0]),
+                                  f"only goes with a {source}: it {why}")
 
     def params(self) -> dict[str, Any]:
         return request_params(self)
