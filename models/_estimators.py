@@ -55,6 +55,13 @@ from paratune.models._data import (
     run_status,
     training_fingerprint,
 )
+from paratune.models._memory_estimate import (
+    DEFAULT_MEMORY_CONSTANTS,
+    MEMORY_CONSTANT_NAMES,
+    MEMORY_MIN_ROWS,
+    fit_memory_constants,
+    memory_parts,
+)
 from paratune.models._persistence import SCHEMA_VERSION, _Persistence
 from paratune.models._ranges import _Ranges, _StepTimes
 from paratune.models._stall_regime import _StallRegime
@@ -383,7 +390,7 @@ class PerformanceModel(_Persistence, _StallRegime, _Ranges, _Base):
         ).fit(X[has_time], y[has_time], keys=keys[has_time], families=families[has_time],
               hardware=hardware[has_time], seen_models=np.unique(keys[timed]),
               y_cross=y_cross[has_time])
-        has_mem = self._fit_memory(frame, X, analytical, usable)
+        has_mem = self._fit_memory(frame, c, X, families, usable)
         table = self._fit_feasibility(frame, usable)
         self.num_time_rows_ = int(has_time.sum()) + self.num_stall_rows_
         self.num_memory_rows_ = int(has_mem.sum())
@@ -394,19 +401,36 @@ class PerformanceModel(_Persistence, _StallRegime, _Ranges, _Base):
         self.calibrated_hardware_ = {}
         self._fit_widening(frame, families, timed, step)
 
-    def _fit_memory(self, frame: pd.DataFrame, X: np.ndarray, analytical: dict[str, Any],
-                    usable: np.ndarray) -> np.ndarray:
-        """The peak-memory correction (with ten runs or more that report memory); returns
-        the rows it learned from."""
+    def _fit_memory(self, frame: pd.DataFrame, c: F.Columns, X: np.ndarray,
+                    families: np.ndarray, usable: np.ndarray) -> np.ndarray:
+        """The calibrated memory core's constants per family with enough runs that report
+        memory (see :mod:`paratune.models._memory_estimate`), and the peak-memory correction
+        over it (with ten runs or more); returns the rows it learned from."""
         mem = measured_memory_gb(frame)
-        has_mem = usable & np.isfinite(mem)
+        has_mem = usable & np.isfinite(mem) & (mem > 0)
+        parts = memory_parts(c)
+        self.memory_constants_ = {}
+        for family in np.unique(families[has_mem]):
+            rows = has_mem & (families == family)
+            if rows.sum() >= MEMORY_MIN_ROWS:
+                self.memory_constants_[str(family)] = [
+                    float(v) for v in fit_memory_constants(parts[rows], mem[rows])]
         self.memory_ = None
         if has_mem.sum() >= 10:
-            y_mem = np.log(mem[has_mem] / analytical["memory_gb"][has_mem])
+            y_mem = np.log(mem[has_mem] / self._memory_core(c, families)[has_mem])
             self.memory_ = MemoryEstimator(
                 params=self._booster_params(aux=True), columns=_MEMORY_COLUMNS,
                 monotone=_MEMORY_MONOTONE).fit(X[has_mem], y_mem)
         return has_mem
+
+    def _memory_core(self, c: F.Columns, families: np.ndarray) -> np.ndarray:
+        """The calibrated memory core's peak per row in GB: its family's constants, the
+        analytical estimate's for a family without them."""
+        constants = np.tile([DEFAULT_MEMORY_CONSTANTS[k] for k in MEMORY_CONSTANT_NAMES],
+                            (c.n, 1))
+        for family, values in getattr(self, "memory_constants_", {}).items():
+            constants[families == family] = values
+        return np.sum(memory_parts(c) * constants, axis=1)
 
     def _fit_feasibility(self, frame: pd.DataFrame, usable: np.ndarray) -> pd.DataFrame:
         """The feasibility classifier (where configurations both ran and failed); returns the
@@ -426,15 +450,18 @@ class PerformanceModel(_Persistence, _StallRegime, _Ranges, _Base):
                 >= MIN_FEASIBILITY_CONFIGS)
         return table
 
-    def _memory_gb(self, X: np.ndarray, analytical: dict[str, Any]) -> np.ndarray:
+    def _memory_gb(self, X: np.ndarray, core_gb: np.ndarray) -> np.ndarray:
+        """The predicted peak memory: the memory core's (:meth:`_memory_core`) times the
+        learned correction."""
         if self.memory_ is None:
-            return analytical["memory_gb"]
-        return analytical["memory_gb"] * np.exp(self.memory_.predict(X))
+            return core_gb
+        return core_gb * np.exp(self.memory_.predict(X))
 
     def _feasibility_matrix(self, frame: pd.DataFrame) -> np.ndarray:
         c = F.Columns(frame)
-        X, analytical = F.compute_features(c)
-        return self._augment(X, self._memory_gb(X, analytical), c.memory_gb)
+        X, _ = F.compute_features(c)
+        core = self._memory_core(c, source_family(frame))
+        return self._augment(X, self._memory_gb(X, core), c.memory_gb)
 
     @staticmethod
     def _augment(X: np.ndarray, memory_gb: np.ndarray, capacity: np.ndarray) -> np.ndarray:
@@ -497,7 +524,8 @@ class PerformanceModel(_Persistence, _StallRegime, _Ranges, _Base):
         # analytical estimate, and whether it fits by the memory rule, not the overheads and
         # failures of the frameworks measured (learned from nanotron and Megatron-DeepSpeed,
         # they called 143 of llm-foundry's 191 published runs out of memory)
-        memory = np.where(unmeasured, analytical["memory_gb"], self._memory_gb(X, analytical))
+        memory = np.where(unmeasured, analytical["memory_gb"],
+                          self._memory_gb(X, self._memory_core(c, own)))
         # at the family's own threshold where its out-of-memory runs set one (calibrate)
         threshold = np.full(len(X), MEMORY_RULE_THRESHOLD)
         for family, value in self.memory_thresholds_.items():

@@ -1,5 +1,24 @@
 """The analytical peak-memory estimate per device: weights, gradients, optimizer state and
-activations (mixed-precision Adam, sharded by ZeRO stage; activations after Korthikanti et al.)."""
+activations (mixed-precision Adam, sharded by ZeRO stage; activations after Korthikanti et al.),
+and its calibrated form, a few constants per measurement family.
+
+The calibrated memory core is
+
+    memory = states * k_s + activations * k_a + logits * k_l + overhead_gb
+
+with ``states`` the weights, gradients and optimizer state, ``activations`` those of the
+layers and ``logits`` the loss's over the vocabulary, each at the fullest device
+(:func:`memory_parts`). A framework keeps more than the formula counts in places of its own:
+nanotron kept 1.2-2.0x the estimate on 1B configurations whose activations or logits
+dominate and 0.8-1.0x where the optimizer state does, with fp32 copies of the logits and
+buffers the formula has no term for. A learned ratio over the whole estimate, fitted on a
+small model, carries the small model's mix to a larger one, whose memory is mostly states:
+fitted on nanotron's 1B it read the 8B's peaks 11% low in the median, and a configuration at
+71.5 GB of 80 at 61. The constants multiply each part apart, so a larger model moves the
+estimate the way its parts do. They are fitted per family with enough runs that report memory
+by a soft-L1 loss on the log peak (robust to the odd run, like the step time's core, see
+:mod:`paratune.models._calibration`); a family without them keeps the analytical estimate
+(:data:`DEFAULT_MEMORY_CONSTANTS`)."""
 
 from __future__ import annotations
 
@@ -40,7 +59,13 @@ def optimizer_memory_bytes(frame: pd.DataFrame | Columns) -> np.ndarray:
 
 
 def activation_memory_bytes(frame: pd.DataFrame | Columns) -> np.ndarray:
-    """Peak activation bytes on the fullest device.
+    """Peak activation bytes on the fullest device, the loss's logits included (see
+    :func:`_activation_bytes`)."""
+    return _activation_bytes(_cols(frame), logits=True)
+
+
+def _activation_bytes(c: Columns, *, logits: bool) -> np.ndarray:
+    """Peak activation bytes on the fullest device, with or without the loss's ``logits``.
 
     Each micro-batch in flight *stores* its layers' activations (under full recomputation
     only each layer's input); full recomputation adds the *working set* of the one layer
@@ -50,7 +75,6 @@ def activation_memory_bytes(frame: pd.DataFrame | Columns) -> np.ndarray:
     logits (fp32 for the loss: 4 bytes per vocabulary entry) under 1F1B, every micro-batch's
     under GPipe.
     """
-    c = _cols(frame)
     tokens = c.micro * c.seq_local
     per_layer = tokens * (18.0 * c.hidden + 2.0 * c.mlp_matrices * c.ffn) / c.tp
     layer_inputs = tokens * c.hidden * ACTIVATION_BYTES / c.tp
@@ -63,7 +87,7 @@ def activation_memory_bytes(frame: pd.DataFrame | Columns) -> np.ndarray:
         c.schedule == _SCHEDULES["interleaved_1f1b"], 1.0 + (c.pp - 1.0) / (c.pp * c.virtual),
         1.0)
     in_flight = np.where(gpipe, n_micro, one_f_one_b)
-    logits = tokens * c.vocab / c.tp * 4.0
+    logits = tokens * c.vocab / c.tp * 4.0 if logits else np.zeros(c.n)
     first_rank = stored * in_flight + working
     last_rank = np.where(gpipe, n_micro, 1.0) * (stored + logits) + working
     return np.where(c.pp <= 1, stored + working + logits, np.maximum(first_rank, last_rank))
@@ -71,8 +95,49 @@ def activation_memory_bytes(frame: pd.DataFrame | Columns) -> np.ndarray:
 
 def analytical_memory_gb(frame: pd.DataFrame | Columns) -> np.ndarray:
     """Estimated peak memory per device in GB: weights, gradients, optimizer, activations and
-    :data:`MEMORY_OVERHEAD_GB`."""
+    :data:`MEMORY_OVERHEAD_GB` (:func:`memory_parts` at :data:`DEFAULT_MEMORY_CONSTANTS`)."""
+    return memory_parts(frame) @ _DEFAULTS
+
+
+MEMORY_CONSTANT_NAMES = ("states", "activations", "logits", "overhead_gb")
+"""The calibrated memory core's constants: the multipliers of the model states, the layers'
+activations and the loss's logits, and the GB every device holds besides."""
+DEFAULT_MEMORY_CONSTANTS = {"states": 1.0, "activations": 1.0, "logits": 1.0,
+                            "overhead_gb": MEMORY_OVERHEAD_GB}
+"""The analytical estimate's constants, for a family without its own."""
+_DEFAULTS = np.array([DEFAULT_MEMORY_CONSTANTS[name] for name in MEMORY_CONSTANT_NAMES])
+_MEMORY_LOWER = np.array([0.5, 0.5, 0.5, 0.0])
+_MEMORY_UPPER = np.array([4.0, 4.0, 4.0, 20.0])
+MEMORY_MIN_ROWS = 20
+"""Runs that report memory a family needs for its own memory constants."""
+
+
+def memory_parts(frame: pd.DataFrame | Columns) -> np.ndarray:
+    """What the memory constants multiply, per row, in GB: the model states (weights,
+    gradients and optimizer state), the layers' activations, the loss's logits (what they
+    add at the fullest device's peak) and 1 (``(n, 4)``, in the order of
+    :data:`MEMORY_CONSTANT_NAMES`)."""
     c = _cols(frame)
-    total = (parameter_memory_bytes(c) + gradient_memory_bytes(c) + optimizer_memory_bytes(c)
-             + activation_memory_bytes(c))
-    return total / 1e9 + MEMORY_OVERHEAD_GB
+    states = parameter_memory_bytes(c) + gradient_memory_bytes(c) + optimizer_memory_bytes(c)
+    layers = _activation_bytes(c, logits=False)
+    logits = _activation_bytes(c, logits=True) - layers
+    return np.column_stack([states / 1e9, layers / 1e9, logits / 1e9, np.ones(c.n)])
+
+
+def fit_memory_constants(parts: np.ndarray, memory_gb: np.ndarray) -> np.ndarray:
+    """The memory constants that fit the measured peaks ``memory_gb`` (finite, positive) of
+    rows with :func:`memory_parts` ``parts`` best: soft-L1 on the log peak, within bounds
+    (each part at half to four times the formula, 0-20 GB besides), from the analytical
+    estimate's. A part that is zero on every row keeps its default."""
+    from scipy.optimize import least_squares
+
+    used = np.any(parts > 0, axis=0)
+    start = np.clip(_DEFAULTS, _MEMORY_LOWER + 1e-9, _MEMORY_UPPER - 1e-9)
+    log_mem = np.log(memory_gb)
+
+    def residual(theta: np.ndarray) -> np.ndarray:
+        return np.log(np.maximum(parts @ np.where(used, theta, start), 1e-9)) - log_mem
+
+    result = least_squares(residual, start, loss="soft_l1", f_scale=0.1,
+                           bounds=(_MEMORY_LOWER, _MEMORY_UPPER), max_nfev=200)
+    return np.where(used, result.x, _DEFAULTS)

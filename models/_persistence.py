@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 
 __all__ = ["SCHEMA_VERSION"]
 
-SCHEMA_VERSION = 24
+SCHEMA_VERSION = 25
 """Version of the saved-model directory format; loading another version fails (2: the
 layer-passes feature; 3: the data-parallel ring latency in the analytical estimate; 4: the
 step-time models for models not in the training data; 5: the stalled-pipeline regime; 6:
@@ -62,7 +62,9 @@ and as a distance axis; 21: the step-time corrections as residuals of each famil
 calibrated core, on its shares of the step, and the cross-family model's own margins; 22:
 the families the feasibility classifier decides for; 23: a family's memory threshold from
 its runs out of memory, and the sources in the training fingerprint; 24: the families whose
-pipelines ran across nodes, see ``node_pipeline_families_``). A
+pipelines ran across nodes, see ``node_pipeline_families_``; 25: the calibrated memory core,
+a family's constants of the model states, activations and logits that the memory correction
+multiplies, see ``memory_constants_``). A
 model learns corrections to the analytical estimate and its core, so one fitted on another
 version's would apply them to a different baseline."""
 _MANIFEST = "model.json"
