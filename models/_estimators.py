@@ -56,11 +56,9 @@ from paratune.models._data import (
     training_fingerprint,
 )
 from paratune.models._memory_estimate import (
-    DEFAULT_MEMORY_CONSTANTS,
-    MEMORY_CONSTANT_NAMES,
     MEMORY_MIN_ROWS,
+    default_memory_constants,
     fit_memory_constants,
-    memory_parts,
 )
 from paratune.models._persistence import SCHEMA_VERSION, _Persistence
 from paratune.models._ranges import _Ranges, _StepTimes
@@ -390,7 +388,7 @@ class PerformanceModel(_Persistence, _StallRegime, _Ranges, _Base):
         ).fit(X[has_time], y[has_time], keys=keys[has_time], families=families[has_time],
               hardware=hardware[has_time], seen_models=np.unique(keys[timed]),
               y_cross=y_cross[has_time])
-        has_mem = self._fit_memory(frame, c, X, families, usable)
+        has_mem = self._fit_memory(frame, X, analytical, families, usable)
         table = self._fit_feasibility(frame, usable)
         self.num_time_rows_ = int(has_time.sum()) + self.num_stall_rows_
         self.num_memory_rows_ = int(has_mem.sum())
@@ -401,14 +399,14 @@ class PerformanceModel(_Persistence, _StallRegime, _Ranges, _Base):
         self.calibrated_hardware_ = {}
         self._fit_widening(frame, families, timed, step)
 
-    def _fit_memory(self, frame: pd.DataFrame, c: F.Columns, X: np.ndarray,
+    def _fit_memory(self, frame: pd.DataFrame, X: np.ndarray, analytical: dict[str, Any],
                     families: np.ndarray, usable: np.ndarray) -> np.ndarray:
         """The calibrated memory core's constants per family with enough runs that report
         memory (see :mod:`paratune.models._memory_estimate`), and the peak-memory correction
         over it (with ten runs or more); returns the rows it learned from."""
         mem = measured_memory_gb(frame)
         has_mem = usable & np.isfinite(mem) & (mem > 0)
-        parts = memory_parts(c)
+        parts = analytical["memory_parts"]
         self.memory_constants_ = {}
         for family in np.unique(families[has_mem]):
             rows = has_mem & (families == family)
@@ -417,20 +415,20 @@ class PerformanceModel(_Persistence, _StallRegime, _Ranges, _Base):
                     float(v) for v in fit_memory_constants(parts[rows], mem[rows])]
         self.memory_ = None
         if has_mem.sum() >= 10:
-            y_mem = np.log(mem[has_mem] / self._memory_core(c, families)[has_mem])
+            y_mem = np.log(mem[has_mem] / self._memory_core(parts, families)[has_mem])
             self.memory_ = MemoryEstimator(
                 params=self._booster_params(aux=True), columns=_MEMORY_COLUMNS,
                 monotone=_MEMORY_MONOTONE).fit(X[has_mem], y_mem)
         return has_mem
 
-    def _memory_core(self, c: F.Columns, families: np.ndarray) -> np.ndarray:
-        """The calibrated memory core's peak per row in GB: its family's constants, the
+    def _memory_core(self, parts: np.ndarray, families: np.ndarray) -> np.ndarray:
+        """The calibrated memory core's peak per row in GB from its
+        :func:`~paratune.models._memory_estimate.memory_parts`: its family's constants, the
         analytical estimate's for a family without them."""
-        constants = np.tile([DEFAULT_MEMORY_CONSTANTS[k] for k in MEMORY_CONSTANT_NAMES],
-                            (c.n, 1))
-        for family, values in getattr(self, "memory_constants_", {}).items():
+        constants = np.tile(default_memory_constants(), (len(parts), 1))
+        for family, values in self.memory_constants_.items():
             constants[families == family] = values
-        return np.sum(memory_parts(c) * constants, axis=1)
+        return np.sum(parts * constants, axis=1)
 
     def _fit_feasibility(self, frame: pd.DataFrame, usable: np.ndarray) -> pd.DataFrame:
         """The feasibility classifier (where configurations both ran and failed); returns the
@@ -459,8 +457,8 @@ class PerformanceModel(_Persistence, _StallRegime, _Ranges, _Base):
 
     def _feasibility_matrix(self, frame: pd.DataFrame) -> np.ndarray:
         c = F.Columns(frame)
-        X, _ = F.compute_features(c)
-        core = self._memory_core(c, source_family(frame))
+        X, analytical = F.compute_features(c)
+        core = self._memory_core(analytical["memory_parts"], source_family(frame))
         return self._augment(X, self._memory_gb(X, core), c.memory_gb)
 
     @staticmethod
@@ -525,7 +523,8 @@ class PerformanceModel(_Persistence, _StallRegime, _Ranges, _Base):
         # failures of the frameworks measured (learned from nanotron and Megatron-DeepSpeed,
         # they called 143 of llm-foundry's 191 published runs out of memory)
         memory = np.where(unmeasured, analytical["memory_gb"],
-                          self._memory_gb(X, self._memory_core(c, own)))
+                          self._memory_gb(X, self._memory_core(analytical["memory_parts"],
+                                                               own)))
         # at the family's own threshold where its out-of-memory runs set one (calibrate)
         threshold = np.full(len(X), MEMORY_RULE_THRESHOLD)
         for family, value in self.memory_thresholds_.items():

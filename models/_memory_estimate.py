@@ -96,7 +96,7 @@ def _activation_bytes(c: Columns, *, logits: bool) -> np.ndarray:
 def analytical_memory_gb(frame: pd.DataFrame | Columns) -> np.ndarray:
     """Estimated peak memory per device in GB: weights, gradients, optimizer, activations and
     :data:`MEMORY_OVERHEAD_GB` (:func:`memory_parts` at :data:`DEFAULT_MEMORY_CONSTANTS`)."""
-    return memory_parts(frame) @ _DEFAULTS
+    return memory_parts(frame) @ default_memory_constants()
 
 
 MEMORY_CONSTANT_NAMES = ("states", "activations", "logits", "overhead_gb")
@@ -106,6 +106,12 @@ DEFAULT_MEMORY_CONSTANTS = {"states": 1.0, "activations": 1.0, "logits": 1.0,
                             "overhead_gb": MEMORY_OVERHEAD_GB}
 """The analytical estimate's constants, for a family without its own."""
 _DEFAULTS = np.array([DEFAULT_MEMORY_CONSTANTS[name] for name in MEMORY_CONSTANT_NAMES])
+_DEFAULTS.flags.writeable = False
+
+
+def default_memory_constants() -> np.ndarray:
+    """:data:`DEFAULT_MEMORY_CONSTANTS` in the order of :data:`MEMORY_CONSTANT_NAMES`."""
+    return _DEFAULTS
 _MEMORY_LOWER = np.array([0.5, 0.5, 0.5, 0.0])
 _MEMORY_UPPER = np.array([4.0, 4.0, 4.0, 20.0])
 MEMORY_MIN_ROWS = 20

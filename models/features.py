@@ -40,7 +40,9 @@ from paratune.models._memory_estimate import (
     MEMORY_OVERHEAD_GB,
     activation_memory_bytes,
     analytical_memory_gb,
+    default_memory_constants,
     gradient_memory_bytes,
+    memory_parts,
     optimizer_memory_bytes,
     parameter_memory_bytes,
 )
@@ -106,6 +108,7 @@ __all__ = [
     "config_row",
     "cp_crosses_nodes",
     "cp_s_per_microbatch",
+    "default_memory_constants",
     "dp_crosses_nodes",
     "dp_latency_s",
     "dp_nodes",
@@ -118,6 +121,7 @@ __all__ = [
     "hierarchical_dp_s",
     "hierarchical_tp_s_per_microbatch",
     "loss_s_per_microbatch",
+    "memory_parts",
     "model_flops_per_device",
     "model_keys",
     "num_microbatches",
@@ -233,7 +237,9 @@ def compute_features(frame: pd.DataFrame | Columns) -> tuple[np.ndarray, dict[st
     times["core_parts"] = core_parts(c, times)
     times["core_dp_well_tuned"] = hierarchical_dp_s(c, well_tuned=True)
     shares = core_shares(c, times)
-    mem_gb = analytical_memory_gb(c)
+    # the memory core's parts once per frame, for the estimate and each family's constants
+    mem_parts = memory_parts(c)
+    mem_gb = mem_parts @ default_memory_constants()
     warmup = _warmup_slots(c)
     # Layer passes (one per layer of a stage and micro-batch slot) per analytical second: a
     # fixed cost per pass (kernel launches, per-micro-batch synchronisation) costs this
@@ -272,6 +278,7 @@ def compute_features(frame: pd.DataFrame | Columns) -> tuple[np.ndarray, dict[st
     matrix[~np.isfinite(matrix)] = np.nan
     analytical = dict(times)
     analytical["memory_gb"] = mem_gb
+    analytical["memory_parts"] = mem_parts
     analytical["error"] = c.error
     analytical["hardware_error"] = c.hardware_error  # the unknown-hardware part alone
     return matrix, analytical

@@ -76,9 +76,8 @@ def test_family_without_memory_constants_keeps_the_analytical_estimate(synthetic
     model = PerformanceModel(n_estimators=20, aux_estimators=10).fit(_with_memory(synthetic))
     assert set(model.memory_constants_) == {"synthetic"}
     np.testing.assert_allclose(model.memory_constants_["synthetic"], TRUTH, rtol=0.1)
-    c = F.Columns(synthetic)
     families = np.full(len(synthetic), "another", dtype=object)
-    np.testing.assert_allclose(model._memory_core(c, families),
+    np.testing.assert_allclose(model._memory_core(memory_parts(synthetic), families),
                                F.analytical_memory_gb(synthetic), rtol=1e-12)
 
 
