@@ -118,8 +118,8 @@ class RawConfigBaseline(_Base):
 
 
 class HistGradientBoostingBaseline(_Base):
-    """scikit-learn HistGradientBoosting on the analytical features, same ratio targets as
-    :class:`PerformanceModel` (no quantiles).
+    """scikit-learn HistGradientBoosting on the analytical features, learning the log ratio
+    of measured step time and memory to the analytical estimate (no quantiles).
 
     Args:
         max_iter: Boosting iterations.

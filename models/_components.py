@@ -135,7 +135,8 @@ class StallRegimeEstimator(BaseEstimator):
 
 
 class MemoryEstimator(BaseEstimator):
-    """The log ratio of measured to analytical peak memory: one booster (absolute error) on
+    """The log ratio of measured peak memory to the family's calibrated memory core (the
+    analytical estimate for a family without constants): one booster (absolute error) on
     the feature ``columns``, held to the ``monotone`` directions.
 
     Args:

@@ -1,9 +1,10 @@
 """Predictors of step time, throughput, memory and feasibility.
 
-:class:`PerformanceModel` is the one the tuner uses: XGBoost learns the ratio of measured to
-analytical step time (and memory) from the features of :mod:`paratune.models.features`, so
-its predictions scale with the analytical estimate where the configuration leaves the range
-of the training data. The baselines are kept for comparison in ``paratune evaluate``.
+:class:`PerformanceModel` is the one the tuner uses: XGBoost learns the ratio of measured
+step time and peak memory to its family's calibrated core (the analytical estimate with a
+few constants fitted per family) from the features of :mod:`paratune.models.features`, so
+its predictions scale with the physics where the configuration leaves the range of the
+training data. The baselines are kept for comparison in ``paratune evaluate``.
 
 All follow scikit-learn conventions: ``__init__`` stores keyword arguments, ``fit(frame)``
 returns ``self``, learned state ends in ``_``. ``predict(frame)`` returns one row per input
@@ -59,6 +60,7 @@ from paratune.models._memory_estimate import (
     MEMORY_MIN_ROWS,
     default_memory_constants,
     fit_memory_constants,
+    memory_core_gb,
 )
 from paratune.models._persistence import SCHEMA_VERSION, _Persistence
 from paratune.models._ranges import _Ranges, _StepTimes
@@ -176,7 +178,10 @@ class PerformanceModel(_Persistence, _StallRegime, _Ranges, _Base):
       it was not measured on. A pipeline across nodes of a family none of whose measured
       pipelines crossed one (``node_pipeline_families_``) keeps the stall threshold in its
       interval's slow end: a regime the family never ran;
-    * peak memory: ``analytical * exp(m(x))`` where memory was measured, ``m`` on the
+    * peak memory: ``core * exp(m(x))`` where memory was measured, ``core`` the family's
+      calibrated memory core (``memory_constants_``, see
+      :mod:`paratune.models._memory_estimate`; the analytical estimate for a family with
+      fewer than 20 runs that report memory), ``m`` on the
       features of :data:`~paratune.models.features.MEMORY_FEATURE_NAMES` and held to the
       directions of :data:`~paratune.models.features.MEMORY_MONOTONE` (a larger micro-batch
       does not need less memory, nor ZeRO-1 more than no sharding; the absolute-error
@@ -405,8 +410,8 @@ class PerformanceModel(_Persistence, _StallRegime, _Ranges, _Base):
         memory (see :mod:`paratune.models._memory_estimate`), and the peak-memory correction
         over it (with ten runs or more); returns the rows it learned from."""
         mem = measured_memory_gb(frame)
-        has_mem = usable & np.isfinite(mem) & (mem > 0)
         parts = analytical["memory_parts"]
+        has_mem = usable & np.isfinite(mem) & (mem > 0) & np.isfinite(parts).all(axis=(1, 2))
         self.memory_constants_ = {}
         for family in np.unique(families[has_mem]):
             rows = has_mem & (families == family)
@@ -428,7 +433,7 @@ class PerformanceModel(_Persistence, _StallRegime, _Ranges, _Base):
         constants = np.tile(default_memory_constants(), (len(parts), 1))
         for family, values in self.memory_constants_.items():
             constants[families == family] = values
-        return np.sum(parts * constants, axis=1)
+        return memory_core_gb(parts, constants)
 
     def _fit_feasibility(self, frame: pd.DataFrame, usable: np.ndarray) -> pd.DataFrame:
         """The feasibility classifier (where configurations both ran and failed); returns the

@@ -63,8 +63,8 @@ calibrated core, on its shares of the step, and the cross-family model's own mar
 the families the feasibility classifier decides for; 23: a family's memory threshold from
 its runs out of memory, and the sources in the training fingerprint; 24: the families whose
 pipelines ran across nodes, see ``node_pipeline_families_``; 25: the calibrated memory core,
-a family's constants of the model states, activations and logits that the memory correction
-multiplies, see ``memory_constants_``). A
+a family's constants of the model states, activations and logits per pipeline stage, whose
+peak the memory correction multiplies, see ``memory_constants_``). A
 model learns corrections to the analytical estimate and its core, so one fitted on another
 version's would apply them to a different baseline."""
 _MANIFEST = "model.json"

@@ -37,11 +37,15 @@ from paratune.models._feature_columns import (
     num_microbatches,
 )
 from paratune.models._memory_estimate import (
+    DEFAULT_MEMORY_CONSTANTS,
+    MEMORY_CONSTANT_NAMES,
+    MEMORY_MIN_ROWS,
     MEMORY_OVERHEAD_GB,
     activation_memory_bytes,
     analytical_memory_gb,
-    default_memory_constants,
+    fit_memory_constants,
     gradient_memory_bytes,
+    memory_core_gb,
     memory_parts,
     optimizer_memory_bytes,
     parameter_memory_bytes,
@@ -87,10 +91,13 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ACTIVATION_BYTES",
+    "DEFAULT_MEMORY_CONSTANTS",
     "DP_BUCKET_BYTES",
     "DP_HOP_LATENCY_S",
     "FEATURE_NAMES",
+    "MEMORY_CONSTANT_NAMES",
     "MEMORY_FEATURE_NAMES",
+    "MEMORY_MIN_ROWS",
     "MEMORY_MONOTONE",
     "MEMORY_OVERHEAD_GB",
     "MODEL_SIZE_FEATURES",
@@ -108,19 +115,20 @@ __all__ = [
     "config_row",
     "cp_crosses_nodes",
     "cp_s_per_microbatch",
-    "default_memory_constants",
     "dp_crosses_nodes",
     "dp_latency_s",
     "dp_nodes",
     "dp_reduction_bytes",
     "dp_streams_every_microbatch",
     "elementwise_s_per_microbatch",
+    "fit_memory_constants",
     "gradient_memory_bytes",
     "group_seconds_per_byte",
     "hardware_columns",
     "hierarchical_dp_s",
     "hierarchical_tp_s_per_microbatch",
     "loss_s_per_microbatch",
+    "memory_core_gb",
     "memory_parts",
     "model_flops_per_device",
     "model_keys",
@@ -223,7 +231,11 @@ def compute_features(frame: pd.DataFrame | Columns) -> tuple[np.ndarray, dict[st
 
     Returns:
         ``(X, analytical)``: an ``(n, len(FEATURE_NAMES))`` float32 matrix, and a dict with
-        the parts of :func:`analytical_step_time`, ``memory_gb`` (analytical peak memory)
+        the parts of :func:`analytical_step_time`, ``core_parts`` and
+        ``core_dp_well_tuned`` (the calibrated core's physics, see
+        :func:`~paratune.models._calibration.core_parts`), ``memory_gb`` (analytical peak
+        memory), ``memory_parts`` (what the memory core's constants multiply,
+        :func:`memory_parts`),
         ``error`` (message per row: unknown hardware or option value; empty elsewhere) and
         ``hardware_error`` (its unknown-hardware part).
     """
@@ -239,7 +251,7 @@ def compute_features(frame: pd.DataFrame | Columns) -> tuple[np.ndarray, dict[st
     shares = core_shares(c, times)
     # the memory core's parts once per frame, for the estimate and each family's constants
     mem_parts = memory_parts(c)
-    mem_gb = mem_parts @ default_memory_constants()
+    mem_gb = memory_core_gb(mem_parts)
     warmup = _warmup_slots(c)
     # Layer passes (one per layer of a stage and micro-batch slot) per analytical second: a
     # fixed cost per pass (kernel launches, per-micro-batch synchronisation) costs this
