@@ -139,11 +139,14 @@ def memory_parts(frame: pd.DataFrame | Columns) -> np.ndarray:
     that keeps more of them than the formula can peak there where the formula says the
     first stage."""
     c = _cols(frame)
-    states = (parameter_memory_bytes(c) + gradient_memory_bytes(c)
-              + optimizer_memory_bytes(c)) / 1e9
-    one = np.ones(c.n)
-    return np.stack([np.column_stack([states, layers / 1e9, logits / 1e9, one])
-                     for layers, logits in _stage_activation_bytes(c)], axis=1)
+    parts = np.empty((c.n, 2, 4))
+    parts[:, :, 0] = ((parameter_memory_bytes(c) + gradient_memory_bytes(c)
+                       + optimizer_memory_bytes(c)) / 1e9)[:, None]
+    for stage, (layers, logits) in enumerate(_stage_activation_bytes(c)):
+        parts[:, stage, 1] = layers / 1e9
+        parts[:, stage, 2] = logits / 1e9
+    parts[:, :, 3] = 1.0
+    return parts
 
 
 def memory_core_gb(parts: np.ndarray, constants: np.ndarray | None = None) -> np.ndarray:
@@ -151,8 +154,9 @@ def memory_core_gb(parts: np.ndarray, constants: np.ndarray | None = None) -> np
     ``parts`` times ``constants`` (one row of :data:`MEMORY_CONSTANT_NAMES` per row, one for
     all, or ``None``: the analytical estimate's)."""
     constants = _DEFAULTS if constants is None else np.asarray(constants, dtype=float)
-    per_stage = constants if constants.ndim == 1 else constants[:, None, :]
-    return np.max(np.sum(parts * per_stage, axis=2), axis=1)
+    per_stage = (parts @ constants if constants.ndim == 1
+                 else np.einsum("nsk,nk->ns", parts, constants))
+    return per_stage.max(axis=1)
 
 
 def fit_memory_constants(parts: np.ndarray, memory_gb: np.ndarray) -> np.ndarray:
