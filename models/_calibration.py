@@ -48,13 +48,15 @@ predicts from physics a rise of MFU with model size like the one such runs show 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from paratune.models import features as F
 
-__all__ = ["CONSTANT_NAMES", "DEFAULT_CONSTANTS", "FEW_SHOT_MIN_ROWS", "core_parts",
-           "core_shares", "default_constants", "few_shot_parts", "fit_constants", "fit_few_shot",
-           "predict_core"]
+__all__ = ["CONSTANT_NAMES", "DEFAULT_CONSTANTS", "FEW_SHOT_MIN_ROWS", "constants_per_family",
+           "core_parts", "core_shares", "default_constants", "few_shot_parts", "fit_constants",
+           "fit_few_shot", "predict_core"]
 
 CONSTANT_NAMES = ("compute", "elementwise", "loss", "tp_intra", "tp_inter", "pp_intra",
                   "pp_inter", "dp_intra", "dp_inter", "layer_pass_s", "step_s")
@@ -207,6 +209,20 @@ def fit_constants(parts: np.ndarray, step: np.ndarray) -> np.ndarray:
     result = least_squares(residual, start, loss="soft_l1", f_scale=0.1,
                            bounds=(_LOWER, _UPPER), max_nfev=200)
     return np.exp(np.where(used, result.x, start))
+
+
+def constants_per_family(families: np.ndarray, rows: np.ndarray, min_rows: int,
+                         fit: Callable[[np.ndarray], np.ndarray]) -> dict[str, list[float]]:
+    """Constants fitted per family with at least ``min_rows`` of ``rows``: ``fit`` takes one
+    family's row mask and returns its constants. Families with fewer rows get none (their
+    rows keep the defaults); the step-time core and the memory core both calibrate this way.
+    """
+    out: dict[str, list[float]] = {}
+    for family in np.unique(families[rows]):
+        sel = rows & (families == family)
+        if sel.sum() >= min_rows:
+            out[str(family)] = [float(v) for v in fit(sel)]
+    return out
 
 
 FEW_SHOT_MIN_ROWS = 3

@@ -42,6 +42,7 @@ from paratune.models._baselines import (
     HistGradientBoostingBaseline,
     RawConfigBaseline,
 )
+from paratune.models._calibration import constants_per_family
 from paratune.models._components import (
     FamilyRouter,
     FeasibilityEstimator,
@@ -412,12 +413,9 @@ class PerformanceModel(_Persistence, _StallRegime, _Ranges, _Base):
         mem = measured_memory_gb(frame)
         parts = analytical["memory_parts"]
         has_mem = usable & np.isfinite(mem) & (mem > 0) & np.isfinite(parts).all(axis=(1, 2))
-        self.memory_constants_ = {}
-        for family in np.unique(families[has_mem]):
-            rows = has_mem & (families == family)
-            if rows.sum() >= MEMORY_MIN_ROWS:
-                self.memory_constants_[str(family)] = [
-                    float(v) for v in fit_memory_constants(parts[rows], mem[rows])]
+        self.memory_constants_ = constants_per_family(
+            families, has_mem, MEMORY_MIN_ROWS,
+            lambda rows: fit_memory_constants(parts[rows], mem[rows]))
         self.memory_ = None
         if has_mem.sum() >= 10:
             y_mem = np.log(mem[has_mem] / self._memory_core(parts, families)[has_mem])

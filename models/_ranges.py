@@ -53,16 +53,17 @@ class _Ranges:
         """The calibrated analytical core's constants per family with enough ``rows`` (see
         :mod:`paratune.models._calibration`), and the one such family each hardware
         (catalogue spelling) was measured in, where one."""
-        from paratune.models._calibration import MIN_ROWS, core_parts, fit_constants
+        from paratune.models._calibration import (
+            MIN_ROWS,
+            constants_per_family,
+            core_parts,
+            fit_constants,
+        )
 
         parts = core_parts(c, analytical)
         usable = rows & np.all(np.isfinite(parts), axis=1)
-        self.core_constants_ = {}
-        for family in np.unique(families[usable]):
-            sel = usable & (families == family)
-            if sel.sum() >= MIN_ROWS:
-                self.core_constants_[str(family)] = [
-                    float(v) for v in fit_constants(parts[sel], step[sel])]
+        self.core_constants_ = constants_per_family(
+            families, usable, MIN_ROWS, lambda sel: fit_constants(parts[sel], step[sel]))
         self.core_hardware_family_ = hardware_families(hardware[rows], families[rows],
                                                        self.core_constants_)
 

@@ -117,3 +117,23 @@ def test_memory_constants_survive_save_and_load(synthetic, tmp_path):
                                model.memory_constants_["synthetic"], rtol=1e-12)
     np.testing.assert_allclose(loaded.predict(synthetic)["pred_peak_mem_gb"],
                                model.predict(synthetic)["pred_peak_mem_gb"], rtol=1e-6)
+
+
+def test_constants_per_family_fit_each_family_on_its_own_rows():
+    from paratune.models._calibration import constants_per_family
+
+    families = np.array(["a"] * 5 + ["b"] * 2 + ["c"] * 4)
+    rows = np.ones(len(families), dtype=bool)
+    rows[0] = False  # "a" keeps four usable rows
+    values = np.arange(len(families), dtype=float)
+    seen = []
+
+    def fit(sel):
+        seen.append(np.flatnonzero(sel).tolist())
+        return [values[sel].mean(), sel.sum()]
+
+    out = constants_per_family(families, rows, 4, fit)
+    # "b" has too few rows and gets no constants: its rows keep the defaults
+    assert set(out) == {"a", "c"}
+    assert out["a"] == [2.5, 4.0] and out["c"] == [8.5, 4.0]
+    assert seen == [[1, 2, 3, 4], [7, 8, 9, 10]]
