@@ -245,12 +245,14 @@ def format_seed_spread(spread: list[dict], seeds: int) -> str:
 
 def top1_choices(predictions) -> list[dict]:
     """Per fold and (model, cluster) group, the configuration chosen by the expected
-    throughput and by the risk-aware one: its regret against the group's measured best, its
+    throughput (times the probability of running, as ``tune`` ranks) and by the risk-aware
+    one: its regret against the group's measured best, its
     layout, whether its run stalled and its predicted / measured throughput."""
     import numpy as np
 
     from paratune.models import (
         choice_orders,
+        choice_throughputs,
         measured_step_time,
         predicted_to_run_rows,
         throughput_regret,
@@ -266,9 +268,9 @@ def top1_choices(predictions) -> list[dict]:
     predicted = tokens / (part["pred_step_time_s"].to_numpy(float)
                           * part["world_size"].to_numpy(float))
     stalled = F.stalled_pipeline(part, step)
-    expected = part["pred_tokens_per_sec_per_gpu_expected"].to_numpy(float)
-    lower = part["pred_tokens_per_sec_per_gpu_q10"].to_numpy(float)
-    runs = predicted_to_run_rows(part, part)  # as tune ranks and `evaluate` chooses
+    # as tune ranks and `evaluate` chooses
+    _, expected, lower = choice_throughputs(part, predicted)
+    runs = predicted_to_run_rows(part, part)
     rules = {rule: (lambda sel, rule=rule: int(choice_orders(expected[sel], lower[sel],
                                                                runs[sel])[rule][0]))
              for rule in ("expected", "risk-aware")}

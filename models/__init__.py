@@ -18,6 +18,7 @@ __all__ = [
     "RawConfigBaseline",
     "Split",
     "choice_orders",
+    "choice_throughputs",
     "config_identity",
     "cross_validate",
     "cv_folds",
@@ -44,6 +45,7 @@ __all__ = [
 _LAZY = {
     "cv_folds": "paratune.models._evaluate",
     "choice_orders": "paratune.models._evaluate",
+    "choice_throughputs": "paratune.models._evaluate",
     "predicted_to_run_rows": "paratune.models._evaluate",
     "feasibility_table": "paratune.models._data",
     "measured_memory_gb": "paratune.models._data",

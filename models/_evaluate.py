@@ -51,6 +51,7 @@ from paratune.predictor import (
     PRED_PEAK_MEM_GB,
     PRED_TOKENS_EXPECTED,
     predicted_to_run,
+    running_weight,
     throughput_quantile_columns,
 )
 
@@ -58,10 +59,10 @@ if TYPE_CHECKING:
     import pandas as pd
 
 __all__ = ["ANATOMY_GROUPS", "EXTRAPOLATION_COLUMNS", "RISK_AWARE_WITHIN", "SPLITS",
-           "EvaluationResult", "choice_orders", "cross_validate", "error_anatomy",
-           "extrapolation_table", "metrics", "plot_predictions", "predicted_to_run_rows",
-           "risk_aware_candidates", "risk_aware_order", "risk_aware_throughput",
-           "throughput_regret"]
+           "EvaluationResult", "choice_orders", "choice_throughputs", "cross_validate",
+           "error_anatomy", "extrapolation_table", "metrics", "plot_predictions",
+           "predicted_to_run_rows", "risk_aware_candidates", "risk_aware_order",
+           "risk_aware_throughput", "throughput_regret"]
 
 SPLITS = ("random", "cluster", "model", *EXTRAPOLATION_SPLITS)
 _GROUP = ("model_name", "world_size", "hardware")
@@ -262,16 +263,10 @@ def _choice_figures(frame: pd.DataFrame, predictions: pd.DataFrame, ok: np.ndarr
     # in one fold, as a model choosing among configurations it has not seen would.
     group = [*_GROUP, "fold"] if "fold" in frame.columns else list(_GROUP)
     keys = frame.loc[ok, group].astype(str).agg("|".join, axis=1).to_numpy()
-    m_ok, p_ok = measured_tps[ok], predicted_tps[ok]
-    # the choice (and the ranking within a group) is by the expected throughput where the
-    # predictor gives one: a configuration likely to stall is not picked for its fast
-    # regime's time, as the tuner does not pick it
-    if PRED_TOKENS_EXPECTED in predictions.columns:
-        ranked = np.asarray(predictions[PRED_TOKENS_EXPECTED], dtype=float)[ok]
-        p_ok = np.where(np.isfinite(ranked), ranked, p_ok)
-    # the lower throughput quantile, whatever the model's quantiles (q10 by default)
-    lower = throughput_quantile_columns(predictions.columns)
-    cautious = (np.asarray(predictions[lower[0]], dtype=float)[ok] if lower else None)
+    m_ok = measured_tps[ok]
+    expected, chosen, cautious = choice_throughputs(predictions, predicted_tps)
+    p_ok, chosen = expected[ok], chosen[ok]
+    cautious = None if cautious is None else cautious[ok]
     runs = predicted_to_run_rows(frame, predictions)[ok]
     regrets, rhos = [], []
     cautious_regrets, top5_regrets, risk_regrets, risk_top5 = [], [], [], []
@@ -281,7 +276,8 @@ def _choice_figures(frame: pd.DataFrame, predictions: pd.DataFrame, ok: np.ndarr
             continue
         m, p = m_ok[sel], p_ok[sel]
         best = m.max()
-        orders = choice_orders(p, None if cautious is None else cautious[sel], runs[sel])
+        orders = choice_orders(chosen[sel], None if cautious is None else cautious[sel],
+                               runs[sel])
         regrets.append(throughput_regret(best, m[orders["expected"][0]]))
         top5_regrets.append(throughput_regret(best, m[orders["expected"][:5]].max()))
         rhos.append(_spearman(m, p))
@@ -304,6 +300,24 @@ def _choice_figures(frame: pd.DataFrame, predictions: pd.DataFrame, ok: np.ndarr
     out["regret_risk_mean"] = float(np.mean(risk_regrets)) if risk_regrets else np.nan
     out["regret_risk_top5_mean"] = float(np.mean(risk_top5)) if risk_top5 else np.nan
     return out, rhos
+
+
+def choice_throughputs(predictions: pd.DataFrame, predicted_tps: np.ndarray
+                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """What ``tune`` ranks a group's configs by, per row: the expected throughput (where the
+    predictor gives one, else ``predicted_tps``: a configuration likely to stall is not
+    picked for its fast regime's time), that times the probability of running (a run that
+    fails delivers nothing, :func:`~paratune.predictor.running_weight`), and the lower
+    throughput quantile (q10 by default; ``None`` without one) times it."""
+    expected = np.asarray(predicted_tps, dtype=float)
+    if PRED_TOKENS_EXPECTED in predictions.columns:
+        given = np.asarray(predictions[PRED_TOKENS_EXPECTED], dtype=float)
+        expected = np.where(np.isfinite(given), given, expected)
+    weight = (running_weight(np.asarray(predictions[PRED_FEASIBLE_PROB], dtype=float))
+              if PRED_FEASIBLE_PROB in predictions.columns else np.ones(len(expected)))
+    lower = throughput_quantile_columns(predictions.columns)
+    cautious = (np.asarray(predictions[lower[0]], dtype=float) * weight if lower else None)
+    return expected, expected * weight, cautious
 
 
 def predicted_to_run_rows(frame: pd.DataFrame, predictions: pd.DataFrame) -> np.ndarray:
@@ -331,8 +345,10 @@ def choice_orders(expected: np.ndarray, lower: np.ndarray | None, runs: np.ndarr
                   ) -> dict[str, np.ndarray]:
     """The orders in which ``paratune tune`` would rank one job's configs (positions, best
     first): those predicted to run (``runs``) before the others, each part by ``expected``
-    (the expected throughput), by ``lower`` (its lower quantile) and by the risk-aware
-    expectation of the two (:func:`risk_aware_order`); the last two only with ``lower``."""
+    (the expected throughput times the probability of running,
+    :func:`choice_throughputs`), by ``lower`` (its lower quantile, times the same) and by the
+    risk-aware expectation of the two (:func:`risk_aware_order`); the last two only with
+    ``lower``."""
     def first(order: np.ndarray) -> np.ndarray:
         return np.concatenate([order[runs[order]], order[~runs[order]]])
 

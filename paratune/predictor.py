@@ -36,6 +36,7 @@ __all__ = [
     "Predictor",
     "config_frame",
     "predicted_to_run",
+    "running_weight",
     "throughput_quantile_columns",
 ]
 
@@ -118,3 +119,14 @@ def predicted_to_run(prob: Any, peak_mem_gb: Any = None, limit_gb: Any = math.in
     limit = np.asarray(limit_gb, dtype=float)
     # a NaN peak is within no finite limit
     return runs & ((mem <= limit) | ~np.isfinite(limit))
+
+
+def running_weight(prob: Any) -> Any:
+    """What the tuner weighs a config's throughput by: its predicted probability of running
+    (a run that fails delivers nothing), clipped to [0, 1]; one where the probability is not
+    a number (such a config is not feasible, :func:`predicted_to_run`, and ranks after every
+    feasible one whatever its weight)."""
+    import numpy as np
+
+    prob = np.asarray(prob, dtype=float)
+    return np.where(np.isfinite(prob), np.clip(prob, 0.0, 1.0), 1.0)

@@ -5,7 +5,9 @@
 :mod:`paratune.tuner._efficiency`), so that a larger batch is only worth its extra speed if
 the gradient noise scale allows it. Memory is a constraint, not a penalty: a config is
 feasible when the predicted probability that it runs is at least ``min_feasible_prob`` and
-its predicted peak memory fits the device.
+its predicted peak memory fits the device. Among feasible configs the objective is what a
+launch is expected to deliver: the quantity times the probability of running, since a run
+that fails delivers nothing.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from paratune.predictor import (
     PRED_TOKENS_EXPECTED,
     PRED_TOKENS_PER_SEC_PER_GPU,
     predicted_to_run,
+    running_weight,
     throughput_quantile_columns,
 )
 from paratune.tuner._efficiency import _positive, pollux_efficiency
@@ -129,7 +132,8 @@ class Objective:
         Returns:
             ``predictions`` with the :data:`SCORE_COLUMNS` added: cluster tokens/s, the
             tokens/s used for ranking (a quantile under ``risk_quantile``), efficiency,
-            goodput, the objective, constraint violations (``<= 0`` is satisfied) and
+            goodput, the objective (the ranked tokens/s, or the goodput, times the
+            probability of running), constraint violations (``<= 0`` is satisfied) and
             ``feasible``. A config is feasible when its predicted throughput is a number, its
             predicted probability of running is a number of at least ``min_feasible_prob``
             and, under a memory limit, its predicted peak memory is a number within it; a
@@ -176,8 +180,11 @@ class Objective:
             eff = np.ones(len(out))
         out["efficiency"] = eff
         out["goodput"] = out["ranked_tokens_per_s"].to_numpy() * eff
-        out["objective"] = (out["goodput"] if self.kind is ObjectiveKind.GOODPUT
-                            else out["ranked_tokens_per_s"])
+        objective = (out["goodput"] if self.kind is ObjectiveKind.GOODPUT
+                     else out["ranked_tokens_per_s"]).to_numpy(dtype=float)
+        # a run that fails (out of memory) delivers nothing: the objective is what a launch
+        # is expected to deliver, the ranked throughput times the probability of running
+        out["objective"] = objective * running_weight(prob)
         # A failed (NaN) throughput prediction ranks last and, like a failed probability
         # below, makes the config infeasible: nothing says how fast, or whether, it runs.
         predicted = np.isfinite(out["objective"].to_numpy(dtype=float))

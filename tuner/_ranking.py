@@ -95,7 +95,8 @@ class SearchResult:
         ``ranked_tokens_per_s`` is the predicted throughput itself, its lower quantile
         (``risk_quantile``) or, where the predictor gives one, the throughput of the expected
         step time (a pipeline likely to stall counted at its stalled speed); under the goodput
-        objective it is multiplied by the statistical efficiency.
+        objective it is multiplied by the statistical efficiency; where the predictor gives a
+        probability of running below one, the objective is that times it (``x p_ok``).
         """
         risk = self.objective.risk_quantile
         if self.risk_aware:
@@ -109,8 +110,21 @@ class SearchResult:
         else:
             label, words = "tok/s", "predicted tokens/s"
         if self.objective.kind.value == "goodput":
-            return "goodput", f"goodput = {label} x eff ({words} x statistical efficiency)"
+            label, words = "goodput", (f"goodput = {label} x eff ({words} x statistical "
+                                       "efficiency)")
+        if self._weighted_by_running():
+            label, words = (f"{label} x p_ok", f"{words} x p_ok (the probability of running: "
+                                                "a run that fails delivers nothing)")
         return label, words
+
+    def _weighted_by_running(self) -> bool:
+        """Whether the objective counts a probability of running below one anywhere."""
+        import numpy as np
+
+        if self.ranked.empty or "feasible_prob" not in self.ranked.columns:
+            return False
+        prob = self.ranked["feasible_prob"].to_numpy(dtype=float)
+        return bool(np.any(np.isfinite(prob) & (prob < 1.0)))
 
     def _expected_differs(self) -> bool:
         """Whether the ranked throughput differs from the predicted one anywhere."""
@@ -184,7 +198,8 @@ class SearchResult:
         if self.risk_aware:
             from paratune.models import RISK_AWARE_WITHIN
 
-            expected = "goodput" if goodput else "tokens/s"
+            expected = (("goodput" if goodput else "tokens/s")
+                        + (" x p_ok" if self._weighted_by_running() else ""))
             notes.append(f"the configs within {RISK_AWARE_WITHIN:.0%} of the best expected "
                          f"{expected} rank first: safety is not bought with more")
         if infeasible:

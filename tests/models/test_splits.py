@@ -291,6 +291,36 @@ def test_the_choice_is_among_configs_predicted_to_run_as_tune_ranks(synthetic):
             assert figures[name] == pytest.approx(0.0), (name, prob, memory)
 
 
+def test_the_choice_counts_what_a_launch_delivers(synthetic):
+    """A config predicted to run but only just (probability 0.6) counts 0.6 of its
+    throughput, as `tune` ranks it: predicted 30% faster than the group's best, it is not
+    chosen over the best at a probability of 0.9."""
+    from paratune.models import choice_throughputs
+
+    frame = synthetic[synthetic["status"] == "ok"].reset_index(drop=True)
+    step = frame["step_time_s"].to_numpy(dtype=float)
+    tps = (frame["global_batch_size"] * frame["seq_len"] / (step * frame["world_size"])
+           ).to_numpy()
+    pred = pd.DataFrame({"pred_step_time_s": step, "pred_feasible_prob": 0.9,
+                         "pred_tokens_per_sec_per_gpu_q10": tps * 0.9,
+                         "pred_tokens_per_sec_per_gpu_q90": tps * 1.1})
+    group = frame.assign(t=tps).groupby(["model_name", "world_size"])["t"]
+    slowest = (tps == group.transform("min").to_numpy()) & (group.transform("size") > 5)
+    fast = 1.3 * group.transform("max").to_numpy()[slowest]
+    pred.loc[slowest, "pred_step_time_s"] = step[slowest] * tps[slowest] / fast
+    pred.loc[slowest, "pred_tokens_per_sec_per_gpu_q10"] = 0.9 * fast
+    pred.loc[slowest, "pred_feasible_prob"] = 0.99
+    assert metrics(frame, pred)["regret_mean"] > 0.1  # a sure run is chosen for its speed
+    pred.loc[slowest, "pred_feasible_prob"] = 0.6
+    figures = metrics(frame, pred)
+    for name in ("regret_mean", "regret_risk_mean", "regret_q10_mean"):
+        assert figures[name] == pytest.approx(0.0), name
+    expected, chosen, lower = choice_throughputs(pred, tps)
+    assert np.allclose(chosen, expected * pred["pred_feasible_prob"])
+    assert np.allclose(lower, pred["pred_tokens_per_sec_per_gpu_q10"]
+                       * pred["pred_feasible_prob"])
+
+
 def test_tune_ranks_the_configs_predicted_to_run_first_then_the_others():
     from paratune.models import choice_orders
 

@@ -103,7 +103,9 @@ def test_risk_aware_ranking_uses_the_lower_quantile(closed_form):
     configs = space.enumerate().valid
     scored = evaluate(closed_form, space, configs, Objective(risk_quantile="q10"))
     expected = scored["pred_tokens_per_sec_per_gpu_q10"] * scored["world_size"]
-    assert np.allclose(scored["objective"], expected)
+    assert np.allclose(scored["ranked_tokens_per_s"], expected)
+    # the objective is what a launch delivers: a run that fails delivers nothing
+    assert np.allclose(scored["objective"], expected * scored["feasible_prob"])
     with pytest.raises(ConfigError, match="risk_quantile"):
         evaluate(closed_form, space, configs, Objective(risk_quantile="q05"))
     # the quantile as a fraction, as the docs first spelled it
@@ -130,7 +132,8 @@ def test_ranking_uses_the_expected_throughput_where_predicted(closed_form):
     configs = space.enumerate().valid
     scored = evaluate(StallRisk(), space, configs, Objective())
     expected = scored["pred_tokens_per_sec_per_gpu_expected"] * scored["world_size"]
-    assert np.allclose(scored["objective"], expected)
+    assert np.allclose(scored["ranked_tokens_per_s"], expected)
+    assert np.allclose(scored["objective"], expected * scored["feasible_prob"])
     # the reported throughput stays the point prediction
     assert np.allclose(scored["tokens_per_s"],
                        scored["pred_tokens_per_sec_per_gpu"] * scored["world_size"])
@@ -138,8 +141,38 @@ def test_ranking_uses_the_expected_throughput_where_predicted(closed_form):
     assert best.pp < 4
     # a risk quantile still takes precedence
     cautious = evaluate(StallRisk(), space, configs, Objective(risk_quantile="q10"))
-    assert np.allclose(cautious["objective"],
+    assert np.allclose(cautious["ranked_tokens_per_s"],
                        cautious["pred_tokens_per_sec_per_gpu_q10"] * cautious["world_size"])
+
+
+def test_a_config_likely_to_fail_counts_what_a_launch_delivers(closed_form):
+    space = SearchSpace.build(get_model("llama3-8b"), 64, "H100", global_batch_sizes=[256])
+    plain = exhaustive(closed_form, space, Objective())
+    layout = ["dp", "tp", "pp", "micro_batch_size", "schedule", "virtual_stages", "sharding",
+              "recompute"]
+    best = plain.best_row[layout]
+
+    class MayFail:
+        """The closed form, with the best config's probability of running 0.55 (feasible,
+        but nearly a coin toss) and every other config's 0.99."""
+
+        def predict(self, frame):
+            out = closed_form.predict(frame)
+            hit = (frame[layout] == best).all(axis=1).to_numpy()
+            out["pred_feasible_prob"] = np.where(hit, 0.55, 0.99)
+            return out
+
+    result = exhaustive(MayFail(), space, Objective())
+    ranked = result.ranked
+    # still feasible, but no longer first: 0.55 of its speed is less than what the runner-up
+    # delivers at 0.99
+    moved = ranked[(ranked[layout] == best).all(axis=1)].iloc[0]
+    assert bool(moved["feasible"]) and moved["rank"] > 1
+    assert result.best != plain.best
+    assert np.allclose(ranked["objective"], ranked["tokens_per_s"] * ranked["feasible_prob"])
+    label, words = result.ranked_quantity()
+    assert label == "tok/s x p_ok" and "probability of running" in words
+    assert "by tok/s x p_ok" in result.table(5).splitlines()[0]
 
 
 def test_objective_rules_are_named(closed_form):
