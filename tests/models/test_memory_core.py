@@ -137,3 +137,20 @@ def test_constants_per_family_fit_each_family_on_its_own_rows():
     assert set(out) == {"a", "c"}
     assert out["a"] == [2.5, 4.0] and out["c"] == [8.5, 4.0]
     assert seen == [[1, 2, 3, 4], [7, 8, 9, 10]]
+
+
+def test_rows_without_a_source_or_with_no_memory_figure(synthetic):
+    # a frame without a source column is one family (paratune's own runs), calibrated like
+    # any other, and its configs, without a source too, are predicted as that family; a run
+    # that reports 0 GB (no figure) is not a memory run
+    frame = _with_memory(synthetic).drop(columns=["source"])
+    ran = np.flatnonzero((frame["status"] == "ok").to_numpy())
+    blank = ran[:5]
+    frame.loc[blank, "peak_mem_reserved_gb"] = 0.0
+    model = PerformanceModel(n_estimators=20, aux_estimators=10).fit(frame)
+    (family,) = model.memory_constants_
+    np.testing.assert_allclose(model.memory_constants_[family], TRUTH, rtol=0.1)
+    assert model.num_memory_rows_ == len(ran) - len(blank)
+    predicted = model.predict(frame.iloc[blank])["pred_peak_mem_gb"].to_numpy()
+    truth = memory_core_gb(memory_parts(synthetic.iloc[blank]), TRUTH)
+    np.testing.assert_allclose(predicted, truth, rtol=0.1)
