@@ -259,12 +259,10 @@ def test_extrapolation_table_prints_percentages_to_a_tenth_and_ratios_to_a_thous
                      "98.5", "1.140", "90.8"]
 
 
-def test_the_choice_is_among_configs_predicted_to_run_as_tune_ranks(synthetic):
-    """A group's fastest prediction that the model says will not run (probability of
-    running under MIN_FEASIBLE_PROB) is not what `tune` recommends: the top-1 and top-5
-    regret, by the expectation and risk-aware, are of the configs predicted to run."""
-    from paratune.predictor import MIN_FEASIBLE_PROB
-
+def _slowest_predicted_fastest(synthetic, speedup: float):
+    """The synthetic runs that ran, their predictions (every run at its measured time,
+    probability of running 0.9) and each larger group's slowest run (a mask), predicted
+    ``speedup`` times as fast as its group's best."""
     frame = synthetic[synthetic["status"] == "ok"].reset_index(drop=True)
     step = frame["step_time_s"].to_numpy(dtype=float)
     tps = (frame["global_batch_size"] * frame["seq_len"] / (step * frame["world_size"])
@@ -272,13 +270,22 @@ def test_the_choice_is_among_configs_predicted_to_run_as_tune_ranks(synthetic):
     pred = pd.DataFrame({"pred_step_time_s": step, "pred_feasible_prob": 0.9,
                          "pred_tokens_per_sec_per_gpu_q10": tps * 0.9,
                          "pred_tokens_per_sec_per_gpu_q90": tps * 1.1})
-    # the slowest run of each group predicted twice as fast as the best, and not to run
     group = frame.assign(t=tps).groupby(["model_name", "world_size"])["t"]
     slowest = (tps == group.transform("min").to_numpy()) & (group.transform("size") > 5)
-    pred.loc[slowest, "pred_step_time_s"] = step[slowest] * tps[slowest] / (
-        2 * group.transform("max").to_numpy()[slowest])
-    pred.loc[slowest, "pred_tokens_per_sec_per_gpu_q10"] = 2 * group.transform(
-        "max").to_numpy()[slowest]
+    fast = speedup * group.transform("max").to_numpy()[slowest]
+    pred.loc[slowest, "pred_step_time_s"] = step[slowest] * tps[slowest] / fast
+    pred.loc[slowest, "pred_tokens_per_sec_per_gpu_q10"] = 0.9 * fast
+    return frame, pred, slowest, tps
+
+
+def test_the_choice_is_among_configs_predicted_to_run_as_tune_ranks(synthetic):
+    """A group's fastest prediction that the model says will not run (probability of
+    running under MIN_FEASIBLE_PROB) is not what `tune` recommends: the top-1 and top-5
+    regret, by the expectation and risk-aware, are of the configs predicted to run."""
+    from paratune.predictor import MIN_FEASIBLE_PROB
+
+    # the slowest run of each group predicted twice as fast as the best
+    frame, pred, slowest, _ = _slowest_predicted_fastest(synthetic, 2.0)
     assert metrics(frame, pred)["regret_mean"] > 0.1  # chosen where it may run
     # not expected to run: a probability under the threshold, none at all (a failed
     # prediction), or a peak memory over 95% of the device's
@@ -297,18 +304,7 @@ def test_the_choice_counts_what_a_launch_delivers(synthetic):
     chosen over the best at a probability of 0.9."""
     from paratune.models import choice_throughputs
 
-    frame = synthetic[synthetic["status"] == "ok"].reset_index(drop=True)
-    step = frame["step_time_s"].to_numpy(dtype=float)
-    tps = (frame["global_batch_size"] * frame["seq_len"] / (step * frame["world_size"])
-           ).to_numpy()
-    pred = pd.DataFrame({"pred_step_time_s": step, "pred_feasible_prob": 0.9,
-                         "pred_tokens_per_sec_per_gpu_q10": tps * 0.9,
-                         "pred_tokens_per_sec_per_gpu_q90": tps * 1.1})
-    group = frame.assign(t=tps).groupby(["model_name", "world_size"])["t"]
-    slowest = (tps == group.transform("min").to_numpy()) & (group.transform("size") > 5)
-    fast = 1.3 * group.transform("max").to_numpy()[slowest]
-    pred.loc[slowest, "pred_step_time_s"] = step[slowest] * tps[slowest] / fast
-    pred.loc[slowest, "pred_tokens_per_sec_per_gpu_q10"] = 0.9 * fast
+    frame, pred, slowest, tps = _slowest_predicted_fastest(synthetic, 1.3)
     pred.loc[slowest, "pred_feasible_prob"] = 0.99
     assert metrics(frame, pred)["regret_mean"] > 0.1  # a sure run is chosen for its speed
     pred.loc[slowest, "pred_feasible_prob"] = 0.6
