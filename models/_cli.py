@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from paratune.cli import at_least
+from paratune.predictor import MEMORY_FRACTION, MIN_FEASIBLE_PROB
 from paratune.tracking import add_track_flag
 
 __all__ = ["register"]
@@ -52,7 +53,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     predict = subparsers.add_parser(
         "predict", help="predict step time, throughput, memory and feasibility for a CSV",
         description="Predict every row of INPUT (public measurement format or paratune config "
-                    "columns); OUT gets the input columns plus pred_* columns and pred_error.")
+                    "columns); OUT gets the input columns plus pred_* columns and pred_error. "
+                    "To choose among configs as tune does, keep those with pred_feasible_prob "
+                    f">= {MIN_FEASIBLE_PROB} and pred_peak_mem_gb within "
+                    f"{MEMORY_FRACTION:.0%} of device memory, and rank them by "
+                    "pred_tokens_per_sec_per_gpu_expected x pred_feasible_prob (a stalled "
+                    "pipeline at its stalled speed, a failed run as nothing).")
     predict.add_argument("input", metavar="INPUT.csv",
                          help="rows to predict (public measurement format or paratune config "
                               "columns)")
