@@ -7,9 +7,10 @@ predicts two grids no public row covers and prints what a user would act on:
 
 * an 80B Llama-style model (80 layers, width 8192, the Ultra-Scale sweep's sequence, batch
   and vocabulary) on 64-512 H100s, every (tp, pp, dp, micro-batch, ZeRO-1 or not) layout
-  the model calls feasible: per cluster size the predicted MFU range, the stall probability
-  of its pipelines, and the first choice by the point prediction, by the expected
-  throughput and by the risk-aware expectation (what ``tune`` ranks by when it extrapolates);
+  the model calls feasible (as ``tune`` does): per cluster size the predicted MFU range, the
+  stall probability of its pipelines, and the first choice by the point prediction, by the
+  expected throughput and by the risk-aware expectation (what ``tune`` ranks by when it
+  extrapolates), the last two times the probability of running, as ``tune`` ranks;
 * vTrain's largest GPT (24 layers, width 2048) on 8-64 A100s: the predicted step time of
   each tensor-parallel degree, with groups of 16 across two nodes, next to the tp=8 layout of
   the same cluster;
@@ -89,12 +90,13 @@ def large_model_table(model, source: str):
         "tokens": pred["pred_tokens_per_sec_per_gpu"].to_numpy(float),
         "expected": pred["pred_tokens_per_sec_per_gpu_expected"].to_numpy(float),
         "q10": pred["pred_tokens_per_sec_per_gpu_q10"].to_numpy(float)})
-    from paratune.models import risk_aware_throughput
+    from paratune.models import choice_throughputs, predicted_to_run_rows
 
-    out["risk_aware"] = risk_aware_throughput(out["expected"].to_numpy(),
-                                              out["q10"].to_numpy())
+    # what tune ranks by: the expected throughput and its q10, times the probability of
+    # running, among the configs predicted to run
+    _, out["chosen"], out["chosen_q10"] = choice_throughputs(pred, out["tokens"].to_numpy())
     out["stall_prob"] = np.nan_to_num(out["stall_prob"])
-    return out[out["feasible_prob"] > 0.5].reset_index(drop=True)
+    return out[predicted_to_run_rows(frame, pred)].reset_index(drop=True)
 
 
 def _layout(row) -> str:
@@ -104,8 +106,10 @@ def _layout(row) -> str:
 
 def large_model_summary(table) -> list[dict]:
     """Per cluster size: feasible layouts, MFU range, pipelines' stall probability and the
-    first choice by each ranking."""
-    from paratune.models import risk_aware_order
+    first choice by the point prediction and by each of ``tune``'s rankings."""
+    import numpy as np
+
+    from paratune.models import choice_orders
 
     rows = []
     for world, group in table.groupby("world_size"):
@@ -115,10 +119,11 @@ def large_model_summary(table) -> list[dict]:
                "mfu_max": float(group["pred_mfu"].max()),
                "pipeline_stall_max": float(pipelines["stall_prob"].max())
                if len(pipelines) else 0.0}
+        orders = choice_orders(group["chosen"].to_numpy(), group["chosen_q10"].to_numpy(),
+                               np.ones(len(group), dtype=bool))
+        # the point prediction is not what tune ranks by: shown for what it would choose
         picks = {"point": group["tokens"].to_numpy().argmax(),
-                 "expected": group["expected"].to_numpy().argmax(),
-                 "risk_aware": risk_aware_order(group["expected"].to_numpy(),
-                                                group["q10"].to_numpy())[0]}
+                 "expected": orders["expected"][0], "risk_aware": orders["risk-aware"][0]}
         for rule, pick in picks.items():
             best = group.iloc[int(pick)]
             row[f"first_by_{rule}"] = f"{_layout(best)} ({best['pred_mfu']:.0%} MFU)"

@@ -16,7 +16,8 @@ seeds): top-1 regret hangs on a few groups whose chosen configuration happens to
 or run far slower than its twin, so one fold assignment can read 3% and the next 15%. The
 targets table reports the mean over seeds and the range next to the first seed's figures.
 The choice in each group is by the expected throughput (over the normal and the stalled
-regime), as the tuner makes it.
+regime) times the probability of running, among the configs predicted to run, as the tuner
+makes it.
 
 Writes the tables and predicted-vs-measured plots under --out and logs them to MLflow
 (experiment ``paratune-experiments``, run ``evaluate_predictor``; each figure a metric

@@ -271,9 +271,10 @@ def top1_choices(predictions) -> list[dict]:
     # as tune ranks and `evaluate` chooses
     _, expected, lower = choice_throughputs(part, predicted)
     runs = predicted_to_run_rows(part, part)
-    rules = {rule: (lambda sel, rule=rule: int(choice_orders(expected[sel], lower[sel],
-                                                               runs[sel])[rule][0]))
-             for rule in ("expected", "risk-aware")}
+    # the risk-aware rule needs a lower quantile; a predictor without one has only the other
+    rules = {rule: (lambda sel, rule=rule: int(choice_orders(
+                 expected[sel], None if lower is None else lower[sel], runs[sel])[rule][0]))
+             for rule in ("expected", "risk-aware") if rule == "expected" or lower is not None}
     keys = part[["fold", "model_name", "world_size"]].astype(str).agg("|".join, axis=1)
     out = []
     for key in dict.fromkeys(keys):

@@ -10,10 +10,11 @@ vTrain), and the held-out Ultra-Scale rows scored with :func:`paratune.models._e
 
 * ``mdape``: median absolute percentage error of tokens/s per GPU;
 * ``regret``: mean top-1 regret per (model, cluster) group, choosing by the expected
-  throughput over the normal and the stalled regime where the estimator gives one (as the
-  tuner chooses);
+  throughput over the normal and the stalled regime where the estimator gives one, times
+  the probability of running (as the tuner chooses);
 * ``regret_point``: the same, choosing by the point prediction
-  (``pred_tokens_per_sec_per_gpu``, the likelier regime's throughput);
+  (``pred_tokens_per_sec_per_gpu``, the likelier regime's throughput) times the
+  probability of running;
 * ``feasibility``: feasibility accuracy over the held-out configurations.
 
 It prints one row per split and estimator, then the mean, median, minimum and maximum over

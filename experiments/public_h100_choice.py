@@ -4,9 +4,9 @@ H100 data, against the measured best.
 For each group of the Ultra-Scale Playbook sweep (1B/3B/8B on 8..256 H100s, global batch 256
 sequences), a PerformanceModel is fitted on every *other* group (leave-one-group-out, so the
 choice is a prediction, not a lookup), the tuner ranks the group's measured configs (those
-that ran and those that crashed or ran out of memory) by predicted throughput under its
-memory constraint, and its top choice is compared with the measured best. A choice that
-failed in the measurements scores 0%.
+that ran and those that crashed or ran out of memory) by predicted throughput times the
+probability of running under its memory constraint, and its top choice is compared with
+the measured best. A choice that failed in the measurements scores 0%.
 
     OMP_NUM_THREADS=1 python experiments/public_h100_choice.py [--data DIR]
 

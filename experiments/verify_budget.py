@@ -11,13 +11,14 @@ of the group's measured best. Orders compared:
 
 * ``tuner`` (the ``tune --verify K`` list where the model extrapolates): the ranking by
   the risk-aware expectation (:func:`paratune.tuner.risk_aware_ranking`: the geometric
-  mean of the expected throughput and its 10th percentile, the configs within 30% of the
-  best expected first), feasible first, in the
+  mean of the expected throughput and its 10th percentile, times the probability of
+  running, the configs within 30% of the best expected first), feasible first, in the
   layout-diverse order of :func:`paratune.tuner.verification_order`;
 * ``risk_top``: the same ranking in rank order (no diversity);
-* ``expected_diverse`` / ``expected_top``: the ranking by the expected throughput alone (the
-  tuner's where it interpolates), diverse and in rank order;
-* ``q10_top`` / ``point_top``: by the 10th percentile, and by the point prediction;
+* ``expected_diverse`` / ``expected_top``: the ranking by the expected throughput times the
+  probability of running (the tuner's where it interpolates), diverse and in rank order;
+* ``q10_top`` / ``point_top``: by the 10th percentile, and by the point prediction (each
+  times the probability of running);
 * ``refit`` (with ``--refit``): the tuner's order, refitted after each verified run (with
   the group's verified rows added) for the first ``--refit-runs`` runs, then kept;
 * ``random``: the expected number in random order, ``(n + 1) / (h + 1)`` for ``h`` hits
@@ -66,16 +67,19 @@ def _ranked(model: Any, space: Any, configs: list[Any], *, by: str) -> Any:
     """The tuner's ranking of ``configs`` (feasible first) by ``by``: ``risk`` (the
     risk-aware expectation the tuner ranks by where the model extrapolates,
     :func:`paratune.tuner.risk_aware_ranking`), ``expected`` (its ranking otherwise),
-    ``q10`` or ``point``; a ``row`` column keeps each config's position."""
+    ``q10`` or ``point``, each times the probability of running, as the tuner's objective
+    is; a ``row`` column keeps each config's position."""
     import numpy as np
 
+    from paratune.predictor import running_weight
     from paratune.tuner import Objective, evaluate, rank, risk_aware_ranking
 
     objective = Objective(risk_quantile="q10") if by == "q10" else Objective()
     scored = evaluate(model, space, configs, objective)
     scored["row"] = np.arange(len(configs))
     if by == "point":
-        scored["objective"] = scored["tokens_per_s"].fillna(0.0)
+        scored["objective"] = (scored["tokens_per_s"]
+                               * running_weight(scored["feasible_prob"])).fillna(0.0)
     elif by == "risk":
         return risk_aware_ranking(rank(scored))
     return rank(scored)

@@ -201,7 +201,8 @@ def metrics(frame: pd.DataFrame, predictions: pd.DataFrame) -> dict[str, float]:
         ``regret_max`` / ``regret_median`` (top-1 regret over (model, cluster) groups,
         within each fold where the rows carry a ``fold`` column; the choice is by
         ``pred_tokens_per_sec_per_gpu_expected`` where predicted, else by
-        ``pred_tokens_per_sec_per_gpu``, among the configs predicted to run
+        ``pred_tokens_per_sec_per_gpu``, times ``pred_feasible_prob``
+        (:func:`choice_throughputs`), among the configs predicted to run
         (``pred_feasible_prob`` at least :data:`~paratune.predictor.MIN_FEASIBLE_PROB`)
         before the others, as ``paratune tune`` ranks), ``regret_within_5pct``
         (the share of those groups whose choice is within 5% of their best),

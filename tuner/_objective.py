@@ -68,7 +68,7 @@ class Objective:
     """Rank by this quantile of predicted throughput (e.g. ``"q10"``, the column
     ``pred_tokens_per_sec_per_gpu_q10``) instead of the expected throughput (the column
     ``pred_tokens_per_sec_per_gpu_expected`` where the predictor gives it, else its point
-    prediction): risk-averse choices."""
+    prediction), either times the probability of running: risk-averse choices."""
     min_feasible_prob: float = MIN_FEASIBLE_PROB
     """Smallest predicted probability of running (not OOM) for a config to be feasible."""
     memory_limit_gb: float | None = None
@@ -206,7 +206,10 @@ class Objective:
                 "risk_quantile": self.risk_quantile,
                 "min_feasible_prob": self.min_feasible_prob,
                 "memory_limit_gb": self.memory_limit_gb,
-                "memory_fraction": self.memory_fraction}
+                "memory_fraction": self.memory_fraction,
+                # what the objective is multiplied by (a study stored before it was has
+                # values of another problem, and is not resumed with these)
+                "weighted_by": PRED_FEASIBLE_PROB}
 
 
 def _lower_quantile(value: Any) -> str:

@@ -90,8 +90,9 @@ class Plan:
 
     phases: list[dict[str, Any]]
     """One mapping per phase: start/end tokens of the reference run, ``B_noise`` range (in
-    sequences of the planned model), the config, its step time and tokens/s (as the tuner
-    ranks configs: expected, or the objective's risk quantile), the phase's predicted
+    sequences of the planned model), the config, its step time and tokens/s (the tuner's
+    ranked throughput: expected, or the objective's risk quantile, without the probability
+    of running, which ``tune`` multiplies it by), the phase's predicted
     seconds, and ``segment_range``: the stretches of :attr:`segments` it covers
     (``[first, stop)``)."""
     total_time_s: float
@@ -201,7 +202,8 @@ def predict_configs(predictor: Predictor, space: SearchSpace,
                         memory_fraction=base.memory_fraction)
     ranked = rank(evaluate(predictor, space, space.enumerate().valid, scoring))
     # time each config by the throughput the tuner ranks it by (the expected throughput
-    # where the predictor gives one, or the risk quantile), not by its fast regime: a
+    # where the predictor gives one, or the risk quantile; a time, so not multiplied by the
+    # probability of running as tune's objective is), not by its fast regime: a
     # pipeline likely to stall must not win a phase on its point prediction
     throughput = ranked["ranked_tokens_per_s"].to_numpy(dtype=float)
     runs = ranked["feasible"].to_numpy(dtype=bool) & np.isfinite(throughput) & (throughput > 0)
@@ -262,9 +264,12 @@ def plan_phases(predictor: Predictor, space: SearchSpace, trajectory: Trajectory
     time of each config on each stretch follows from its step time and the stretch's
     ``B_noise`` (converted from the measuring run's sequences to ``space.model.seq_len``;
     see :func:`progress_segments`). The step time is that of the throughput
-    :func:`~paratune.tuner.tune` ranks by: the expected throughput where the predictor
-    gives one (a pipeline that may stall counts at its likely speed), or the objective's
-    ``risk_quantile``. The schedule is the exact optimum, by dynamic programming over
+    :func:`~paratune.tuner.tune` ranks by, before ``tune`` multiplies it by the probability
+    of running: the expected throughput where the predictor gives one (a pipeline that may
+    stall counts at its likely speed), or the objective's ``risk_quantile``. The plan chooses
+    by predicted time alone among the configs predicted to run, so where two configs are
+    nearly as fast it may take one that ``tune`` ranks lower for its risk of failing. The
+    schedule is the exact optimum, by dynamic programming over
     (stretch, config), of the time to target plus the switch costs (nothing to keep a
     config, ``batch_change_cost_s`` to change only the batch, ``reconfig_cost_s`` to
     change the layout), among schedules whose every switch gains more than ``threshold``

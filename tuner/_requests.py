@@ -160,7 +160,8 @@ class SearchOptions:
     objective: str = option(
         "throughput", flag="--objective", choices=("throughput", "goodput"), param=False,
         help="throughput: tokens/s at one global batch; goodput: tokens/s times statistical "
-             "efficiency (needs --gns) (default: %(default)s)")
+             "efficiency (needs --gns); either times the predicted probability of running, "
+             "as a run that fails delivers nothing (default: %(default)s)")
     gns: float | str | Path | None = option(
         None, flag="--gns", param=False,
         help="gradient noise scale B_noise in sequences of MODEL, a trajectory file "

@@ -363,8 +363,9 @@ def _rerank(problem: _Problem, result: SearchResult, *, risk_aware: bool | None,
                     "verify a few on the cluster (--verify K) and refit")
             logger.warning("the performance model extrapolates here: configs are ranked "
                            "by the risk-aware expectation (the geometric mean of the "
-                           "expected throughput and its 10th percentile, among the configs "
-                           "within %.0f%% of the best expected); %s",
+                           "expected throughput and its 10th percentile, times the "
+                           "probability of running, among the configs within %.0f%% of the "
+                           "best expected); %s",
                            100 * RISK_AWARE_WITHIN, then)
     if not result.best_feasible:
         logger.warning("no evaluated config is predicted feasible; the top one is "

@@ -59,8 +59,10 @@ def risk_aware_ranking(ranked: pd.DataFrame, *, quantile: str | None = None
     expected, stall-weighted one) and ``q`` its lower ``quantile``: under the throughput
     objective the geometric mean of the expected throughput and its lower quantile
     (:func:`paratune.models.risk_aware_throughput`), under goodput the same times the
-    statistical efficiency. A config the model is unsure of (a wide interval: a regime or a
-    layout it saw little of) ranks below one predicted nearly as fast with confidence;
+    statistical efficiency; either times the probability of running, which the objective
+    carries (:meth:`~paratune.tuner.Objective.score`). A config the model is unsure of (a
+    wide interval: a regime or a layout it saw little of) ranks below one predicted nearly
+    as fast with confidence;
     where the model is sure the order is the expected one. Safety is bought with at most
     :data:`paratune.models.RISK_AWARE_WITHIN` of the best expected objective: the feasible
     configs within it (``risk_candidate``, :func:`paratune.models.risk_aware_candidates`)

@@ -136,6 +136,32 @@ def test_a_study_whose_problem_is_still_being_recorded_is_joined(tmp_path):
     assert joined.user_attrs["problem"]["objective"]["b_noise"] == 300
 
 
+def test_a_study_of_values_before_the_probability_of_running_is_not_resumed(tmp_path):
+    """Trials told before the objective counted the probability of running hold values of
+    another quantity: a study recorded so is refused by name, and the same command's
+    default study name is another one."""
+    import optuna
+
+    from paratune.tuner._search import resolve_storage
+    from paratune.tuner._study import default_study_name
+
+    objective = Objective(kind="goodput", b_noise=300)
+    before = {k: v for k, v in objective.to_dict().items() if k != "weighted_by"}
+    storage = str(tmp_path / "study.journal")
+    study = optuna.create_study(storage=resolve_storage(storage, None)[0], study_name="old",
+                                direction="maximize")
+    study.set_user_attr("problem", {"space": _space().to_dict(), "objective": before})
+    with pytest.raises(ConfigError, match=r"another problem .*weighted_by"):
+        open_study(_space(), objective, storage=storage, study_name="old")
+
+    class Before(Objective):
+        def to_dict(self):
+            return before
+
+    assert (default_study_name(_space(), objective, "tpe", 0)
+            != default_study_name(_space(), Before(kind="goodput", b_noise=300), "tpe", 0))
+
+
 @pytest.mark.slow
 def test_processes_opening_one_new_study_at_once_all_join_it(tmp_path):
     """A worker that joined a study while its creator was still recording the problem used
