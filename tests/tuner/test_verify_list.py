@@ -153,3 +153,33 @@ def test_tune_ranks_by_the_risk_aware_expectation_where_the_model_extrapolates(c
     assert ranked["objective"].is_monotonic_decreasing or not ranked["feasible"].all()
     # a quantile asked for by name is the ranking, not the risk-aware one
     assert not job(risk_quantile="q10").search.risk_aware
+
+
+def test_tune_and_evaluate_order_by_the_same_risk_aware_expectation():
+    """`tune`'s risk-aware re-ranking (over its objective, the throughput times the
+    probability of running) and the order `evaluate` scores its choices by
+    (:func:`paratune.models.choice_orders` over :func:`~paratune.models.choice_throughputs`)
+    are one order, where the probability of running moves it."""
+    from paratune.models import choice_orders, choice_throughputs
+
+    rng = np.random.default_rng(0)
+    n = 60
+    expected = rng.uniform(500.0, 1000.0, n)
+    q10 = expected * rng.uniform(0.2, 1.0, n)
+    prob = rng.uniform(0.8, 1.0, n)
+    # the first risk-aware choice without the weight is barely likely to run
+    first = choice_orders(expected, q10, np.ones(n, dtype=bool))["risk-aware"][0]
+    prob[first] = 0.5
+    scored = pd.DataFrame({"config": np.arange(n), "objective": expected * prob,
+                           "ranked_tokens_per_s": expected, "world_size": 1, "feasible": True,
+                           "feasible_prob": prob, "pred_tokens_per_sec_per_gpu_q10": q10})
+    tuned = risk_aware_ranking(rank(scored))["config"].to_numpy()
+    predictions = pd.DataFrame({"pred_tokens_per_sec_per_gpu_expected": expected,
+                                "pred_feasible_prob": prob,
+                                "pred_tokens_per_sec_per_gpu_q10": q10})
+    _, chosen, lower = choice_throughputs(predictions, expected)
+    orders = choice_orders(chosen, lower, np.ones(n, dtype=bool))
+    np.testing.assert_array_equal(tuned, orders["risk-aware"])
+    np.testing.assert_array_equal(rank(scored)["config"].to_numpy(), orders["expected"])
+    # the probability of running moves the order: that choice is no longer first
+    assert orders["risk-aware"][0] != first and tuned[0] != first
