@@ -98,17 +98,7 @@ class SearchResult:
         objective it is multiplied by the statistical efficiency; where the predictor gives a
         probability of running below one, the objective is that times it (``x p_ok``).
         """
-        risk = self.objective.risk_quantile
-        if self.risk_aware:
-            label, words = "risk tok/s", ("the risk-aware expectation (geometric mean of the "
-                                          "expected tokens/s and its q10: the model "
-                                          "extrapolates)")
-        elif risk:
-            label, words = f"{risk} tok/s", f"the {risk} quantile of predicted tokens/s"
-        elif self._expected_differs():
-            label, words = "exp tok/s", "expected tokens/s (stall-weighted)"
-        else:
-            label, words = "tok/s", "predicted tokens/s"
+        label, words = self._throughput_quantity()
         if self.objective.kind.value == "goodput":
             label, words = "goodput", (f"goodput = {label} x eff ({words} x statistical "
                                        "efficiency)")
@@ -116,6 +106,19 @@ class SearchResult:
             label, words = (f"{label} x p_ok", f"{words} x p_ok (the probability of running: "
                                                 "a run that fails delivers nothing)")
         return label, words
+
+    def _throughput_quantity(self) -> tuple[str, str]:
+        """The throughput the ranking is by (``ranked_tokens_per_s``): its column label and a
+        description; ``tok/s`` where it is the predicted throughput itself."""
+        risk = self.objective.risk_quantile
+        if self.risk_aware:
+            return "risk tok/s", ("the risk-aware expectation (geometric mean of the "
+                                  "expected tokens/s and its q10: the model extrapolates)")
+        if risk:
+            return f"{risk} tok/s", f"the {risk} quantile of predicted tokens/s"
+        if self._expected_differs():
+            return "exp tok/s", "expected tokens/s (stall-weighted)"
+        return "tok/s", "predicted tokens/s"
 
     def _weighted_by_running(self) -> bool:
         """Whether the objective counts a probability of running below one anywhere."""
@@ -153,10 +156,9 @@ class SearchResult:
                  and bool((self.top(k)["pred_stall_prob"].fillna(0) > 0).any()))
         goodput = self.objective.kind.value == "goodput"
         label, words = self.ranked_quantity()
-        ranked_label = ("risk tok/s" if self.risk_aware
-                        else f"{self.objective.risk_quantile} tok/s"
-                        if self.objective.risk_quantile
-                        else "exp tok/s" if self._expected_differs() else None)
+        # the ranked throughput's own column, where it is not the predicted one (tok/s)
+        ranked_label = self._throughput_quantity()[0]
+        ranked_label = None if ranked_label == "tok/s" else ranked_label
         # under the risk-aware ranking the expected throughput decides which configs rank
         # first (those within RISK_AWARE_WITHIN of the best): shown where it is not tok/s
         expected = (self.risk_aware and "expected_tokens_per_s" in self.ranked.columns
