@@ -56,7 +56,7 @@ from paratune.models import features as F
 
 __all__ = ["CONSTANT_NAMES", "DEFAULT_CONSTANTS", "FEW_SHOT_MIN_ROWS", "constants_per_family",
            "core_parts", "core_shares", "default_constants", "few_shot_parts", "fit_constants",
-           "fit_few_shot", "predict_core"]
+           "fit_few_shot", "predict_core", "rows_constants"]
 
 CONSTANT_NAMES = ("compute", "elementwise", "loss", "tp_intra", "tp_inter", "pp_intra",
                   "pp_inter", "dp_intra", "dp_inter", "layer_pass_s", "step_s")
@@ -222,6 +222,17 @@ def constants_per_family(families: np.ndarray, rows: np.ndarray, min_rows: int,
         sel = rows & (families == family)
         if sel.sum() >= min_rows:
             out[str(family)] = [float(v) for v in fit(sel)]
+    return out
+
+
+def rows_constants(defaults: np.ndarray, per_family: dict[str, list[float]],
+                   families: np.ndarray) -> np.ndarray:
+    """Each row's constants: its family's from ``per_family`` (what
+    :func:`constants_per_family` fitted), else its row of ``defaults`` (one row of constants
+    per row); the step-time core and the memory core both predict this way."""
+    out = np.array(defaults, dtype=float)
+    for family, values in per_family.items():
+        out[families == family] = values
     return out
 
 

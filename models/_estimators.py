@@ -42,7 +42,7 @@ from paratune.models._baselines import (
     HistGradientBoostingBaseline,
     RawConfigBaseline,
 )
-from paratune.models._calibration import constants_per_family
+from paratune.models._calibration import constants_per_family, rows_constants
 from paratune.models._components import (
     FamilyRouter,
     FeasibilityEstimator,
@@ -428,9 +428,8 @@ class PerformanceModel(_Persistence, _StallRegime, _Ranges, _Base):
         """The calibrated memory core's peak per row in GB from its
         :func:`~paratune.models._memory_estimate.memory_parts`: its family's constants, the
         analytical estimate's for a family without them."""
-        constants = np.tile(default_memory_constants(), (len(parts), 1))
-        for family, values in self.memory_constants_.items():
-            constants[families == family] = values
+        constants = rows_constants(np.tile(default_memory_constants(), (len(parts), 1)),
+                                   self.memory_constants_, families)
         return memory_core_gb(parts, constants)
 
     def _fit_feasibility(self, frame: pd.DataFrame, usable: np.ndarray) -> pd.DataFrame:

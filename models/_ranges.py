@@ -85,13 +85,16 @@ class _Ranges:
         """The calibrated core's step time per row: its family's constants (see
         :meth:`_core_families` for a row of no family), the defaults of a well-tuned
         framework for a family without them."""
-        from paratune.models._calibration import core_parts, default_constants, predict_core
+        from paratune.models._calibration import (
+            core_parts,
+            default_constants,
+            predict_core,
+            rows_constants,
+        )
 
         families = self._families(frame) if families is None else families
         families = self._core_families(frame, families)
-        constants = default_constants(c)
-        for family, values in self.core_constants_.items():
-            constants[families == family] = values
+        constants = rows_constants(default_constants(c), self.core_constants_, families)
         well_tuned = ~np.isin(families, list(self.core_constants_))
         return predict_core(core_parts(c, analytical, well_tuned), constants)
 

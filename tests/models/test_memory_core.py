@@ -139,6 +139,16 @@ def test_constants_per_family_fit_each_family_on_its_own_rows():
     assert seen == [[1, 2, 3, 4], [7, 8, 9, 10]]
 
 
+def test_rows_take_their_familys_constants_else_the_defaults():
+    from paratune.models._calibration import rows_constants
+
+    families = np.array(["a", "b", "a", ""])
+    defaults = np.arange(8, dtype=float).reshape(4, 2)
+    out = rows_constants(defaults, {"a": [10.0, 20.0], "z": [0.0, 0.0]}, families)
+    np.testing.assert_array_equal(out, [[10, 20], [2, 3], [10, 20], [6, 7]])
+    assert defaults[0, 0] == 0.0  # the defaults are not written into
+
+
 def test_rows_without_a_source_or_with_no_memory_figure(synthetic):
     # a frame without a source column is one family (paratune's own runs), calibrated like
     # any other, and its configs, without a source too, are predicted as that family; a run
