@@ -271,10 +271,6 @@ def top1_choices(predictions) -> list[dict]:
     # as tune ranks and `evaluate` chooses
     _, expected, lower = choice_throughputs(part, predicted)
     runs = predicted_to_run_rows(part, part)
-    # the risk-aware rule needs a lower quantile; a predictor without one has only the other
-    rules = {rule: (lambda sel, rule=rule: int(choice_orders(
-                 expected[sel], None if lower is None else lower[sel], runs[sel])[rule][0]))
-             for rule in ("expected", "risk-aware") if rule == "expected" or lower is not None}
     keys = part[["fold", "model_name", "world_size"]].astype(str).agg("|".join, axis=1)
     out = []
     for key in dict.fromkeys(keys):
@@ -282,8 +278,14 @@ def top1_choices(predictions) -> list[dict]:
         if len(sel) < 2:
             continue
         fold, model, world = key.split("|")
-        for rule, choose in rules.items():
-            pick = sel[choose(sel)]
+        # every order of the group at once; the risk-aware one needs a lower quantile, and a
+        # predictor without one has the expected order alone
+        orders = choice_orders(expected[sel], None if lower is None else lower[sel],
+                               runs[sel])
+        for rule in ("expected", "risk-aware"):
+            if rule not in orders:
+                continue
+            pick = sel[int(orders[rule][0])]
             row = part.iloc[pick]
             out.append({"fold": fold, "group": f"{model} on {world}", "rule": rule,
                         "regret": throughput_regret(measured[sel].max(), measured[pick]),
