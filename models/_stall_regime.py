@@ -131,7 +131,8 @@ class _StallRegime:
         """The interval's slow end with the stalled regime's threshold for a pipeline that
         leaves the node where its family ran every pipeline measured (``families``: each
         row's measured family; ``unmeasured``: rows of a family without measurements,
-        predicted as a well-tuned framework, kept as they are).
+        fitted or calibrated on, predicted as a well-tuned framework, kept as they are; a
+        family calibrated on a node's runs of its own is not one of them).
 
         Nothing measured says whether such a family's pipelines stall across nodes: in the
         public H100 sweep a third of nanotron's pipelines on more than one node did (a

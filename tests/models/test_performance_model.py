@@ -12,6 +12,7 @@ import pytest
 
 from paratune import ModelFormatError
 from paratune.hardware import get_hardware
+from paratune.measurement import family_of
 from paratune.models import PerformanceModel, load_model
 from paratune.models._estimators import (
     OUTPUT_COLUMNS,
@@ -511,6 +512,22 @@ def test_pipelines_across_nodes_a_family_never_ran_keep_the_stall_in_their_slow_
     model.node_pipeline_families_ = []
     unsure = model.predict(rows.assign(source="synthetic"))[q10]
     assert (unsure[crossing] < calibrated[crossing]).mean() > 0.5
+    # a family without measurements, calibrated on runs of its own in one node, has them now:
+    # its pipelines across nodes keep the stall threshold in their slow end; once its
+    # calibration holds a pipeline across nodes that ran, they do not
+    own = frame[(frame["world_size"] <= 8) & (frame["status"] == "ok")].head(12)
+    newlab = rows.assign(source="newlab_cluster")
+    shot = PerformanceModel.load(model.save(tmp_path / "shot"))
+    shot.node_pipeline_families_ = []
+    shot.calibrate(own.assign(source="newlab_cluster"))
+    assert "efficiency" in shot.family_offsets_[family_of("newlab_cluster")]
+    assert shot.node_pipeline_families_ == []
+    unsure = shot.predict(newlab)[q10]
+    assert (unsure[crossing] <= tokens[crossing] / floor[crossing] * (1 + 1e-6)).all()
+    shot.calibrate(pd.concat([own, ran.head(3)]).assign(source="newlab_cluster"))
+    assert family_of("newlab_cluster") in shot.node_pipeline_families_
+    ran_across = shot.predict(newlab)[q10]
+    assert (unsure[crossing] < ran_across[crossing]).mean() > 0.5
 
 
 def test_unknown_option_value_gets_error_naming_the_field(fitted, synthetic):
