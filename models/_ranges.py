@@ -166,12 +166,15 @@ class _Ranges:
 
         The family's interval margin becomes the spread of its rows around the calibrated
         prediction (the 90th percentile of the absolute log residual), in place of the
-        margin of a family without measurements. A family whose runs ran out of memory, and
-        whose feasibility the memory rule decides (not the feasibility classifier), gets the
-        rule's threshold where its runs that ran and that ran out of memory part at the
-        predicted memory (:func:`~paratune.models._base.memory_threshold`): configurations
-        like the ones a verification saw fail are not recommended again. Calibrating again
-        with more rows of a family replaces its calibration.
+        margin of a family without measurements. Like a measured family's, its pipelines
+        across nodes keep the stalled regime's threshold in their slow end until one of its
+        calibrated runs is such a pipeline (``node_pipeline_families_``). A family whose
+        runs ran out of memory, and whose feasibility the memory rule decides (not the
+        feasibility classifier), gets the rule's threshold where its runs that ran and that
+        ran out of memory part at the predicted memory
+        (:func:`~paratune.models._base.memory_threshold`): configurations like the ones a
+        verification saw fail are not recommended again. Calibrating again with more rows of
+        a family replaces its calibration.
 
         Args:
             frame: Measurement rows; those with neither a measured step time nor the status
