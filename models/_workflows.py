@@ -148,6 +148,9 @@ def _calibrations(model: PerformanceModel, families: Sequence[str]) -> list[str]
                 what = f"a factor of {np.exp(entry['log_factor']):.3g} on the step time"
             said.append(f"{entry['rows']} runs -> {what}; interval margin "
                         f"+/-{100 * (np.exp(entry['margin']) - 1):.0f}%")
+            if family not in model.node_pipeline_families_:
+                said.append("no pipeline across nodes among its runs -> such pipelines keep "
+                            "the stall threshold in their interval's slow end")
         threshold = model.memory_thresholds_.get(family)
         if threshold is not None:
             said.append(f"runs out of memory -> out of memory from {100 * threshold:.0f}% of "

@@ -610,8 +610,9 @@ def test_calibrate_moves_a_saved_model_toward_a_new_familys_runs(model_dir, synt
     # another framework on the same hardware, twice as slow as the fitted family
     other = ok.assign(source="otherfw_runs", step_time_s=ok["step_time_s"] * 2.0)
     shots = tmp_path / "shots.csv"
-    other.iloc[:8].to_csv(shots, index=False)
-    rest = other.iloc[8:]
+    one_node = other[other["world_size"] <= 8].iloc[:8]  # one node's campaign
+    one_node.to_csv(shots, index=False)
+    rest = other.drop(index=one_node.index)
 
     def mdape() -> float:
         pred = load_model(model).predict(rest)["pred_step_time_s"].to_numpy()
@@ -622,6 +623,15 @@ def test_calibrate_moves_a_saved_model_toward_a_new_familys_runs(model_dir, synt
     out = capsys.readouterr().out
     assert "otherfw: 8 runs -> its own constants" in out and "ms per layer pass" in out
     assert mdape() < 0.2 < before
+    # none of its pipelines crossed nodes: said, and held until one has
+    assert "no pipeline across nodes among its runs" in out
+    assert "otherfw" not in load_model(model).node_pipeline_families_
+    across = other[(other["pp"] > 1) & (other["world_size"] > 8)]
+    more = tmp_path / "more.csv"
+    pd.concat([one_node, across.head(3)]).to_csv(more, index=False)
+    assert main(["calibrate", str(more), "--model", str(model)]) == 0
+    assert "no pipeline across nodes" not in capsys.readouterr().out
+    assert "otherfw" in load_model(model).node_pipeline_families_
     # fitted with the measured family's runs, the same eight are calibrated on and said so
     data = tmp_path / "data.csv"
     synthetic.to_csv(data, index=False)
