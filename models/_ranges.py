@@ -165,8 +165,10 @@ class _Ranges:
           family's efficiency factor, shrunk toward 1 by ``n / (n + 1)`` for ``n`` rows.
 
         The family's interval margin becomes the spread of its rows around the calibrated
-        prediction (the 90th percentile of the absolute log residual), in place of the
-        margin of a family without measurements. Like a measured family's, its pipelines
+        prediction (the 90th percentile of the absolute log residual; for its own two
+        constants the prediction interval of a new run,
+        :func:`~paratune.models._calibration.few_shot_margin`), in place of the margin of a
+        family without measurements. Like a measured family's, its pipelines
         across nodes keep the stalled regime's threshold in their slow end until one of its
         calibrated runs is such a pipeline (``node_pipeline_families_``). A family whose
         runs ran out of memory, and whose feasibility the memory rule decides (not the
@@ -189,6 +191,7 @@ class _Ranges:
         """
         from paratune.models._calibration import (
             FEW_SHOT_MIN_ROWS,
+            few_shot_margin,
             few_shot_parts,
             fit_few_shot,
         )
@@ -244,7 +247,7 @@ class _Ranges:
                 efficiency, pass_s = fit_few_shot(parts[shots], step[shots])
                 r = np.log(step[shots] / (parts[shots] @ [efficiency, pass_s]))
                 self.family_offsets_[str(family)] = {
-                    "log_factor": 0.0, "margin": float(np.quantile(np.abs(r), 0.9)),
+                    "log_factor": 0.0, "margin": few_shot_margin(r, self.quantiles[-1]),
                     "rows": n, "efficiency": float(efficiency), "layer_pass_s": float(pass_s),
                     "ranges": fit_ranges(values, families, shots)[str(family)]}
                 continue

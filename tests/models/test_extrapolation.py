@@ -477,6 +477,31 @@ def test_few_shot_runs_of_an_unmeasured_family_fit_its_efficiency_and_cost_per_p
     pd.testing.assert_frame_equal(loaded.predict(rest), model.predict(rest))
 
 
+def test_a_few_shot_margin_covers_new_runs_as_the_interval_claims():
+    """Two constants fitted on a handful of runs leave residuals that spread less than a new
+    run's error: the margin is the prediction interval of a new run, so that q10-q90 holds
+    about 80% of new runs whatever their number, where the 90th percentile of the absolute
+    residuals held far less on few runs."""
+    from paratune.models._calibration import few_shot_margin, fit_few_shot
+
+    rng = np.random.default_rng(0)
+    for n in (3, 5, 10):
+        covered, bare = [], []
+        for _ in range(200):
+            parts = np.column_stack([rng.uniform(0.5, 5.0, n + 100),
+                                     rng.uniform(20.0, 400.0, n + 100)])
+            step = parts @ [1.5, 3e-3] * np.exp(rng.normal(0.0, 0.1, n + 100))
+            constants = fit_few_shot(parts[:n], step[:n])
+            residuals = np.log(step[:n] / (parts[:n] @ constants))
+            errors = np.abs(np.log(step[n:] / (parts[n:] @ constants)))
+            covered.append(np.mean(errors <= few_shot_margin(residuals, 0.9)))
+            bare.append(np.mean(errors <= np.quantile(np.abs(residuals), 0.9)))
+        assert np.mean(covered) == pytest.approx(0.8, abs=0.05), n
+        assert np.mean(bare) < np.mean(covered) - 0.04, n
+    with pytest.raises(ValueError, match="3 needed"):
+        few_shot_margin(np.array([0.1, -0.1]), 0.9)
+
+
 def test_a_handful_of_a_new_frameworks_runs_is_calibrated_on_not_fitted_on(synthetic):
     """Six runs of another framework beside a measured family's (a verification's, refitted
     on): too few for constants of its own, they would make it a measured family predicted by
