@@ -168,9 +168,9 @@ class _Ranges:
         prediction (the 90th percentile of the absolute log residual; for its own two
         constants the prediction interval of a new run,
         :func:`~paratune.models._calibration.few_shot_margin`), in place of the margin of a
-        family without measurements. Like a measured family's, its pipelines
-        across nodes keep the stalled regime's threshold in their slow end until one of its
-        calibrated runs is such a pipeline (``node_pipeline_families_``). A family whose
+        family without measurements. Like a measured family's, its pipelines across nodes
+        keep the stalled regime's threshold in their slow end until one of its calibrated
+        runs is such a pipeline (``node_pipeline_families_``). A family whose
         runs ran out of memory, and whose feasibility the memory rule decides (not the
         feasibility classifier), gets the rule's threshold where its runs that ran and that
         ran out of memory part at the predicted memory
