@@ -518,11 +518,10 @@ class PerformanceModel(_Persistence, _StallRegime, _Ranges, _Base):
         times, distance, warning = self._extrapolate(
             frame, c, analytical, _StepTimes(step, lo, hi, expected), prob, where, cross)
         own = np.where(where[0] != "", where[0], core_family)
-        # a family calibrated on runs of its own has measurements: where its pipelines have
-        # not crossed nodes in them, nothing says they do not stall there
+        # a family calibrated on runs of its own has measurements, as a fitted one has:
+        # where its pipelines have not crossed nodes in them, nothing says they do not stall
         times.hi = self._unmeasured_pipeline_slow_end(
-            c, own, unmeasured & ~np.isin(own, list(self.family_offsets_)), times.step,
-            times.hi)
+            c, own, ~np.isin(own, self.measured_families_), times.step, times.hi)
         # a framework without measurements is priced as a well-tuned one in memory too: the
         # analytical estimate, and whether it fits by the memory rule, not the overheads and
         # failures of the frameworks measured (learned from nanotron and Megatron-DeepSpeed,

@@ -17,6 +17,7 @@ from paratune.models._calibration import MIN_ROWS
 from paratune.models._data import check_distinct, load_measurements, measured_step_time
 from paratune.models._estimators import PerformanceModel, estimator_factories
 from paratune.models._evaluate import EvaluationResult, cross_validate, plot_predictions
+from paratune.models._feature_columns import hardware_columns
 from paratune.models._persistence import _LOCK_FILE, _MANIFEST
 
 __all__ = ["EvaluationSpec", "calibrate_model", "evaluate_model", "fit_model", "plot_path"]
@@ -148,8 +149,8 @@ def _calibrations(model: PerformanceModel, families: Sequence[str]) -> list[str]
                 what = f"a factor of {np.exp(entry['log_factor']):.3g} on the step time"
             said.append(f"{entry['rows']} runs -> {what}; interval margin "
                         f"+/-{100 * (np.exp(entry['margin']) - 1):.0f}%")
-            if family not in model.node_pipeline_families_ and _on_accelerators(
-                    model.calibrated_hardware_.get(family, [])):
+            if family not in model.node_pipeline_families_ and hardware_columns(
+                    model.calibrated_hardware_.get(family, []))["accelerator"].any():
                 said.append("no pipeline across nodes among its runs -> such pipelines keep "
                             "the stall threshold in their interval's slow end")
         threshold = model.memory_thresholds_.get(family)
@@ -158,21 +159,6 @@ def _calibrations(model: PerformanceModel, families: Sequence[str]) -> list[str]
                         f"device memory as predicted (else {100 * MEMORY_RULE_THRESHOLD:.0f}%)")
         lines.append(f"{family or 'runs of no known family'}: {'; '.join(said)}")
     return lines
-
-
-def _on_accelerators(names: Sequence[str]) -> bool:
-    """Whether any of ``names`` is an accelerator of the catalogue (a pipeline's stall, and
-    the slow end that keeps it, is a regime of accelerators only; an unknown device is none)."""
-    from paratune.errors import ConfigError
-    from paratune.hardware import get_hardware
-
-    def accelerator(name: str) -> bool:
-        try:
-            return get_hardware(name).device_type != "cpu"
-        except ConfigError:
-            return False
-
-    return any(accelerator(name) for name in names)
 
 
 def _check_out(out: Path, *, force: bool) -> None:
