@@ -25,6 +25,9 @@ _STATUS_WORDS = {"ok": Status.OK, "success": Status.OK, "oom": Status.OOM,
                  "timeout": Status.TIMEOUT}
 # Relative disagreement tolerated between two stated values of the same quantity (rounding).
 _TOLERANCE = 0.02
+# The precisions the performance model prices on a device with a tensor-core peak: 16-bit
+# mixed precision, however a source spells it ("bf16-mixed", "amp_fp16", "bfloat16").
+_SIXTEEN_BIT = frozenset({"", "16", "bf16", "fp16", "bfloat16", "float16", "half"})
 
 
 @dataclass(frozen=True)
@@ -85,6 +88,19 @@ def _family_for(source: str, model: str) -> str:
 
 class _Unmappable(ValueError):
     """A row's values cannot be mapped to a record; the message is the reason."""
+
+
+def _check_precision(raw: dict[str, str], hardware: HardwareSpec) -> None:
+    """A row on a device with a dense 16-bit peak must have run in 16-bit mixed precision
+    (or not say): its core prices the matrix products at that peak, so an FP8 or 32-bit
+    run, whose products run at another, would be predicted as a different job."""
+    text = raw.get("precision", "")
+    word = re.sub(r"amp|mixed|[-_ ()]", "", text.lower())
+    if hardware.peak_flops is not None and word not in _SIXTEEN_BIT \
+            and word not in ("nan", "none", "null"):
+        raise _Unmappable(f"precision={text!r} is not bf16 or fp16: on {hardware.name} the "
+                          "performance model prices 16-bit mixed precision only (FP8 and "
+                          "32-bit matrix products run at other peaks)")
 
 
 def _number(raw: dict[str, str], key: str) -> float | None:
@@ -389,7 +405,8 @@ def public_row_layout(raw: dict[str, str]) -> tuple[ModelSpec, ParallelConfig, H
 
     Raises:
         ValueError: the configuration cannot be mapped (missing degrees, contradictions, a
-            ``gpu`` the catalogue does not know); the message is the reason.
+            ``gpu`` the catalogue does not know, a ``precision`` the model does not price
+            there); the message is the reason.
     """
     try:
         model = model_spec_from_public(raw)
@@ -401,6 +418,7 @@ def public_row_layout(raw: dict[str, str]) -> tuple[ModelSpec, ParallelConfig, H
     except ConfigError as exc:
         raise ValueError(f"gpu={raw.get('gpu', '')!r} {exc.rule}") from None
     try:
+        _check_precision(raw, hardware)
         _devices_per_node(raw, hardware, config.world_size)
     except _Unmappable as exc:
         raise ValueError(str(exc)) from None
@@ -454,6 +472,7 @@ def _row_to_measurement(raw: dict[str, str]) -> Measurement:
         hardware = get_hardware(raw["gpu"])
     except ConfigError:
         raise _Unmappable(f"gpu={raw['gpu']!r} is not a known device") from None
+    _check_precision(raw, hardware)
     per_node = _devices_per_node(raw, hardware, num_gpus)
     if flag:
         raise _Unmappable(f"the source flags contradictory values (FLAG={flag.group(1)})")

@@ -501,3 +501,21 @@ def test_a_schedule_the_layout_cannot_run_is_refused_with_its_rule(tmp_path, sch
                     f"{_pipeline_row(schedule, virtual, pp=pp, global_batch=global_batch)}\n")
     records, (problem,) = parse_public_csv(path)
     assert records == [] and problem.reason.startswith(reason), problem.reason
+
+
+# ------------------------------------------------------------------------------- precision
+@pytest.mark.parametrize("word", ["bf16", "FP16", "bfloat16", "float16", "bf16-mixed",
+                                  "16-mixed", "amp_fp16", "BF16 (AMP)", "", "nan"])
+def test_sixteen_bit_precision_however_spelled_is_imported(tmp_path, word):
+    (m,), problems = parse_public_csv(_write(tmp_path, GOOD.replace(",bf16,", f",{word},")))
+    assert not problems and m.hardware == "H100-80GB"
+
+
+@pytest.mark.parametrize("word", ["fp8", "FP8-CS", "float8_e4m3", "fp32", "tf32"])
+def test_a_gpu_row_in_another_precision_is_refused_naming_it(tmp_path, word):
+    """The core prices a GPU's matrix products at its dense 16-bit peak: an FP8 or 32-bit
+    run would be fitted (and predicted) as a different job, so it is reported instead."""
+    records, (problem,) = parse_public_csv(
+        _write(tmp_path, GOOD_ZERO1, GOOD.replace(",bf16,", f",{word},")))
+    assert len(records) == 1 and problem.line == 4
+    assert problem.reason.startswith(f"precision={word!r} is not bf16 or fp16: on H100-80GB")

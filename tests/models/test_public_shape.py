@@ -73,3 +73,14 @@ def test_bad_shape_values_are_one_line_errors_naming_the_column(
     (error,) = result["pred_error"].tolist()
     assert reason in error and "\n" not in error
     assert result["pred_tokens_per_sec_per_gpu"].tolist() == [""]
+
+
+def test_a_row_in_a_precision_the_model_does_not_price_gets_its_reason(tmp_path):
+    """An FP8 run on a GPU is not predicted as the bf16 job it is not: its row gets the
+    reason in pred_error; a CPU row computes in 32 bits, which its core prices."""
+    cpu = SMALL.replace(",H100-80GB,8,1,1,8,", ",cpu,8,1,1,8,").replace(",bf16,", ",fp32,")
+    src = _csv(tmp_path, [SMALL.replace(",bf16,", ",fp8,"), SMALL, cpu])
+    _, configs, errors = read_config_csv(src)
+    assert errors[0].startswith("precision='fp8' is not bf16 or fp16: on H100-80GB")
+    assert list(errors[1:]) == ["", ""]
+    assert configs["hardware"].tolist()[1:] == ["H100-80GB", "cpu"]
