@@ -375,6 +375,17 @@ _SCHEDULES = {"1f1b": Schedule.ONE_F_ONE_B, "interleaved": Schedule.INTERLEAVED_
 _PUBLIC_NAMES = {"global_batch_size": "global_batch", "micro_batch_size": "micro_batch"}
 
 
+def _check_shape(model: ModelSpec, config: ParallelConfig) -> None:
+    """The layout's rules against the model that any framework needs (``tp`` divides the
+    heads, the key-value heads and the MLP width; ``2*cp`` divides the sequence): a layout
+    no framework can run gets no record and no prediction."""
+    try:
+        config.validate(model, runnable=False)
+    except ConfigError as exc:
+        raise _Unmappable(f"{_PUBLIC_NAMES.get(exc.field, exc.field)}={exc.value!r}: "
+                          f"{exc.rule}") from None
+
+
 def _schedule(raw: dict[str, str], pp: int) -> tuple[Schedule, int]:
     """The pipeline schedule and model chunks per pipeline rank of a public row: the stated
     ``schedule`` (empty: 1F1B, or interleaved where ``virtual_stages`` > 1) and
@@ -418,6 +429,7 @@ def public_row_layout(raw: dict[str, str]) -> tuple[ModelSpec, ParallelConfig, H
     except ConfigError as exc:
         raise ValueError(f"gpu={raw.get('gpu', '')!r} {exc.rule}") from None
     try:
+        _check_shape(model, config)
         _check_precision(raw, hardware)
         _devices_per_node(raw, hardware, config.world_size)
     except _Unmappable as exc:
@@ -468,6 +480,7 @@ def _row_to_measurement(raw: dict[str, str]) -> Measurement:
     flag = re.search(r"FLAG=([^;]*)", notes)
     model = model_spec_from_public(raw)
     config, num_gpus = config_from_public(raw)
+    _check_shape(model, config)
     try:
         hardware = get_hardware(raw["gpu"])
     except ConfigError:

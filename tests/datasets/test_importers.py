@@ -65,6 +65,7 @@ def test_good_row_maps_config_hardware_and_metrics(tmp_path):
     ({"notes": "nodes=1;FLAG=source_dims_inconsistent"}, "FLAG=source_dims_inconsistent"),
     ({"tokens_per_sec": "100000"}, "contradicts tokens_per_sec_per_gpu"),
     ({"cp": "2"}, "dp*tp*pp*cp = 8*1*1*2 = 16 contradicts num_gpus=8"),
+    ({"heads": "2", "tp": "4", "dp": "2", "grad_accum": ""}, "tp=4: must divide num_heads=2"),
     ({"tp": "inf"}, "tp='inf' must be a finite number"),
     ({"tp": "-2"}, "tp='-2' must be a positive integer"),
     ({"global_batch": "100", "grad_accum": ""},

@@ -84,3 +84,11 @@ def test_a_row_in_a_precision_the_model_does_not_price_gets_its_reason(tmp_path)
     assert errors[0].startswith("precision='fp8' is not bf16 or fp16: on H100-80GB")
     assert list(errors[1:]) == ["", ""]
     assert configs["hardware"].tolist()[1:] == ["H100-80GB", "cpu"]
+
+
+def test_a_layout_no_framework_can_run_gets_its_reason_not_a_number(tmp_path):
+    """The public format's rows meet the layout's rules against the model, as the config
+    columns' do: tensor parallelism over 8 ranks of a model with 12 heads is refused."""
+    src = _csv(tmp_path, [SMALL, SMALL.replace(",8,1,1,8,1,8,64,", ",8,8,1,1,1,8,64,")])
+    _, _, errors = read_config_csv(src)
+    assert list(errors) == ["", "tp=8: must divide num_heads=12"]
