@@ -31,9 +31,10 @@ from paratune.predictor import (
 if TYPE_CHECKING:
     import pandas as pd
 
-__all__ = ["MEMORY_RULE_THRESHOLD", "MEMORY_RULE_WIDTH", "OUTPUT_COLUMNS", "PRED_ERROR",
-           "PRED_EXTRAPOLATION", "PRED_STALL_PROB", "PRED_TOKENS_Q10", "PRED_TOKENS_Q90",
-           "PRED_WARNING", "memory_threshold", "source_family", "training_ranges"]
+__all__ = ["MEMORY_OOM_FLOOR", "MEMORY_RULE_THRESHOLD", "MEMORY_RULE_WIDTH", "OUTPUT_COLUMNS",
+           "PRED_ERROR", "PRED_EXTRAPOLATION", "PRED_STALL_PROB", "PRED_TOKENS_Q10",
+           "PRED_TOKENS_Q90", "PRED_WARNING", "memory_threshold", "source_family",
+           "training_ranges"]
 
 PRED_TOKENS_Q10 = f"{PRED_TOKENS_PER_SEC_PER_GPU}_q10"
 PRED_TOKENS_Q90 = f"{PRED_TOKENS_PER_SEC_PER_GPU}_q90"
@@ -134,6 +135,12 @@ of fitting, where a family's own out-of-memory runs have not moved it (see
 MEMORY_RULE_WIDTH = 0.03
 """How sharp the memory rule is: the odds of fitting fall by e per this share of device
 memory past the threshold."""
+MEMORY_OOM_FLOOR = MEMORY_RULE_THRESHOLD / 4
+"""The least predicted share of device memory at which a run out of memory moves its
+family's threshold (:func:`memory_threshold`): one under it would need the memory
+prediction four times too low, which says more of a mislabelled status or another device
+than of where the family's memory runs out, and would have every configuration of a few GB
+called unable to run."""
 
 
 def _memory_rule(mem_gb: np.ndarray, capacity_gb: np.ndarray,

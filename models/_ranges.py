@@ -14,6 +14,7 @@ from paratune.errors import DatasetError
 from paratune.measurement import Status
 from paratune.models import features as F
 from paratune.models._base import (
+    MEMORY_OOM_FLOOR,
     PRED_STALL_PROB,
     _catalogue_names,
     _family_by_hardware,
@@ -217,8 +218,12 @@ class _Ranges:
         thresholds = self._memory_thresholds(frame, c, families, predicted)
         if not usable.any() and not thresholds:
             self.family_offsets_ = saved
+            low = (run_status(frame) == Status.OOM.value).any()
             raise DatasetError("calibrate: no row with a measured step time and a prediction, "
-                               "nor one that ran out of memory")
+                               "nor one that ran out of memory" + (
+                                   f" at {100 * MEMORY_OOM_FLOOR:.0f}% of device memory or "
+                                   "more as predicted (one under it says more of its status "
+                                   "or device than of the memory)" if low else ""))
         # a family's runs replace its threshold (without an out-of-memory run: the default)
         self.memory_thresholds_ = {
             **{f: v for f, v in self.memory_thresholds_.items() if f not in set(families)},
@@ -265,19 +270,30 @@ class _Ranges:
         of memory there and that the rule decides for (not the feasibility classifier): where
         its runs that ran and ran out of memory part at the predicted memory
         (:func:`memory_threshold`)."""
-        status = run_status(frame)
-        capacity = np.asarray(c.memory_gb, dtype=float)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            share = predicted[PRED_PEAK_MEM_GB].to_numpy(float) / capacity
-        known = np.isfinite(share) & (capacity > 0)
+        share, status = _memory_shares(c, predicted), run_status(frame)
+        known = np.isfinite(share)
         out = {}
         for family in np.unique(families):
             rows = known & (families == family)
-            oom = rows & (status == Status.OOM.value)
+            oom = rows & (status == Status.OOM.value) & (share >= MEMORY_OOM_FLOOR)
             if oom.any() and str(family) not in self.feasibility_families_:
                 out[str(family)] = memory_threshold(share[rows & (status == Status.OK.value)],
                                                     share[oom])
         return out
+
+    def out_of_memory_left_out(self, frame: pd.DataFrame) -> dict[str, list[float]]:
+        """Per family of ``frame``, the predicted shares of device memory of its runs out
+        of memory that :meth:`calibrate` leaves out of its memory threshold (under
+        :data:`~paratune.models._base.MEMORY_OOM_FLOOR`)."""
+        status = run_status(frame)
+        oom = status == Status.OOM.value
+        if not oom.any():
+            return {}
+        share = _memory_shares(F.Columns(frame), self.predict(frame))
+        low = oom & (share < MEMORY_OOM_FLOOR)
+        families = self._families(frame)
+        return {str(f): sorted(float(v) for v in share[low & (families == f)])
+                for f in np.unique(families[low])}
 
     def _distance(self, frame: pd.DataFrame, c: F.Columns | None = None
                   ) -> tuple[np.ndarray, dict[str, np.ndarray], np.ndarray]:
@@ -507,3 +523,12 @@ def _extrapolation_warnings(per_axis: dict[str, np.ndarray], fresh: np.ndarray,
         warning[fresh] = [f"{f}; {w}" if w else f
                           for f, w in zip(family, warning[fresh], strict=True)]
     return warning
+
+
+def _memory_shares(c: F.Columns, predicted: pd.DataFrame) -> np.ndarray:
+    """Each row's predicted peak memory as a share of its device's (NaN where either is
+    unknown)."""
+    capacity = np.asarray(c.memory_gb, dtype=float)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        share = predicted[PRED_PEAK_MEM_GB].to_numpy(float) / capacity
+    return np.where(capacity > 0, share, np.nan)

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from paratune.errors import ConfigError
+from paratune.models._base import MEMORY_OOM_FLOOR, MEMORY_RULE_THRESHOLD
 from paratune.models._calibration import MIN_ROWS
 from paratune.models._data import check_distinct, load_measurements, measured_step_time
 from paratune.models._estimators import PerformanceModel, estimator_factories
@@ -129,13 +130,25 @@ def calibrate_model(data: Sequence[str | Path], model_dir: str | Path) -> str:
     model.save(model_dir)
     families = sorted(set(model._families(frame))
                       & {*model.family_offsets_, *model.memory_thresholds_})
-    return "\n".join(f"{line} -> {model_dir}" for line in _calibrations(model, families))
+    lines = [f"{line} -> {model_dir}" for line in _calibrations(model, families)]
+    for family, shares in model.out_of_memory_left_out(frame).items():
+        lines.append(f"warning: {family or 'runs of no known family'}: {len(shares)} run(s) "
+                     f"out of memory at {_percentages(shares)} of device memory as predicted, "
+                     f"under {100 * MEMORY_OOM_FLOOR:.0f}%, left out of its memory threshold "
+                     "(the prediction would have to be over four times too low): check their "
+                     "status and device")
+    return "\n".join(lines)
+
+
+def _percentages(shares: Sequence[float]) -> str:
+    """``[0.05, 0.1]`` as ``5%, 10%`` (the first three, then how many more)."""
+    text = ", ".join(f"{100 * v:.0f}%" for v in shares[:3])
+    return text + (f" and {len(shares) - 3} more" if len(shares) > 3 else "")
 
 
 def _calibrations(model: PerformanceModel, families: Sequence[str]) -> list[str]:
     """One line per calibrated family of ``families``: its runs and what they set (its step
     time, its memory threshold or both)."""
-    from paratune.models._base import MEMORY_RULE_THRESHOLD
 
     lines = []
     for family in families:

@@ -643,3 +643,31 @@ def test_calibrate_moves_a_saved_model_toward_a_new_familys_runs(model_dir, synt
     # a model directory without a model is refused with its path
     assert main(["calibrate", str(shots), "--model", str(tmp_path / "none")]) == 2
     assert str(tmp_path / "none") in capsys.readouterr().err
+
+
+def test_calibrate_warns_of_a_run_out_of_memory_far_under_its_prediction(model_dir, synthetic,
+                                                                         tmp_path, capsys):
+    """One run out of memory at a predicted few percent of device memory does not move the
+    family's threshold; calibrate names it, and a file of nothing else is refused."""
+    import shutil
+
+    from paratune.cli import main
+    from paratune.models import load_model
+
+    model = tmp_path / "model"
+    shutil.copytree(model_dir, model)
+    ok = synthetic[synthetic["status"] == "ok"].assign(source="otherfw_runs")
+    share = (load_model(model).predict(ok)["pred_peak_mem_gb"] / 80.0).to_numpy()
+    low = ok[share < 0.1]
+    oom = low.iloc[5:6].assign(status="oom", error="CUDA out of memory", step_time_s=np.nan,
+                               tokens_per_s=np.nan)
+    shots = tmp_path / "shots.csv"
+    pd.concat([low.iloc[:5], oom]).to_csv(shots, index=False)
+    assert main(["calibrate", str(shots), "--model", str(model)]) == 0
+    out = capsys.readouterr().out
+    assert "warning: otherfw: 1 run(s) out of memory at " in out and "under 24%" in out
+    assert "otherfw" not in load_model(model).memory_thresholds_
+    alone = tmp_path / "oom.csv"
+    oom.to_csv(alone, index=False)
+    assert main(["calibrate", str(alone), "--model", str(model)]) == 2
+    assert "at 24% of device memory or more as predicted" in capsys.readouterr().err

@@ -874,3 +874,28 @@ def test_fsdp_runs_of_a_model_fitted_without_them_are_predicted_by_the_core(synt
                      ignore_index=True)
     refit = PerformanceModel(**SMALL).fit(both).predict(fsdp)
     assert (refit[PRED_EXTRAPOLATION] == 0).all()
+
+
+def test_a_run_out_of_memory_far_under_its_prediction_does_not_move_the_threshold(synthetic):
+    """A run out of memory at a predicted few percent of device memory would need the
+    memory prediction over four times too low: more likely a mislabelled status or another
+    device. It is left out of the family's threshold (which would otherwise call every
+    configuration of a few GB unable to run) and named, so the user can check it."""
+    from paratune.models import features as F
+    from paratune.models._base import MEMORY_OOM_FLOOR
+
+    ok = synthetic[synthetic["status"] == "ok"].reset_index(drop=True)
+    model = PerformanceModel(**SMALL, nested_intervals=False).fit(synthetic)
+    other = ok.assign(source="tightfw_runs")
+    share = (model.predict(other)["pred_peak_mem_gb"].to_numpy()
+             / F.Columns(other).memory_gb)
+    low = other[share < MEMORY_OOM_FLOOR]
+    assert len(low) >= 8
+    shots = pd.concat([low.iloc[:5], low.iloc[5:6].assign(
+        status="oom", error="CUDA out of memory", step_time_s=np.nan, tokens_per_s=np.nan)])
+    model.calibrate(shots)
+    assert "tightfw" not in model.memory_thresholds_
+    assert model.out_of_memory_left_out(shots) == {
+        "tightfw": [pytest.approx(share[low.index[5]])]}
+    assert (model.predict(low)["pred_feasible_prob"] > 0.5).all()
+    assert model.out_of_memory_left_out(shots.iloc[:5]) == {}  # nothing ran out of memory
