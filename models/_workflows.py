@@ -9,6 +9,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -20,6 +21,9 @@ from paratune.models._estimators import PerformanceModel, estimator_factories
 from paratune.models._evaluate import EvaluationResult, cross_validate, plot_predictions
 from paratune.models._feature_columns import hardware_columns
 from paratune.models._persistence import _LOCK_FILE, _MANIFEST
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 __all__ = ["EvaluationSpec", "calibrate_model", "evaluate_model", "fit_model", "plot_path"]
 
@@ -92,6 +96,8 @@ def fit_model(data: Sequence[str | Path], out: str | Path, *, n_estimators: int 
             summary += "".join(
                 f"\ncalibrated on, too few runs to fit on (fewer than {MIN_ROWS}): {line}"
                 for line in _calibrations(model, calibrated))
+            few = frame[np.isin(model._families(frame), calibrated)]
+            summary += "".join(f"\n{line}" for line in _left_out(model, few))
         if run is not None:
             run.log_metrics(fit_metrics)
             # the model's files: not its lock, nor temporaries of a save killed there before
@@ -131,13 +137,17 @@ def calibrate_model(data: Sequence[str | Path], model_dir: str | Path) -> str:
     families = sorted(set(model._families(frame))
                       & {*model.family_offsets_, *model.memory_thresholds_})
     lines = [f"{line} -> {model_dir}" for line in _calibrations(model, families)]
-    for family, shares in model.out_of_memory_left_out(frame).items():
-        lines.append(f"warning: {family or 'runs of no known family'}: {len(shares)} run(s) "
-                     f"out of memory at {_percentages(shares)} of device memory as predicted, "
-                     f"under {100 * MEMORY_OOM_FLOOR:.0f}%, left out of its memory threshold "
-                     "(the prediction would have to be over four times too low): check their "
-                     "status and device")
-    return "\n".join(lines)
+    return "\n".join([*lines, *_left_out(model, frame)])
+
+
+def _left_out(model: PerformanceModel, frame: pd.DataFrame) -> list[str]:
+    """A warning per family of ``frame`` with runs out of memory that calibration left out
+    of its memory threshold (see :meth:`PerformanceModel.out_of_memory_left_out`)."""
+    return [f"warning: {family or 'runs of no known family'}: {len(shares)} run(s) out of "
+            f"memory at {_percentages(shares)} of device memory as predicted, under "
+            f"{100 * MEMORY_OOM_FLOOR:.0f}%, left out of its memory threshold (the prediction "
+            "would have to be over four times too low): check their status and device"
+            for family, shares in model.out_of_memory_left_out(frame).items()]
 
 
 def _percentages(shares: Sequence[float]) -> str:

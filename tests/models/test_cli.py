@@ -667,6 +667,12 @@ def test_calibrate_warns_of_a_run_out_of_memory_far_under_its_prediction(model_d
     out = capsys.readouterr().out
     assert "warning: otherfw: 1 run(s) out of memory at " in out and "under 24%" in out
     assert "otherfw" not in load_model(model).memory_thresholds_
+    # fitted with the measured family's runs, the same run is left out and named too
+    data = tmp_path / "data.csv"
+    synthetic.to_csv(data, index=False)
+    assert main(["fit", str(data), str(shots), "--out", str(tmp_path / "refit"),
+                 "--no-mlflow"]) == 0
+    assert "warning: otherfw: 1 run(s) out of memory at " in capsys.readouterr().out
     alone = tmp_path / "oom.csv"
     oom.to_csv(alone, index=False)
     assert main(["calibrate", str(alone), "--model", str(model)]) == 2
