@@ -20,6 +20,7 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
+from paratune.datasets._public_rows import precision_problem
 from paratune.datasets._store import read_dataset
 from paratune.errors import ConfigError, DatasetError
 from paratune.fileio import atomic_write_text
@@ -53,17 +54,23 @@ def public_row(m: Measurement, *, source: str | None = None, precision: str = ""
         m: The measurement.
         source: The ``source`` cell (its first ``_``-separated word is the measurement
             family); ``None`` keeps the record's own source.
-        precision: The ``precision`` cell (provenance only; datasets do not record it).
+        precision: The ``precision`` cell (datasets do not record it); on a device with a
+            16-bit peak, bf16 or fp16 (or empty), what the importer reads back.
 
     Raises:
-        ValueError: the format cannot express the row; the message names the field and rule.
+        ValueError: the format cannot express the row, or its importer would refuse it; the
+            message names the field and rule.
     """
     model, config = m.model, m.config
     try:
-        gpu = get_hardware(m.hardware).name
+        hardware = get_hardware(m.hardware)
     except ConfigError:
         raise ValueError(f"hardware={m.hardware!r} is not a device of the hardware catalogue "
                          f"(the public format's gpu column needs one)") from None
+    gpu = hardware.name
+    problem = precision_problem(precision, hardware)
+    if problem:  # the importer would refuse the row
+        raise ValueError(problem)
     ok = m.status is Status.OK
     if ok and not (math.isfinite(m.step_time_s) and m.step_time_s > 0):
         raise ValueError(f"status ok but step_time_s={m.step_time_s!r} is not a positive time")
@@ -135,8 +142,10 @@ def export_public_csv(datasets: Sequence[str | Path] | str | Path, out: str | Pa
 
     Raises:
         DatasetError: no dataset given, ``out`` is a directory, or exists and ``replace`` is
-            false, a dataset cannot be read, or a row cannot be expressed in the format (the
-            dataset, its row and the rule are named); nothing is written then.
+            false, a text spans lines, ``source`` is blank, a dataset cannot be read, or a
+            row cannot be expressed in the format or would be refused by the importer (a
+            ``precision`` the model does not price on its device; the dataset, its row and
+            the rule are named); nothing is written then.
     """
     paths = [datasets] if isinstance(datasets, (str, Path)) else list(datasets)
     if not paths:
@@ -147,8 +156,13 @@ def export_public_csv(datasets: Sequence[str | Path] | str | Path, out: str | Pa
     if out.exists() and not replace:
         raise DatasetError(f"{out}: already exists; refused to replace it (replace=True, "
                            "or --force on the command line, replaces it)")
-    if "\n" in provenance or "\r" in provenance:
-        raise DatasetError("export: the provenance must be one line")
+    for name, text in (("provenance", provenance), ("precision", precision),
+                       ("source", source or "")):
+        if "\n" in text or "\r" in text:
+            raise DatasetError(f"export: the {name} must be one line")
+    if source is not None and not source.strip():
+        raise DatasetError(f"export: source={source!r} names no measurement family (its "
+                           "first '_'-separated word); leave it out to keep each row's own")
     rows: list[dict[str, str]] = []
     counts: dict[str, int] = {}
     for path in paths:

@@ -17,8 +17,8 @@ from paratune.scalars import plain
 from paratune.spec import ModelSpec
 
 __all__ = ["GPT_DEFAULT", "MODEL_FAMILIES", "SHAPE_COLUMNS", "config_from_public",
-           "model_spec_from_public", "public_row_config", "public_row_devices_per_node",
-           "public_row_layout"]
+           "model_spec_from_public", "precision_problem", "public_row_config",
+           "public_row_devices_per_node", "public_row_layout"]
 
 _STATUS_WORDS = {"ok": Status.OK, "success": Status.OK, "oom": Status.OOM,
                  "failed": Status.ERROR, "error": Status.ERROR, "crashed": Status.ERROR,
@@ -90,17 +90,25 @@ class _Unmappable(ValueError):
     """A row's values cannot be mapped to a record; the message is the reason."""
 
 
-def _check_precision(raw: dict[str, str], hardware: HardwareSpec) -> None:
-    """A row on a device with a dense 16-bit peak must have run in 16-bit mixed precision
-    (or not say): its core prices the matrix products at that peak, so an FP8 or 32-bit
-    run, whose products run at another, would be predicted as a different job."""
-    text = raw.get("precision", "")
+def precision_problem(text: str, hardware: HardwareSpec) -> str | None:
+    """Why a ``precision`` cell cannot go with a row on ``hardware`` (``None``: it can).
+
+    A device with a dense 16-bit peak must have run in 16-bit mixed precision (or the cell
+    not say): the core prices the matrix products at that peak, so an FP8 or 32-bit run,
+    whose products run at another, would be predicted as a different job."""
     word = re.sub(r"amp|mixed|[-_ ()]", "", text.lower())
     if hardware.peak_flops is not None and word not in _SIXTEEN_BIT \
             and word not in ("nan", "none", "null"):
-        raise _Unmappable(f"precision={text!r} is not bf16 or fp16: on {hardware.name} the "
-                          "performance model prices 16-bit mixed precision only (FP8 and "
-                          "32-bit matrix products run at other peaks)")
+        return (f"precision={text!r} is not bf16 or fp16: on {hardware.name} the performance "
+                "model prices 16-bit mixed precision only (FP8 and 32-bit matrix products "
+                "run at other peaks)")
+    return None
+
+
+def _check_precision(raw: dict[str, str], hardware: HardwareSpec) -> None:
+    problem = precision_problem(raw.get("precision", ""), hardware)
+    if problem:
+        raise _Unmappable(problem)
 
 
 def _number(raw: dict[str, str], key: str) -> float | None:

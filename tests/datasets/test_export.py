@@ -95,6 +95,22 @@ def test_a_row_the_format_cannot_express_is_refused_and_nothing_written(tmp_path
     assert not (tmp_path / "out.csv").exists()
 
 
+@pytest.mark.parametrize(("kwargs", "reason"), [
+    ({"precision": "fp8"}, "row 0 .*precision='fp8' is not bf16 or fp16: on H100-80GB"),
+    ({"precision": "bf16\nfp8"}, "the precision must be one line"),
+    ({"source": "mine\nh100"}, "the source must be one line"),
+    ({"source": " "}, "source=' ' names no measurement family"),
+])
+def test_what_the_importer_would_refuse_is_not_exported(tmp_path, kwargs, reason):
+    """The export writes only files its importer reads back row for row: a precision the
+    model does not price on the device, a cell over two lines or a source naming no
+    family are refused, and nothing is written."""
+    _dataset(tmp_path)
+    with pytest.raises(DatasetError, match=reason):
+        export_public_csv(tmp_path / "ds", tmp_path / "out.csv", **kwargs)
+    assert not (tmp_path / "out.csv").exists()
+
+
 def test_rows_of_nodes_smaller_than_the_catalogues_keep_their_node_size(tmp_path):
     """Exported without it, a campaign's rows on 4-GPU nodes read back on the catalogue's
     8-GPU nodes: a tensor-parallel group of 8 that crossed two nodes then sat in one."""
