@@ -34,7 +34,9 @@ def load_measurements(paths: Sequence[str | Path]) -> pd.DataFrame:
             :mod:`paratune.datasets.importers`), or CSV / parquet files of measurement rows.
 
     Returns:
-        One frame of all rows, with a ``data_path`` column naming where each came from.
+        One frame of all rows, with a ``data_path`` column naming where each came from; a
+        run that two of the files hold (a dataset and the CSV it was imported from) once,
+        with a warning.
 
     Raises:
         DatasetError: a path is neither of these, or is given twice.
@@ -94,7 +96,30 @@ def load_measurements(paths: Sequence[str | Path]) -> pd.DataFrame:
         frames.append(frame)
     if not frames:
         raise DatasetError("no data given")
-    return pd.concat(frames, ignore_index=True)
+    return _once(pd.concat(frames, ignore_index=True))
+
+
+def _once(frame: pd.DataFrame) -> pd.DataFrame:
+    """``frame`` without the rows that are runs another of its files already holds (the
+    same source, configuration, status and step time to five digits, as a dataset and the
+    public CSV it was imported from or exported to hold them): each run counts once in a
+    fit. Repeated measurements within one file are kept."""
+    if frame["data_path"].nunique() < 2:
+        return frame
+    step = np.asarray(frame["step_time_s"], dtype=float)
+    key = (config_identity(frame) + "|" + frame["source"].astype(str).fillna("")
+           + "|" + frame["status"].astype(str) + "|"
+           + [f"{v:.5g}" for v in step])
+    first = frame["data_path"].groupby(key.to_numpy()).transform("first")
+    again = (frame["data_path"] != first).to_numpy()
+    if not again.any():
+        return frame
+    for path, rows in frame[again].groupby("data_path", sort=False):
+        other = ", ".join(sorted(set(first[again & (frame["data_path"] == path).to_numpy()])))
+        logger.warning("%s: %d %s already read from %s (the same source, configuration, "
+                       "status and step time): counted once", path, len(rows),
+                       "run" if len(rows) == 1 else "runs", other)
+    return frame[~again].reset_index(drop=True)
 
 
 def check_distinct(paths: Sequence[str | Path]) -> None:

@@ -86,3 +86,24 @@ def test_a_csv_of_measurement_rows_may_start_with_comment_lines(tmp_path, synthe
     b = load_measurements([noted]).drop(columns="data_path")
     pd.testing.assert_frame_equal(a, b)
     assert len(b) == len(synthetic)
+
+
+def test_a_run_two_inputs_hold_counts_once(tmp_path, caplog):
+    """A dataset and the public CSV it was imported from hold the same runs: given both, a
+    fit counts each once and says so; a run measured again in one file stays twice."""
+    from paratune.datasets.importers import import_files
+
+    again = GOOD.replace(",321200,", ",300000,").replace(",40150,", ",37500,")
+    path = tmp_path / "public.csv"
+    path.write_text("\n".join(["# source: rows", HEADER, GOOD, again]) + "\n")
+    other = tmp_path / "other.csv"
+    other.write_text("\n".join([HEADER, GOOD.replace(",321200,", ",310000,")
+                                .replace(",40150,", ",38750,")]) + "\n")
+    dataset = import_files([path], tmp_path / "ds").out_dir
+    with caplog.at_level(logging.WARNING, logger="paratune.models"):
+        frame = load_measurements([dataset, path, other])
+    assert sorted(frame["step_time_s"].round(3)) == [3.265, 3.383, 3.495]
+    assert frame["data_path"].tolist().count(str(path)) == 0
+    warned = " ".join(r.getMessage() for r in caplog.records)
+    assert f"public.csv: 2 runs already read from {dataset}" in warned
+    assert len(load_measurements([path])) == 2
