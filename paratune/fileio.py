@@ -60,6 +60,9 @@ def atomic_write_bytes(path: str | Path, data: bytes, *, executable: bool | None
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)
+    except OSError as exc:  # a full disk, say: named after the file asked for
+        tmp.unlink(missing_ok=True)
+        raise OSError(exc.errno, exc.strerror, str(path)) from None
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
@@ -77,6 +80,8 @@ def _create_temporary(path: Path, mode: int) -> tuple[int, Path]:
             return os.open(tmp, flags, mode), tmp
         except FileExistsError:
             continue
+        except OSError as exc:  # named after the file asked for, not its temporary
+            raise OSError(exc.errno, exc.strerror, str(path)) from None
     raise FileExistsError(errno.EEXIST, "no free temporary name", str(path))
 
 

@@ -91,6 +91,15 @@ def test_atomic_write_onto_a_directory_names_it(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["out"]
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc")
+def test_a_file_that_cannot_be_created_is_named_not_its_temporary():
+    """/proc takes no new file: the error names the file asked for, which the user typed,
+    not the hidden temporary beside it."""
+    with pytest.raises(OSError) as info:
+        atomic_write_text("/proc/paratune-out.csv", "x")
+    assert info.value.filename == "/proc/paratune-out.csv"
+
+
 def test_a_lock_file_gets_the_mode_its_umask_allows(tmp_path):
     # a group-writable dataset's lock must be group-writable too, or a colleague's write fails
     from paratune.fileio import exclusive_lock
