@@ -516,6 +516,13 @@ def _row_to_measurement(raw: dict[str, str]) -> Measurement:
                           f"= {tokens / cluster_tps:g}")
     if cluster_tps is None and step:
         cluster_tps = tokens / step
+    if step and hardware.peak_flops is not None:
+        # the model's FLOPs over the step at the devices' peak: a run cannot beat it
+        utilisation = model.flops_per_token() * tokens / (step * num_gpus * hardware.peak_flops)
+        if utilisation > 1:
+            raise _Unmappable(f"step_time_s={step:g} would be {utilisation:.3g} times the "
+                              f"peak of {num_gpus} {hardware.name} for this model's FLOPs "
+                              "(an MFU over 1): check the units, the GPU count and the shape")
 
     status_text = raw.get("status", "").lower()
     if status_text:

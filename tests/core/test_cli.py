@@ -192,7 +192,7 @@ def test_a_directory_for_a_file_or_the_reverse_is_a_one_line_error(tmp_path, cap
         "micro_batch,global_batch,zero_stage,recompute,tflops_per_gpu,mfu,tokens_per_sec,"
         "step_time_s,tokens_per_sec_per_gpu,precision,notes\n"
         "ultrascale_playbook_nanotron,8B,8,32,4096,32,4096,H100-80GB,16,2,1,8,1,1,256,1,,,,,"
-        "1.5,,bf16,\n")
+        "15,,bf16,\n")
     assert main(flags) == 2
     captured = capsys.readouterr()
     assert captured.err.startswith(f"paratune {flags[0]}: error: ")

@@ -78,6 +78,9 @@ def test_good_row_maps_config_hardware_and_metrics(tmp_path):
     ({"tokens_per_sec": "", "tokens_per_sec_per_gpu": "", "step_time_s": "-2"},
      "step_time_s='-2' must be positive"),
     ({"gpu_mem_gb": "0"}, "gpu_mem_gb='0' must be positive"),
+    # a hundred times the measured rate: more than the eight devices' peak can compute
+    ({"tokens_per_sec": "", "tokens_per_sec_per_gpu": "4015000"},
+     "would be 39.2 times the peak of 8 H100-80GB for this model's FLOPs (an MFU over 1)"),
     ({"gpu_mem_gb": "-inf"}, "gpu_mem_gb='-inf' must be a finite number"),
     ({"params_b": "one"}, "params_b='one' is not a number"),
     ({"global_batch": "2_56"}, "global_batch='2_56' is not a number"),

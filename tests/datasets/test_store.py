@@ -616,7 +616,7 @@ def _public_csv(path: Path, rows: int) -> Path:
     for i in range(rows):
         lines.append(f"vtrain_ground_truth_single_node,GPT,,{2 + i % 40},1024,16,"
                      f"{512 * (1 + i // 40 % 8)},A100,2,1,2,1,1,8,16,,full,,,,"
-                     f"{0.3 + i / 10000:.4f},,,")
+                     f"{3 + i / 10000:.4f},,,")
     path.write_text("\n".join(lines) + "\n")
     return path
 
