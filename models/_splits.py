@@ -119,10 +119,16 @@ def extrapolation_split(frame: pd.DataFrame, name: str) -> Split:
         raise ConfigError("split", name, f"must be one of {', '.join(EXTRAPOLATION_SPLITS)}")
     family = _families(frame)
     timed = _timed(frame)
-    folds = [f for f in builders[name](frame, family)
-             if (f.test & timed).any() and (f.train & timed).any()]
+    built = builders[name](frame, family)
+    folds = [f for f in built if (f.test & timed).any() and (f.train & timed).any()]
     if not folds:
-        raise DatasetError(f"split {name}: the data holds no fold of it ({_needs[name]})")
+        # a fold whose side to fit on or to predict has no run that ran: say that, not
+        # what a fold needs, which the data has
+        why = "; ".join(f"{f.label}: no run that ran among the rows "
+                        f"{'to predict' if not (f.test & timed).any() else 'to fit on'}"
+                        for f in built)
+        raise DatasetError(f"split {name}: the data holds no fold of it ("
+                           f"{why or _needs[name]})")
     return Split(name=name, folds=tuple(folds))
 
 

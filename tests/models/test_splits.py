@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -26,6 +28,18 @@ def test_larger_model_fits_on_the_smallest_only(synthetic):
     assert set(synthetic.loc[fold.train, "model_name"]) == {"llama3.2-1b"}
     assert set(synthetic.loc[fold.test, "model_name"]) == {"llama3-8b"}
     assert not (fold.train & fold.test).any()
+
+
+def test_a_fold_without_a_run_that_ran_to_predict_says_so(synthetic):
+    """The larger model's runs all failed: the split names the fold and what it lacks, not
+    the models 4x apart that the data has."""
+    failed = synthetic.copy()
+    large = failed["model_name"] == "llama3-8b"
+    failed.loc[large, "status"] = "oom"
+    failed.loc[large, "step_time_s"] = float("nan")
+    with pytest.raises(DatasetError, match=re.escape(
+            "llama3.2-1b -> llama3-8b: no run that ran among the rows to predict")):
+        extrapolation_split(failed, "larger-model")
 
 
 def test_larger_cluster_fits_on_a_quarter_then_half_of_the_largest(synthetic):
