@@ -218,7 +218,8 @@ class _Ranges:
         thresholds = self._memory_thresholds(frame, c, families, predicted)
         if not usable.any() and not thresholds:
             self.family_offsets_ = saved
-            low = (run_status(frame) == Status.OOM.value).any()
+            low = ((run_status(frame) == Status.OOM.value)
+                   & (_memory_shares(c, predicted) < MEMORY_OOM_FLOOR)).any()
             raise DatasetError("calibrate: no row with a measured step time and a prediction, "
                                "nor one that ran out of memory" + (
                                    f" at {100 * MEMORY_OOM_FLOOR:.0f}% of device memory or "
@@ -285,13 +286,14 @@ class _Ranges:
         """Per family of ``frame``, the predicted shares of device memory of its runs out
         of memory that :meth:`calibrate` leaves out of its memory threshold (under
         :data:`~paratune.models._base.MEMORY_OOM_FLOOR`)."""
-        status = run_status(frame)
-        oom = status == Status.OOM.value
+        families = self._families(frame)
+        # a family whose feasibility the classifier decides has no threshold to leave out of
+        oom = (run_status(frame) == Status.OOM.value) & ~np.isin(
+            families, list(self.feasibility_families_))
         if not oom.any():
             return {}
         share = _memory_shares(F.Columns(frame), self.predict(frame))
         low = oom & (share < MEMORY_OOM_FLOOR)
-        families = self._families(frame)
         return {str(f): sorted(float(v) for v in share[low & (families == f)])
                 for f in np.unique(families[low])}
 

@@ -159,7 +159,6 @@ def _percentages(shares: Sequence[float]) -> str:
 def _calibrations(model: PerformanceModel, families: Sequence[str]) -> list[str]:
     """One line per calibrated family of ``families``: its runs and what they set (its step
     time, its memory threshold or both)."""
-
     lines = []
     for family in families:
         said = []
