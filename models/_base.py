@@ -137,7 +137,8 @@ MEMORY_RULE_WIDTH = 0.03
 memory past the threshold."""
 MEMORY_OOM_FLOOR = MEMORY_RULE_THRESHOLD / 4
 """The least predicted share of device memory at which a run out of memory moves its
-family's threshold (:func:`memory_threshold`): one under it would need the memory
+family's threshold (:meth:`~paratune.models.PerformanceModel.calibrate`, which passes
+:func:`memory_threshold` only the runs at or above it): one under it would need the memory
 prediction four times too low, which says more of a mislabelled status or another device
 than of where the family's memory runs out, and would have every configuration of a few GB
 called unable to run."""

@@ -100,22 +100,35 @@ def load_measurements(paths: Sequence[str | Path]) -> pd.DataFrame:
 
 
 def _once(frame: pd.DataFrame) -> pd.DataFrame:
-    """``frame`` without the rows that are runs another of its files already holds (the
-    same source, configuration, status and step time to five digits, as a dataset and the
-    public CSV it was imported from or exported to hold them): each run counts once in a
-    fit. Repeated measurements within one file are kept."""
+    """``frame`` without the rows that are runs another of its files already holds, as a
+    dataset and the public CSV it was imported from or exported to hold them: the same
+    source, configuration, status and step time (to the six digits an export writes), and
+    for a run without a step time (out of memory, failed) the same campaign and time of
+    measurement too, so that two campaigns' failures of one configuration stay two. Each
+    run counts once in a fit; repeated measurements within one file are kept."""
+    import pandas as pd
+
     if frame["data_path"].nunique() < 2:
         return frame
-    step = np.asarray(frame["step_time_s"], dtype=float)
-    key = (config_identity(frame) + "|" + frame["source"].astype(str).fillna("")
-           + "|" + frame["status"].astype(str) + "|"
-           + [f"{v:.5g}" for v in step])
-    first = frame["data_path"].groupby(key.to_numpy()).transform("first")
+
+    def text(column: str) -> pd.Series:
+        if column not in frame.columns:
+            return pd.Series("", index=frame.index, dtype=object)
+        return frame[column].astype(object).where(frame[column].notna(), "").astype(str)
+
+    step = pd.to_numeric(frame["step_time_s"], errors="coerce") if "step_time_s" in \
+        frame.columns else pd.Series(np.nan, index=frame.index)
+    timed = np.isfinite(step.to_numpy(float))
+    key = (config_identity(frame) + "|" + text("source") + "|" + text("status") + "|"
+           + pd.Series([f"{v:.6g}" for v in step], index=frame.index))
+    key = key.where(timed, key + "|" + text("campaign_id") + "|" + text("timestamp"))
+    first = frame["data_path"].groupby(key.to_numpy(), dropna=False).transform("first")
     again = (frame["data_path"] != first).to_numpy()
     if not again.any():
         return frame
     for path, rows in frame[again].groupby("data_path", sort=False):
-        other = ", ".join(sorted(set(first[again & (frame["data_path"] == path).to_numpy()])))
+        other = ", ".join(sorted({str(v) for v in first[
+            again & (frame["data_path"] == path).to_numpy()]}))
         logger.warning("%s: %d %s already read from %s (the same source, configuration, "
                        "status and step time): counted once", path, len(rows),
                        "run" if len(rows) == 1 else "runs", other)

@@ -15,6 +15,7 @@ row with :data:`paratune.predictor.PREDICTION_COLUMNS`, the throughput quantiles
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -360,7 +361,10 @@ class PerformanceModel(_Persistence, _StallRegime, _Ranges, _Base):
             # out of memory too; under the family fit gave them (a run without a source is
             # paratune's own, where `calibrate`, like `predict`, would take it for its
             # hardware's family)
-            self.calibrate(frame[shots].assign(source=families[shots]))
+            # where none of them moves anything (runs out of memory far under their
+            # predicted memory, which fit_model names): fitted as if they were not there
+            with contextlib.suppress(DatasetError):
+                self.calibrate(frame[shots].assign(source=families[shots]))
             self.fingerprint_ = training_fingerprint(frame)  # the rows given, as any fit
         return self
 

@@ -176,8 +176,10 @@ class _Ranges:
         feasibility classifier), gets the rule's threshold where its runs that ran and that
         ran out of memory part at the predicted memory
         (:func:`~paratune.models._base.memory_threshold`): configurations like the ones a
-        verification saw fail are not recommended again. Calibrating again with more rows of
-        a family replaces its calibration.
+        verification saw fail are not recommended again. A run out of memory under
+        :data:`~paratune.models._base.MEMORY_OOM_FLOOR` of device memory as predicted does
+        not move it (:meth:`out_of_memory_left_out` names such runs). Calibrating again
+        with more rows of a family replaces its calibration.
 
         Args:
             frame: Measurement rows; those with neither a measured step time nor the status
@@ -188,7 +190,7 @@ class _Ranges:
 
         Raises:
             DatasetError: no row of ``frame`` has a measured step time and a prediction, nor
-                ran out of memory.
+                ran out of memory at the floor or above.
         """
         from paratune.models._calibration import (
             FEW_SHOT_MIN_ROWS,
@@ -219,6 +221,7 @@ class _Ranges:
         if not usable.any() and not thresholds:
             self.family_offsets_ = saved
             low = ((run_status(frame) == Status.OOM.value)
+                   & ~np.isin(families, list(self.feasibility_families_))
                    & (_memory_shares(c, predicted) < MEMORY_OOM_FLOOR)).any()
             raise DatasetError("calibrate: no row with a measured step time and a prediction, "
                                "nor one that ran out of memory" + (

@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from paratune.errors import ConfigError
-from paratune.models._base import MEMORY_OOM_FLOOR, MEMORY_RULE_THRESHOLD
+from paratune.models._base import MEMORY_OOM_FLOOR, MEMORY_RULE_THRESHOLD, source_family
 from paratune.models._calibration import MIN_ROWS
 from paratune.models._data import check_distinct, load_measurements, measured_step_time
-from paratune.models._estimators import PerformanceModel, estimator_factories
+from paratune.models._estimators import PerformanceModel, _few_shot_rows, estimator_factories
 from paratune.models._evaluate import EvaluationResult, cross_validate, plot_predictions
 from paratune.models._feature_columns import hardware_columns
 from paratune.models._persistence import _LOCK_FILE, _MANIFEST
@@ -96,8 +96,9 @@ def fit_model(data: Sequence[str | Path], out: str | Path, *, n_estimators: int 
             summary += "".join(
                 f"\ncalibrated on, too few runs to fit on (fewer than {MIN_ROWS}): {line}"
                 for line in _calibrations(model, calibrated))
-            few = frame[np.isin(model._families(frame), calibrated)]
-            summary += "".join(f"\n{line}" for line in _left_out(model, few))
+        # the handful of a family's runs calibrated on: those it left out, named
+        few = _few_shot_rows(source_family(frame), np.isfinite(measured_step_time(frame)))
+        summary += "".join(f"\n{line}" for line in _left_out(model, frame[few]))
         if run is not None:
             run.log_metrics(fit_metrics)
             # the model's files: not its lock, nor temporaries of a save killed there before
@@ -125,7 +126,8 @@ def calibrate_model(data: Sequence[str | Path], model_dir: str | Path) -> str:
         ModelFormatError: ``model_dir`` holds no model this paratune reads.
         FileNotFoundError, PermissionError: a ``data`` path is missing or unreadable.
         DatasetError: no run has a measured step time and a prediction, nor ran out of
-            memory.
+            memory at :data:`~paratune.models._base.MEMORY_OOM_FLOOR` of device memory or
+            more as predicted.
     """
     from paratune.models._estimators import load_model
 

@@ -675,5 +675,10 @@ def test_calibrate_warns_of_a_run_out_of_memory_far_under_its_prediction(model_d
     assert "warning: otherfw: 1 run(s) out of memory at " in capsys.readouterr().out
     alone = tmp_path / "oom.csv"
     oom.to_csv(alone, index=False)
+    # fitted with that run alone beside the measured family's: fitted, and the run named
+    assert main(["fit", str(data), str(alone), "--out", str(tmp_path / "refit2"),
+                 "--no-mlflow"]) == 0
+    assert "warning: otherfw: 1 run(s) out of memory at " in capsys.readouterr().out
+    assert "otherfw" not in load_model(tmp_path / "refit2").memory_thresholds_
     assert main(["calibrate", str(alone), "--model", str(model)]) == 2
     assert "at 24% of device memory or more as predicted" in capsys.readouterr().err

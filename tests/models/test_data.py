@@ -107,3 +107,18 @@ def test_a_run_two_inputs_hold_counts_once(tmp_path, caplog):
     warned = " ".join(r.getMessage() for r in caplog.records)
     assert f"public.csv: 2 runs already read from {dataset}" in warned
     assert len(load_measurements([path])) == 2
+
+
+def test_two_campaigns_of_the_same_configurations_both_count(tmp_path, synthetic):
+    """Two campaigns over the same configurations are two sets of runs, their failures
+    too (each carries its own campaign and time), whatever columns the files have."""
+    again = synthetic.assign(step_time_s=synthetic["step_time_s"] * 1.01,
+                             timestamp=synthetic["timestamp"] + 3600.0)
+    for name, frame in (("a.csv", synthetic), ("b.csv", again)):
+        frame.drop(columns="source").to_csv(tmp_path / name, index=False)
+    both = load_measurements([tmp_path / "a.csv", tmp_path / "b.csv"])
+    assert len(both) == 2 * len(synthetic)
+    assert (synthetic["status"] != "ok").any()
+    # the same file's copy under another name is the same runs, failures included
+    synthetic.drop(columns="source").to_csv(tmp_path / "copy.csv", index=False)
+    assert len(load_measurements([tmp_path / "a.csv", tmp_path / "copy.csv"])) == len(synthetic)
