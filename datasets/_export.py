@@ -20,7 +20,7 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
-from paratune.datasets._public_rows import precision_problem
+from paratune.datasets._public_rows import precision_problem, step_problem
 from paratune.datasets._store import read_dataset
 from paratune.errors import ConfigError, DatasetError
 from paratune.fileio import atomic_write_text
@@ -68,13 +68,17 @@ def public_row(m: Measurement, *, source: str | None = None, precision: str = ""
         raise ValueError(f"hardware={m.hardware!r} is not a device of the hardware catalogue "
                          f"(the public format's gpu column needs one)") from None
     gpu = hardware.name
-    problem = precision_problem(precision, hardware)
-    if problem:  # the importer would refuse the row
-        raise ValueError(problem)
     ok = m.status is Status.OK
     if ok and not (math.isfinite(m.step_time_s) and m.step_time_s > 0):
         raise ValueError(f"status ok but step_time_s={m.step_time_s!r} is not a positive time")
     step = m.step_time_s if ok else math.nan
+    # what the importer would refuse (a dataset's layouts already meet the model's rules):
+    # a precision the model does not price there, a step faster than the devices' peak
+    problem = precision_problem(precision, hardware) or step_problem(
+        model, hardware, config.global_batch_size * model.seq_len, config.world_size,
+        step if ok else None)
+    if problem:
+        raise ValueError(problem)
     tokens = m.tokens_per_s if ok and math.isfinite(m.tokens_per_s) else (
         config.global_batch_size * model.seq_len / step if ok else math.nan)
     error = m.error.strip().splitlines()[0] if m.error.strip() else ""

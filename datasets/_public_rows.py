@@ -18,16 +18,18 @@ from paratune.spec import ModelSpec
 
 __all__ = ["GPT_DEFAULT", "MODEL_FAMILIES", "SHAPE_COLUMNS", "config_from_public",
            "model_spec_from_public", "precision_problem", "public_row_config",
-           "public_row_devices_per_node", "public_row_layout"]
+           "public_row_devices_per_node", "public_row_layout", "step_problem"]
 
 _STATUS_WORDS = {"ok": Status.OK, "success": Status.OK, "oom": Status.OOM,
                  "failed": Status.ERROR, "error": Status.ERROR, "crashed": Status.ERROR,
                  "timeout": Status.TIMEOUT}
 # Relative disagreement tolerated between two stated values of the same quantity (rounding).
 _TOLERANCE = 0.02
-# The precisions the performance model prices on a device with a tensor-core peak: 16-bit
-# mixed precision, however a source spells it ("bf16-mixed", "amp_fp16", "bfloat16").
-_SIXTEEN_BIT = frozenset({"", "16", "bf16", "fp16", "bfloat16", "float16", "half"})
+# Precisions whose matrix products run at another peak than a device's dense 16-bit one,
+# however a source spells them ("FP8-CS", "float8_e4m3", "torch.float32", "32-true"); any
+# other text (bf16, "bf16-mixed", "mixed precision (bf16)") is 16-bit mixed precision.
+_OTHER_PEAK = re.compile(r"(?<![a-z0-9])(fp8|float8|e4m3|e5m2|int8|fp6|fp4|nvfp4|mxfp\d*"
+                         r"|fp32|float32|tf32|32)(?![a-z0-9])")
 
 
 @dataclass(frozen=True)
@@ -93,16 +95,32 @@ class _Unmappable(ValueError):
 def precision_problem(text: str, hardware: HardwareSpec) -> str | None:
     """Why a ``precision`` cell cannot go with a row on ``hardware`` (``None``: it can).
 
-    A device with a dense 16-bit peak must have run in 16-bit mixed precision (or the cell
-    not say): the core prices the matrix products at that peak, so an FP8 or 32-bit run,
-    whose products run at another, would be predicted as a different job."""
-    word = re.sub(r"amp|mixed|[-_ ()]", "", text.lower())
-    if hardware.peak_flops is not None and word not in _SIXTEEN_BIT \
-            and word not in ("nan", "none", "null"):
+    On a device with a dense 16-bit peak a cell that names FP8, FP4, INT8 or 32 bits is
+    refused (any other text is 16-bit mixed precision): the core prices the matrix
+    products at that peak, so such a run, whose products run at another, would be
+    predicted as a different job."""
+    if hardware.peak_flops is not None and _OTHER_PEAK.search(text.lower()):
         return (f"precision={text!r} is not bf16 or fp16: on {hardware.name} the performance "
                 "model prices 16-bit mixed precision only (FP8 and 32-bit matrix products "
                 "run at other peaks)")
     return None
+
+
+def step_problem(model: ModelSpec, hardware: HardwareSpec, tokens: int, num_gpus: int,
+                 step: float | None) -> str | None:
+    """Why a measured step of ``tokens`` tokens on ``num_gpus`` devices cannot have taken
+    ``step`` seconds (``None``: it can): faster than the devices' peak computes the
+    model's matrix products alone (six FLOPs per weight and token; attention, which
+    sources count differently, left out, so the bound holds for any of them)."""
+    if not step or hardware.peak_flops is None:
+        return None
+    utilisation = 6.0 * model.num_matmul_params * tokens / (step * num_gpus
+                                                            * hardware.peak_flops)
+    if utilisation <= 1:
+        return None
+    return (f"step_time_s={step:g} would be {utilisation:.3g} times the peak of {num_gpus} "
+            f"{hardware.name} for this model's matrix products alone: check the units, the "
+            "GPU count and the shape")
 
 
 def _check_precision(raw: dict[str, str], hardware: HardwareSpec) -> None:
@@ -386,7 +404,10 @@ _PUBLIC_NAMES = {"global_batch_size": "global_batch", "micro_batch_size": "micro
 def _check_shape(model: ModelSpec, config: ParallelConfig) -> None:
     """The layout's rules against the model that any framework needs (``tp`` divides the
     heads, the key-value heads and the MLP width; ``2*cp`` divides the sequence): a layout
-    no framework can run gets no record and no prediction."""
+    no framework can run gets no record and no prediction. (A width a row leaves to its
+    family's default does not break them where ``tp`` divides the heads: the defaults have
+    as many key-value heads as heads, and MLP widths of 4x the hidden size or multiples of
+    256.)"""
     try:
         config.validate(model, runnable=False)
     except ConfigError as exc:
@@ -424,8 +445,8 @@ def public_row_layout(raw: dict[str, str]) -> tuple[ModelSpec, ParallelConfig, H
 
     Raises:
         ValueError: the configuration cannot be mapped (missing degrees, contradictions, a
-            ``gpu`` the catalogue does not know, a ``precision`` the model does not price
-            there); the message is the reason.
+            ``gpu`` the catalogue does not know, a layout that breaks the model's rules, a
+            ``precision`` the model does not price there); the message is the reason.
     """
     try:
         model = model_spec_from_public(raw)
@@ -516,13 +537,9 @@ def _row_to_measurement(raw: dict[str, str]) -> Measurement:
                           f"= {tokens / cluster_tps:g}")
     if cluster_tps is None and step:
         cluster_tps = tokens / step
-    if step and hardware.peak_flops is not None:
-        # the model's FLOPs over the step at the devices' peak: a run cannot beat it
-        utilisation = model.flops_per_token() * tokens / (step * num_gpus * hardware.peak_flops)
-        if utilisation > 1:
-            raise _Unmappable(f"step_time_s={step:g} would be {utilisation:.3g} times the "
-                              f"peak of {num_gpus} {hardware.name} for this model's FLOPs "
-                              "(an MFU over 1): check the units, the GPU count and the shape")
+    problem = step_problem(model, hardware, tokens, num_gpus, step)
+    if problem:
+        raise _Unmappable(problem)
 
     status_text = raw.get("status", "").lower()
     if status_text:

@@ -16,9 +16,11 @@ every cell equals an earlier row's (a copy, not a repeated measurement), when a 
 finite number or breaks its column's rule (degrees and batch sizes positive integers with
 ``dp*tp*pp*cp == num_gpus`` (``cp`` 1 where empty), where one of num_gpus, tp, pp and dp may
 be empty and is then what the others imply, as ``micro_batch`` may be where ``grad_accum`` is
-stated; ``mfu`` a fraction in [0, 1]; times, rates and memory positive; on a GPU
-``precision`` bf16 or fp16, or empty, and no step faster than the devices' peak computes the
-model's FLOPs), or when stated values contradict each other.
+stated; ``mfu`` a fraction in [0, 1]; times, rates and memory positive; on a GPU no
+``precision`` naming FP8 or 32 bits and no step faster than the devices' peak computes the
+model's matrix products), when its layout breaks a rule any framework needs against the
+model (``tp`` dividing the heads, key-value heads and MLP width), or when stated values
+contradict each other.
 The optional columns ``vocab_size, ffn_hidden_size, num_kv_heads, mlp, tie_embeddings``
 state the model's shape; what a row does not state comes from :data:`MODEL_FAMILIES`, which
 names each assumption, or from a GPT-style default (see :func:`model_spec_from_public`).

@@ -46,6 +46,8 @@ def atomic_write_bytes(path: str | Path, data: bytes, *, executable: bool | None
 
     Raises:
         IsADirectoryError: ``path`` is a directory.
+        OSError: the file cannot be created or written (no such directory, no permission,
+            a full disk), naming ``path``.
     """
     path = Path(path)
     if path.is_dir():
@@ -62,11 +64,17 @@ def atomic_write_bytes(path: str | Path, data: bytes, *, executable: bool | None
         os.replace(tmp, path)
     except OSError as exc:  # a full disk, say: named after the file asked for
         tmp.unlink(missing_ok=True)
-        raise OSError(exc.errno, exc.strerror, str(path)) from None
+        raise _renamed(exc, path) from None
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
+
+
+def _renamed(exc: OSError, path: Path) -> OSError:
+    """``exc`` about ``path`` (the file asked for) instead of its temporary; as it is where
+    it carries no error number."""
+    return OSError(exc.errno, exc.strerror, str(path)) if exc.errno is not None else exc
 
 
 def _create_temporary(path: Path, mode: int) -> tuple[int, Path]:
@@ -81,7 +89,7 @@ def _create_temporary(path: Path, mode: int) -> tuple[int, Path]:
         except FileExistsError:
             continue
         except OSError as exc:  # named after the file asked for, not its temporary
-            raise OSError(exc.errno, exc.strerror, str(path)) from None
+            raise _renamed(exc, path) from None
     raise FileExistsError(errno.EEXIST, "no free temporary name", str(path))
 
 

@@ -86,6 +86,10 @@ def test_the_source_names_the_measurement_family_and_failures_keep_their_error(t
 @pytest.mark.parametrize(("record", "reason"), [
     (Measurement(model=get_model("tiny"), config=ParallelConfig(), hardware="TPU-v5",
                  step_times_s=[0.1]), "hardware=.TPU-v5. is not a device of the hardware"),
+    # what its importer would refuse: a step faster than the device's peak
+    (Measurement(model=get_model("llama3-8b"), config=ParallelConfig(global_batch_size=64),
+                 hardware="H100-80GB", step_times_s=[0.01]),
+     "step_time_s=0.01 would be .* times the peak of 1 H100-80GB"),
 ])
 def test_a_row_the_format_cannot_express_is_refused_and_nothing_written(tmp_path, record,
                                                                        reason):

@@ -80,7 +80,7 @@ def test_good_row_maps_config_hardware_and_metrics(tmp_path):
     ({"gpu_mem_gb": "0"}, "gpu_mem_gb='0' must be positive"),
     # a hundred times the measured rate: more than the eight devices' peak can compute
     ({"tokens_per_sec": "", "tokens_per_sec_per_gpu": "4015000"},
-     "would be 39.2 times the peak of 8 H100-80GB for this model's FLOPs (an MFU over 1)"),
+     "would be 32.7 times the peak of 8 H100-80GB for this model's matrix products alone"),
     ({"gpu_mem_gb": "-inf"}, "gpu_mem_gb='-inf' must be a finite number"),
     ({"params_b": "one"}, "params_b='one' is not a number"),
     ({"global_batch": "2_56"}, "global_batch='2_56' is not a number"),
@@ -509,13 +509,15 @@ def test_a_schedule_the_layout_cannot_run_is_refused_with_its_rule(tmp_path, sch
 
 # ------------------------------------------------------------------------------- precision
 @pytest.mark.parametrize("word", ["bf16", "FP16", "bfloat16", "float16", "bf16-mixed",
-                                  "16-mixed", "amp_fp16", "BF16 (AMP)", "", "nan"])
+                                  "16-mixed", "amp_fp16", "BF16 (AMP)", "", "nan", "bf16-true",
+                                  "mixed precision (bf16)", "torch.bfloat16", "n/a"])
 def test_sixteen_bit_precision_however_spelled_is_imported(tmp_path, word):
     (m,), problems = parse_public_csv(_write(tmp_path, GOOD.replace(",bf16,", f",{word},")))
     assert not problems and m.hardware == "H100-80GB"
 
 
-@pytest.mark.parametrize("word", ["fp8", "FP8-CS", "float8_e4m3", "fp32", "tf32"])
+@pytest.mark.parametrize("word", ["fp8", "FP8-CS", "float8_e4m3", "mxfp8", "fp32", "tf32",
+                                  "torch.float32", "32-true"])
 def test_a_gpu_row_in_another_precision_is_refused_naming_it(tmp_path, word):
     """The core prices a GPU's matrix products at its dense 16-bit peak: an FP8 or 32-bit
     run would be fitted (and predicted) as a different job, so it is reported instead."""
@@ -523,3 +525,23 @@ def test_a_gpu_row_in_another_precision_is_refused_naming_it(tmp_path, word):
         _write(tmp_path, GOOD_ZERO1, GOOD.replace(",bf16,", f",{word},")))
     assert len(records) == 1 and problem.line == 4
     assert problem.reason.startswith(f"precision={word!r} is not bf16 or fp16: on H100-80GB")
+
+
+def test_a_long_context_run_near_peak_is_not_taken_for_an_impossible_one(tmp_path):
+    """Attention, which sources count differently (causal halves or not), is left out of
+    the bound: a 1B model on 131,072-token sequences split over 8 H100s (cp 8) at 60% of
+    peak on the work it does is imported, not refused."""
+    from paratune.spec import ModelSpec
+
+    model = ModelSpec(name="1B", num_layers=16, hidden_size=2048, num_heads=32,
+                      ffn_hidden_size=8192, vocab_size=131072, seq_len=131072)
+    # causal attention counted once (half the full square), at 60% of the devices' peak
+    flops = 3 * (2 * model.num_matmul_params + 2 * 16 * 131072 * 2048) * 131072
+    step = flops / (0.6 * 8 * 989e12)
+    cells = dict(zip(HEADER.split(","), GOOD.split(",")))
+    cells.update({"seq_len": "131072", "dp": "1", "cp": "8", "micro_batch": "1",
+                  "global_batch": "1", "grad_accum": "", "mfu": "", "tokens_per_sec": "",
+                  "tokens_per_sec_per_gpu": "", "step_time_s": f"{step:.4f}", "gpu_mem_gb": ""})
+    (m,), problems = parse_public_csv(_write(tmp_path, ",".join(cells[h] for h in
+                                                                 HEADER.split(","))))
+    assert not problems and m.config.cp == 8
