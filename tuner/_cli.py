@@ -53,7 +53,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                            "--verify measures (a dataset directory or a public CSV; repeat "
                            "for several)")
     tune.set_defaults(func=_tune, field_flags={**named, **_JOB_FIELD_FLAGS,
-                                               "trajectory": "--gns"})
+                                               "trajectory": "--gns", "dataset": "--dataset"})
 
     plan = subparsers.add_parser(
         "plan", help="schedule training phases (batch, parallelism) from a B_noise trajectory",
@@ -87,6 +87,8 @@ def _tune(args: argparse.Namespace) -> int:
 
     model = get_model(args.model, seq_len=args.seq_len)
     job = from_flags(TuneJob, args, model=model, seq_len=None)
+    if args.dataset:
+        _check_dataset(args.dataset)
     verify = VerifyOptions(dataset=args.dataset) if args.dataset else None
     search = from_flags(SearchOptions, args, verify_options=verify)
     output = from_flags(OutputOptions, args, track=not args.no_track,
@@ -115,6 +117,21 @@ def _tune(args: argparse.Namespace) -> int:
               f"runs; --export-infeasible writes them anyway)", file=sys.stderr)
         return 1
     return 0
+
+
+def _check_dataset(paths: list[Path]) -> None:
+    """Read ``--dataset`` before any search or verification: the refit after the verified
+    runs reads it, and a path it cannot read would be found out only then, after the
+    cluster time was spent."""
+    from paratune.errors import ConfigError, DatasetError
+    from paratune.models import load_measurements
+
+    try:
+        load_measurements(paths)
+    except (DatasetError, OSError) as exc:
+        raise ConfigError("dataset", ", ".join(map(str, paths)), f"{exc} (a dataset "
+                          "directory or a public CSV per --dataset; repeat the flag for "
+                          "several)") from None
 
 
 def _print_ranking(result, top_k: int) -> None:

@@ -213,7 +213,7 @@ class SearchOptions:
     timeout_s: float | None = option(None, param=False,
                                      help="stop asking for trials after this many seconds")
     verify: int = option(
-        0, flag="--verify", type=int, metavar="K",
+        0, flag="--verify", type="positive", metavar="K",
         help="verify K configs for real (different layouts first), add them to the dataset, "
              "refit and report predicted vs measured: profiled here where this machine has "
              "the job's hardware, else their torchrun and SLURM commands are printed and "

@@ -144,7 +144,9 @@ def refit_and_compare(result: TuneResult, configs: list[ParallelConfig],
     failed = ", ".join(f"{n} {s}" for s, n in statuses.items() if s != "ok")
     logger.info("measured %d config%s: %d ran%s; %s", len(rows), "" if len(rows) == 1 else "s",
                 ran, f", {failed}" if failed else "",
-                f"refitted model saved to {refit_path}" if refitted else "no refit saved")
+                f"refitted model saved to {refit_path} (the ranking above is the predictor's "
+                f"before these runs: --predictor {refit_path} ranks with them)"
+                if refitted else "no refit saved")
     return pd.DataFrame(rows)
 
 
@@ -162,6 +164,10 @@ def _refit(result: TuneResult, configs: list[ParallelConfig], measured: pd.DataF
     if dataset is not None:
         paths = [dataset] if isinstance(dataset, (str, Path)) else list(dataset)
         training.insert(0, load_measurements(paths))
+    else:
+        logger.warning("refitting on the %d verified runs alone: without --dataset the "
+                       "measurements the predictor was fitted on are not in the refit",
+                       len(measured))
     frame = pd.concat(training, ignore_index=True)
     if model_factory is None:
         from paratune.models import PerformanceModel

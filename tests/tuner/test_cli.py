@@ -395,6 +395,24 @@ def test_tune_errors_name_the_flag_typed(tmp_path, saved_model, capsys, flags, m
     assert capsys.readouterr().err.startswith(f"paratune tune: error: {message}")
 
 
+def test_tune_reads_its_dataset_and_verify_count_before_any_work(tmp_path, saved_model, capsys):
+    """--dataset is read by the refit after the verified runs: a path it cannot read is
+    refused at once, not after the cluster time was spent; --verify 0 is refused as
+    --top-k 0 is."""
+    (tmp_path / "folder").mkdir()
+    base = ["tune", "--model", "tiny", "--gpus", "4", "--gpu", "H100", "--predictor",
+            str(saved_model), "--no-track", "--output", str(tmp_path / "out")]
+    for dataset, reason in ((tmp_path / "folder", "not a paratune dataset (no card.json)"),
+                            (tmp_path / "none.csv", "no such dataset")):
+        assert main([*base, "--verify", "2", "--dataset", str(dataset)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"paratune tune: error: --dataset='{dataset}': ") and reason in err
+        assert not (tmp_path / "out").exists()
+    with pytest.raises(SystemExit):
+        main([*base, "--verify", "0"])
+    assert "argument --verify: must be an integer >= 1, not '0'" in capsys.readouterr().err
+
+
 def test_tune_names_gpus_for_a_world_of_none(saved_model, capsys):
     assert main(["tune", "--model", "tiny", "--gpus", "0", "--gpu", "H100", "--predictor",
                  str(saved_model), "--no-track"]) == 2

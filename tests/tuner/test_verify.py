@@ -31,13 +31,19 @@ def _small_search(**kwargs):
 
 
 @pytest.mark.slow
-def test_verify_profiles_refits_and_reports(closed_form, tmp_path):
+def test_verify_profiles_refits_and_reports(closed_form, tmp_path, caplog):
     from paratune.models import PerformanceModel
 
-    result = _small_search(predictor=closed_form, output_dir=tmp_path / "out", verify=1,
-                           verify_options={"measured_steps": 2, "warmup_steps": 1, "timeout_s": 120,
-                                           "model_factory": lambda: PerformanceModel(
-                                               n_estimators=10, n_jobs=1)})
+    with caplog.at_level("INFO", logger="paratune.tuner"):
+        result = _small_search(
+            predictor=closed_form, output_dir=tmp_path / "out", verify=1,
+            verify_options={"measured_steps": 2, "warmup_steps": 1, "timeout_s": 120,
+                            "model_factory": lambda: PerformanceModel(n_estimators=10,
+                                                                      n_jobs=1)})
+    # without a dataset the refit knows the verified run alone, and says so; and it says
+    # the ranking shown was the predictor's before the run, and how to rank with the refit
+    assert "refitting on the 1 verified runs alone: without --dataset" in caplog.text
+    assert f"--predictor {tmp_path / 'out' / 'verify' / 'refit'} ranks with them" in caplog.text
     table = result.verification
     assert list(table["config"]) == [result.best.key()]
     row = table.iloc[0]
