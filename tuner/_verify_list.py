@@ -191,7 +191,8 @@ def verify_list(ranked: pd.DataFrame, k: int, *, discount: float = LAYOUT_DISCOU
 def trainer_runnable(configs: Sequence[ParallelConfig], model: ModelSpec, k: int
                      ) -> list[int]:
     """Positions of the first ``k`` of ``configs`` that paratune's trainer can run (it
-    measures them); the ones it skips are logged with the reason."""
+    measures them); the ones it skips are logged with the reason, as a warning where it is
+    the first (the recommendation), and so is a list shorter than ``k``."""
     out = []
     for position, cfg in enumerate(configs):
         if len(out) == k:
@@ -199,9 +200,17 @@ def trainer_runnable(configs: Sequence[ParallelConfig], model: ModelSpec, k: int
         try:
             cfg.check_trainer(model)
         except ConfigError as exc:
-            logger.info("not verified: %s (%s)", cfg.key(), exc)
+            if position == 0:
+                logger.warning("the first of the list, %s, is not verified: paratune's "
+                               "trainer does not run it (%s); the next ones are", cfg.key(),
+                               exc)
+            else:
+                logger.info("not verified: %s (%s)", cfg.key(), exc)
             continue
         out.append(position)
+    if 0 < len(out) < k:
+        logger.warning("%d of the %d configs asked for are verified: paratune's trainer runs "
+                       "no more of the %d ranked", len(out), k, len(configs))
     return out
 
 
