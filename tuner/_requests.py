@@ -214,7 +214,8 @@ class SearchOptions:
                                      help="stop asking for trials after this many seconds")
     verify: int = option(
         0, flag="--verify", type="positive", metavar="K",
-        help="verify K configs for real (different layouts first), add them to the dataset, "
+        help="verify K configs for real (a layout already in the list counts 5%% less, so "
+             "others nearly as good come first), add them to the dataset, "
              "refit and report predicted vs measured: profiled here where this machine has "
              "the job's hardware, else their torchrun and SLURM commands are printed and "
              "written under OUTPUT/verify, and the same command run again after them reads "

@@ -200,6 +200,10 @@ class _Problem:
                            "objective: it ranks one batch's configs by tokens/s; "
                            "--objective goodput trades them against the batch's statistical "
                            "efficiency", search.objective)
+        if search.b0 is not None and search.objective != "goodput":
+            logger.warning("the reference batch (--b0) weighs nothing under the %s "
+                           "objective: it is the statistical efficiency's, which only "
+                           "--objective goodput counts", search.objective)
         options = job.config_space()
         batches = job.global_batch_sizes
         if batches is None and not (options is not None and options.global_batch_sizes_given):

@@ -106,10 +106,11 @@ def test_goodput_without_batches_searches_around_b_noise(closed_form, caplog):
     assert searched[0] < result.best.global_batch_size < searched[-1]
     # the throughput objective keeps one batch of about 2**20 tokens
     with caplog.at_level("WARNING", logger="paratune.tuner._tune"):
-        plain = tune(model, 64, "H100", closed_form, gns=2000, search="exhaustive",
+        plain = tune(model, 64, "H100", closed_form, gns=2000, b0=64, search="exhaustive",
                      track=False)
     assert plain.search.space.global_batch_sizes == (128,)
     assert "--gns) weighs nothing under the throughput objective" in caplog.text
+    assert "--b0) weighs nothing under the throughput objective" in caplog.text
     with pytest.raises(ConfigError, match=r"gns=-1: must be a positive number"):
         goodput_global_batches(model, 64, -1)
 
