@@ -408,9 +408,12 @@ def test_tune_reads_its_dataset_and_verify_count_before_any_work(tmp_path, saved
         err = capsys.readouterr().err
         assert err.startswith(f"paratune tune: error: --dataset='{dataset}': ") and reason in err
         assert not (tmp_path / "out").exists()
-    with pytest.raises(SystemExit):
-        main([*base, "--verify", "0"])
-    assert "argument --verify: must be an integer >= 1, not '0'" in capsys.readouterr().err
+    for count in ("0", "-1"):
+        with pytest.raises(SystemExit):
+            main([*base, "--verify", count])
+        assert (f"argument --verify: must be an integer >= 1, not '{count}'"
+                in capsys.readouterr().err)
+    assert not (tmp_path / "out").exists()
 
 
 def test_tune_names_gpus_for_a_world_of_none(saved_model, capsys):

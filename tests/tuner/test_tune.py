@@ -253,7 +253,6 @@ def test_tune_run_records_its_inputs_and_whether_the_study_resumed(closed_form, 
 @pytest.mark.parametrize(("flags", "message"), [
     (["--trials", "0"], "--trials=0: must be a positive integer"),
     (["--batch-size", "0"], "--batch-size=0: must be a positive integer"),
-    (["--verify", "-1"], "--verify=-1: must be a number of configs >= 0"),
 ])
 def test_a_bad_search_option_is_refused_before_a_run_or_a_study_opens(tmp_path, capsys, flags,
                                                                        message):
